@@ -1,0 +1,46 @@
+"""Choose between a kernel's Pallas TPU implementation and its pure-JAX reference.
+
+Every op in ``kernels`` takes a keyword ``impl`` and calls :func:`resolve` at trace time.
+``impl`` must be a *static* value of whatever jitted function passes it down (the model
+forward takes it as a static argument), so switching implementations retraces instead of
+silently reusing a stale compilation.
+
+Values of ``impl``:
+  ``"auto"``       Pallas on a TPU backend, the reference everywhere else (the default).
+  ``"pallas"``     always the Pallas kernel, compiled for the TPU.
+  ``"interpret"``  the Pallas kernel in TPU interpret mode (runs on CPU; used by tests).
+  ``"reference"``  always the pure-JAX reference.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import jax
+
+Impl = Literal["auto", "pallas", "interpret", "reference"]
+IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "reference")
+
+# Process-wide default, so a whole server can be forced onto one path without plumbing:
+# STB_KERNEL_IMPL=interpret python -m ...
+DEFAULT_IMPL: str = os.environ.get("STB_KERNEL_IMPL", "auto")
+
+
+def resolve(impl: str | None) -> str:
+    """Return ``"pallas"``, ``"interpret"`` or ``"reference"`` for a requested ``impl``."""
+    impl = DEFAULT_IMPL if impl is None else impl
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "tpu" else "reference"
+    return impl
+
+
+def interpret_params(resolved: str):
+    """The ``interpret=`` argument for ``pl.pallas_call`` given a resolved impl."""
+    if resolved != "interpret":
+        return False
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams()

@@ -1,0 +1,190 @@
+"""Model configuration read from a checkpoint's ``config.json``.
+
+Supported ``model_type`` values: ``qwen3_5_moe`` (text fields nested under ``text_config``),
+``qwen3_5_moe_text`` (flat) and ``qwen3_next`` (flat; fused ``in_proj_qkvz``/``in_proj_ba``
+projections and optional dense-MLP layers). Anything else is rejected by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json cannot describe a model we serve."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Text-model hyper-parameters. Sizes are element counts, not bytes."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]  # FULL_ATTENTION or LINEAR_ATTENTION per layer
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # Gated attention (full_attention layers).
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    # Gated DeltaNet (linear_attention layers).
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # Mixture of experts.
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool = True
+    # Layers with a dense SwiGLU MLP instead of MoE (qwen3_next only; empty for Qwen3.5).
+    dense_mlp_layers: tuple[int, ...] = ()
+    intermediate_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    # Derived sizes -------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each attention head that get RoPE (rotate-half pairs (i, i+d/2))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the GDN causal conv: [q | k | v]."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_mlp_layers
+
+
+def _text_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        arch = ", ".join(raw.get("architectures") or []) or "unknown"
+        raise ConfigError(
+            f"unsupported model_type {model_type!r} (architectures: {arch}); "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if model_type == "qwen3_5_moe":
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError("config.json: model_type 'qwen3_5_moe' needs a 'text_config' object")
+        return {**text, "model_type": model_type}
+    return raw
+
+
+def _rope(fields: dict[str, Any]) -> tuple[float, float]:
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", fields.get("rope_theta", 10000.0))
+    factor = rope.get("partial_rotary_factor", fields.get("partial_rotary_factor", 0.25))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"config.json: rope_type {rope_type!r} is not supported (only default)")
+    return float(theta), float(factor)
+
+
+def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a parsed config.json (nested or flat)."""
+    f = _text_fields(raw)
+    required = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads",
+        "linear_key_head_dim", "linear_value_head_dim", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size",
+    )
+    missing = [k for k in required if k not in f]
+    if missing:
+        raise ConfigError(f"config.json ({f['model_type']}) lacks fields: {', '.join(missing)}")
+    n_layers = int(f["num_hidden_layers"])
+    layer_types = f.get("layer_types")
+    if layer_types is None:
+        interval = int(f.get("full_attention_interval", 4))
+        layer_types = [
+            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n_layers)
+        ]
+    if len(layer_types) != n_layers or any(
+        t not in (FULL_ATTENTION, LINEAR_ATTENTION) for t in layer_types
+    ):
+        raise ConfigError(
+            f"config.json: layer_types must list {n_layers} entries of "
+            f"'{FULL_ATTENTION}'/'{LINEAR_ATTENTION}', got {layer_types}"
+        )
+    dense: tuple[int, ...] = ()
+    if f["model_type"] == "qwen3_next":
+        step = int(f.get("decoder_sparse_step", 1))
+        only = set(f.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step != 0)
+    theta, factor = _rope(f)
+    eos = f.get("eos_token_id", raw.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    hidden, n_heads = int(f["hidden_size"]), int(f["num_attention_heads"])
+    return ModelConfig(
+        model_type=f["model_type"],
+        vocab_size=int(f["vocab_size"]),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        layer_types=tuple(layer_types),
+        rms_norm_eps=float(f.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(f.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+        max_position_embeddings=int(f.get("max_position_embeddings", 32768)),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(f["num_key_value_heads"]),
+        head_dim=int(f.get("head_dim") or hidden // n_heads),
+        rope_theta=theta,
+        partial_rotary_factor=factor,
+        linear_num_key_heads=int(f["linear_num_key_heads"]),
+        linear_num_value_heads=int(f["linear_num_value_heads"]),
+        linear_key_head_dim=int(f["linear_key_head_dim"]),
+        linear_value_head_dim=int(f["linear_value_head_dim"]),
+        linear_conv_kernel_dim=int(f.get("linear_conv_kernel_dim", 4)),
+        num_experts=int(f["num_experts"]),
+        num_experts_per_tok=int(f["num_experts_per_tok"]),
+        moe_intermediate_size=int(f["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(f.get("shared_expert_intermediate_size", 0)),
+        norm_topk_prob=bool(f.get("norm_topk_prob", True)),
+        dense_mlp_layers=dense,
+        intermediate_size=int(f.get("intermediate_size", 0)),
+        eos_token_ids=eos_ids,
+    )
+
+
+def load_model_config(checkpoint_dir: str | Path) -> ModelConfig:
+    """Read ``<checkpoint_dir>/config.json``; raises ConfigError naming what is wrong."""
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config.json in checkpoint directory {checkpoint_dir}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON: {e}") from None
+    return model_config_from_dict(raw)

@@ -1,0 +1,61 @@
+"""The device-side description of one model step: a ragged batch of requests.
+
+A step mixes prefill (extend) chunks of some requests and single decode tokens of others.
+Tokens are laid out request after request; request ``r`` owns token rows
+``cu_q_lens[r]:cu_q_lens[r+1]``. Shapes are bucketed by the runner, so trailing rows past
+``cu_q_lens[num_seqs]`` (tokens) and past ``num_seqs`` (requests) are padding: the model
+writes no KV page and no GDN state for them, and their outputs are garbage to be ignored.
+
+Dimension letters: T tokens in the step (bucketed), R requests (bucketed), P pages per
+request (max context / page size), L rows that need logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+
+
+class ForwardMode(enum.IntEnum):
+    """What kind of step this is (SGLang's names). It is static: each mode compiles once."""
+
+    EXTEND = 1  # prefill chunks only
+    DECODE = 2  # exactly one new token per request: the GDN layers take the recurrent path
+    MIXED = 3  # prefill chunks and decode tokens together
+    IDLE = 4  # nothing to run on this DP rank (keeps collectives in step)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardBatch:
+    """Arrays of one step. Build it on the host (numpy) and pass it to the jitted forward.
+
+    Attributes:
+      input_ids:      i32[T] token ids.
+      positions:      i32[T] absolute position of each token in its request (RoPE, causal mask).
+      cu_q_lens:      i32[R+1] cumulative new-token counts; ``cu_q_lens[0] == 0``.
+      kv_lens:        i32[R] tokens in the request's KV after this step (context + new).
+                      ``kv_lens[r] - q_len[r] == 0`` means the request starts fresh: its GDN
+                      conv and recurrent state are taken as zero, not read from the slot.
+      page_table:     i32[R, P] KV page ids of each request, in order.
+      state_slots:    i32[R] GDN state slot of each request (conv and recurrent state).
+      num_seqs:       i32[1] number of real requests (rows past it are padding).
+      logits_indices: i32[L] token rows whose logits the step returns (last token of each
+                      request, or every prompt row when prompt logprobs are asked for).
+      mode:           static ForwardMode.
+    """
+
+    input_ids: jax.Array
+    positions: jax.Array
+    cu_q_lens: jax.Array
+    kv_lens: jax.Array
+    page_table: jax.Array
+    state_slots: jax.Array
+    num_seqs: jax.Array
+    logits_indices: jax.Array
+    mode: ForwardMode = dataclasses.field(default=ForwardMode.MIXED, metadata=dict(static=True))
