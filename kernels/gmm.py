@@ -1,0 +1,472 @@
+"""Grouped matmul (GMM) over ragged expert groups, with fused SwiGLU and FP8 weights.
+
+Dimension letters: M rows (token-expert assignments, sorted by group), K contraction
+(hidden), N output columns, G groups (local experts).
+
+``lhs`` rows are sorted by group: group ``g`` owns rows ``off[g]:off[g+1]`` with
+``off = [0, cumsum(group_sizes)]``. Rows past ``sum(group_sizes)`` produce zeros.
+
+FP8: ``rhs`` may be ``float8_e4m3fn`` with a block scale ``rhs_scale f32[G, ceil(K/128),
+ceil(N/128)]`` (``w[g,k,n] = rhs[g,k,n] * rhs_scale[g, k//128, n//128]``, the checkpoint's
+``weight_scale_inv`` convention). With ``quantize_lhs=True`` the activations are also
+quantised to e4m3, per row per 512-wide K sub-channel (scale = amax / 448), inside the kernel.
+
+Pallas kernel (megablox-style): grid ``(N tiles, visits, K tiles)``. A *visit* is one
+(M tile, group) pair whose row ranges overlap; the visit list is computed in the wrapper
+and scalar-prefetched, so an M tile is visited once per group it overlaps (at least once,
+so tiles past the last group still write zeros). Rows of other groups are masked to zero
+in the lhs tile. One fp32 accumulator per M tile lives in VMEM across its visits.
+
+TPU assumptions: tiles tm x tk x tn with tm a multiple of 16 and tk, tn multiples of 128
+(defaults 128 x 512 x 512: for the model's K=4096, N=1024 the weight tiles are 512 KiB in
+bf16, 256 KiB in fp8, well inside the default scoped VMEM). Shapes that are not tile
+multiples are zero-padded by the wrapper (never the case for the model's K and N).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import dispatch
+from kernels.cost import Cost
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+WEIGHT_BLOCK = 128  # rhs_scale block (K and N)
+LHS_QUANT_BLOCK = 512  # activation quantisation sub-channel width along K
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmBlockSizes:
+    """Tile sizes: tm rows (multiple of 16), tk / tn multiples of 128."""
+
+    tm: int = 128
+    tk: int = 512
+    tn: int = 512
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _largest_dividing_tile(dim: int, cap: int) -> int:
+    """Largest of cap, cap/2, ..., 128 that divides round_up(dim, 128)."""
+    padded = _round_up(max(dim, 1), 128)
+    t = cap
+    while t > 128 and padded % t:
+        t //= 2
+    return t
+
+
+def default_block_sizes(m: int, k: int, n: int, *, quantize_lhs: bool = False) -> GmmBlockSizes:
+    """Tiles for an [m, k] x [k, n] problem (n = one half's width for SwiGLU)."""
+    tm = min(128, _round_up(max(m, 1), 16))
+    if quantize_lhs:
+        tk = min(LHS_QUANT_BLOCK, _round_up(k, 128))  # one tile = one 512 sub-channel
+    else:
+        tk = _largest_dividing_tile(k, 512)
+    return GmmBlockSizes(tm=tm, tk=tk, tn=_largest_dividing_tile(n, 512))
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def quantize_fp8_blockwise(w, block: int = WEIGHT_BLOCK):
+    """Block-wise e4m3 quantisation of expert weights.
+
+    Args:
+      w: float[G, K, N].
+      block: square block size (128 in the checkpoints).
+    Returns:
+      (w_fp8 float8_e4m3fn[G, K, N], scale f32[G, ceil(K/block), ceil(N/block)]) with
+      ``w ~= w_fp8 * scale[:, k // block, n // block]``; scale = block amax / 448 (1 for an
+      all-zero block).
+    """
+    if w.ndim != 3:
+        raise ValueError(f"w must be [G, K, N], got shape {w.shape}")
+    g, k, n = w.shape
+    kb, nb = -(-k // block), -(-n // block)
+    w32 = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, kb * block - k), (0, nb * block - n)))
+    blocks = w32.reshape(g, kb, block, nb, block)  # f32[G, Kb, b, Nb, b]
+    amax = jnp.max(jnp.abs(blocks), axis=(2, 4))  # f32[G, Kb, Nb]
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = jnp.clip(blocks / scale[:, :, None, :, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    q = q.reshape(g, kb * block, nb * block)[:, :k, :n]
+    return q, scale
+
+
+def dequantize_fp8_blockwise(w_fp8, scale, block: int = WEIGHT_BLOCK):
+    """f32[G, K, N] = w_fp8 * scale expanded over block x block tiles."""
+    _, k, n = w_fp8.shape
+    s = jnp.repeat(jnp.repeat(scale, block, axis=1), block, axis=2)[:, :k, :n]
+    return w_fp8.astype(jnp.float32) * s
+
+
+def _quantize_rows(x32):
+    """Per-row e4m3 quantisation of x32 f32[R, C] over its whole width -> (q f32, scale f32[R,1])."""
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).astype(jnp.float32)
+    return q, scale
+
+
+def quantize_lhs_reference(lhs):
+    """lhs quantised per row per 512-wide K sub-channel and dequantised: f32[M, K]."""
+    m, k = lhs.shape
+    kq = -(-k // LHS_QUANT_BLOCK)
+    x = jnp.pad(lhs.astype(jnp.float32), ((0, 0), (0, kq * LHS_QUANT_BLOCK - k)))
+    q, s = _quantize_rows(x.reshape(m, kq, LHS_QUANT_BLOCK))  # f32[M, Kq, 512], f32[M, Kq, 1]
+    return (q * s).reshape(m, kq * LHS_QUANT_BLOCK)[:, :k]
+
+
+def _ref_dense_inputs(lhs, rhs, rhs_scale, quantize_lhs):
+    x = quantize_lhs_reference(lhs) if quantize_lhs else lhs.astype(jnp.float32)
+    if rhs_scale is not None:
+        w = dequantize_fp8_blockwise(rhs, rhs_scale)
+    else:
+        w = rhs.astype(jnp.float32)
+    return x, w  # f32[M, K], f32[G, K, N]
+
+
+def _ref_grouped(x, w, group_sizes):
+    """f32[M, N]: rows of group g times w[g]; rows past the groups are zero."""
+    m = x.shape[0]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # i32[G]
+    row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")  # i32[M]
+    out = jnp.zeros((m, w.shape[2]), jnp.float32)
+    for g in range(w.shape[0]):  # one masked dense matmul per group (reference only)
+        y = jnp.dot(x, w[g], precision=jax.lax.Precision.HIGHEST)
+        out = out + jnp.where((row_group == g)[:, None], y, 0.0)
+    return out
+
+
+def ref_gmm(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=None):
+    """Plain-jnp grouped matmul in fp32; same contract as :func:`gmm`."""
+    _validate(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, swiglu=False)
+    x, w = _ref_dense_inputs(lhs, rhs, rhs_scale, quantize_lhs)
+    return _ref_grouped(x, w, group_sizes).astype(out_dtype or lhs.dtype)
+
+
+def ref_gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=None):
+    """Plain-jnp ``silu(lhs @ gate) * (lhs @ up)`` per group in fp32; see :func:`gmm_swiglu`."""
+    _validate(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, swiglu=True)
+    x, w = _ref_dense_inputs(lhs, rhs, rhs_scale, quantize_lhs)
+    h = _ref_grouped(x, w, group_sizes)  # f32[M, 2N]
+    n = rhs.shape[2] // 2
+    return (jax.nn.silu(h[:, :n]) * h[:, n:]).astype(out_dtype or lhs.dtype)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _validate(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, *, swiglu):
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(f"lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}")
+    m, k = lhs.shape
+    g, k2, n = rhs.shape
+    if k2 != k:
+        raise ValueError(f"contraction mismatch: lhs {lhs.shape} vs rhs {rhs.shape}")
+    if g < 1:
+        raise ValueError(f"rhs needs at least one group, got {rhs.shape}")
+    if group_sizes.shape != (g,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be int[{g}], got {group_sizes.dtype}{group_sizes.shape}")
+    if not jnp.issubdtype(lhs.dtype, jnp.floating) or lhs.dtype == FP8_DTYPE:
+        raise ValueError(f"lhs must be bf16/f32, got {lhs.dtype}")
+    if swiglu and n % 2:
+        raise ValueError(f"gmm_swiglu rhs must be [G, K, 2N] (gate | up), got {rhs.shape}")
+    is_fp8 = rhs.dtype == FP8_DTYPE
+    if is_fp8 != (rhs_scale is not None):
+        raise ValueError(
+            f"rhs_scale is required exactly when rhs is float8_e4m3fn (rhs {rhs.dtype}, "
+            f"rhs_scale {None if rhs_scale is None else rhs_scale.shape})")
+    if is_fp8:
+        want = (g, -(-k // WEIGHT_BLOCK), -(-n // WEIGHT_BLOCK))
+        if rhs_scale.shape != want:
+            raise ValueError(f"rhs_scale must be f32{list(want)} for rhs {rhs.shape}, got {rhs_scale.shape}")
+        if swiglu and (n // 2) % WEIGHT_BLOCK:
+            raise ValueError(f"FP8 gmm_swiglu needs N % {WEIGHT_BLOCK} == 0, got rhs {rhs.shape}")
+    elif not jnp.issubdtype(rhs.dtype, jnp.floating):
+        raise ValueError(f"rhs must be float, got {rhs.dtype}")
+    if quantize_lhs and not is_fp8:
+        raise ValueError("quantize_lhs=True needs FP8 rhs with rhs_scale")
+
+
+def _validate_blocks(b: GmmBlockSizes, k: int, quantize_lhs: bool):
+    if b.tm % 16 or b.tm <= 0 or b.tk % 128 or b.tk <= 0 or b.tn % 128 or b.tn <= 0:
+        raise ValueError(f"block sizes must be tm % 16 == 0, tk % 128 == 0, tn % 128 == 0: {b}")
+    if quantize_lhs and b.tk != min(LHS_QUANT_BLOCK, _round_up(k, 128)):
+        raise ValueError(
+            f"quantize_lhs needs tk == min(512, round_up(K, 128)) = "
+            f"{min(LHS_QUANT_BLOCK, _round_up(k, 128))} (one sub-channel per tile), got {b.tk}")
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def make_group_metadata(group_sizes, num_rows: int, tm: int):
+    """Visit list for the kernel grid: one visit per (M tile, overlapping non-empty group).
+
+    Args:
+      group_sizes: i32[G].
+      num_rows: M (rows past M are ignored even if the groups claim them).
+      tm: row tile.
+    Returns:
+      i32[5, V] rows (tile, group, lo, hi, first), V = ceil(M/tm) + G - 1 (static bound):
+      visit v accumulates rows [lo, hi) of M tile ``tile`` times group ``group``; ``first``
+      marks a tile's first visit (zero the accumulator). Tiles that overlap no group get one
+      visit with lo == hi (writes zeros); trailing unused visits repeat the last visit's tile
+      and group with lo == hi and first == 0 (no new DMAs, no compute).
+    """
+    num_groups = group_sizes.shape[0]
+    num_tiles = -(-num_rows // tm)
+    num_visits = num_tiles + num_groups - 1
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), num_rows)  # i32[G]
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])  # i32[G]
+    tile_lo = jnp.arange(num_tiles, dtype=jnp.int32)[:, None] * tm  # i32[tiles, 1]
+    overlap = (ends > starts)[None, :] & (starts[None, :] < tile_lo + tm) & (ends[None, :] > tile_lo)
+    num_overlap = overlap.sum(axis=1, dtype=jnp.int32)  # i32[tiles]
+    count = jnp.maximum(num_overlap, 1)
+    incl = jnp.cumsum(count)  # i32[tiles]
+    total = incl[-1]
+    v = jnp.arange(num_visits, dtype=jnp.int32)
+    vc = jnp.minimum(v, total - 1)
+    tile = jnp.searchsorted(incl, vc, side="right").astype(jnp.int32)  # i32[V]
+    j = vc - (incl[tile] - count[tile])  # index among the tile's overlapping groups
+    rank = jnp.cumsum(overlap, axis=1) - 1  # i32[tiles, G]
+    hit = overlap[tile] & (rank[tile] == j[:, None])  # bool[V, G]
+    group = jnp.argmax(hit, axis=1).astype(jnp.int32)
+    live = (v < total) & (num_overlap[tile] > 0)
+    lo = jnp.where(live, starts[group], 0)
+    hi = jnp.where(live, ends[group], 0)
+    first = ((v < total) & (j == 0)).astype(jnp.int32)
+    return jnp.stack([tile, group, lo, hi, first])
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def _gmm_kernel(
+    # Prefetch (SMEM)
+    tile_ref, group_ref, lo_ref, hi_ref, first_ref,  # i32[V] each
+    # Input
+    lhs_ref,  # [tm, tk]
+    *refs,  # rhs [1, tk, tn] (x2 for SwiGLU: gate, up), scale f32[1, Kb, Nb] (SMEM, fp8 only)
+    # Output: o_ref [tm, tn]; Scratch: acc f32[tm, tn] (x2 for SwiGLU), wdeq [tk, tn] (fp8)
+    tm, tk, tn, num_k, swiglu, fp8, quantize, up_col_block, compute_dtype,
+):
+    num_rhs = 2 if swiglu else 1
+    rhs_refs = refs[:num_rhs]
+    refs = refs[num_rhs:]
+    scale_ref = refs[0] if fp8 else None
+    refs = refs[1:] if fp8 else refs
+    o_ref = refs[0]
+    acc_refs = refs[1 : 1 + num_rhs]
+    wdeq_ref = refs[1 + num_rhs] if fp8 else None
+
+    n, v, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lo, hi = lo_ref[v], hi_ref[v]
+
+    @pl.when((k == 0) & (first_ref[v] == 1))
+    def _zero():
+        for acc in acc_refs:
+            acc[...] = jnp.zeros_like(acc)
+
+    def load_rhs(rhs_ref, col_block0):
+        if not fp8:
+            return rhs_ref[0].astype(compute_dtype)  # [tk, tn]
+        kb0 = k * (tk // WEIGHT_BLOCK)
+        for i in range(tk // WEIGHT_BLOCK):  # dequantise per 128 x 128 block into VMEM
+            for jb in range(tn // WEIGHT_BLOCK):
+                s = scale_ref[0, kb0 + i, col_block0 + jb]
+                rs = slice(i * WEIGHT_BLOCK, (i + 1) * WEIGHT_BLOCK)
+                cs = slice(jb * WEIGHT_BLOCK, (jb + 1) * WEIGHT_BLOCK)
+                blk = rhs_ref[0, rs, cs].astype(jnp.float32) * s
+                wdeq_ref[rs, cs] = blk.astype(compute_dtype)
+        return wdeq_ref[...]
+
+    @pl.when(hi > lo)
+    def _accumulate():
+        rows = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+        in_group = (rows >= lo) & (rows < hi)  # bool[tm, 1]
+        x = lhs_ref[...]
+        row_scale = None
+        if quantize:  # this tile is exactly one 512-wide sub-channel (or all of K)
+            x, row_scale = _quantize_rows(x.astype(jnp.float32))
+        x = jnp.where(in_group, x, 0).astype(compute_dtype)  # [tm, tk]
+        precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+        col_block0 = n * (tn // WEIGHT_BLOCK)
+        for r, (rhs_ref, acc) in enumerate(zip(rhs_refs, acc_refs)):
+            w = load_rhs(rhs_ref, col_block0 + r * up_col_block)
+            y = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
+            acc[...] += y * row_scale if quantize else y
+
+    @pl.when(k == num_k - 1)
+    def _store():
+        if swiglu:
+            g = acc_refs[0][...]
+            o_ref[...] = (g * jax.nn.sigmoid(g) * acc_refs[1][...]).astype(o_ref.dtype)
+        else:
+            o_ref[...] = acc_refs[0][...].astype(o_ref.dtype)
+
+
+def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, swiglu, blocks, resolved):
+    m, k = lhs.shape
+    g, _, n_total = rhs.shape
+    n = n_total // 2 if swiglu else n_total  # output width
+    fp8 = rhs_scale is not None
+    tm, tk, tn = blocks.tm, blocks.tk, blocks.tn
+    mp, kp, np_ = _round_up(m, tm), _round_up(k, tk), _round_up(n, tn)
+    num_m, num_k, num_n = mp // tm, kp // tk, np_ // tn
+
+    # Zero padding to tile multiples (a no-op for the model's shapes).
+    lhs_p = jnp.pad(lhs, ((0, mp - m), (0, kp - k)))  # [Mp, Kp]
+    halves = 2 if swiglu else 1
+    rhs_p = rhs.reshape(g, k, halves, n)
+    rhs_p = jnp.pad(rhs_p, ((0, 0), (0, kp - k), (0, 0), (0, np_ - n))).reshape(g, kp, halves * np_)
+    if fp8:
+        kb, nb = kp // WEIGHT_BLOCK, np_ // WEIGHT_BLOCK
+        s = rhs_scale.astype(jnp.float32)
+        s = s.reshape(g, s.shape[1], halves, s.shape[2] // halves) if swiglu else s[:, :, None, :]
+        s = jnp.pad(s, ((0, 0), (0, kb - s.shape[1]), (0, 0), (0, nb - s.shape[3])), constant_values=1.0)
+        scale_p = s.reshape(g, kb, halves * nb)  # f32[G, Kp/128, halves * Np/128]
+
+    meta = make_group_metadata(group_sizes, m, tm)  # i32[5, V]
+    num_visits = meta.shape[1]
+    compute_dtype = jnp.bfloat16 if quantize_lhs else (
+        lhs.dtype if fp8 else jnp.promote_types(lhs.dtype, rhs.dtype))
+
+    def lhs_map(ni, vi, ki, tile, group, lo, hi, first):
+        return tile[vi], ki
+
+    def gate_map(ni, vi, ki, tile, group, lo, hi, first):
+        return group[vi], ki, ni
+
+    def up_map(ni, vi, ki, tile, group, lo, hi, first):
+        return group[vi], ki, ni + num_n
+
+    def scale_map(ni, vi, ki, tile, group, lo, hi, first):
+        return group[vi], 0, 0
+
+    def out_map(ni, vi, ki, tile, group, lo, hi, first):
+        return tile[vi], ni
+
+    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((1, tk, tn), gate_map)]
+    operands = [lhs_p, rhs_p]
+    if swiglu:
+        in_specs.append(pl.BlockSpec((1, tk, tn), up_map))
+        operands.append(rhs_p)
+    if fp8:  # the whole group's scale table, a few hundred floats, as scalars
+        in_specs.append(pl.BlockSpec((1, kb, halves * nb), scale_map, memory_space=pltpu.SMEM))
+        operands.append(scale_p)
+    scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(halves)]  # fp32 accumulators
+    if fp8:
+        scratch.append(pltpu.VMEM((tk, tn), compute_dtype))  # dequantised weight tile
+
+    kernel = functools.partial(
+        _gmm_kernel, tm=tm, tk=tk, tn=tn, num_k=num_k, swiglu=swiglu, fp8=fp8,
+        quantize=quantize_lhs, up_col_block=np_ // WEIGHT_BLOCK, compute_dtype=compute_dtype)
+    cost_fn = gmm_swiglu_cost if swiglu else gmm_cost
+    cost = cost_fn(m, k, n, g, lhs_itemsize=lhs.dtype.itemsize, rhs_itemsize=rhs.dtype.itemsize,
+                   out_itemsize=jnp.dtype(out_dtype).itemsize)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(num_n, num_visits, num_k),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=scratch,
+        ),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        cost_estimate=cost.to_pallas(),
+        interpret=dispatch.interpret_params(resolved),
+    )(*meta, *operands)
+    return out[:m, :n]
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, block_sizes, swiglu):
+    _validate(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, swiglu=swiglu)
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    resolved = dispatch.resolve(impl)
+    if resolved == "reference":
+        ref = ref_gmm_swiglu if swiglu else ref_gmm
+        return ref(lhs, rhs, group_sizes, rhs_scale=rhs_scale, quantize_lhs=quantize_lhs,
+                   out_dtype=out_dtype)
+    m, k = lhs.shape
+    n = rhs.shape[2] // 2 if swiglu else rhs.shape[2]
+    blocks = block_sizes or default_block_sizes(m, k, n, quantize_lhs=quantize_lhs)
+    _validate_blocks(blocks, k, quantize_lhs)
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    return _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, swiglu,
+                       blocks, resolved)
+
+
+def gmm(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=None, impl=None,
+        block_sizes: GmmBlockSizes | None = None):
+    """Grouped matmul: ``out[r] = lhs[r] @ w[group(r)]``, fp32 accumulation.
+
+    Args:
+      lhs: [M, K] bf16/f32, rows sorted by group.
+      rhs: [G, K, N] bf16/f32, or float8_e4m3fn with ``rhs_scale``.
+      group_sizes: i32[G]; empty groups allowed; rows past the sum give zeros.
+      rhs_scale: f32[G, ceil(K/128), ceil(N/128)] block scales for FP8 ``rhs``.
+      quantize_lhs: FP8 only; quantise lhs to e4m3 per row per 512-wide K sub-channel.
+      out_dtype: defaults to lhs.dtype.
+      impl: see :mod:`kernels.dispatch` (static under jit).
+      block_sizes: tile override for the Pallas path.
+    Returns:
+      [M, N] in out_dtype.
+    """
+    return _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl,
+                     block_sizes, swiglu=False)
+
+
+def gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=None,
+               impl=None, block_sizes: GmmBlockSizes | None = None):
+    """Grouped ``silu(lhs @ gate) * (lhs @ up)`` with gate and up tiles in one kernel pass.
+
+    Args:
+      lhs: [M, K], rows sorted by group.
+      rhs: [G, K, 2N], columns ``[gate (N) | up (N)]``; FP8 needs N % 128 == 0.
+      group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, block_sizes: as :func:`gmm`
+        (``rhs_scale`` is f32[G, ceil(K/128), 2N/128]).
+    Returns:
+      [M, N] in out_dtype; the activation is computed in fp32 inside the kernel.
+    """
+    return _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl,
+                     block_sizes, swiglu=True)
+
+
+# --------------------------------------------------------------------------- cost
+
+
+def gmm_cost(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int = 2,
+             rhs_itemsize: int = 2, out_itemsize: int = 2) -> Cost:
+    """[M, K] x [G, K, N] grouped matmul: 2MKN FLOPs; lhs, all weights (+ FP8 scales), out once."""
+    scale_bytes = 4 * num_groups * -(-k // WEIGHT_BLOCK) * -(-n // WEIGHT_BLOCK) if rhs_itemsize == 1 else 0
+    return Cost(
+        flops=2 * m * k * n,
+        bytes_accessed=m * k * lhs_itemsize + num_groups * k * n * rhs_itemsize + scale_bytes
+        + m * n * out_itemsize,
+    )
+
+
+def gmm_swiglu_cost(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int = 2,
+                    rhs_itemsize: int = 2, out_itemsize: int = 2) -> Cost:
+    """[M, K] x [G, K, 2N] then silu(gate) * up -> [M, N] (n is the output width)."""
+    mm = gmm_cost(m, k, 2 * n, num_groups, lhs_itemsize=lhs_itemsize, rhs_itemsize=rhs_itemsize,
+                  out_itemsize=0)
+    return Cost(flops=mm.flops + 4 * m * n, bytes_accessed=mm.bytes_accessed + m * n * out_itemsize,
+                transcendentals=m * n)
