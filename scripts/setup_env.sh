@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environments.
+#   scripts/setup_env.sh          runtime env .venv (Python 3.11, jax 0.10.2)
+#   scripts/setup_env.sh --test   + test extras: CPU torch (the transformers reference), the
+#                                 sglang frontend package, and .venv312 (Python 3.12, jax 0.12)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if [ "${1:-}" != "--test" ]; then
+  .venv/bin/pip install -q -e .
+  exit 0
+fi
+# torch 2.13.0 is the CPU build that installs offline on Python 3.11.
+.venv/bin/pip install -q -e ".[test]" "torch==2.13.0"
+# The SGLang frontend (sgl.RuntimeEndpoint) for the compatibility tests. Its server-side
+# dependency pins (a CUDA torch among them) are not wanted, so: --no-deps plus what
+# `import sglang` needs.
+.venv/bin/pip install -q --no-deps "sglang==0.5.23"
+.venv/bin/pip install -q orjson psutil pybase64 triton pillow msgspec pyzmq ipython aiohttp 2>&1 \
+  | grep -v "requires" || true
+if command -v python3.12 >/dev/null; then
+  [ -x .venv312/bin/python ] || python3.12 -m venv .venv312
+  .venv312/bin/python -m pip install -q --upgrade pip
+  .venv312/bin/pip install -q -e ".[test]"
+fi

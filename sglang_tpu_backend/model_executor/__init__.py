@@ -1,0 +1,1 @@
+"""Turning scheduled requests into device steps: ForwardBatch, ModelRunner."""

@@ -1,0 +1,1 @@
+"""Model definitions (pure functions over parameter pytrees)."""
