@@ -1,0 +1,48 @@
+"""Regenerate the tiny model's byte-level BPE tokenizer from ``corpus.txt`` (deterministic).
+
+    python sglang_tpu_backend/assets/build_tiny_tokenizer.py [out_dir]
+
+Writes ``tokenizer.json`` into ``out_dir`` (default: ``tiny-qwen3.5-moe/`` beside this file).
+``tokenizer_config.json`` and ``config.json`` there are hand-written; rerun
+``python -m sglang_tpu_backend.tiny_model --write-config`` after changing the vocabulary size.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+HERE = Path(__file__).resolve().parent
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 1024
+
+
+def build_tokenizer(corpus: Path = HERE / "corpus.txt", vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """Train a GPT-2/Qwen-style byte-level BPE on ``corpus`` (one document per line)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = corpus.read_text(encoding="utf-8").splitlines()
+    tok.train_from_iterator(lines, trainer=trainer)
+    return tok
+
+
+def main(argv: list[str]) -> None:
+    out = Path(argv[1]) if len(argv) > 1 else HERE / "tiny-qwen3.5-moe"
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    tok.save(str(out / "tokenizer.json"), pretty=False)
+    print(f"wrote {out / 'tokenizer.json'} ({tok.get_vocab_size()} tokens)")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
