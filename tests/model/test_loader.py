@@ -1,0 +1,277 @@
+"""Safetensors loader: layouts, FP8, config forms, transformers-saved checkpoints, Qwen3-Next."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from sglang_tpu_backend.checkpoint_io import (
+    FP8_BLOCK,
+    dequantized_reference,
+    fused_to_per_expert,
+    nested_to_flat,
+    quantize_checkpoint_fp8,
+    write_checkpoint,
+)
+from sglang_tpu_backend.config import model_config_from_dict
+from sglang_tpu_backend.loader import load_model
+from sglang_tpu_backend.tiny_model import random_checkpoint_tensors
+
+P = "model.language_model."
+
+
+def nested_config(**text_overrides) -> dict:
+    """A 4-layer (3 GDN + 1 attention) qwen3_5_moe config; sizes multiples of 128 for FP8."""
+    text = dict(
+        model_type="qwen3_5_moe_text", vocab_size=256, hidden_size=128, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False, eos_token_id=1,
+    )
+    text.update(text_overrides)
+    return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
+
+
+def tensors_for(config: dict, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    return random_checkpoint_tensors(model_config_from_dict(config), seed=seed, dtype=dtype)
+
+
+def assert_trees_equal(a, b):
+    la, ta = jax.tree_util.tree_flatten_with_path(a)
+    lb, tb = jax.tree_util.tree_flatten_with_path(b)
+    assert ta == tb
+    for (path, x), (_, y) in zip(la, lb):
+        assert x.dtype == y.dtype, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                      err_msg=jax.tree_util.keystr(path))
+
+
+def test_fused_and_per_expert_layouts_load_identically(tmp_path):
+    config = nested_config()
+    tensors = tensors_for(config, dtype=ml_dtypes.bfloat16)
+    fused = write_checkpoint(tmp_path / "fused", tensors, config)
+    per_expert = write_checkpoint(tmp_path / "per", fused_to_per_expert(tensors), config, shards=3)
+    assert (per_expert / "model.safetensors.index.json").is_file()
+    cfg, a = load_model(fused, dtype=jnp.bfloat16)
+    _, b = load_model(per_expert, dtype=jnp.bfloat16)
+    assert_trees_equal(a, b)
+
+    # And both equal the checkpoint, transposed as params.md says.
+    i = cfg.moe_intermediate_size
+    gate_up = tensors[P + "layers.1.mlp.experts.gate_up_proj"].astype(np.float32)  # [E, 2I, H]
+    experts = a["layers"][1]["mlp"]["experts"]
+    assert experts["gate_up"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(experts["gate_up"], np.float32)[2, :, :i], gate_up[2, :i].T)
+    np.testing.assert_array_equal(np.asarray(experts["gate_up"], np.float32)[2, :, i:], gate_up[2, i:].T)
+    down = tensors[P + "layers.1.mlp.experts.down_proj"].astype(np.float32)  # [E, H, I]
+    np.testing.assert_array_equal(np.asarray(experts["down"], np.float32), down.transpose(0, 2, 1))
+    gdn = a["layers"][0]["linear_attn"]
+    assert gdn["A_log"].dtype == jnp.float32 and gdn["dt_bias"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(gdn["A_log"]), tensors[P + "layers.0.linear_attn.A_log"])
+    np.testing.assert_array_equal(np.asarray(a["lm_head"], np.float32),
+                                  tensors["lm_head.weight"].astype(np.float32).T)
+
+
+def test_fp8_block_scaled_checkpoint_dequantises_to_reference(tmp_path):
+    config = nested_config()
+    tensors = tensors_for(config)
+    fp8 = quantize_checkpoint_fp8(tensors)
+    q_name = P + "layers.3.self_attn.q_proj.weight"
+    assert fp8[q_name].dtype == ml_dtypes.float8_e4m3fn
+    assert fp8[q_name + "_scale_inv"].shape == (2 * 64 * 2 // FP8_BLOCK, 1)
+    ref = dequantized_reference(fp8)
+    _, got = load_model(write_checkpoint(tmp_path / "fp8", fp8, config), dtype=jnp.float32)
+    _, want = load_model(write_checkpoint(tmp_path / "ref", ref, config), dtype=jnp.float32)
+    assert_trees_equal(got, want)
+    # The quantisation itself is faithful (e4m3: 3 mantissa bits).
+    q = np.asarray(got["layers"][3]["self_attn"]["q_proj"])
+    np.testing.assert_allclose(q, tensors[q_name].T, atol=0.07 * np.abs(tensors[q_name]).max())
+
+
+def test_keep_fp8_experts_keeps_values_and_transposed_scales(tmp_path):
+    config = nested_config()
+    fp8 = quantize_checkpoint_fp8(tensors_for(config, seed=3))
+    path = write_checkpoint(tmp_path / "fp8", fp8, config)
+    cfg, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True)
+    _, deq = load_model(path, dtype=jnp.float32)
+    i, bi = cfg.moe_intermediate_size, cfg.moe_intermediate_size // FP8_BLOCK
+    ex = kept["layers"][2]["mlp"]["experts"]
+    assert ex["gate_up"].dtype == jnp.float8_e4m3fn and ex["down"].dtype == jnp.float8_e4m3fn
+    assert ex["gate_up_scale"].shape == (4, 1, 2 * bi) and ex["down_scale"].shape == (4, bi, 1)
+    stem = P + "layers.2.mlp.experts.1."
+    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    np.testing.assert_array_equal(bits(ex["gate_up"])[1, :, :i], bits(fp8[stem + "gate_proj.weight"]).T)
+    np.testing.assert_array_equal(bits(ex["gate_up"])[1, :, i:], bits(fp8[stem + "up_proj.weight"]).T)
+    np.testing.assert_array_equal(bits(ex["down"])[1], bits(fp8[stem + "down_proj.weight"]).T)
+    np.testing.assert_array_equal(np.asarray(ex["gate_up_scale"])[1, :, :bi], fp8[stem + "gate_proj.weight_scale_inv"].T)
+    np.testing.assert_array_equal(np.asarray(ex["gate_up_scale"])[1, :, bi:], fp8[stem + "up_proj.weight_scale_inv"].T)
+    np.testing.assert_array_equal(np.asarray(ex["down_scale"])[1], fp8[stem + "down_proj.weight_scale_inv"].T)
+    # Kept values times their block scales are the dequantised load.
+    expand = lambda s: np.repeat(np.repeat(np.asarray(s), FP8_BLOCK, 1), FP8_BLOCK, 2)  # noqa: E731
+    deq_ex = deq["layers"][2]["mlp"]["experts"]
+    np.testing.assert_array_equal(np.asarray(ex["gate_up"], np.float32) * expand(ex["gate_up_scale"]),
+                                  np.asarray(deq_ex["gate_up"]))
+    np.testing.assert_array_equal(np.asarray(ex["down"], np.float32) * expand(ex["down_scale"]),
+                                  np.asarray(deq_ex["down"]))
+    # Everything but the routed experts is dequantised as usual.
+    assert_trees_equal(kept["layers"][2]["linear_attn"], deq["layers"][2]["linear_attn"])
+
+
+def test_keep_fp8_experts_falls_back_when_width_not_blockable(tmp_path, caplog):
+    config = nested_config(moe_intermediate_size=64)
+    path = write_checkpoint(tmp_path / "fp8", quantize_checkpoint_fp8(tensors_for(config)), config)
+    with caplog.at_level(logging.INFO, logger="sglang_tpu_backend.loader"):
+        _, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True)
+    _, deq = load_model(path, dtype=jnp.float32)
+    assert_trees_equal(kept, deq)
+    assert "not a multiple of 128" in caplog.text
+
+
+def test_nested_and_flat_configs_load_the_same(tmp_path, caplog):
+    config = nested_config()
+    tensors = tensors_for(config)
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((3, 3), np.float32)
+    tensors["mtp.layers.0.input_layernorm.weight"] = np.zeros((128,), np.float32)
+    flat_tensors, flat_config = nested_to_flat(tensors, config)
+    assert flat_config["model_type"] == "qwen3_5_moe_text" and "text_config" not in flat_config
+    assert "model.embed_tokens.weight" in flat_tensors
+    with caplog.at_level(logging.INFO, logger="sglang_tpu_backend.loader"):
+        cfg_a, a = load_model(write_checkpoint(tmp_path / "nested", tensors, config), dtype=jnp.float32)
+    assert "skipped 2 vision/MTP tensors" in caplog.text
+    cfg_b, b = load_model(write_checkpoint(tmp_path / "flat", flat_tensors, flat_config), dtype=jnp.float32)
+    assert_trees_equal(a, b)
+    assert cfg_a.model_type == "qwen3_5_moe" and cfg_b.model_type == "qwen3_5_moe_text"
+    assert {**vars(cfg_a), "model_type": ""} == {**vars(cfg_b), "model_type": ""}
+
+
+def test_unknown_tensors_are_warned_about(tmp_path, caplog):
+    config = nested_config()
+    tensors = tensors_for(config)
+    tensors[P + "layers.0.linear_attn.conv1d.bias"] = np.zeros((256,), np.float32)
+    with caplog.at_level(logging.WARNING, logger="sglang_tpu_backend.loader"):
+        load_model(write_checkpoint(tmp_path / "c", tensors, config), dtype=jnp.float32)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "layers.0.linear_attn.conv1d.bias" in warnings[0].getMessage()
+
+
+def test_tied_embeddings(tmp_path):
+    config = nested_config(tie_word_embeddings=True)
+    tensors = tensors_for(config)
+    assert "lm_head.weight" not in tensors
+    cfg, params = load_model(write_checkpoint(tmp_path / "tied", tensors, config), dtype=jnp.float32)
+    assert cfg.tie_word_embeddings
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), tensors[P + "embed_tokens.weight"].T)
+
+
+def _randomise(model, seed: int):
+    """transformers zero-initialises norms/routers; give every parameter distinct values."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+def _expected_from_torch(sd: dict, cfg, i: int) -> dict:
+    """params.md leaves of layer i built by hand from a transformers state dict (numpy f32)."""
+    t = lambda n: sd[f"model.layers.{i}.{n}"].numpy()  # noqa: E731
+    out = {"input_layernorm": t("input_layernorm.weight"),
+           "post_attention_layernorm": t("post_attention_layernorm.weight")}
+    if cfg.layer_types[i] == "full_attention":
+        for k in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"self_attn.{k}"] = t(f"self_attn.{k}.weight").T
+        out["self_attn.q_norm"], out["self_attn.k_norm"] = t("self_attn.q_norm.weight"), t("self_attn.k_norm.weight")
+    else:
+        for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            out[f"linear_attn.{k}"] = t(f"linear_attn.{k}.weight").T
+        out["linear_attn.conv1d"] = t("linear_attn.conv1d.weight")[:, 0]
+        out["linear_attn.norm"] = t("linear_attn.norm.weight")
+        out["linear_attn.A_log"], out["linear_attn.dt_bias"] = t("linear_attn.A_log"), t("linear_attn.dt_bias")
+    gate_up = t("mlp.experts.gate_up_proj")  # [E, 2I, H] in memory
+    out["mlp.experts.gate_up"] = gate_up.transpose(0, 2, 1)
+    out["mlp.experts.down"] = t("mlp.experts.down_proj").transpose(0, 2, 1)
+    out["mlp.gate"] = t("mlp.gate.weight").T
+    out["mlp.shared_expert.gate_up"] = np.concatenate(
+        [t("mlp.shared_expert.gate_proj.weight").T, t("mlp.shared_expert.up_proj.weight").T], axis=1)
+    out["mlp.shared_expert.down"] = t("mlp.shared_expert.down_proj.weight").T
+    out["mlp.shared_expert_gate"] = t("mlp.shared_expert_gate.weight").T
+    return out
+
+
+def _leaf(tree: dict, dotted: str):
+    for k in dotted.split("."):
+        tree = tree[k]
+    return np.asarray(tree)
+
+
+def test_transformers_save_pretrained_checkpoint_matches_torch_weights(tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    text = nested_config()["text_config"]
+    text.update(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48, head_dim=32,
+                linear_key_head_dim=16, linear_value_head_dim=16)
+    hf_cfg = Qwen3_5MoeTextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = _randomise(Qwen3_5MoeForCausalLM(hf_cfg).float(), seed=0)
+    model.save_pretrained(tmp_path / "hf")
+    cfg, params = load_model(tmp_path / "hf", dtype=jnp.float32)
+    assert cfg.model_type == "qwen3_5_moe_text"
+    sd = model.state_dict()
+    np.testing.assert_array_equal(np.asarray(params["embed_tokens"]), sd["model.embed_tokens.weight"].numpy())
+    np.testing.assert_array_equal(np.asarray(params["norm"]), sd["model.norm.weight"].numpy())
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), sd["lm_head.weight"].numpy().T)
+    for i in range(cfg.num_hidden_layers):
+        expected = _expected_from_torch(sd, cfg, i)
+        got_leaves = {jax.tree_util.keystr(p, simple=True, separator="."): x
+                      for p, x in jax.tree_util.tree_leaves_with_path(params["layers"][i])}
+        assert set(got_leaves) == set(expected)
+        for name, want in expected.items():
+            np.testing.assert_array_equal(np.asarray(got_leaves[name]), want, err_msg=f"layer {i} {name}")
+
+
+def test_qwen3_next_fused_projections_split_like_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    hf_cfg = Qwen3NextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
+        linear_key_head_dim=16, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = _randomise(Qwen3NextForCausalLM(hf_cfg).float(), seed=1).eval()
+    model.save_pretrained(tmp_path / "next")
+    cfg, params = load_model(tmp_path / "next", dtype=jnp.float32)
+    assert cfg.model_type == "qwen3_next" and cfg.dense_mlp_layers == (1,)
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(2))
+    for i in cfg.linear_layers:
+        attn = model.model.layers[i].linear_attn
+        with torch.no_grad():
+            q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(x), attn.in_proj_ba(x))
+        flat = lambda t: t.reshape(1, 5, -1).numpy()  # noqa: E731
+        want = {"in_proj_qkv": np.concatenate([flat(q), flat(k), flat(v)], -1), "in_proj_z": flat(z),
+                "in_proj_b": flat(b), "in_proj_a": flat(a)}
+        for name, ref in want.items():
+            got = x.numpy() @ np.asarray(params["layers"][i]["linear_attn"][name])
+            np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5, err_msg=f"layer {i} {name}")
+    dense = model.model.layers[1].mlp
+    np.testing.assert_array_equal(
+        np.asarray(params["layers"][1]["mlp"]["gate_up"]),
+        np.concatenate([dense.gate_proj.weight.detach().numpy().T, dense.up_proj.weight.detach().numpy().T], 1))
+    np.testing.assert_array_equal(np.asarray(params["layers"][1]["mlp"]["down"]),
+                                  dense.down_proj.weight.detach().numpy().T)
+    assert "experts" in params["layers"][0]["mlp"] and "experts" not in params["layers"][1]["mlp"]
