@@ -86,7 +86,7 @@ def quantize_fp8_blockwise(w, block: int = WEIGHT_BLOCK):
     Returns:
       (w_fp8 float8_e4m3fn[G, K, N], scale f32[G, ceil(K/block), ceil(N/block)]) with
       ``w ~= w_fp8 * scale[:, k // block, n // block]``; scale = block amax / 448 (1 for an
-      all-zero block).
+      all-zero block), values rounded as ``w * (1 / scale)``.
     """
     if w.ndim != 3:
         raise ValueError(f"w must be [G, K, N], got shape {w.shape}")
@@ -95,8 +95,9 @@ def quantize_fp8_blockwise(w, block: int = WEIGHT_BLOCK):
     w32 = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, kb * block - k), (0, nb * block - n)))
     blocks = w32.reshape(g, kb, block, nb, block)  # f32[G, Kb, b, Nb, b]
     amax = jnp.max(jnp.abs(blocks), axis=(2, 4))  # f32[G, Kb, Nb]
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = jnp.clip(blocks / scale[:, :, None, :, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    scale = _fp8_scale(amax)
+    inv = (1.0 / scale)[:, :, None, :, None]
+    q = jnp.clip(blocks * inv, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     q = q.reshape(g, kb * block, nb * block)[:, :k, :n]
     return q, scale
 
@@ -108,11 +109,20 @@ def dequantize_fp8_blockwise(w_fp8, scale, block: int = WEIGHT_BLOCK):
     return w_fp8.astype(jnp.float32) * s
 
 
+def _fp8_scale(amax):
+    """amax / 448 as ``amax * f32(1/448)`` (1 where amax == 0).
+
+    Quantisation multiplies by ``1 / scale`` rather than dividing: XLA rewrites a division by
+    a broadcast into that anyway, and spelling it out makes the e4m3 rounding reproducible
+    bit for bit (numpy simulation, reference and kernel agree on ties).
+    """
+    return jnp.where(amax > 0, amax * jnp.float32(1.0 / FP8_MAX), 1.0).astype(jnp.float32)
+
+
 def _quantize_rows(x32):
-    """Per-row e4m3 quantisation of x32 f32[R, C] over its whole width -> (q f32, scale f32[R,1])."""
-    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).astype(jnp.float32)
+    """Per-row e4m3 quantisation of x32 f32[..., C] over its last axis -> (q f32, scale f32[..., 1])."""
+    scale = _fp8_scale(jnp.max(jnp.abs(x32), axis=-1, keepdims=True))
+    q = jnp.clip(x32 * (1.0 / scale), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).astype(jnp.float32)
     return q, scale
 
 

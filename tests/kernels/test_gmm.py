@@ -1,0 +1,250 @@
+"""Grouped matmul: Pallas kernel (TPU interpret mode) vs reference vs a per-group numpy loop.
+
+Tolerances (max abs error relative to max |expected|):
+  fp32 in/out, fp32 or fp8-dequantised-to-fp32 weights: 1e-5 (same fp32 products, sum order
+  differs);
+  bf16 in or out: 1e-2 (one bf16 rounding of the output);
+  FP8 weights with bf16 activations (or quantize_lhs): 1e-2 (the kernel rounds the dequantised
+  128x128 weight block to bf16 for the MXU, relative error <= 2^-9 per weight).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import gmm as G
+
+B = G.GmmBlockSizes
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpret_state():
+    yield
+    if hasattr(pltpu, "reset_tpu_interpret_mode_state"):
+        pltpu.reset_tpu_interpret_mode_state()
+
+
+def _np_gmm(x, w, group_sizes):
+    """Per-group numpy loop in float64: x [M, K], w [G, K, N]."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out = np.zeros((x.shape[0], w.shape[2]))
+    start = 0
+    for g, size in enumerate(np.asarray(group_sizes)):
+        end = min(start + int(size), x.shape[0])
+        out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
+
+
+def _np_swiglu(h):
+    n = h.shape[1] // 2
+    gate, up = h[:, :n], h[:, n:]
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+def _np_quantize_lhs(x):
+    """Numpy simulation of quantize_lhs: e4m3 per row per 512-wide K chunk, scale amax/448.
+
+    Rounds ``x * (1 / scale)`` in float32 exactly as documented in kernels.gmm.
+    """
+    x = np.asarray(x, np.float32)
+    out = np.zeros(x.shape, np.float64)
+    for c0 in range(0, x.shape[1], 512):
+        chunk = x[:, c0 : c0 + 512]
+        amax = np.abs(chunk).max(axis=1, keepdims=True)
+        scale = np.where(amax > 0, amax * np.float32(1 / 448), np.float32(1.0)).astype(np.float32)
+        inv = (np.float32(1.0) / scale).astype(np.float32)  # the documented x * (1 / scale)
+        q = np.clip(chunk * inv, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        out[:, c0 : c0 + 512] = q.astype(np.float64) * scale
+    return out
+
+
+def _np_dequant(q, s):
+    q = np.asarray(q.astype(jnp.float32), np.float64)
+    s = np.repeat(np.repeat(np.asarray(s, np.float64), 128, axis=1), 128, axis=2)
+    return q * s[:, : q.shape[1], : q.shape[2]]
+
+
+def _inputs(m, k, n, group_sizes, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(group_sizes), k, n)) / np.sqrt(k), dtype)
+    return lhs, rhs, jnp.asarray(group_sizes, jnp.int32)
+
+
+def _check(actual, expected, tol):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    scale = max(np.abs(expected).max(), 1e-6)
+    err = np.abs(actual - expected).max() / scale
+    assert err <= tol, f"max relative error {err:.3g} > {tol}"
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def test_reference_hand_checked():
+    lhs = jnp.arange(12, dtype=jnp.float32).reshape(6, 2)  # rows 0..5
+    rhs = jnp.stack([jnp.eye(2), 2 * jnp.eye(2), jnp.array([[0.0, 1.0], [1.0, 0.0]])])
+    out = G.ref_gmm(lhs, rhs, jnp.array([2, 0, 3], jnp.int32))  # rows 0-1 g0, 2-4 g2, 5 none
+    expected = np.array([[0, 1], [2, 3], [5, 4], [7, 6], [9, 8], [0, 0]], np.float32)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@pytest.mark.parametrize("group_sizes", [[0, 37, 0, 50, 20, 0], [64, 0, 70, 66]])
+def test_reference_matches_numpy_loop(group_sizes):
+    lhs, rhs, gs = _inputs(200, 64, 48, group_sizes, jnp.float32)
+    _check(G.ref_gmm(lhs, rhs, gs), _np_gmm(lhs, rhs, gs), 1e-5)
+    h = _np_gmm(lhs, rhs, gs)
+    _check(G.ref_gmm_swiglu(lhs, rhs, gs), _np_swiglu(h), 1e-5)
+
+
+def test_quantize_fp8_blockwise_roundtrip():
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((2, 200, 300)), jnp.float32)
+    w = w.at[1, :128, :128].set(0.0)  # an all-zero block
+    q, s = G.quantize_fp8_blockwise(w)
+    assert q.dtype == jnp.float8_e4m3fn and s.shape == (2, 2, 3) and s.dtype == jnp.float32
+    deq = _np_dequant(q, s)
+    np.testing.assert_array_equal(deq[1, :128, :128], 0.0)
+    # e4m3 has 3 mantissa bits: relative rounding error <= 2^-4 of the value, plus the
+    # subnormal spacing 2^-9 * scale (scale <= 5 / 448 here) near zero
+    np.testing.assert_allclose(deq, np.asarray(w), rtol=2**-4, atol=1e-4)
+
+
+def test_group_metadata_visits():
+    gs = jnp.array([0, 37, 0, 50, 20, 0], jnp.int32)  # 107 rows in groups, M = 150
+    tile, group, lo, hi, first = np.asarray(G.make_group_metadata(gs, 150, 32))
+    assert len(tile) == 5 + 6 - 1
+    ends = np.cumsum(np.asarray(gs))
+    starts = ends - np.asarray(gs)
+    seen = set()
+    for v in range(len(tile)):
+        if hi[v] > lo[v]:
+            g = group[v]
+            assert (lo[v], hi[v]) == (starts[g], ends[g]) and gs[g] > 0
+            assert lo[v] < (tile[v] + 1) * 32 and hi[v] > tile[v] * 32
+            seen.add((tile[v], g))
+    want = {(t, g) for t in range(5) for g in range(6)
+            if gs[g] > 0 and starts[g] < (t + 1) * 32 and ends[g] > t * 32}
+    assert seen == want
+    assert np.all(np.diff(tile) >= 0)  # a tile's visits are consecutive
+    assert sorted(tile[first == 1]) == list(range(5))  # every tile starts exactly once
+
+
+# ----------------------------------------------------------------------------- kernel
+
+CASES = [
+    # (M, K, N, group_sizes, dtype, blocks): empty first/middle/last groups, rows past the sum
+    (150, 256, 256, [0, 37, 0, 50, 20, 0], jnp.float32, B(32, 128, 128)),
+    # sizes not multiples of the tile, default tiles (tm=128, one visit per group boundary)
+    (200, 128, 256, [64, 0, 70, 66], jnp.bfloat16, None),
+    # K, N not multiples of 128 (padded), every row in a group past the first 60 -> zeros
+    (64, 200, 130, [10, 20, 0, 30], jnp.float32, None),
+]
+
+
+@pytest.mark.parametrize("m,k,n,group_sizes,dtype,blocks", CASES)
+def test_gmm_kernel(m, k, n, group_sizes, dtype, blocks):
+    lhs, rhs, gs = _inputs(m, k, n, group_sizes, dtype)
+    out = G.gmm(lhs, rhs, gs, impl="interpret", block_sizes=blocks)
+    assert out.shape == (m, n) and out.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    _check(out, G.ref_gmm(lhs, rhs, gs), tol)
+    _check(out, _np_gmm(lhs, rhs, gs), tol)
+    np.testing.assert_array_equal(np.asarray(out[int(np.sum(group_sizes)):], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("m,k,n,group_sizes,dtype,blocks", CASES[:2])
+def test_gmm_swiglu_kernel(m, k, n, group_sizes, dtype, blocks):
+    lhs, rhs, gs = _inputs(m, k, 2 * n, group_sizes, dtype, seed=3)
+    out = G.gmm_swiglu(lhs, rhs, gs, impl="interpret", block_sizes=blocks, out_dtype=jnp.float32)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    _check(out, G.ref_gmm_swiglu(lhs, rhs, gs), tol)
+    _check(out, _np_swiglu(_np_gmm(lhs, rhs, gs)), tol)
+
+
+def test_gmm_under_jit():
+    lhs, rhs, gs = _inputs(96, 128, 128, [30, 0, 50], jnp.float32, seed=5)
+    f = jax.jit(functools.partial(G.gmm, impl="interpret"))
+    _check(f(lhs, rhs, gs), _np_gmm(lhs, rhs, gs), 1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype,swiglu,tol",
+    [(jnp.float32, False, 1e-5), (jnp.bfloat16, False, 1e-2), (jnp.bfloat16, True, 1e-2)],
+)
+def test_gmm_fp8_rhs(dtype, swiglu, tol):
+    m, k, n, sizes = 120, 256, 256, [0, 40, 0, 45, 20]
+    lhs, w, gs = _inputs(m, k, 2 * n if swiglu else n, sizes, dtype, seed=7)
+    q, s = G.quantize_fp8_blockwise(w)
+    f, ref = (G.gmm_swiglu, G.ref_gmm_swiglu) if swiglu else (G.gmm, G.ref_gmm)
+    out = f(lhs, q, gs, rhs_scale=s, impl="interpret", out_dtype=jnp.float32,
+            block_sizes=B(32, 128, 128))
+    _check(out, ref(lhs, q, gs, rhs_scale=s, out_dtype=jnp.float32), tol)
+    h = _np_gmm(lhs, _np_dequant(q, s), gs)  # vs the dequantised weights in float64
+    _check(out, _np_swiglu(h) if swiglu else h, tol)
+
+
+@pytest.mark.parametrize(
+    "k,dtype,swiglu", [(256, jnp.bfloat16, False), (640, jnp.float32, False), (256, jnp.float32, True)]
+)
+def test_gmm_quantize_lhs_vs_numpy_simulation(k, dtype, swiglu):
+    m, n, sizes = 72, 128, [20, 0, 40, 5]
+    lhs, w, gs = _inputs(m, k, 2 * n if swiglu else n, sizes, dtype, seed=11)
+    lhs = lhs * jnp.asarray(np.random.default_rng(2).uniform(0.1, 10.0, (m, 1)), dtype)  # row ranges
+    q, s = G.quantize_fp8_blockwise(w)
+    f = G.gmm_swiglu if swiglu else G.gmm
+    out = f(lhs, q, gs, rhs_scale=s, quantize_lhs=True, impl="interpret", out_dtype=jnp.float32)
+    h = _np_gmm(_np_quantize_lhs(lhs), _np_dequant(q, s), gs)
+    expected = _np_swiglu(h) if swiglu else h
+    _check(out, expected, 1e-2)
+    ref = (G.ref_gmm_swiglu if swiglu else G.ref_gmm)(
+        lhs, q, gs, rhs_scale=s, quantize_lhs=True, out_dtype=jnp.float32)
+    _check(ref, expected, 1e-5)  # the reference's quantisation is the simulation's
+    # quantising the activations must matter at all (the check above is not vacuous)
+    assert np.abs(_np_gmm(lhs, _np_dequant(q, s), gs) - h).max() > 1e-4
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _bad_calls():
+    lhs, rhs, gs = _inputs(16, 128, 128, [8, 8], jnp.float32)
+    q, s = G.quantize_fp8_blockwise(rhs)
+    return [
+        lambda: G.gmm(lhs, rhs[:, :64], gs),  # K mismatch
+        lambda: G.gmm(lhs, rhs, gs[:1]),  # group count mismatch
+        lambda: G.gmm(lhs[0], rhs, gs),  # lhs not 2-D
+        lambda: G.gmm(lhs, rhs, gs.astype(jnp.float32)),  # non-integer group sizes
+        lambda: G.gmm_swiglu(lhs, rhs[:, :, :127], gs),  # odd 2N
+        lambda: G.gmm(lhs, q, gs),  # fp8 without scale
+        lambda: G.gmm(lhs, rhs, gs, rhs_scale=s),  # scale without fp8
+        lambda: G.gmm(lhs, q, gs, rhs_scale=s[:, :, :0]),  # wrong scale shape
+        lambda: G.gmm(lhs, rhs, gs, quantize_lhs=True),  # quantize_lhs needs fp8
+        lambda: G.gmm(lhs, rhs, gs, impl="interpret", block_sizes=B(10, 128, 128)),
+        lambda: G.gmm(lhs, q, gs, rhs_scale=s, quantize_lhs=True, impl="interpret",
+                      block_sizes=B(16, 256, 128)),  # tk != one sub-channel
+        lambda: G.gmm(lhs, rhs, gs, impl="bogus"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_invalid_inputs_raise(case):
+    with pytest.raises(ValueError):
+        _bad_calls()[case]()
+
+
+def test_cost_model():
+    c = G.gmm_cost(256, 4096, 1024, 64, lhs_itemsize=2, rhs_itemsize=1, out_itemsize=2)
+    assert c.flops == 2 * 256 * 4096 * 1024
+    assert c.bytes_accessed == 256 * 4096 * 2 + 64 * 4096 * 1024 + 4 * 64 * 32 * 8 + 256 * 1024 * 2
+    cs = G.gmm_swiglu_cost(256, 4096, 1024, 64)
+    assert cs.flops > 2 * 256 * 4096 * 2048 and cs.transcendentals == 256 * 1024
