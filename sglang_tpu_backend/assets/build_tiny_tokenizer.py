@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 HERE = Path(__file__).resolve().parent
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-VOCAB_SIZE = 1024
+VOCAB_SIZE = 1280  # upper bound: training stops once no pair occurs twice (1172 tokens)
 
 
 def build_tokenizer(corpus: Path = HERE / "corpus.txt", vocab_size: int = VOCAB_SIZE) -> Tokenizer:
@@ -26,7 +26,7 @@ def build_tokenizer(corpus: Path = HERE / "corpus.txt", vocab_size: int = VOCAB_
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=1,
+        min_frequency=2,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
