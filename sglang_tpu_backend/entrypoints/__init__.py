@@ -1,0 +1,1 @@
+"""HTTP entry points: SGLang-native and OpenAI-compatible routes over one Engine."""

@@ -1,0 +1,298 @@
+"""All HTTP routes (SGLang native + OpenAI) on one ``APIRouter`` over an Engine.
+
+``create_app(engine)`` mounts :data:`router` on a FastAPI app; the Ray Serve ingress reuses
+the same router and :func:`install` (``app.state.engine`` may be any object with the Engine
+API). Every client mistake is a 4xx JSON body
+``{"error": {"message", "type": "invalid_request_error", "param": <field>, "code"}}``:
+malformed JSON, bad fields, engine ``InvalidRequestError`` (400), missing/wrong API key
+(401), unknown route (404), wrong method (405), body over ``max_request_body_bytes`` (413).
+A client that disconnects stops its engine generators, which aborts the requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sglang_tpu_backend.entrypoints import openai_protocol as oai
+from sglang_tpu_backend.entrypoints.fanout import ClientDisconnected, Fanout, run_until_disconnect
+from sglang_tpu_backend.entrypoints.native_protocol import (
+    LogprobAccumulator, StreamState, new_rid, parse_generate)
+from sglang_tpu_backend.entrypoints.request_fields import APIError, opt_field
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+UNAUTHENTICATED_PATHS = ("/health", "/health_generate")
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# Plumbing -------------------------------------------------------------------------------
+def _engine(request: Request):
+    return request.app.state.engine
+
+
+def _arg(engine, name: str, default: Any = None) -> Any:
+    return getattr(getattr(engine, "args", None), name, default)
+
+
+async def verify_api_key(request: Request) -> None:
+    """Router dependency: with ``--api-key`` every route but the health checks needs the key."""
+    key = _arg(_engine(request), "api_key")
+    route = request.scope.get("route")
+    path = getattr(route, "path", request.url.path)
+    if not key or path in UNAUTHENTICATED_PATHS:
+        return
+    auth = request.headers.get("authorization")
+    if auth is None:
+        raise APIError("Missing API key: send 'Authorization: Bearer <key>'", "authorization", 401)
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or token.strip() != key:
+        raise APIError("Invalid API key", "authorization", 401)
+
+
+async def read_json(request: Request) -> dict:
+    """The request body as a JSON object, refusing bodies over the configured size (413)."""
+    limit = _arg(_engine(request), "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(f"Request body of {declared} bytes exceeds the limit of {limit} bytes", "body", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(f"Request body exceeds the limit of {limit} bytes", "body", 413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError("Request body is empty; expected a JSON object", "body")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"Malformed JSON body: {e}", "body") from e
+    if not isinstance(body, dict):
+        raise APIError("Request body must be a JSON object", "body")
+    return body
+
+
+def _fanout(request: Request, reqs: list[GenerateReqInput]) -> Fanout:
+    """One Fanout over ``reqs``; their rids stay in ``app.state.inflight`` until it closes."""
+    engine, inflight = _engine(request), request.app.state.inflight
+    accs = [LogprobAccumulator() for _ in reqs]
+    rids = [r.rid for r in reqs]
+    inflight.update(rids)
+    return Fanout([engine.generate(r) for r in reqs], transform=lambda i, out: accs[i](out),
+                  on_close=lambda: inflight.difference_update(rids))
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _stream_error(e: BaseException) -> dict:
+    if isinstance(e, InvalidRequestError):
+        return APIError(e.message, e.field).to_dict()
+    return {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error", "param": None, "code": 500}}
+
+
+async def _sse_response(request: Request, fan: Fanout, chunks) -> Response:
+    """Start ``fan`` (validation errors become 4xx here), then stream ``chunks(fan, firsts)``."""
+    firsts = await run_until_disconnect(request.receive, fan.first())
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for obj in chunks(firsts):
+                yield _sse(obj)
+        except Exception as e:  # an engine failure mid-stream: report it in-band
+            log.exception("stream failed")
+            yield _sse(_stream_error(e))
+        finally:
+            fan.close()  # also runs when Starlette cancels us on client disconnect
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+router = APIRouter(dependencies=[Depends(verify_api_key)])
+
+
+# SGLang native ---------------------------------------------------------------------------
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    ok = await _engine(request).health_generate()
+    return Response(status_code=200 if ok else 503)
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def get_model_info(request: Request) -> dict:
+    return _engine(request).get_model_info()
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def get_server_info(request: Request) -> dict:
+    engine = _engine(request)
+    info = dict(engine.get_server_info())
+    info["pool_stats"] = engine.pool_stats()
+    return info
+
+
+@router.post("/flush_cache")
+@router.get("/flush_cache")
+async def flush_cache(request: Request) -> JSONResponse:
+    ok = _engine(request).flush_cache()
+    msg = "Cache flushed." if ok else "Cache not flushed: requests are running."
+    return JSONResponse({"success": bool(ok), "message": msg}, status_code=200 if ok else 400)
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> dict:
+    body = await read_json(request)
+    engine = _engine(request)
+    if opt_field(body, "abort_all", "bool", False):
+        rids = sorted(request.app.state.inflight)
+        return {"success": True, "aborted": sum(bool(engine.abort_request(r)) for r in rids)}
+    rid = opt_field(body, "rid", "str")
+    if rid is None:
+        raise APIError("'rid' (string) is required unless 'abort_all' is true", "rid")
+    return {"success": bool(engine.abort_request(rid))}
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    body = await read_json(request)
+    parsed = parse_generate(body, request.app.state.seed_rng)
+    fan = _fanout(request, parsed.reqs)
+    if not parsed.stream:
+        outs = await run_until_disconnect(request.receive, fan.last())
+        for out, req in zip(outs, parsed.reqs):
+            out.setdefault("meta_info", {}).setdefault("id", req.rid)
+        return JSONResponse(outs if parsed.is_batch else outs[0])
+
+    states = [StreamState() for _ in parsed.reqs]
+
+    def fmt(i: int, out: dict) -> dict:
+        chunk = states[i].chunk(out)
+        chunk["meta_info"].setdefault("id", parsed.reqs[i].rid)
+        return {**chunk, "index": i} if parsed.is_batch else chunk
+
+    async def chunks(firsts):
+        for i, out in enumerate(firsts):
+            if out is not None:
+                yield fmt(i, out)
+        async for i, out in fan.rest():
+            yield fmt(i, out)
+
+    return await _sse_response(request, fan, chunks)
+
+
+# OpenAI ----------------------------------------------------------------------------------
+def _model_name(engine) -> str:
+    info = engine.get_model_info()
+    return _arg(engine, "served_model_name") or info.get("served_model_name") or info.get("model_path") or "default"
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    engine = _engine(request)
+    info = engine.get_model_info()
+    max_len = _arg(engine, "context_length") or info.get("context_length")
+    return {"object": "list", "data": [{
+        "id": _model_name(engine), "object": "model", "created": int(time.time()), "owned_by": "sglang",
+        "root": info.get("model_path"), "max_model_len": max_len}]}
+
+
+async def _openai(request: Request, parse, build) -> Response:
+    body = await read_json(request)
+    engine = _engine(request)
+    req = parse(body, _model_name(engine), engine.tokenizer, request.app.state.seed_rng)
+    rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + new_rid()
+    fan = _fanout(request, req.reqs)
+    try:
+        if not req.stream:
+            outs = await run_until_disconnect(request.receive, fan.last())
+            return JSONResponse(build(req, rid, outs))
+        builder = oai.ChunkBuilder(req, rid)
+
+        async def chunks(firsts):
+            for i, out in enumerate(firsts):
+                if out is not None and (c := builder.chunk(i, out)) is not None:
+                    yield c
+            async for i, out in fan.rest():
+                if (c := builder.chunk(i, out)) is not None:
+                    yield c
+            if (u := builder.usage_chunk()) is not None:
+                yield u
+
+        return await _sse_response(request, fan, chunks)
+    except InvalidRequestError as e:
+        raise APIError(e.message, oai.openai_field(e.field)) from e
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _openai(request, oai.parse_completion_request, oai.completion_response)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _openai(request, oai.parse_chat_request, oai.chat_response)
+
+
+# App -------------------------------------------------------------------------------------
+def _error_response(status: int, message: str, param: str | None, err_type: str = "invalid_request_error"):
+    return JSONResponse(APIError(message, param, status, err_type).to_dict(), status_code=status)
+
+
+def install(app: FastAPI, engine) -> None:
+    """Attach ``engine``, the routes and the JSON error handlers to ``app``."""
+    app.state.engine = engine
+    app.state.seed_rng = random.Random(_arg(engine, "random_seed", 0))
+    app.state.inflight = set()  # rids of requests being served, for abort_all
+    app.include_router(router)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.to_dict(), status_code=e.status_code)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, e: InvalidRequestError):
+        return _error_response(400, e.message, e.field)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, e: ClientDisconnected):
+        return Response(status_code=499)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return _error_response(404, f"Route {request.method} {request.url.path} not found", "path")
+        if e.status_code == 405:
+            return _error_response(405, f"Method {request.method} not allowed for {request.url.path}", "method")
+        return _error_response(e.status_code, str(e.detail), None)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return _error_response(500, f"Internal server error: {type(e).__name__}: {e}", None, "server_error")
+
+
+def create_app(engine) -> FastAPI:
+    """A FastAPI app serving ``engine`` (an Engine or anything with its API)."""
+    app = FastAPI(title="sglang-tpu-backend", docs_url=None, redoc_url=None, openapi_url=None)
+    install(app, engine)
+    return app

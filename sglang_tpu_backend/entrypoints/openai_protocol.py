@@ -1,0 +1,315 @@
+"""OpenAI ``/v1/completions`` and ``/v1/chat/completions``: request -> engine requests, and
+engine outputs -> response objects and stream chunks.
+
+Choice ``index = i * n + j`` for sample j of prompt i (the order the engine requests are
+built in). ``usage.prompt_tokens`` counts each prompt once, ``completion_tokens`` sums all
+choices. Chat prompts are rendered with the tokenizer's chat template and sent as token ids,
+so ``prompt_tokens`` equals the tokenizer's count of the templated prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from typing import Any
+
+from sglang_tpu_backend.entrypoints.native_protocol import new_rid
+from sglang_tpu_backend.entrypoints.request_fields import APIError, is_int_list, opt_field
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Engine error fields (InvalidRequestError.field, "sampling_params." stripped) -> OpenAI names.
+ENGINE_FIELD_TO_OPENAI = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+# OpenAI field -> (SGLang sampling param, kind). Extra SGLang fields are accepted as in SGLang.
+_SAMPLING_FIELDS = {
+    "temperature": ("temperature", "number"),
+    "top_p": ("top_p", "number"),
+    "top_k": ("top_k", "int"),
+    "min_p": ("min_p", "number"),
+    "presence_penalty": ("presence_penalty", "number"),
+    "frequency_penalty": ("frequency_penalty", "number"),
+    "repetition_penalty": ("repetition_penalty", "number"),
+    "min_tokens": ("min_new_tokens", "int"),
+    "seed": ("seed", "int"),
+    "ignore_eos": ("ignore_eos", "bool"),
+    "skip_special_tokens": ("skip_special_tokens", "bool"),
+    "no_stop_trim": ("no_stop_trim", "bool"),
+    "regex": ("regex", "str"),
+    "stop_token_ids": ("stop_token_ids", "list"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenAIRequest:
+    """A parsed completions/chat request. ``reqs[i * n + j]`` is choice ``i * n + j``."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    reqs: list[GenerateReqInput]
+    n: int
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs requested
+    echo_texts: list[str] | None  # completions with echo=true: each prompt's text
+
+
+def openai_field(engine_field: str) -> str:
+    name = engine_field.removeprefix("sampling_params.")
+    return ENGINE_FIELD_TO_OPENAI.get(name, name)
+
+
+# Requests --------------------------------------------------------------------------------
+def _sampling_params(body: dict, max_tokens_default: int | None) -> dict[str, Any]:
+    sp: dict[str, Any] = {}
+    max_tokens = opt_field(body, "max_completion_tokens", "int", None)
+    if max_tokens is None:
+        max_tokens = opt_field(body, "max_tokens", "int", max_tokens_default)
+    sp["max_new_tokens"] = max_tokens
+    for name, (sgl_name, kind) in _SAMPLING_FIELDS.items():
+        value = opt_field(body, name, kind)
+        if value is not None:
+            sp[sgl_name] = value
+    stop = body.get("stop")
+    if stop is not None:
+        if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+            raise APIError("'stop' must be a string or a list of strings", "stop")
+        sp["stop"] = [stop] if isinstance(stop, str) else stop
+    json_schema = body.get("json_schema")
+    if json_schema is not None:
+        sp["json_schema"] = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    fmt = opt_field(body, "response_format", "dict")
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError("'response_format.json_schema' must be an object with a 'schema' object",
+                               "response_format.json_schema")
+            sp["json_schema"] = json.dumps(spec.get("schema", {}))
+        elif kind == "json_object":
+            sp["json_schema"] = json.dumps({"type": "object"})
+        elif kind == "regex":  # SGLang's extension
+            sp["regex"] = opt_field(fmt, "regex", "str", param="response_format.regex")
+        elif kind != "text":
+            raise APIError(f"'response_format.type' must be one of text, json_object, json_schema; "
+                           f"got {kind!r}", "response_format.type")
+    return sp
+
+
+def _common(body: dict, kind: str, model_name: str, sp: dict, prompts: list[dict],
+            top_logprobs: int | None, echo_texts: list[str] | None, seed_rng: random.Random) -> OpenAIRequest:
+    n = opt_field(body, "n", "int", 1, minimum=1)
+    stream = opt_field(body, "stream", "bool", False)
+    options = opt_field(body, "stream_options", "dict", {})
+    include_usage = opt_field(options, "include_usage", "bool", False, param="stream_options.include_usage")
+    model = opt_field(body, "model", "str", model_name)
+    base_seed = sp.get("seed")
+    if n > 1 and base_seed is None:
+        base_seed = seed_rng.randrange(2**62)
+    reqs = []
+    for prompt in prompts:
+        for j in range(n):
+            sp_j = dict(sp)
+            if n > 1:
+                sp_j["seed"] = base_seed + j
+            reqs.append(GenerateReqInput(
+                **prompt, sampling_params=sp_j, stream=stream, rid=new_rid(),
+                return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
+                return_text_in_logprobs=top_logprobs is not None,
+            ))
+    return OpenAIRequest(kind=kind, model=model, reqs=reqs, n=n, stream=stream,
+                         include_usage=include_usage, top_logprobs=top_logprobs, echo_texts=echo_texts)
+
+
+def parse_completion_request(body: dict, model_name: str, tokenizer, seed_rng: random.Random) -> OpenAIRequest:
+    """``/v1/completions``: ``prompt`` is a string, a list of strings, token ids, or a list of them."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [{"text": prompt}]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [{"text": p} for p in prompt]
+    elif isinstance(prompt, list) and prompt and is_int_list(prompt):
+        prompts = [{"input_ids": list(prompt)}]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and is_int_list(p) for p in prompt):
+        prompts = [{"input_ids": list(p)} for p in prompt]
+    else:
+        raise APIError("'prompt' is required: a string, a list of strings, a list of token ids, "
+                       "or a list of token-id lists", "prompt")
+    logprobs = opt_field(body, "logprobs", "int", None, minimum=0)
+    echo = opt_field(body, "echo", "bool", False)
+    echo_texts = None
+    if echo:
+        echo_texts = [p["text"] if "text" in p else tokenizer.decode(p["input_ids"]) for p in prompts]
+    sp = _sampling_params(body, max_tokens_default=16)
+    return _common(body, "completion", model_name, sp, prompts, logprobs, echo_texts, seed_rng)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty array of message objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(f"'{param}' must be an object", param)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise APIError(f"'{param}.role' must be one of {CHAT_ROLES}, got {role!r}", f"{param}.role")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for k, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise APIError(f"'{param}.content[{k}]' must be a text part "
+                                   "{\"type\": \"text\", \"text\": ...}", f"{param}.content[{k}]")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is not None and not isinstance(content, str):
+            raise APIError(f"'{param}.content' must be a string or an array of text parts", f"{param}.content")
+        out.append({**m, "content": content if content is not None else ""})
+    return out
+
+
+def parse_chat_request(body: dict, model_name: str, tokenizer, seed_rng: random.Random) -> OpenAIRequest:
+    """``/v1/chat/completions``: messages rendered with the tokenizer's chat template."""
+    messages = _messages(body)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template that rejects this conversation (jinja raise_exception)
+        raise APIError(f"chat template rejected the messages: {e}", "messages") from e
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    logprobs = opt_field(body, "logprobs", "bool", False)
+    top = opt_field(body, "top_logprobs", "int", 0, minimum=0)
+    sp = _sampling_params(body, max_tokens_default=None)
+    return _common(body, "chat", model_name, sp, [{"input_ids": ids}], top if logprobs else None, None, seed_rng)
+
+
+# Responses -------------------------------------------------------------------------------
+def finish_reason(meta: dict) -> str | None:
+    """SGLang's ``{"type": "stop" | "length" | "abort", ...}`` -> OpenAI's string."""
+    fr = meta.get("finish_reason")
+    if fr is None:
+        return None
+    return fr.get("type") if isinstance(fr, dict) else str(fr)
+
+
+def usage(outputs: list[dict], n: int) -> dict[str, int]:
+    prompt = sum(o["meta_info"].get("prompt_tokens", 0) for o in outputs[::n])
+    completion = sum(o["meta_info"].get("completion_tokens", 0) for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _token_text(entry: list) -> str:
+    return entry[2] if len(entry) > 2 and entry[2] is not None else ""
+
+
+def completion_logprobs(meta: dict, text_offset: int = 0) -> dict:
+    """``output_token_logprobs`` / ``output_top_logprobs`` -> completions' ``logprobs`` object."""
+    entries = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or [None] * len(entries)
+    tokens, offsets, pos = [], [], text_offset
+    for e in entries:
+        tokens.append(_token_text(e))
+        offsets.append(pos)
+        pos += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e[0] for e in entries],
+        "top_logprobs": [{_token_text(t): t[0] for t in (top or [])} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(meta: dict) -> dict:
+    """``output_token_logprobs`` / ``output_top_logprobs`` -> chat's ``logprobs.content``."""
+    entries = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or [None] * len(entries)
+
+    def item(e: list) -> dict:
+        text = _token_text(e)
+        return {"token": text, "logprob": e[0], "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e), "top_logprobs": [item(t) for t in (top or [])]}
+                        for e, top in zip(entries, tops)]}
+
+
+def completion_response(req: OpenAIRequest, rid: str, outputs: list[dict]) -> dict:
+    choices = []
+    for idx, out in enumerate(outputs):
+        meta = out["meta_info"]
+        prefix = req.echo_texts[idx // req.n] if req.echo_texts else ""
+        choices.append({
+            "index": idx,
+            "text": prefix + out["text"],
+            "logprobs": completion_logprobs(meta, len(prefix)) if req.top_logprobs is not None else None,
+            "finish_reason": finish_reason(meta),
+        })
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
+            "choices": choices, "usage": usage(outputs, req.n)}
+
+
+def chat_response(req: OpenAIRequest, rid: str, outputs: list[dict]) -> dict:
+    choices = [{
+        "index": idx,
+        "message": {"role": "assistant", "content": out["text"]},
+        "logprobs": chat_logprobs(out["meta_info"]) if req.top_logprobs is not None else None,
+        "finish_reason": finish_reason(out["meta_info"]),
+    } for idx, out in enumerate(outputs)]
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
+            "choices": choices, "usage": usage(outputs, req.n)}
+
+
+class ChunkBuilder:
+    """Turns one request's per-choice cumulative engine outputs into OpenAI stream chunks."""
+
+    def __init__(self, req: OpenAIRequest, rid: str):
+        self.req = req
+        self.rid = rid
+        self.created = int(time.time())
+        self.sent_text: dict[int, int] = {}  # choice index -> characters already sent
+        self.sent_lps: dict[int, int] = {}  # choice index -> logprob entries already sent
+        self.finals: dict[int, dict] = {}
+
+    def _chunk(self, choice: dict) -> dict:
+        obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.req.model,
+                "choices": [choice]}
+
+    def chunk(self, idx: int, out: dict) -> dict | None:
+        """The chunk for choice ``idx``'s new output, or None when it adds nothing."""
+        meta = out["meta_info"]
+        first = idx not in self.sent_text
+        start = self.sent_text.get(idx, 0)
+        delta = out["text"][start:]
+        if first and self.req.echo_texts:
+            delta = self.req.echo_texts[idx // self.req.n] + delta
+        self.sent_text[idx] = len(out["text"])
+        reason = finish_reason(meta)
+        if reason is not None:
+            self.finals[idx] = out
+        logprobs = None
+        if self.req.top_logprobs is not None:
+            total = meta.get("completion_tokens", 0)
+            done = self.sent_lps.get(idx, 0)
+            new = {k: (meta.get(k) or [])[done:total] for k in ("output_token_logprobs", "output_top_logprobs")}
+            self.sent_lps[idx] = total
+            logprobs = chat_logprobs(new) if self.req.kind == "chat" else completion_logprobs(new)
+        if not delta and not first and reason is None:
+            return None
+        if self.req.kind == "chat":
+            d = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+            return self._chunk({"index": idx, "delta": d, "logprobs": logprobs, "finish_reason": reason})
+        return self._chunk({"index": idx, "text": delta, "logprobs": logprobs, "finish_reason": reason})
+
+    def usage_chunk(self) -> dict | None:
+        """The final ``choices: []`` chunk with usage, when ``stream_options.include_usage``."""
+        if not self.req.include_usage:
+            return None
+        outputs = [self.finals[i] for i in sorted(self.finals)]
+        if len(outputs) != len(self.req.reqs):
+            return None
+        return {**self._chunk({}), "choices": [], "usage": usage(outputs, self.req.n)}

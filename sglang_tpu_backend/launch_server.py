@@ -1,0 +1,69 @@
+"""Serve the engine over HTTP (SGLang native + OpenAI routes).
+
+    python -m sglang_tpu_backend.launch_server [--model-path DIR] [--host 127.0.0.1] [--port 30000] ...
+
+Flags are SGLang's (see ``ServerArgs.add_cli_args``); without ``--model-path`` the embedded
+tiny model is served. Prints ``The server is fired up and ready to roll! URL: http://...``
+once the port accepts connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from sglang_tpu_backend.server_args import ServerArgs
+
+READY_MESSAGE = "The server is fired up and ready to roll!"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that announces the URL once its sockets listen."""
+
+    def __init__(self, config: uvicorn.Config, url: str):
+        super().__init__(config)
+        self.url = url
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(f"{READY_MESSAGE} URL: {self.url}", flush=True)
+
+
+def serve(args: ServerArgs, engine=None) -> None:
+    """Build the engine (unless given), serve it until interrupted, then shut it down."""
+    from sglang_tpu_backend.entrypoints.http_server import create_app
+
+    if engine is None:
+        from sglang_tpu_backend.engine import Engine
+
+        engine = Engine(args)
+    app = create_app(engine)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_keep_alive=5, access_log=args.log_level == "debug")
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    try:
+        _Server(config, f"http://{host}:{args.port}").run()
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sglang_tpu_backend.launch_server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    try:
+        args = ServerArgs.from_cli_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(args)
+
+
+if __name__ == "__main__":
+    main()

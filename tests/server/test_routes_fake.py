@@ -1,0 +1,294 @@
+"""Route-level unit tests: the real HTTP layer in-process over a FAKE engine (test double).
+
+Fast checks of parsing, fan-out order, stream framing, error bodies, auth, body limits and
+abort-on-disconnect, independent of the model. The live-server tests use the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from sglang_tpu_backend.entrypoints.http_server import create_app
+from sglang_tpu_backend.server_args import ServerArgs
+from tests.server.fake_engine import FakeEngine
+
+
+def _client(engine: FakeEngine) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine)), base_url="http://t")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return FakeEngine(ServerArgs(context_length=256, max_request_body_bytes=4096, random_seed=7))
+
+
+async def _post(engine, path, body=None, content=None, headers=None):
+    async with _client(engine) as c:
+        return await c.post(path, json=body, content=content, headers=headers)
+
+
+def _error(r, status, param_part):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert param_part in (err["param"] or ""), err
+    return err
+
+
+def _sse_events(text: str) -> list:
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    events = [blk for blk in text.split("\n\n") if blk]
+    assert all(e.startswith("data: ") for e in events)
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+# /generate -------------------------------------------------------------------------------
+def test_generate_single(engine):
+    r = run(_post(engine, "/generate", {"text": "hello world", "sampling_params": {"max_new_tokens": 5},
+                                        "rid": "r-single"}))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out, dict)
+    assert len(out["output_ids"]) == 5
+    assert out["meta_info"]["id"] == "r-single"
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert out["meta_info"]["prompt_tokens"] == len(engine.tokenizer.encode("hello world"))
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+
+
+def test_generate_batch_and_n_order_and_seeds(engine):
+    engine.requests_seen.clear()
+    body = {"input_ids": [[5, 6, 7], [8, 9, 10, 11, 12]], "sampling_params": {"max_new_tokens": 4, "n": 3}}
+    r = run(_post(engine, "/generate", body))
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [3, 3, 3, 5, 5, 5]
+    seeds = [q.sampling_params["seed"] for q in engine.requests_seen]
+    assert len(set(seeds)) == 6 or len(set(seeds[:3])) == 3  # distinct within each prompt's samples
+    by_prompt = {}
+    for q in engine.requests_seen:
+        by_prompt.setdefault(tuple(q.input_ids), []).append(q.sampling_params["seed"])
+    for s in by_prompt.values():
+        assert sorted(s) == list(range(min(s), min(s) + 3))
+    assert all("n" not in q.sampling_params for q in engine.requests_seen)
+    # distinct seeds give distinct samples (the fake samples from the seed)
+    assert len({tuple(o["output_ids"]) for o in outs[:3]}) == 3
+
+
+def test_generate_n_with_seed_is_reproducible(engine):
+    body = {"text": "abc", "sampling_params": {"max_new_tokens": 6, "n": 2, "sampling_seed": 100}}
+    a, b = run(_post(engine, "/generate", body)).json(), run(_post(engine, "/generate", body)).json()
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    assert a[0]["output_ids"] != a[1]["output_ids"]
+
+
+def test_generate_list_text_is_list_even_for_one(engine):
+    r = run(_post(engine, "/generate", {"text": ["only"], "sampling_params": {"max_new_tokens": 1}}))
+    assert isinstance(r.json(), list) and len(r.json()) == 1
+
+
+def test_generate_stream_format_and_incremental_logprobs(engine):
+    body = {"text": "stream me", "stream": True, "return_logprob": True, "top_logprobs_num": 2,
+            "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 6}}
+    r = run(_post(engine, "/generate", body))
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks = _sse_events(r.text)
+    assert len(chunks) >= 6
+    texts = [c["text"] for c in chunks]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))  # cumulative
+    total = 0
+    for c in chunks:
+        m = c["meta_info"]
+        assert m["output_token_logprobs_length"] == m["completion_tokens"]
+        assert len(m["output_token_logprobs"]) == m["completion_tokens"] - total
+        assert all(len(t) == 2 for t in m["output_top_logprobs"])
+        total = m["completion_tokens"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert total == 6
+
+
+def test_generate_batch_stream_has_index(engine):
+    body = {"text": ["a", "b"], "stream": True, "sampling_params": {"max_new_tokens": 2}}
+    chunks = _sse_events(run(_post(engine, "/generate", body)).text)
+    assert {c["index"] for c in chunks} == {0, 1}
+    finals = [c for c in chunks if c["meta_info"].get("finish_reason")]
+    assert sorted(c["index"] for c in finals) == [0, 1]
+
+
+# Errors ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("body,status,param", [
+    ({"sampling_params": {}}, 400, "text"),
+    ({"text": "a", "input_ids": [1]}, 400, "input_ids"),
+    ({"text": 5}, 400, "text"),
+    ({"input_ids": "abc"}, 400, "input_ids"),
+    ({"input_ids": [1, True]}, 400, "input_ids"),
+    ({"text": "a", "sampling_params": "x"}, 400, "sampling_params"),
+    ({"text": "a", "sampling_params": {"n": 0}}, 400, "sampling_params.n"),
+    ({"text": "a", "stream": "yes"}, 400, "stream"),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+    ({"text": "a", "sampling_params": {"top_p": 0}}, 400, "top_p"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, 400, "max_new_tokens"),
+    ({"input_ids": [1, 10**6]}, 400, "input_ids"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, 400, "sampling_params"),
+])
+def test_generate_bad_input(engine, body, status, param):
+    _error(run(_post(engine, "/generate", body)), status, param)
+    assert engine.pool_stats()["kv_pages_used"] == 0
+
+
+def test_malformed_json_and_non_object(engine):
+    _error(run(_post(engine, "/generate", content=b"{not json")), 400, "body")
+    _error(run(_post(engine, "/generate", content=b"[1, 2]")), 400, "body")
+    _error(run(_post(engine, "/v1/completions", content=b"")), 400, "body")
+
+
+def test_unknown_route_and_method(engine):
+    async def go():
+        async with _client(engine) as c:
+            return await c.get("/nope"), await c.get("/generate")
+
+    r404, r405 = run(go())
+    _error(r404, 404, "path")
+    _error(r405, 405, "method")
+
+
+def test_body_limit_413(engine):
+    big = json.dumps({"text": "x" * 5000}).encode()
+    _error(run(_post(engine, "/generate", content=big)), 413, "body")
+
+    async def chunked():  # no Content-Length: the limit is enforced while reading
+        async def gen():
+            for i in range(0, len(big), 1000):
+                yield big[i:i + 1000]
+
+        async with _client(engine) as c:
+            return await c.post("/generate", content=gen())
+
+    _error(run(chunked()), 413, "body")
+
+
+def test_api_key():
+    eng = FakeEngine(ServerArgs(context_length=256, api_key="sekret"))
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 1}}
+
+    async def go():
+        async with _client(eng) as c:
+            return (await c.post("/generate", json=body),
+                    await c.post("/generate", json=body, headers={"Authorization": "Bearer wrong"}),
+                    await c.post("/generate", json=body, headers={"Authorization": "Bearer sekret"}),
+                    await c.get("/health"), await c.get("/get_model_info"))
+
+    missing, wrong, ok, health, info = run(go())
+    _error(missing, 401, "authorization")
+    _error(wrong, 401, "authorization")
+    assert ok.status_code == 200 and health.status_code == 200
+    _error(info, 401, "authorization")
+
+
+# OpenAI ----------------------------------------------------------------------------------
+def test_chat_usage_and_template(engine):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    r = run(_post(engine, "/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 3}))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    templated = engine.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    n_prompt = len(engine.tokenizer.encode(templated, add_special_tokens=False))
+    assert out["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 3, "total_tokens": n_prompt + 3}
+    assert out["choices"][0]["message"]["role"] == "assistant"
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert engine.requests_seen[-1].input_ids == engine.tokenizer.encode(templated, add_special_tokens=False)
+
+
+def test_completion_n_logprobs_echo(engine):
+    body = {"model": "m", "prompt": ["one", "two three"], "max_tokens": 4, "n": 2, "logprobs": 2, "echo": True}
+    out = run(_post(engine, "/v1/completions", body)).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert out["choices"][0]["text"].startswith("one") and out["choices"][2]["text"].startswith("two three")
+    lp = out["choices"][1]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert all(len(t) <= 2 for t in lp["top_logprobs"])
+    p1, p2 = len(engine.tokenizer.encode("one")), len(engine.tokenizer.encode("two three"))
+    assert out["usage"]["prompt_tokens"] == p1 + p2
+    assert out["usage"]["completion_tokens"] == 16
+
+
+def test_chat_stream_chunks_and_usage(engine):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True}}
+    chunks = _sse_events(run(_post(engine, "/v1/chat/completions", body)).text)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    assert 0 < len(ids) <= 5 * 4
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": -2},
+     "temperature"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"model": "m"}, "prompt"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"model": "m", "prompt": "x", "response_format": {"type": "xml"}}, "response_format.type"),
+])
+def test_openai_bad_input(engine, path, body, param):
+    _error(run(_post(engine, path, body)), 400, param)
+
+
+# Disconnect --------------------------------------------------------------------------------
+def test_stream_disconnect_aborts_engine_request():
+    eng = FakeEngine(ServerArgs(context_length=4096), step_delay=0.01)
+    app = create_app(eng)
+    body = json.dumps({"text": "go", "stream": True, "rid": "dc", "sampling_params": {"max_new_tokens": 3000}}).encode()
+
+    async def go():
+        got_body = asyncio.Event()
+        sent = []
+        state = {"body_sent": False}
+
+        async def receive():
+            if not state["body_sent"]:
+                state["body_sent"] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await got_body.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            sent.append(msg)
+            if msg["type"] == "http.response.body" and msg.get("body"):
+                assert eng.held  # the request is running while it streams
+                got_body.set()
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/generate", "raw_path": b"/generate",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                                                     (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+        for _ in range(100):  # the generators unwind in their own tasks
+            if not eng.held:
+                break
+            await asyncio.sleep(0.01)
+        return sent
+
+    sent = run(go())
+    assert sent[0]["status"] == 200
+    assert eng.pool_stats()["kv_pages_used"] == 0 and eng.pool_stats()["num_running"] == 0
+    streamed = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert b"[DONE]" not in streamed  # cut short, not completed
