@@ -24,7 +24,7 @@ from sglang_tpu_backend.checkpoint_io import atomic_replace_dir, copy_tokenizer_
 from sglang_tpu_backend.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, model_config_from_dict
 
 ASSET_DIR = Path(__file__).resolve().parent / "assets" / "tiny-qwen3.5-moe"
-GENERATOR_VERSION = 1  # bump whenever random_checkpoint_tensors changes its output
+GENERATOR_VERSION = 2  # bump whenever random_checkpoint_tensors changes its output
 SEED = 0
 WEIGHT_STD = 0.02  # linear layers and embeddings
 ROUTER_STD = 0.1  # wider so top-k routing is decisive (few ties in bf16)
@@ -147,11 +147,18 @@ def random_checkpoint_tensors(
     seed: int = SEED,
     prefix: str = "model.language_model.",
     dtype=ml_dtypes.bfloat16,
+    num_real_tokens: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """Random HF-named tensors (fused experts) for ``cfg``; A_log/dt_bias f32, rest ``dtype``."""
+    """Random HF-named tensors (fused experts) for ``cfg``; A_log/dt_bias f32, rest ``dtype``.
+
+    ``num_real_tokens``: the tokenizer's size; embedding and lm_head rows of the padding ids
+    above it are zero, so their logits are exactly 0 and greedy decoding rarely picks them.
+    """
     out = {}
     for name, (shape, kind) in _hf_shapes(cfg, prefix).items():
         x = _init(_rng(seed, name), shape, kind)
+        if num_real_tokens is not None and name in (f"{prefix}embed_tokens.weight", "lm_head.weight"):
+            x[num_real_tokens:] = 0.0
         out[name] = x if kind in ("A_log", "dt_bias") else x.astype(dtype)
     return out
 
@@ -167,6 +174,12 @@ def _asset_hash() -> str:
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         h.update(name.encode() + b"\0" + (ASSET_DIR / name).read_bytes())
     return h.hexdigest()[:16]
+
+
+def _tokenizer_size() -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(ASSET_DIR / "tokenizer.json")).get_vocab_size()
 
 
 def default_model_path(cache_dir: str | Path | None = None) -> Path:
@@ -186,7 +199,8 @@ def default_model_path(cache_dir: str | Path | None = None) -> Path:
         tmp.chmod(0o755)
         config = json.loads((ASSET_DIR / "config.json").read_text())
         cfg = model_config_from_dict(config)
-        write_safetensors(tmp / "model.safetensors", random_checkpoint_tensors(cfg))
+        tensors = random_checkpoint_tensors(cfg, num_real_tokens=_tokenizer_size())
+        write_safetensors(tmp / "model.safetensors", tensors)
         shutil.copyfile(ASSET_DIR / "config.json", tmp / "config.json")
         copy_tokenizer_files(ASSET_DIR, tmp)
         return atomic_replace_dir(tmp, final)

@@ -107,3 +107,12 @@ def test_shipped_assets_match_their_generators():
     assert want["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
     assert sum(p.stat().st_size for p in ASSET_DIR.parent.rglob("*") if p.is_file()) < 1_000_000
     assert 900 <= len(tok) <= 2048
+
+
+def test_padding_ids_have_zero_embeddings_and_logit_rows(model_dir):
+    cfg, params = load_model(model_dir, dtype=jnp.float32)
+    n = len(load_tokenizer(model_dir))
+    assert n < cfg.vocab_size
+    embed, lm_head = np.asarray(params["embed_tokens"]), np.asarray(params["lm_head"])
+    assert not embed[n:].any() and not lm_head[:, n:].any()
+    assert np.all(np.abs(embed[:n]).max(axis=1) > 0) and np.all(np.abs(lm_head[:, :n]).max(axis=0) > 0)
