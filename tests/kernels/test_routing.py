@@ -1,0 +1,189 @@
+"""Routing metadata, gather_rows and gather_reduce (TPU interpret mode), and the composed MoE.
+
+Tolerances: gathers are copies (exact). gather_reduce: fp32 1e-6 relative, bf16 output 1e-2
+(one bf16 rounding). Composed fp32 MoE vs dense float64 numpy: 1e-4 relative.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import gmm as G
+from kernels import routing as R
+
+BLOCKS = R.RoutingBlockSizes(gather_rows=16, reduce_tokens=8)  # several grid steps
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpret_state():
+    yield
+    if hasattr(pltpu, "reset_tpu_interpret_mode_state"):
+        pltpu.reset_tpu_interpret_mode_state()
+
+
+def _check(actual, expected, tol):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    err = np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-6)
+    assert err <= tol, f"max relative error {err:.3g} > {tol}"
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def test_route_metadata_hand_checked():
+    ids = jnp.array([[1, 0], [1, 2], [0, 1]], jnp.int32)
+    token_idx, gs, rows = R.route_metadata(ids, 3)
+    np.testing.assert_array_equal(token_idx, [0, 2, 0, 1, 2, 1])
+    np.testing.assert_array_equal(gs, [2, 3, 1])
+    np.testing.assert_array_equal(rows, [[2, 0], [3, 5], [1, 4]])
+    # only global expert 1 is local
+    token_idx, gs, rows = R.route_metadata(ids, 1, expert_offset=1)
+    np.testing.assert_array_equal(token_idx, [0, 1, 2, -1, -1, -1])
+    np.testing.assert_array_equal(gs, [3])
+    np.testing.assert_array_equal(rows, [[0, -1], [1, -1], [-1, 2]])
+
+
+def test_route_metadata_consistent_under_jit():
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, 16, (40, 4)), jnp.int32)
+    fn = jax.jit(R.route_metadata, static_argnums=1)
+    token_idx, gs, rows = fn(ids, 6, expert_offset=jnp.int32(5))  # traced offset
+    token_idx, gs, rows = map(np.asarray, (token_idx, gs, rows))
+    ids = np.asarray(ids)
+    local = (ids >= 5) & (ids < 11)
+    np.testing.assert_array_equal(gs, [(ids == 5 + e).sum() for e in range(6)])
+    assert (rows >= 0).sum() == local.sum() == gs.sum()
+    np.testing.assert_array_equal(rows >= 0, local)
+    for t, j in zip(*np.nonzero(local)):  # each local assignment sits in its expert's group
+        r = rows[t, j]
+        assert token_idx[r] == t
+        assert np.cumsum(gs)[ids[t, j] - 5] > r >= np.cumsum(gs)[ids[t, j] - 5] - gs[ids[t, j] - 5]
+    assert np.all(token_idx[gs.sum():] == -1)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gather_rows_kernel(dtype):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((23, 256)), dtype)
+    idx = rng.integers(-1, 23, 50).astype(np.int32)  # repeats, -1 entries, 50 % 16 != 0
+    idx[:3] = [-1, 22, 0]
+    out = R.gather_rows(x, jnp.asarray(idx), impl="interpret", block_sizes=BLOCKS)
+    expected = np.where(idx[:, None] >= 0, np.asarray(x, np.float32)[np.maximum(idx, 0)], 0)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
+    np.testing.assert_array_equal(np.asarray(R.ref_gather_rows(x, jnp.asarray(idx)), np.float32), expected)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+def test_gather_reduce_kernel(dtype, tol):
+    rng = np.random.default_rng(2)
+    t, k, m, h = 37, 3, 60, 128
+    y = jnp.asarray(rng.standard_normal((m, h)), dtype)
+    rows = rng.integers(-1, m, (t, k)).astype(np.int32)
+    rows[0] = -1  # a token with no local assignment -> zeros
+    w = rng.random((t, k)).astype(np.float32)
+    out = R.gather_reduce(y, jnp.asarray(rows), jnp.asarray(w), impl="interpret", block_sizes=BLOCKS)
+    yn = np.asarray(y, np.float64)
+    expected = np.zeros((t, h))
+    for ti in range(t):  # naive loop
+        for j in range(k):
+            if rows[ti, j] >= 0:
+                expected[ti] += w[ti, j] * yn[rows[ti, j]]
+    assert out.dtype == dtype and out.shape == (t, h)
+    _check(out, expected, tol)
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+    _check(R.ref_gather_reduce(y, jnp.asarray(rows), jnp.asarray(w)), expected, tol)
+
+
+# ----------------------------------------------------------------------------- composed MoE
+
+
+def _moe_problem(t=24, h=128, inter=128, e=8, k=2, seed=3):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    router = rng.standard_normal((h, e)).astype(np.float32) / np.sqrt(h)
+    w_gate_up = (rng.standard_normal((e, h, 2 * inter)) / np.sqrt(h)).astype(np.float32)
+    w_down = (rng.standard_normal((e, inter, h)) / np.sqrt(inter)).astype(np.float32)
+    logits = x @ router
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    ids = np.argsort(-probs, axis=1)[:, :k].astype(np.int32)  # top-k
+    weights = np.take_along_axis(probs, ids, 1)
+    weights = (weights / weights.sum(1, keepdims=True)).astype(np.float32)
+    return x, w_gate_up, w_down, ids, weights
+
+
+def _dense_moe(x, w_gate_up, w_down, ids, weights, experts):
+    """Per-token float64 loop over its top-k experts, restricted to ``experts``."""
+    inter = w_down.shape[1]
+    out = np.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t]):
+            if e not in experts:
+                continue
+            hgu = x[t].astype(np.float64) @ w_gate_up[e]
+            gate, up = hgu[:inter], hgu[inter:]
+            out[t] += weights[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w_down[e])
+    return out
+
+
+def _moe_device(x, w_gate_up, w_down, ids, weights, offset, num_local):
+    token_idx, gs, rows = R.route_metadata(jnp.asarray(ids), num_local, expert_offset=offset)
+    xs = R.gather_rows(jnp.asarray(x), token_idx, impl="interpret")  # [T*k, H]
+    local = slice(offset, offset + num_local)
+    hs = G.gmm_swiglu(xs, jnp.asarray(w_gate_up[local]), gs, impl="interpret")  # [T*k, I]
+    ys = G.gmm(hs, jnp.asarray(w_down[local]), gs, impl="interpret")  # [T*k, H]
+    return R.gather_reduce(ys, rows, jnp.asarray(weights), impl="interpret")  # [T, H]
+
+
+def test_composed_moe_all_local():
+    x, wgu, wd, ids, w = _moe_problem()
+    out = _moe_device(x, wgu, wd, ids, w, 0, 8)
+    _check(out, _dense_moe(x, wgu, wd, ids, w, range(8)), 1e-4)
+
+
+def test_composed_moe_partial_local_ranges():
+    x, wgu, wd, ids, w = _moe_problem(seed=4)
+    dense = _dense_moe(x, wgu, wd, ids, w, range(8))
+    parts = []
+    for offset in (0, 5):  # two "devices": experts 0-4 and 5-7
+        num_local = 5 if offset == 0 else 3
+        part = _moe_device(x, wgu, wd, ids, w, offset, num_local)
+        _check(part, _dense_moe(x, wgu, wd, ids, w, range(offset, offset + num_local)), 1e-4)
+        parts.append(np.asarray(part, np.float64))
+    _check(parts[0] + parts[1], dense, 1e-4)  # what the reduce-scatter would sum
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: R.route_metadata(jnp.zeros((4,), jnp.int32), 2),
+        lambda: R.route_metadata(jnp.zeros((4, 2), jnp.int32), 0),
+        lambda: R.gather_rows(jnp.zeros((4,)), jnp.zeros((3,), jnp.int32)),
+        lambda: R.gather_rows(jnp.zeros((4, 8)), jnp.zeros((3, 1), jnp.int32)),
+        lambda: R.gather_rows(jnp.zeros((4, 8)), jnp.zeros((3,), jnp.float32)),
+        lambda: R.gather_reduce(jnp.zeros((4, 8)), jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 3))),
+        lambda: R.gather_reduce(jnp.zeros((4,)), jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 2))),
+        lambda: R.gather_reduce(jnp.zeros((4, 8)), jnp.zeros((2, 2)), jnp.zeros((2, 2))),
+        lambda: R.gather_rows(jnp.zeros((4, 8)), jnp.zeros((3,), jnp.int32), impl="gpu"),
+    ],
+)
+def test_invalid_inputs_raise(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+def test_cost_models():
+    assert R.gather_rows_cost(100, 4096, itemsize=2).bytes_accessed == 2 * 100 * 4096 * 2 + 400
+    c = R.gather_reduce_cost(10, 4, 64, itemsize=4)
+    assert c.flops == 2 * 10 * 4 * 64 and c.bytes_accessed == 50 * 64 * 4 + 8 * 40
