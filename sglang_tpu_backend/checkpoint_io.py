@@ -86,10 +86,15 @@ def read_header(path: str | Path) -> dict[str, TensorEntry]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, end = info["data_offsets"]
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(x) for x in info["shape"])
+            dtype = str(info["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
         if base + end > size:
             raise CheckpointError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
-        entries[name] = TensorEntry(name, path, info["dtype"], tuple(info["shape"]), base + begin, base + end)
+        entries[name] = TensorEntry(name, path, dtype, shape, base + begin, base + end)
     return entries
 
 

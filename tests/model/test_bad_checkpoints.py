@@ -118,3 +118,10 @@ def test_missing_tokenizer_names_directory_and_file(tmp_path):
 
 def test_checkpoint_errors_are_value_errors():
     assert issubclass(CheckpointError, ValueError) and issubclass(ConfigError, ValueError)
+
+
+def test_corrupt_header(tmp_path):
+    write_checkpoint(tmp_path, tensors(), CONFIG)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    msg = error_of(CheckpointError, load_model, tmp_path)
+    assert "model.safetensors" in msg and "corrupt safetensors header" in msg

@@ -116,3 +116,17 @@ def test_padding_ids_have_zero_embeddings_and_logit_rows(model_dir):
     embed, lm_head = np.asarray(params["embed_tokens"]), np.asarray(params["lm_head"])
     assert not embed[n:].any() and not lm_head[:, n:].any()
     assert np.all(np.abs(embed[:n]).max(axis=1) > 0) and np.all(np.abs(lm_head[:, :n]).max(axis=0) > 0)
+
+
+def test_generated_checkpoint_fits_transformers_model_exactly(model_dir):
+    """Every generated tensor has the name and shape of transformers' own (fused) state dict."""
+    torch = pytest.importorskip("torch")
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from sglang_tpu_backend.checkpoint_io import read_checkpoint
+
+    text = json.loads((model_dir / "config.json").read_text())["text_config"]
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{k: v for k, v in text.items() if k != "model_type"}))
+    state = {name.replace("model.language_model.", "model."): torch.from_numpy(t.astype(np.float32))
+             for name, t in read_checkpoint(model_dir).items()}
+    model.load_state_dict(state, strict=True)  # raises on any missing/unexpected/mis-shaped tensor
