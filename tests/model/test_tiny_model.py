@@ -27,6 +27,15 @@ def test_generation_is_deterministic(model_dir, tmp_path):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (again / name).read_bytes() == (ASSET_DIR / name).read_bytes()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
+    # Our writer's files read back identically through the safetensors library itself.
+    from safetensors.numpy import load_file
+
+    from sglang_tpu_backend.checkpoint_io import read_checkpoint
+
+    ours, theirs = read_checkpoint(model_dir), load_file(model_dir / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        assert t.dtype == theirs[name].dtype and np.array_equal(t.view(np.uint8), theirs[name].view(np.uint8))
 
 
 def test_second_call_reuses_the_cache(model_dir, monkeypatch):
