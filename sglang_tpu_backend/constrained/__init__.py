@@ -1,0 +1,1 @@
+"""Grammar-constrained decoding (regex / JSON schema) through llguidance."""

@@ -1,0 +1,109 @@
+"""Regex / JSON-schema constrained decoding per request through llguidance.
+
+``GrammarBackend`` wraps the HF tokenizer once (an ``LLTokenizer``, ~1 s to build);
+``GrammarBackend.compile`` validates a request's regex or JSON schema (raising
+InvalidRequestError naming the field) and returns a per-request ``Grammar`` holding an
+``LLMatcher``. Each step the runner asks ``fill_bitmask`` for the allowed tokens and the
+scheduler feeds the sampled token to ``accept``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from sglang_tpu_backend.managers.io_struct import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class Grammar:
+    """One request's matcher state."""
+
+    def __init__(self, matcher: Any, num_words: int, tokenizer_words: int):
+        self.matcher = matcher
+        self.num_words = num_words  # W of the model vocabulary
+        self._buf = np.zeros((1, tokenizer_words), np.int32)  # llguidance's own width
+
+    def fill_bitmask(self, out: np.ndarray) -> None:
+        """Write the allowed-token mask into ``out`` (i32[W])."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, self._buf, 0)
+        n = min(self.num_words, self._buf.shape[1])
+        out[:n] = self._buf[0, :n]
+        out[n:] = 0
+
+    def accept(self, token: int) -> None:
+        """Consume a sampled token; a rejected token leaves the matcher stopped (logged)."""
+        if not self.matcher.consume_token(token):
+            logger.warning("grammar rejected token %d: %s", token, self.matcher.get_error())
+
+    def is_terminated(self) -> bool:
+        """The grammar accepts nothing more (a complete match, or an error)."""
+        return self.matcher.is_stopped()
+
+
+class GrammarBackend:
+    """Builds per-request grammars for one tokenizer and model vocabulary."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | tuple[int, ...] = ()):
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.num_words = bitmask_words(vocab_size)
+        self._lltok = None
+        self._lock = threading.Lock()
+
+    @property
+    def lltokenizer(self):
+        with self._lock:
+            if self._lltok is None:
+                import llguidance.hf
+
+                eos = self.eos_token_ids or None
+                n_vocab = max(self.vocab_size, len(self.hf_tokenizer))
+                self._lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
+            return self._lltok
+
+    def compile(self, *, regex: str | None = None, json_schema: Any = None) -> Grammar:
+        """Validate and build. Raises InvalidRequestError("sampling_params.regex" / ".json_schema")."""
+        import llguidance
+
+        if regex is not None:
+            field = "sampling_params.regex"
+            grammar = llguidance.LLMatcher.grammar_from_regex(regex)
+        elif json_schema is not None:
+            field = "sampling_params.json_schema"
+            schema = json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequestError(field, f"{field} is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError(field, f"{field} must be a JSON object")
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    schema, defaults={"whitespace_flexible": False}
+                )
+            except (ValueError, TypeError) as e:
+                raise InvalidRequestError(field, f"{field} is invalid: {e}") from None
+        else:
+            raise ValueError("compile needs regex or json_schema")
+        tok = self.lltokenizer
+        err = llguidance.LLMatcher.validate_grammar(grammar, tok)
+        if err and not err.startswith("WARNING"):
+            raise InvalidRequestError(field, f"{field} is invalid: {err}")
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(field, f"{field} is invalid: {matcher.get_error()}")
+        return Grammar(matcher, self.num_words, bitmask_words(tok.vocab_size))

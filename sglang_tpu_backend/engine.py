@@ -1,0 +1,341 @@
+"""Engine: validation, the scheduler loop thread, detokenised SGLang-format outputs.
+
+``generate`` validates a request (InvalidRequestError before anything is allocated), queues
+it, and yields output dicts that the scheduler thread pushes into a per-request
+``asyncio.Queue`` through ``loop.call_soon_threadsafe``. Leaving the iterator early aborts
+the request and frees its KV pages and state slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import jax
+import jax.numpy as jnp
+
+from sglang_tpu_backend.constrained.grammar import GrammarBackend
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
+from sglang_tpu_backend.managers.schedule_batch import Req
+from sglang_tpu_backend.managers.scheduler import Scheduler
+from sglang_tpu_backend.mem_cache.page_pool import PagePool, pages_for
+from sglang_tpu_backend.mem_cache.state_pool import StatePool
+from sglang_tpu_backend.model_executor.model_runner import ModelRunner
+from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
+from sglang_tpu_backend.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+CPU_CONTEXT_CAP = 4096  # default context length on CPU (the reference attention reads P pages)
+TPU_CONTEXT_CAP = 32768
+
+
+class Engine:
+    """One model, one scheduler loop thread. See engine_api.md for the contract."""
+
+    def __init__(self, args: ServerArgs):
+        from sglang_tpu_backend.loader import load_model
+        from sglang_tpu_backend.tokenizer import load_tokenizer
+
+        if args.model_path is None:
+            from sglang_tpu_backend.tiny_model import default_model_path
+
+            args = dataclasses.replace(args, model_path=str(default_model_path()))
+        if args.tokenizer_path is None:
+            args = dataclasses.replace(args, tokenizer_path=args.model_path)
+        self.tokenizer = load_tokenizer(args.tokenizer_path)
+        cfg, params = load_model(args.model_path, dtype=DTYPES[args.dtype])
+        self.model_config = cfg
+        cap = TPU_CONTEXT_CAP if jax.default_backend() == "tpu" else CPU_CONTEXT_CAP
+        context_length = args.context_length or min(cfg.max_position_embeddings, cap)
+        max_total = args.max_total_tokens or args.max_running_requests * min(context_length, 1024)
+        self.args = args = dataclasses.replace(
+            args, context_length=context_length, max_total_tokens=max_total,
+            served_model_name=args.served_model_name or args.model_path,
+        )
+        self.num_pages = max_total // args.page_size
+        self.eos_ids = frozenset(cfg.eos_token_ids) | (
+            frozenset([self.tokenizer.eos_token_id]) if self.tokenizer.eos_token_id is not None else frozenset()
+        )
+        self.page_pool = PagePool(self.num_pages, args.page_size)
+        self.state_pool = StatePool(args.max_running_requests)
+        self.scheduler = Scheduler(
+            self.page_pool, self.state_pool, max_running_requests=args.max_running_requests,
+            max_tokens_per_step=args.max_tokens_per_step,
+        )
+        self.runner = ModelRunner(
+            cfg, params, page_size=args.page_size, num_pages=self.num_pages,
+            num_state_slots=args.max_running_requests, max_running_requests=args.max_running_requests,
+            max_tokens_per_step=args.max_tokens_per_step, context_length=context_length,
+            kv_dtype=DTYPES[args.dtype], impl=args.kernel_impl,
+            max_top_logprobs_num=args.max_top_logprobs_num,
+        )
+        self.grammar_backend = GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
+        self._rng = random.Random(args.random_seed)
+        self.warmup_seconds = 0.0 if args.skip_warmup else self.runner.warmup()
+        self.stats = {"num_requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
+                      "num_steps": 0, "num_errors": 0}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._consumers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self._thread.start()
+
+    # Validation --------------------------------------------------------------------------
+    def _make_req(self, obj: GenerateReqInput) -> Req:
+        V, ctx = self.model_config.vocab_size, self.args.context_length
+        if (obj.text is None) == (obj.input_ids is None):
+            raise InvalidRequestError("text", "exactly one of text / input_ids must be given")
+        if obj.text is not None:
+            if not isinstance(obj.text, str):
+                raise InvalidRequestError("text", "text must be a string")
+            ids = self.tokenizer.encode(obj.text)
+            field = "text"
+        else:
+            ids = obj.input_ids
+            field = "input_ids"
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise InvalidRequestError(field, "input_ids must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise InvalidRequestError(field, f"input_ids contains token id {bad[0]} outside the vocabulary [0, {V})")
+        if not ids:
+            raise InvalidRequestError(field, f"{field} is empty (0 prompt tokens)")
+        P = len(ids)
+        if P >= ctx:
+            raise InvalidRequestError(field, f"the input ({P} tokens) is longer than the context length ({ctx} tokens)")
+        sp = SamplingParams.from_dict(obj.sampling_params)
+        sp.validate(V)
+        if sp.max_new_tokens is None:
+            max_new = min(DEFAULT_MAX_NEW_TOKENS, ctx - P)
+        else:
+            max_new = sp.max_new_tokens
+            if P + max_new > ctx:
+                raise InvalidRequestError(
+                    "sampling_params.max_new_tokens",
+                    f"sampling_params.max_new_tokens ({max_new}) + prompt ({P} tokens) exceeds the "
+                    f"context length ({ctx} tokens)",
+                )
+        if pages_for(P + max_new, self.args.page_size) > self.num_pages:
+            raise InvalidRequestError(
+                "sampling_params.max_new_tokens",
+                f"sampling_params.max_new_tokens: prompt ({P}) + max_new_tokens ({max_new}) exceeds the "
+                f"KV cache capacity ({self.num_pages * self.args.page_size} tokens)",
+            )
+        start = obj.logprob_start_len
+        if start is None or start == -1 or start >= P:
+            start = P - 1
+        if start < 0:
+            raise InvalidRequestError("logprob_start_len", f"logprob_start_len must be >= -1, got {obj.logprob_start_len}")
+        n_top = obj.top_logprobs_num or 0
+        if not 0 <= n_top <= self.runner.max_top_logprobs_num:
+            raise InvalidRequestError(
+                "top_logprobs_num", f"top_logprobs_num must be in [0, {self.runner.max_top_logprobs_num}], got {n_top}"
+            )
+        grammar = None
+        if sp.regex is not None or sp.json_schema is not None:
+            grammar = self.grammar_backend.compile(regex=sp.regex, json_schema=sp.json_schema)
+        rid = obj.rid or uuid.uuid4().hex
+        seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        skip = sp.skip_special_tokens
+
+        def decode(tok_ids: list[int]) -> str:
+            return self.tokenizer.decode(tok_ids, skip_special_tokens=skip)
+
+        return Req(
+            rid, ids, sp, max_new_tokens=max_new, seed=seed, eos_ids=self.eos_ids, context_length=ctx,
+            return_logprob=bool(obj.return_logprob), logprob_start_len=start, top_logprobs_num=n_top,
+            stream=bool(obj.stream), grammar=grammar, decode=decode,
+        )
+
+    # Public API ----------------------------------------------------------------------------
+    async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        req = self._make_req(obj)
+        req.return_text_in_logprobs = bool(obj.return_text_in_logprobs)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if req.rid in self._consumers:
+                raise InvalidRequestError("rid", f"rid {req.rid!r} is already in use")
+            self._consumers[req.rid] = (loop, queue)
+            self.stats["num_requests_total"] += 1
+            self.stats["prompt_tokens_total"] += len(req.prompt_ids)
+            self.scheduler.add_request(req)
+            self._wake.notify()
+        done = False
+        try:
+            while True:
+                out = await queue.get()
+                done = out["meta_info"]["finish_reason"] is not None
+                yield out
+                if done:
+                    return
+        finally:
+            with self._lock:
+                self._consumers.pop(req.rid, None)
+            if not done:
+                self.abort_request(req.rid)
+
+    def abort_request(self, rid: str) -> bool:
+        """Abort a queued or running request; its pages and slot are free on return."""
+        with self._lock:
+            req = self.scheduler.abort(rid, "Aborted by the client or the server")
+            if req is not None:
+                self._deliver([req])
+            return req is not None
+
+    def flush_cache(self) -> bool:
+        """No prefix cache is kept; succeeds (True) only when no request is in flight."""
+        with self._lock:
+            return self.scheduler.is_idle()
+
+    def get_model_info(self) -> dict:
+        return {
+            "model_path": self.args.model_path,
+            "tokenizer_path": self.args.tokenizer_path,
+            "is_generation": True,
+            "served_model_name": self.args.served_model_name,
+            "model_type": self.model_config.model_type,
+            "vocab_size": self.model_config.vocab_size,
+            "context_length": self.args.context_length,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+
+    def get_server_info(self) -> dict:
+        info = self.args.to_dict()
+        with self._lock:
+            info.update(self.stats)
+        stats = self.pool_stats()
+        info.update(stats)
+        info.update({
+            "num_retracted_reqs": stats["num_retracted_total"],
+            "num_pages": self.num_pages,
+            "warmup_seconds": self.warmup_seconds,
+            "token_buckets": list(self.runner.token_buckets),
+            "request_buckets": list(self.runner.req_buckets),
+            "jax_backend": jax.default_backend(),
+            "version": "0.1.0",
+        })
+        return info
+
+    async def health_generate(self) -> bool:
+        first = next(iter(sorted(self.eos_ids)), 0)
+        tok = 1 if first != 1 else 3
+        obj = GenerateReqInput(input_ids=[tok], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        last = None
+        async for out in self.generate(obj):
+            last = out
+        return last is not None and last["meta_info"]["finish_reason"]["type"] != "abort"
+
+    def pool_stats(self) -> dict:
+        with self._lock:
+            return {
+                "kv_pages_used": self.page_pool.num_used,
+                "kv_pages_total": self.page_pool.num_pages,
+                "state_slots_used": self.state_pool.num_used,
+                "state_slots_total": self.state_pool.num_slots,
+                "num_running": self.scheduler.num_running,
+                "num_queued": self.scheduler.num_waiting,
+                "num_retracted_total": self.scheduler.num_retracted_total,
+                "num_aborted_total": self.scheduler.num_aborted_total,
+                "num_finished_total": self.scheduler.num_finished_total,
+                "token_usage": self.page_pool.num_used / self.page_pool.num_pages,
+            }
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            for req in list(self.scheduler.all_requests()):
+                self.scheduler.abort(req.rid, "server shutting down")
+                self._deliver([req])
+            self._wake.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    # Scheduler loop --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and self.scheduler.is_idle():
+                    self._wake.wait()
+                if self._stop:
+                    return
+                batch = self.scheduler.schedule()
+            if batch is None:
+                time.sleep(0.001)
+                continue
+            try:
+                results = self.runner.run(batch)
+            except Exception as e:  # a failed step must not kill the server: fail its requests
+                logger.exception("model step failed")
+                with self._lock:
+                    self.stats["num_errors"] += 1
+                    for c in batch.chunks:
+                        if self.scheduler.abort(c.req.rid, f"internal error: {type(e).__name__}: {e}"):
+                            self._deliver([c.req])
+                continue
+            with self._lock:
+                touched = self.scheduler.process_result(batch, results)
+                self.stats["num_steps"] += 1
+                self.stats["generation_tokens_total"] += sum(1 for c in batch.chunks if c.sample)
+                self._deliver(touched)
+
+    def _deliver(self, reqs: list[Req]) -> None:
+        """Push outputs to consumers (caller holds the lock)."""
+        interval = self.args.stream_interval
+        for req in reqs:
+            target = self._consumers.get(req.rid)
+            if target is None:
+                continue
+            if not req.finished:
+                if not req.stream or len(req.output_ids) - req.num_sent_tokens < interval:
+                    continue
+            req.num_sent_tokens = len(req.output_ids)
+            loop, queue = target
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, self._output(req))
+            except RuntimeError:  # the consumer's loop is closed
+                pass
+
+    def _token_text(self, req: Req, tok: int) -> str | None:
+        return self.tokenizer.decode([tok]) if getattr(req, "return_text_in_logprobs", False) else None
+
+    def _top_entries(self, req: Req, tops: list[tuple[float, int]]) -> list[list]:
+        return [[lp, tid, self._token_text(req, tid)] for lp, tid in tops]
+
+    def _output(self, req: Req) -> dict:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": dict(req.finish_reason) if req.finish_reason else None,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0,
+        }
+        if req.finished:
+            meta["e2e_latency"] = time.monotonic() - req.arrival_time
+        if req.return_logprob:
+            s = req.logprob_start_len
+            in_toks = req.prompt_ids[s:]
+            in_vals = [None] + req.input_logprobs[: len(in_toks) - 1]
+            meta["input_token_logprobs"] = [
+                [lp, t, self._token_text(req, t)] for lp, t in zip(in_vals, in_toks)
+            ]
+            meta["output_token_logprobs"] = [
+                [lp, t, self._token_text(req, t)] for lp, t in zip(req.output_logprobs, req.output_ids)
+            ]
+            if req.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [None] + [
+                    self._top_entries(req, tops) for tops in req.input_top_logprobs[: len(in_toks) - 1]
+                ]
+                meta["output_top_logprobs"] = [self._top_entries(req, tops) for tops in req.output_top_logprobs]
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}

@@ -1,0 +1,1 @@
+"""Request state, scheduling and request/response structs (plain Python)."""

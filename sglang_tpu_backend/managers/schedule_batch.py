@@ -1,0 +1,244 @@
+"""Per-request state (Req), incremental detokenisation, and what one scheduled step holds.
+
+Plain Python: no JAX. Token bookkeeping: a request's token sequence is
+``fill_ids = prompt_ids + output_ids``; ``num_computed`` of them have KV in the request's
+pages and are folded into its GDN state slot. A step computes the next
+``fill_ids[num_computed:num_computed + n]``. After a retraction ``num_computed`` drops to 0
+and the request re-prefills prompt + generated tokens; sampling is keyed on the output
+position, so greedy and seeded results do not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any, Callable
+
+
+class StepKind(enum.IntEnum):
+    """Same values as ``ForwardMode`` (which lives with the jitted model, not here)."""
+
+    EXTEND = 1
+    DECODE = 2
+    MIXED = 3
+
+
+class IncrementalDetokenizer:
+    """Cumulative text of a growing token list, decoding only a short window per step.
+
+    ``decode(ids) -> str`` must be the tokenizer's decode with the request's options. Text
+    ending in U+FFFD (an incomplete UTF-8 sequence) is held back until the next token.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def step(self, ids: list[int]) -> str:
+        """Feed the whole id list so far; returns the newly readable text (also appended)."""
+        prefix = self.decode(ids[self._prefix_offset:self._read_offset])
+        full = self.decode(ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def finish(self, ids: list[int]) -> str:
+        """Exact final text: one full decode."""
+        self.text = self.decode(ids)
+        return self.text
+
+
+class Req:
+    """One request's state from admission to finish.
+
+    Attributes set by the engine at creation: prompt ids, resolved sampling values,
+    ``eos_ids`` (set of ints), ``context_length``, logprob options and an optional grammar
+    matcher (``constrained.grammar.Grammar``).
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        sampling: Any,  # SamplingParams
+        *,
+        max_new_tokens: int,
+        seed: int,
+        eos_ids: frozenset[int] = frozenset(),
+        context_length: int = 1 << 30,
+        return_logprob: bool = False,
+        logprob_start_len: int = 0,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        grammar: Any = None,
+        decode: Callable[[list[int]], str] | None = None,
+    ):
+        if not prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.rid = rid
+        self.prompt_ids = list(prompt_ids)
+        self.sampling = sampling
+        self.max_new_tokens = max_new_tokens
+        self.seed = seed
+        self.eos_ids = eos_ids
+        self.context_length = context_length
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.stream = stream
+        self.grammar = grammar
+
+        self.output_ids: list[int] = []
+        self.num_computed = 0
+        self.pages: list[int] = []
+        self.state_slot: int | None = None
+        self.finish_reason: dict | None = None
+        self.num_retractions = 0
+        self.detok = IncrementalDetokenizer(decode or (lambda ids: ""))
+        self.max_stop_len = max((len(s) for s in sampling.stop), default=0)
+        self.text = ""  # visible cumulative text (stop strings trimmed / held back)
+        # Logprobs: raw values per prompt row / output token.
+        self.input_logprobs: list[float] = []  # for rows logprob_start_len .. P-2
+        self.input_top_logprobs: list[list[tuple[float, int]]] = []
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        # Timing (seconds, time.monotonic()).
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.admit_time: float | None = None
+        self.num_sent_tokens = 0  # output tokens already delivered to the consumer
+
+    # Sequence bookkeeping -----------------------------------------------------------
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_fill(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to be computed before the next sample."""
+        return self.num_fill - self.num_computed
+
+    @property
+    def is_decode_ready(self) -> bool:
+        """Only the last sampled token is missing from the cache: a one-token decode step."""
+        return self.num_computed > 0 and self.num_pending == 1 and len(self.output_ids) > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # Prompt logprobs ------------------------------------------------------------------
+    def input_logprob_rows(self, start: int, n: int) -> range:
+        """Rows in ``[start, start+n)`` whose logits give still-missing prompt logprobs.
+
+        Row ``i`` predicts prompt token ``i + 1``; SGLang reports rows
+        ``logprob_start_len .. P-2`` (the first entry of the answer is a null placeholder).
+        """
+        if not self.return_logprob:
+            return range(0)
+        lo = max(start, self.logprob_start_len + len(self.input_logprobs))
+        hi = min(start + n, len(self.prompt_ids) - 1)
+        return range(lo, max(lo, hi))
+
+    # Finishing ------------------------------------------------------------------------
+    def check_token_finish(self) -> None:
+        """After appending a sampled token: EOS, stop ids, grammar end, length, context."""
+        if self.finished or not self.output_ids:
+            return
+        tok = self.output_ids[-1]
+        n_out = len(self.output_ids)
+        sp = self.sampling
+        if tok in sp.stop_token_ids:
+            self.finish_reason = {"type": "stop", "matched": tok}
+        elif not sp.ignore_eos and tok in self.eos_ids:
+            self.finish_reason = {"type": "stop", "matched": tok}
+        elif self.grammar is not None and self.grammar.is_terminated():
+            self.finish_reason = {"type": "stop", "matched": None}
+        elif n_out >= self.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": self.max_new_tokens}
+        elif self.num_fill >= self.context_length:
+            self.finish_reason = {"type": "length", "length": n_out}
+
+    def update_text(self) -> None:
+        """Detokenise the new tokens, finish on a stop string, set the visible text."""
+        old_len = len(self.detok.text)
+        self.detok.step(self.output_ids)
+        stops = self.sampling.stop
+        if stops and not self.finished:
+            text = self.detok.text
+            begin = max(0, old_len - self.max_stop_len + 1)
+            hits = [(i, s) for s in stops if (i := text.find(s, begin)) >= 0]
+            if hits:
+                i, s = min(hits)
+                self.finish_reason = {"type": "stop", "matched": s}
+                self.text = text[: i + len(s)] if self.sampling.no_stop_trim else text[:i]
+                return
+        if self.finished:
+            if self.finish_reason.get("type") == "stop" and isinstance(self.finish_reason.get("matched"), str):
+                return  # text already trimmed at the stop string
+            self.text = self.detok.finish(self.output_ids)
+            return
+        self.text = self._hold_back_stop_prefix(self.detok.text)
+
+    def _hold_back_stop_prefix(self, text: str) -> str:
+        """Do not show a tail that may turn out to start a stop string."""
+        for k in range(min(self.max_stop_len - 1, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.sampling.stop):
+                return text[:-k]
+        return text
+
+    def abort(self, message: str) -> None:
+        if not self.finished:
+            self.finish_reason = {"type": "abort", "message": message}
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    """One request's part of a step: ``fill_ids[start:start+num_tokens]``.
+
+    logits: "last" (next-token row), "all" (every row; prompt logprobs) or "none".
+    sample: whether to sample a token after this chunk.
+    pages, state_slot: snapshots taken at scheduling time (an abort during the step may
+    free the request's own lists; the pages are only reallocated at the next schedule).
+    """
+
+    req: Req
+    start: int
+    num_tokens: int
+    sample: bool
+    logits: str
+    pages: list[int] = dataclasses.field(default_factory=list)
+    state_slot: int = 0
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    chunks: list[ScheduledChunk]
+    kind: StepKind
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclasses.dataclass
+class ChunkResult:
+    """What the runner hands back for one chunk."""
+
+    next_token: int | None = None
+    logprob: float | None = None  # of the sampled token
+    top_logprobs: list[tuple[float, int]] | None = None
+    input_logprobs: list[float] | None = None  # one per row of req.input_logprob_rows(...)
+    input_top_logprobs: list[list[tuple[float, int]]] | None = None

@@ -1,0 +1,1 @@
+"""KV page and GDN state-slot allocators (plain Python)."""

@@ -1,0 +1,264 @@
+"""ModelRunner: owns params, the KV/state cache, the jitted forward and the jitted sampler;
+turns a ScheduledBatch into bucketed device arrays and hands back per-chunk results.
+
+Buckets (so steady-state serving never recompiles):
+  DECODE:        T = R in ``req_buckets`` (powers of two up to max_running_requests), L = R.
+  EXTEND/MIXED:  T in ``token_buckets`` (powers of two up to max_tokens_per_step),
+                 R = min(T, max req bucket), L = R, or L = T when prompt logprobs need
+                 every row (only distinct when T > R).
+The sampler compiles per (L, R) and per static top-logprob count (0 or max_top_logprobs_num).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledBatch, StepKind
+from sglang_tpu_backend.mem_cache.page_pool import pages_for
+from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
+from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_backend.models import qwen3_5_moe
+from sglang_tpu_backend.sampling import sampler
+
+logger = logging.getLogger(__name__)
+MIN_BUCKET = 8
+
+
+def bucket_ladder(limit: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` below ``limit``, then ``limit`` itself."""
+    out, b = [], min(smallest, limit)
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(limit)
+    return tuple(out)
+
+
+def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _uses_penalties(sp: Any) -> bool:
+    return sp.frequency_penalty != 0 or sp.presence_penalty != 0 or sp.repetition_penalty != 1
+
+
+class ModelRunner:
+    """Device side of the engine. Not thread-safe: the scheduler thread alone calls it."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Any,
+        *,
+        page_size: int,
+        num_pages: int,
+        num_state_slots: int,
+        max_running_requests: int,
+        max_tokens_per_step: int,
+        context_length: int,
+        kv_dtype: Any = jnp.bfloat16,
+        state_dtype: Any = jnp.float32,
+        impl: str = "auto",
+        max_top_logprobs_num: int = 20,
+    ):
+        self.cfg = cfg
+        self.params = params
+        self.page_size = page_size
+        self.impl = impl
+        self.vocab_size = cfg.vocab_size
+        self.num_words = (cfg.vocab_size + 31) // 32
+        self.max_top_logprobs_num = min(max_top_logprobs_num, cfg.vocab_size)
+        self.pages_per_seq = pages_for(context_length, page_size)
+        self.req_buckets = bucket_ladder(max_running_requests)
+        self.token_buckets = bucket_ladder(max(max_tokens_per_step, max_running_requests))
+        self.cache = qwen3_5_moe.init_cache(
+            cfg, num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
+            kv_dtype=kv_dtype, state_dtype=state_dtype,
+        )
+        self.counts = jnp.zeros((num_state_slots, cfg.vocab_size), jnp.int32)  # i32[S, V]
+        self.prompt_mask = jnp.zeros((num_state_slots, cfg.vocab_size), jnp.bool_)  # bool[S, V]
+        self._forward = jax.jit(
+            qwen3_5_moe.forward, static_argnames=("cfg", "impl"), donate_argnames=("cache",)
+        )
+
+    # Shapes ---------------------------------------------------------------------------
+    def shapes_for(self, kind: StepKind, num_tokens: int, num_reqs: int, num_rows: int) -> tuple[int, int, int]:
+        """Bucketed (T, R, L) for a step."""
+        if kind == StepKind.DECODE:
+            r = pick_bucket(self.req_buckets, num_reqs)
+            return r, r, r
+        t = pick_bucket(self.token_buckets, num_tokens)
+        r = min(t, self.req_buckets[-1])
+        return t, r, (r if num_rows <= r else t)
+
+    def all_shapes(self) -> list[tuple[StepKind, int, int, int]]:
+        """Every (kind, T, R, L) variant serving can produce (what warmup compiles)."""
+        out = [(StepKind.DECODE, r, r, r) for r in self.req_buckets]
+        for kind in (StepKind.EXTEND, StepKind.MIXED):
+            for t in self.token_buckets:
+                r = min(t, self.req_buckets[-1])
+                out.append((kind, t, r, r))
+                if t > r:
+                    out.append((kind, t, r, t))
+        return out
+
+    # Step -----------------------------------------------------------------------------
+    def forward(self, fb: ForwardBatch) -> jax.Array:
+        """The pure jitted forward; updates the cache in place (donated). f32[L, V] logits."""
+        logits, self.cache = self._forward(self.params, self.cache, fb, cfg=self.cfg, impl=self.impl)
+        return logits
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, sampler.SamplingInputs, list[np.ndarray], int]:
+        """Numpy ForwardBatch + SamplingInputs for a step, the logits rows of each chunk, and K."""
+        seq_chunks = []
+        for c in batch.chunks:
+            ids = c.req.fill_ids[c.start:c.start + c.num_tokens]
+            seq_chunks.append(SeqChunk(ids, c.start, c.pages, c.state_slot, c.logits))
+        num_rows = sum({"all": c.num_tokens, "last": 1, "none": 0}[c.logits] for c in batch.chunks)
+        T, R, L = self.shapes_for(batch.kind, batch.num_tokens, len(batch.chunks), num_rows)
+        fb, rows = build_forward_batch(
+            seq_chunks, page_size=self.page_size, mode=ForwardMode(int(batch.kind)), num_tokens=T,
+            num_seqs=R, pages_per_seq=self.pages_per_seq, num_logits=L,
+        )
+        want_lp = any(c.req.return_logprob for c in batch.chunks)
+        K = self.max_top_logprobs_num if want_lp else 0
+        inp = self._sampling_inputs(batch, rows, R, L)
+        return fb, inp, rows, K
+
+    def _sampling_inputs(self, batch: ScheduledBatch, rows: list[np.ndarray], R: int, L: int) -> sampler.SamplingInputs:
+        f32 = lambda v: np.full(R, v, np.float32)  # noqa: E731
+        sample_rows = np.zeros(R, np.int32)
+        valid = np.zeros(R, np.bool_)
+        temperature, top_p, min_p = f32(0.0), f32(1.0), f32(0.0)
+        top_k = np.zeros(R, np.int32)
+        freq, pres, rep = f32(0.0), f32(0.0), f32(1.0)
+        seed_lo = np.zeros(R, np.uint32)
+        seed_hi = np.zeros(R, np.uint32)
+        step = np.zeros(R, np.int32)
+        slot = np.zeros(R, np.int32)
+        bitmask = np.full((R, self.num_words), -1, np.int32)
+        target_ids = np.zeros(L, np.int32)
+        for i, (c, r) in enumerate(zip(batch.chunks, rows)):
+            req, sp = c.req, c.req.sampling
+            slot[i] = c.state_slot
+            if c.logits == "all":
+                fill = req.fill_ids
+                nxt = [fill[p + 1] if p + 1 < len(fill) else 0 for p in range(c.start, c.start + c.num_tokens)]
+                target_ids[r] = nxt
+            if not c.sample:
+                continue
+            sample_rows[i] = r[-1]
+            valid[i] = True
+            temperature[i] = sp.temperature
+            top_p[i], top_k[i], min_p[i] = sp.top_p, sp.top_k_or_off, sp.min_p
+            freq[i], pres[i], rep[i] = sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty
+            seed_lo[i], seed_hi[i] = req.seed & 0xFFFFFFFF, (req.seed >> 32) & 0xFFFFFFFF
+            step[i] = len(req.output_ids)
+            if req.grammar is not None:
+                req.grammar.fill_bitmask(bitmask[i])
+            if len(req.output_ids) < sp.min_new_tokens:
+                banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_ids))
+                words = bitmask.view(np.uint32)
+                for t in banned:
+                    if 0 <= t < self.vocab_size:
+                        words[i, t // 32] &= ~np.uint32(1 << (t % 32))
+        return sampler.SamplingInputs(
+            sample_rows=sample_rows, valid=valid, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
+            seed_lo=seed_lo, seed_hi=seed_hi, step=step, slot=slot, bitmask=bitmask, target_ids=target_ids,
+        )
+
+    def _reset_penalties(self, batch: ScheduledBatch) -> None:
+        for c in batch.chunks:
+            if c.start != 0 or not _uses_penalties(c.req.sampling):
+                continue
+            req = c.req
+            a = pick_bucket(bucket_ladder(1 << 30, 16), len(req.prompt_ids))
+            b = pick_bucket(bucket_ladder(1 << 30, 16), max(1, len(req.output_ids)))
+            p = np.full(a, self.vocab_size, np.int32)
+            p[: len(req.prompt_ids)] = req.prompt_ids
+            o = np.full(b, self.vocab_size, np.int32)
+            o[: len(req.output_ids)] = req.output_ids
+            self.counts, self.prompt_mask = sampler.reset_penalty_rows_jit(
+                self.counts, self.prompt_mask, np.int32(c.state_slot), p, o
+            )
+
+    def sample(self, logits: jax.Array, inp: sampler.SamplingInputs, K: int) -> dict[str, np.ndarray]:
+        out = sampler.sample_jit(logits, self.counts, self.prompt_mask, inp, num_top_logprobs=K)
+        self.counts = out.pop("counts")
+        return jax.device_get(out)
+
+    def run(self, batch: ScheduledBatch) -> list[ChunkResult]:
+        """Run one step: forward, sample, and split the outputs per chunk."""
+        self._reset_penalties(batch)
+        fb, inp, rows, K = self.prepare(batch)
+        logits = self.forward(fb)
+        out = self.sample(logits, inp, K)
+        results = []
+        for i, (c, r) in enumerate(zip(batch.chunks, rows)):
+            req = c.req
+            res = ChunkResult()
+            n_top = req.top_logprobs_num
+            lp_rows = req.input_logprob_rows(c.start, c.num_tokens)
+            if lp_rows:
+                idx = r[np.asarray(lp_rows) - c.start]
+                res.input_logprobs = [float(x) for x in out["row_logprobs"][idx]]
+                res.input_top_logprobs = [
+                    list(zip(out["row_top_logprobs"][j, :n_top].tolist(), out["row_top_ids"][j, :n_top].tolist()))
+                    for j in idx
+                ]
+            if c.sample:
+                res.next_token = int(out["tokens"][i])
+                res.logprob = float(out["logprobs"][i])
+                if K and n_top:
+                    res.top_logprobs = list(zip(out["top_logprobs"][i, :n_top].tolist(),
+                                                out["top_ids"][i, :n_top].tolist()))
+            results.append(res)
+        return results
+
+    # Warmup ---------------------------------------------------------------------------
+    def dummy_batch(self, kind: StepKind, T: int, R: int, L: int) -> ForwardBatch:
+        """An all-padding batch (num_seqs = 0) of the given shape: writes nothing."""
+        return ForwardBatch(
+            input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+            cu_q_lens=np.zeros(R + 1, np.int32), kv_lens=np.zeros(R, np.int32),
+            page_table=np.zeros((R, self.pages_per_seq), np.int32), state_slots=np.zeros(R, np.int32),
+            num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(L, np.int32),
+            mode=ForwardMode(int(kind)),
+        )
+
+    def dummy_sampling_inputs(self, R: int, L: int) -> sampler.SamplingInputs:
+        z = np.zeros(R, np.int32)
+        f = np.zeros(R, np.float32)
+        return sampler.SamplingInputs(
+            sample_rows=z, valid=np.zeros(R, np.bool_), temperature=f, top_p=f + 1, top_k=z, min_p=f,
+            frequency_penalty=f, presence_penalty=f, repetition_penalty=f + 1,
+            seed_lo=z.astype(np.uint32), seed_hi=z.astype(np.uint32), step=z, slot=z,
+            bitmask=np.full((R, self.num_words), -1, np.int32), target_ids=np.zeros(L, np.int32),
+        )
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every forward and sampler variant; returns seconds taken."""
+        from tqdm import tqdm
+
+        shapes = self.all_shapes()
+        t0 = time.perf_counter()
+        for kind, T, R, L in tqdm(shapes, desc="warmup (compile)", disable=not progress):
+            logits = self.forward(self.dummy_batch(kind, T, R, L))
+            inp = self.dummy_sampling_inputs(R, L)
+            self.sample(logits, inp, 0)
+            self.sample(logits, inp, self.max_top_logprobs_num)
+        jax.block_until_ready(self.cache)
+        dt = time.perf_counter() - t0
+        logger.info("warmup compiled %d step shapes in %.1f s", len(shapes), dt)
+        return dt

@@ -1,0 +1,168 @@
+"""The jitted sampler: penalties, grammar mask, temperature, top-k/top-p/min-p, seeded draws,
+logprobs of the chosen token and top alternatives, and prompt-row logprobs.
+
+Dimension letters: L logits rows from the forward, R requests (sampling rows), V vocab,
+S penalty-state rows (one per GDN state slot), W = ceil(V / 32) bitmask words,
+K top logprobs returned.
+
+Penalty state lives on the device between steps: ``counts i32[S, V]`` counts each slot's
+output tokens, ``prompt_mask bool[S, V]`` marks its prompt tokens. ``reset_penalty_rows``
+fills a slot's rows when a request (re)starts; ``sample`` adds each sampled token.
+SGLang semantics: frequency/presence penalties see output tokens only; repetition
+penalty sees prompt and output tokens (positive logits divided, negative multiplied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingInputs:
+    """Per-request sampling values of one step (row r = request r; padding rows past the real ones).
+
+    sample_rows:  i32[R] row of ``logits`` holding request r's next-token logits.
+    valid:        bool[R] row is a real request that samples this step.
+    temperature:  f32[R] 0 = greedy.
+    top_p, min_p: f32[R] (1.0 / 0.0 = off).
+    top_k:        i32[R] (0 = off).
+    frequency_penalty, presence_penalty, repetition_penalty: f32[R] (0, 0, 1 = off).
+    seed_lo, seed_hi: u32[R] halves of the per-request seed.
+    step:         i32[R] index of the output token being sampled (key = f(seed, step)).
+    slot:         i32[R] penalty-state row.
+    bitmask:      i32[R, W] allowed tokens, bit ``t % 32`` of word ``t // 32`` (-1 = all).
+    target_ids:   i32[L] token whose logprob each logits row reports (prompt logprobs).
+    """
+
+    sample_rows: jax.Array
+    valid: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    frequency_penalty: jax.Array
+    presence_penalty: jax.Array
+    repetition_penalty: jax.Array
+    seed_lo: jax.Array
+    seed_hi: jax.Array
+    step: jax.Array
+    slot: jax.Array
+    bitmask: jax.Array
+    target_ids: jax.Array
+
+
+def apply_penalties(logits, counts, prompt_mask, freq, pres, rep):
+    """logits f32[R, V], counts i32[R, V], prompt_mask bool[R, V], penalties f32[R] -> f32[R, V]."""
+    c = counts.astype(jnp.float32)
+    logits = logits - freq[:, None] * c - pres[:, None] * (c > 0)
+    seen = (counts > 0) | prompt_mask
+    r = rep[:, None]
+    penalised = jnp.where(logits > 0, logits / r, logits * r)
+    return jnp.where(seen, penalised, logits)
+
+
+def apply_bitmask(logits, bitmask):
+    """logits f32[R, V], bitmask i32[R, W] -> f32[R, V] with disallowed tokens at -inf."""
+    V = logits.shape[-1]
+    ids = jnp.arange(V, dtype=jnp.int32)
+    words = bitmask[:, ids // 32]  # i32[R, V]
+    allowed = ((words >> (ids % 32)) & 1).astype(jnp.bool_)
+    return jnp.where(allowed, logits, NEG_INF)
+
+
+def top_k_top_p_min_p_mask(probs, top_k, top_p, min_p):
+    """Which tokens survive, judged on the unfiltered probs (SGLang's order-free rule).
+
+    probs f32[R, V]; top_k i32[R] (0 = off); top_p, min_p f32[R]. Returns bool[R, V].
+    Keeps rank < k, tokens whose preceding cumulative mass is <= top_p, and probs >= min_p
+    times the largest; the most likely token always survives.
+    """
+    R, V = probs.shape
+    order = jnp.argsort(-probs, axis=-1)  # i32[R, V] descending
+    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+    rank = jnp.arange(V, dtype=jnp.int32)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    cum_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    keep &= cum_before <= top_p[:, None]
+    keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
+    keep |= rank == 0
+    rows = jnp.arange(R)[:, None]
+    return jnp.zeros((R, V), jnp.bool_).at[rows, order].set(keep)
+
+
+def _row_keys(seed_lo, seed_hi, step):
+    def one(lo, hi, t):
+        k = jax.random.fold_in(jax.random.PRNGKey(lo), hi)
+        return jax.random.fold_in(k, t)
+
+    return jax.vmap(one)(seed_lo, seed_hi, step)
+
+
+def _top(logprobs, k):
+    vals, ids = jax.lax.top_k(logprobs, k)
+    return vals, ids.astype(jnp.int32)
+
+
+def sample(logits, counts, prompt_mask, inp: SamplingInputs, *, num_top_logprobs: int = 0):
+    """Sample one token per request row.
+
+    Args:
+      logits:      f32[L, V] forward output.
+      counts:      i32[S, V] output-token counts per penalty slot (updated and returned).
+      prompt_mask: bool[S, V] prompt tokens per penalty slot.
+      inp:         SamplingInputs with R rows.
+      num_top_logprobs: static K; 0 skips every logprob output but the chosen token's.
+
+    Returns:
+      dict with ``tokens`` i32[R], ``logprobs`` f32[R] (of the chosen token, after penalties,
+      mask and temperature), and when K > 0 ``top_logprobs`` f32[R, K], ``top_ids`` i32[R, K],
+      ``row_logprobs`` f32[L] (raw log-softmax at ``target_ids``), ``row_top_logprobs``
+      f32[L, K], ``row_top_ids`` i32[L, K]; and the updated ``counts``.
+    """
+    x = logits[inp.sample_rows]  # f32[R, V]
+    slot_counts = counts[inp.slot]  # i32[R, V]
+    x = apply_penalties(
+        x, slot_counts, prompt_mask[inp.slot],
+        inp.frequency_penalty, inp.presence_penalty, inp.repetition_penalty,
+    )
+    x = apply_bitmask(x, inp.bitmask)
+    greedy = inp.temperature <= 0.0
+    temp = jnp.where(greedy, 1.0, inp.temperature)
+    scaled = x / temp[:, None]
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)  # f32[R, V]
+    keep = top_k_top_p_min_p_mask(jnp.exp(logprobs), inp.top_k, inp.top_p, inp.min_p)
+    filtered = jnp.where(keep, scaled, NEG_INF)
+    keys = _row_keys(inp.seed_lo, inp.seed_hi, inp.step)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    tokens = jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), drawn)  # i32[R]
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    counts = counts.at[inp.slot, tokens].add(inp.valid.astype(counts.dtype))
+    out = {"tokens": tokens, "logprobs": chosen, "counts": counts}
+    if num_top_logprobs > 0:
+        out["top_logprobs"], out["top_ids"] = _top(logprobs, num_top_logprobs)
+        raw = jax.nn.log_softmax(logits, axis=-1)  # f32[L, V]
+        out["row_logprobs"] = jnp.take_along_axis(raw, inp.target_ids[:, None], axis=-1)[:, 0]
+        out["row_top_logprobs"], out["row_top_ids"] = _top(raw, num_top_logprobs)
+    return out
+
+
+def reset_penalty_rows(counts, prompt_mask, slot, prompt_ids, output_ids):
+    """Refill one slot's penalty rows for a request (re)starting.
+
+    counts i32[S, V], prompt_mask bool[S, V], slot i32[], prompt_ids i32[A], output_ids i32[B];
+    ids >= V (padding) are dropped.
+    """
+    V = counts.shape[1]
+    c = jnp.zeros((V,), counts.dtype).at[output_ids].add(1, mode="drop")
+    m = jnp.zeros((V,), jnp.bool_).at[prompt_ids].set(True, mode="drop")
+    return counts.at[slot].set(c), prompt_mask.at[slot].set(m)
+
+
+sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs",), donate_argnames=("counts",))
+reset_penalty_rows_jit = jax.jit(reset_penalty_rows, donate_argnames=("counts", "prompt_mask"))

@@ -1,0 +1,151 @@
+"""SGLang's per-request sampling parameters, parsed from the request dict and validated."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sglang_tpu_backend.managers.io_struct import InvalidRequestError
+
+DEFAULT_MAX_NEW_TOKENS = 128
+# Accepted for SGLang compatibility but without effect here.
+_IGNORED_KEYS = frozenset({"n", "stream_interval", "custom_params", "logit_bias", "sampling_seed"})
+_UNSUPPORTED_KEYS = frozenset({"ebnf", "structural_tag", "lora_path"})
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Fields as SGLang names them. ``top_k <= 0`` (SGLang's -1) disables top-k.
+
+    ``max_new_tokens`` None means "the default, clamped to what the context leaves" (the
+    engine resolves it). ``temperature == 0`` is greedy.
+    """
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    regex: str | None = None
+    json_schema: str | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        """Parse a request's ``sampling_params``; None values take the defaults.
+
+        Raises:
+          InvalidRequestError: unknown or unsupported key, or a value of the wrong type.
+        """
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise InvalidRequestError("sampling_params", "sampling_params must be an object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            field = f"sampling_params.{key}"
+            if key in _UNSUPPORTED_KEYS and value is not None:
+                raise InvalidRequestError(field, f"{field} is not supported by this server")
+            if key in _IGNORED_KEYS or key in _UNSUPPORTED_KEYS:
+                continue
+            if key not in names:
+                raise InvalidRequestError(field, f"unknown sampling parameter {key!r}")
+            if value is not None:
+                kwargs[key] = value
+        if "stop" in kwargs and isinstance(kwargs["stop"], str):
+            kwargs["stop"] = [kwargs["stop"]]
+        if "stop_token_ids" in kwargs and isinstance(kwargs["stop_token_ids"], int):
+            kwargs["stop_token_ids"] = [kwargs["stop_token_ids"]]
+        sp = cls(**kwargs)
+        sp._check_types()
+        return sp
+
+    def _check_types(self) -> None:
+        def bad(name: str, what: str):
+            raise InvalidRequestError(f"sampling_params.{name}", f"sampling_params.{name} must be {what}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        for name in ("max_new_tokens", "seed"):
+            v = getattr(self, name)
+            if v is not None and not is_int(v):
+                bad(name, "an integer")
+        for name in ("min_new_tokens", "top_k"):
+            if not is_int(getattr(self, name)):
+                bad(name, "an integer")
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            if not is_num(getattr(self, name)):
+                bad(name, "a number")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "a boolean")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            bad("stop", "a string or a list of strings")
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) for t in self.stop_token_ids):
+            bad("stop_token_ids", "a list of integers")
+        if self.regex is not None and not isinstance(self.regex, str):
+            bad("regex", "a string")
+        if self.json_schema is not None and not isinstance(self.json_schema, (str, dict)):
+            bad("json_schema", "a JSON string")
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Range checks; raises InvalidRequestError naming the field."""
+        def bad(name: str, what: str):
+            raise InvalidRequestError(f"sampling_params.{name}", f"sampling_params.{name} {what}")
+
+        self._check_types()
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            bad("max_new_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            bad("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            bad("min_new_tokens", f"({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            bad("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not 0 < self.repetition_penalty <= 2:
+            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.regex is not None and self.json_schema is not None:
+            bad("regex", "and sampling_params.json_schema cannot both be set")
+        if any(s == "" for s in self.stop):
+            bad("stop", "must not contain empty strings")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            bad("seed", f"must be in [0, 2^63), got {self.seed}")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    bad("stop_token_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def top_k_or_off(self) -> int:
+        """top_k with 0 meaning off (the sampler's convention)."""
+        return 0 if self.top_k <= 0 else self.top_k

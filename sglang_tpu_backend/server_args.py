@@ -1,0 +1,135 @@
+"""Server configuration: one frozen dataclass, built once from the command line (SGLang flag names).
+
+Defaults are sized for the embedded tiny model on a CPU. On a TPU host raise ``page_size``
+(256), ``chunked_prefill_size`` (1024) and ``max_total_tokens`` to what HBM holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+DTYPES = ("bfloat16", "float32", "float16")
+KERNEL_IMPLS = ("auto", "pallas", "interpret", "reference")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerArgs:
+    """Everything the engine and the HTTP server are configured with.
+
+    Sizes are in tokens unless the name says pages/requests/bytes. ``None`` means "derive a
+    default": ``model_path`` -> the embedded tiny model, ``tokenizer_path`` -> ``model_path``,
+    ``context_length`` -> the model's ``max_position_embeddings`` (capped at 32768),
+    ``max_total_tokens`` -> ``max_running_requests * min(context_length, 1024)``,
+    ``served_model_name`` -> ``model_path``.
+    """
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    page_size: int = 16
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 256
+    max_total_tokens: int | None = None
+    context_length: int | None = None
+    api_key: str | None = None
+    enable_metrics: bool = False
+    dp_size: int = 1
+    ep_size: int = 1
+    dtype: str = "bfloat16"
+    kernel_impl: str = "auto"
+    random_seed: int = 0
+    served_model_name: str | None = None
+    skip_warmup: bool = False
+    stream_interval: int = 1
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    max_top_logprobs_num: int = 20
+    log_level: str = "info"
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag for any unusable value."""
+        def positive(name: str, value: int | None, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+        positive("page_size", self.page_size)
+        positive("max_running_requests", self.max_running_requests)
+        positive("chunked_prefill_size", self.chunked_prefill_size)
+        positive("max_total_tokens", self.max_total_tokens, allow_none=True)
+        positive("context_length", self.context_length, allow_none=True)
+        positive("stream_interval", self.stream_interval)
+        positive("max_request_body_bytes", self.max_request_body_bytes)
+        positive("max_top_logprobs_num", self.max_top_logprobs_num)
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.dp_size != 1 or self.ep_size != 1:
+            raise ValueError(
+                f"--dp-size {self.dp_size} / --ep-size {self.ep_size}: this engine runs one "
+                "data-parallel rank without expert parallelism; only --dp-size 1 --ep-size 1 "
+                "are supported"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kernel_impl not in KERNEL_IMPLS:
+            raise ValueError(f"--kernel-impl must be one of {KERNEL_IMPLS}, got {self.kernel_impl!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(
+                f"--max-total-tokens {self.max_total_tokens} is smaller than one page "
+                f"(--page-size {self.page_size})"
+            )
+
+    @property
+    def max_tokens_per_step(self) -> int:
+        """Token rows one step may hold: a prefill chunk budget that always fits all decodes."""
+        return max(self.chunked_prefill_size, self.max_running_requests)
+
+    # CLI ---------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = ServerArgs
+        a = parser.add_argument
+        a("--model-path", type=str, default=d.model_path,
+          help="checkpoint directory (default: the embedded tiny model)")
+        a("--tokenizer-path", type=str, default=d.tokenizer_path)
+        a("--host", type=str, default=d.host)
+        a("--port", type=int, default=d.port)
+        a("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+        a("--max-running-requests", type=int, default=d.max_running_requests)
+        a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+          help="max prefill tokens per step")
+        a("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV cache capacity in tokens")
+        a("--context-length", type=int, default=d.context_length)
+        a("--api-key", type=str, default=d.api_key)
+        a("--enable-metrics", action="store_true", default=d.enable_metrics)
+        a("--dp-size", type=int, default=d.dp_size)
+        a("--ep-size", type=int, default=d.ep_size)
+        a("--dtype", type=str, default=d.dtype, choices=DTYPES)
+        a("--kernel-impl", type=str, default=d.kernel_impl, choices=KERNEL_IMPLS)
+        a("--random-seed", type=int, default=d.random_seed)
+        a("--served-model-name", type=str, default=d.served_model_name)
+        a("--skip-warmup", action="store_true", default=d.skip_warmup)
+        a("--stream-interval", type=int, default=d.stream_interval)
+        a("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
+        a("--max-top-logprobs-num", type=int, default=d.max_top_logprobs_num)
+        a("--log-level", type=str, default=d.log_level, choices=LOG_LEVELS)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if d.get("api_key"):
+            d["api_key"] = "***"
+        return d
