@@ -37,11 +37,14 @@ class Scheduler:
         *,
         max_running_requests: int,
         max_tokens_per_step: int,
+        max_logits_rows: int | None = None,
     ):
         self.page_pool = page_pool
         self.state_pool = state_pool
         self.max_running_requests = min(max_running_requests, state_pool.num_slots)
         self.max_tokens_per_step = max_tokens_per_step
+        # Logits rows per step (one per sampling request, one per prompt-logprob row).
+        self.max_logits_rows = max_logits_rows or self.max_running_requests
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
         self.num_retracted_total = 0
@@ -129,6 +132,17 @@ class Scheduler:
         return ScheduledChunk(req=req, start=start, num_tokens=n, sample=sample, logits=logits,
                               pages=list(req.pages), state_slot=req.state_slot)
 
+    def _limit_rows(self, req: Req, n: int) -> int:
+        """Shrink a prefill chunk that needs a logits row per token to the rows left."""
+        if n > 0 and req.input_logprob_rows(req.num_computed, n):
+            return min(n, self._rows_left)
+        return n
+
+    def _prefill_chunk(self, req: Req, n: int) -> ScheduledChunk:
+        chunk = self._chunk(req, n)
+        self._rows_left -= {"all": n, "last": 1, "none": 0}[chunk.logits]
+        return chunk
+
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's chunks (allocating their pages), or None when idle."""
         while True:
@@ -157,15 +171,16 @@ class Scheduler:
                 chunks.append(self._chunk(req, 1))
         num_decodes = len(chunks)
         budget = self.max_tokens_per_step - num_decodes
+        self._rows_left = self.max_logits_rows - num_decodes
         # 2. Running requests in the middle of a (chunked) prefill.
         for req in self.running:
-            if budget <= 0:
+            if budget <= 0 or self._rows_left <= 0:
                 break
             if req.is_decode_ready or req.num_pending <= 0:
                 continue
-            n = self._tokens_that_fit(req, min(req.num_pending, budget))
+            n = self._limit_rows(req, self._tokens_that_fit(req, min(req.num_pending, budget)))
             if n > 0 and self._ensure_pages(req, req.num_computed + n):
-                chunks.append(self._chunk(req, n))
+                chunks.append(self._prefill_chunk(req, n))
                 budget -= n
         # 3. Admit waiting requests (FIFO), keeping a page per running decode in reserve.
         reserve = sum(1 for r in self.running if r.is_decode_ready)
@@ -173,11 +188,13 @@ class Scheduler:
             self.waiting
             and self.num_retracted_total == retracted_before  # no re-admission thrash
             and budget > 0
+            and self._rows_left > 0
             and len(self.running) < self.max_running_requests
             and self.state_pool.can_allocate()
         ):
             req = self.waiting[0]
             n = self._tokens_that_fit(req, min(req.num_pending, budget), reserve_pages=reserve)
+            n = self._limit_rows(req, n)
             if n <= 0:
                 break
             self.waiting.popleft()
@@ -187,7 +204,7 @@ class Scheduler:
             self.running.append(req)
             if not self._ensure_pages(req, req.num_computed + n):  # cannot fail: checked above
                 raise RuntimeError("page accounting error")
-            chunks.append(self._chunk(req, n))
+            chunks.append(self._prefill_chunk(req, n))
             budget -= n
         if not chunks:
             return None

@@ -2,12 +2,12 @@
 turns a ScheduledBatch into bucketed device arrays and hands back per-chunk results.
 
 Buckets (so steady-state serving never recompiles):
-  DECODE:        T = R in ``req_buckets`` (powers of two up to max_running_requests), L = R.
+  DECODE:        T = R = L in ``req_buckets`` (powers of two up to max_running_requests).
   EXTEND/MIXED:  T in ``token_buckets`` (powers of two up to max_tokens_per_step),
-                 R = min(T, max req bucket), L = R, or L = T when prompt logprobs need
-                 every row (only distinct when T > R).
-The sampler compiles per (L, R) and per static top-logprob count (0 or max_top_logprobs_num).
-"""
+                 R = L in ``extend_req_buckets`` (factors of four up to max_running_requests),
+                 covering both the requests and the logits rows (the scheduler keeps logits
+                 rows per step <= max_running_requests, chunking prompt-logprob prefills).
+The sampler compiles per R and per static top-logprob count (0 or max_top_logprobs_num).
 
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ logger = logging.getLogger(__name__)
 MIN_BUCKET = 8
 
 
-def bucket_ladder(limit: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` below ``limit``, then ``limit`` itself."""
+def bucket_ladder(limit: int, smallest: int = MIN_BUCKET, factor: int = 2) -> tuple[int, ...]:
+    """Powers of ``factor`` from ``smallest`` below ``limit``, then ``limit`` itself."""
     out, b = [], min(smallest, limit)
     while b < limit:
         out.append(b)
-        b *= 2
+        b *= factor
     out.append(limit)
     return tuple(out)
 
@@ -80,6 +80,7 @@ class ModelRunner:
         self.max_top_logprobs_num = min(max_top_logprobs_num, cfg.vocab_size)
         self.pages_per_seq = pages_for(context_length, page_size)
         self.req_buckets = bucket_ladder(max_running_requests)
+        self.extend_req_buckets = bucket_ladder(max_running_requests, factor=4)
         self.token_buckets = bucket_ladder(max(max_tokens_per_step, max_running_requests))
         self.cache = qwen3_5_moe.init_cache(
             cfg, num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
@@ -98,18 +99,19 @@ class ModelRunner:
             r = pick_bucket(self.req_buckets, num_reqs)
             return r, r, r
         t = pick_bucket(self.token_buckets, num_tokens)
-        r = min(t, self.req_buckets[-1])
-        return t, r, (r if num_rows <= r else t)
+        r = pick_bucket(self.extend_req_buckets, max(num_reqs, num_rows, 1))
+        return t, r, r
 
     def all_shapes(self) -> list[tuple[StepKind, int, int, int]]:
         """Every (kind, T, R, L) variant serving can produce (what warmup compiles)."""
         out = [(StepKind.DECODE, r, r, r) for r in self.req_buckets]
         for kind in (StepKind.EXTEND, StepKind.MIXED):
             for t in self.token_buckets:
-                r = min(t, self.req_buckets[-1])
-                out.append((kind, t, r, r))
-                if t > r:
-                    out.append((kind, t, r, t))
+                prev = 0
+                for r in self.extend_req_buckets:
+                    if prev < t:  # some count n in (prev, r] with n <= t picks r
+                        out.append((kind, t, r, r))
+                    prev = r
         return out
 
     # Step -----------------------------------------------------------------------------

@@ -1,0 +1,292 @@
+"""Plain-Python tests of the pools, request state and scheduler, driven by a fake model.
+
+The fake model keeps, per state slot, the tokens it has "seen" (standing in for KV pages +
+GDN state) and returns next token = hash of that sequence, so a scheduler that feeds a
+request's tokens wrongly (gaps, repeats, stale slot after retraction) changes the output.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_tpu_backend.managers.io_struct import InvalidRequestError
+from sglang_tpu_backend.managers.schedule_batch import ChunkResult, IncrementalDetokenizer, Req, StepKind
+from sglang_tpu_backend.managers.scheduler import Scheduler
+from sglang_tpu_backend.mem_cache.page_pool import PagePool, pages_for
+from sglang_tpu_backend.mem_cache.state_pool import StatePool
+from sglang_tpu_backend.sampling.sampling_params import SamplingParams
+
+V = 97
+EOS = 3
+
+
+def next_token(seq: list[int]) -> int:
+    h = 0
+    for t in seq:
+        h = (h * 131 + t + 7) % 1_000_003
+    return 10 + h % (V - 10)  # never EOS unless asked
+
+
+class FakeModel:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.seen: dict[int, list[int]] = {}
+        self.steps: list = []
+
+    def run(self, batch) -> list[ChunkResult]:
+        self.steps.append(batch)
+        used_pages: set[int] = set()
+        out = []
+        for c in batch.chunks:
+            req = c.req
+            assert c.start == req.num_computed
+            assert len(c.pages) * self.page_size >= c.start + c.num_tokens  # pages cover the KV
+            assert not used_pages & set(c.pages), "two requests share a page"
+            used_pages |= set(c.pages)
+            if c.start == 0:
+                self.seen[c.state_slot] = []
+            seen = self.seen[c.state_slot]
+            assert len(seen) == c.start, "state slot does not hold the request's context"
+            seen.extend(req.fill_ids[c.start:c.start + c.num_tokens])
+            res = ChunkResult()
+            if c.sample:
+                res.next_token = next_token(seen)
+            if c.logits == "all":
+                rows = req.input_logprob_rows(c.start, c.num_tokens)
+                res.input_logprobs = [-float(r) for r in rows]
+            out.append(res)
+        return out
+
+
+def make_req(rid, prompt, max_new, **sp) -> Req:
+    params = SamplingParams.from_dict({"max_new_tokens": max_new, **sp})
+    return Req(rid, prompt, params, max_new_tokens=max_new, seed=0, eos_ids=frozenset([EOS]))
+
+
+def reference(prompt, max_new) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(max_new):
+        t = next_token(seq)
+        out.append(t)
+        seq.append(t)
+    return out
+
+
+def drive(sched: Scheduler, model: FakeModel, max_steps=10_000):
+    finished = []
+    for _ in range(max_steps):
+        batch = sched.schedule()
+        if batch is None:
+            assert sched.is_idle()
+            return finished
+        assert batch.num_tokens <= sched.max_tokens_per_step
+        assert len(sched.running) <= sched.max_running_requests
+        touched = sched.process_result(batch, model.run(batch))
+        finished += [r for r in touched if r.finished]
+    raise AssertionError("scheduler did not drain")
+
+
+def make_sched(num_pages, page_size=4, max_running=8, step_tokens=32):
+    return Scheduler(PagePool(num_pages, page_size), StatePool(max_running),
+                     max_running_requests=max_running, max_tokens_per_step=step_tokens)
+
+
+def test_page_pool_accounting():
+    pool = PagePool(8, 16)
+    assert pages_for(0, 16) == 0 and pages_for(16, 16) == 1 and pages_for(17, 16) == 2
+    a = pool.allocate(3)
+    assert len(set(a)) == 3 and pool.num_used == 3 and pool.num_free == 5
+    assert not pool.can_allocate(6) and pool.can_allocate(5)
+    with pytest.raises(RuntimeError):
+        pool.allocate(6)
+    pool.free(a[:1])
+    with pytest.raises(ValueError):
+        pool.free(a[:1])  # double free
+    pool.free(a[1:])
+    assert pool.num_used == 0 and pool.num_free == 8
+
+
+def test_state_pool_accounting():
+    pool = StatePool(2)
+    s0, s1 = pool.allocate(), pool.allocate()
+    assert {s0, s1} == {0, 1} and not pool.can_allocate()
+    with pytest.raises(RuntimeError):
+        pool.allocate()
+    pool.free(s0)
+    with pytest.raises(ValueError):
+        pool.free(s0)
+    assert pool.allocate() == s0
+
+
+def test_all_requests_complete_with_reference_outputs_and_pools_empty():
+    rng = random.Random(0)
+    sched = make_sched(num_pages=200)
+    model = FakeModel(4)
+    reqs = []
+    for i in range(20):
+        prompt = [rng.randrange(10, V) for _ in range(rng.randint(1, 40))]
+        reqs.append(make_req(f"r{i}", prompt, rng.randint(1, 12)))
+        sched.add_request(reqs[-1])
+    done = drive(sched, model)
+    assert {r.rid for r in done} == {r.rid for r in reqs}
+    for r in reqs:
+        assert r.output_ids == reference(r.prompt_ids, r.max_new_tokens), r.rid
+        assert r.finish_reason == {"type": "length", "length": r.max_new_tokens}
+    assert sched.page_pool.num_used == 0 and sched.state_pool.num_used == 0
+    kinds = {b.kind for b in model.steps}
+    assert kinds == {StepKind.EXTEND, StepKind.DECODE, StepKind.MIXED}
+    for b in model.steps:  # mode labels match content
+        dec = [c.start > 0 and c.num_tokens == 1 and c.req.output_ids for c in b.chunks]
+        if b.kind == StepKind.DECODE:
+            assert all(dec)
+    # Chunked prefill: a 40-token prompt cannot go in one chunk of a 32-token step.
+    assert max(c.num_tokens for b in model.steps for c in b.chunks) <= 32
+
+
+def test_retraction_keeps_outputs_and_frees_everything():
+    rng = random.Random(1)
+    sched = make_sched(num_pages=12, page_size=4, max_running=8, step_tokens=16)  # 48 tokens of KV
+    model = FakeModel(4)
+    reqs = []
+    for i in range(10):
+        prompt = [rng.randrange(10, V) for _ in range(rng.randint(2, 10))]
+        reqs.append(make_req(f"r{i}", prompt, rng.randint(8, 20)))
+        sched.add_request(reqs[-1])
+    drive(sched, model)
+    assert sched.num_retracted_total > 0
+    for r in reqs:
+        assert r.output_ids == reference(r.prompt_ids, r.max_new_tokens), r.rid
+    assert sched.page_pool.num_used == 0 and sched.state_pool.num_used == 0
+
+
+def test_max_running_and_abort_frees_at_once():
+    sched = make_sched(num_pages=100, max_running=2)
+    model = FakeModel(4)
+    reqs = [make_req(f"r{i}", [11, 12, 13], 50) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    batch = sched.schedule()
+    assert len(batch.chunks) == 2 and sched.num_waiting == 2
+    sched.process_result(batch, model.run(batch))
+    assert sched.abort("r0") is reqs[0] and reqs[0].finish_reason["type"] == "abort"
+    assert sched.abort("r3") is reqs[3]  # from the queue
+    assert sched.abort("nope") is None
+    assert sched.state_pool.num_used == 1 and sched.page_pool.num_used == 1
+    drive(sched, model)
+    assert reqs[1].output_ids == reference([11, 12, 13], 50)
+    assert sched.page_pool.num_used == 0 and sched.state_pool.num_used == 0
+
+
+def test_abort_while_step_in_flight_drops_its_result():
+    sched = make_sched(num_pages=100)
+    model = FakeModel(4)
+    req = make_req("a", [11, 12], 5)
+    sched.add_request(req)
+    batch = sched.schedule()
+    results = model.run(batch)
+    sched.abort("a")
+    assert sched.process_result(batch, results) == [] and req.output_ids == []
+    assert sched.page_pool.num_used == 0 and sched.is_idle()
+
+
+def test_finish_on_eos_stop_ids_min_new_and_ignore_eos():
+    r = make_req("x", [11], 10)
+    r.output_ids = [20, EOS]
+    r.check_token_finish()
+    assert r.finish_reason == {"type": "stop", "matched": EOS}
+    r = make_req("x", [11], 10, ignore_eos=True)
+    r.output_ids = [EOS]
+    r.check_token_finish()
+    assert r.finish_reason is None
+    r = make_req("x", [11], 10, stop_token_ids=[42])
+    r.output_ids = [42]
+    r.check_token_finish()
+    assert r.finish_reason == {"type": "stop", "matched": 42}
+    r = make_req("x", [11], 2)
+    r.output_ids = [20, 21]
+    r.check_token_finish()
+    assert r.finish_reason == {"type": "length", "length": 2}
+    r = make_req("x", [11, 12, 13], 100)
+    r.context_length = 5
+    r.output_ids = [20, 21]
+    r.check_token_finish()
+    assert r.finish_reason == {"type": "length", "length": 2}
+
+
+def test_stop_strings_trim_and_hold_back():
+    vocab = {20: "Hel", 21: "lo W", 22: "orld", 23: "!!"}
+    decode = lambda ids: "".join(vocab[i] for i in ids)  # noqa: E731
+    params = SamplingParams.from_dict({"stop": ["o Wor", "zzz"]})
+    r = Req("s", [1], params, max_new_tokens=10, seed=0, decode=decode)
+    r.output_ids = [20]
+    r.update_text()
+    assert r.text == "Hel" and not r.finished
+    r.output_ids = [20, 21]
+    r.update_text()
+    assert r.text == "Hell" and not r.finished  # "o W" may start "o Wor": held back
+    r.output_ids = [20, 21, 22]
+    r.update_text()
+    assert r.finish_reason == {"type": "stop", "matched": "o Wor"} and r.text == "Hell"
+
+
+def test_incremental_detokenizer_matches_full_decode_and_holds_partial_utf8():
+    pieces = {1: b"a", 2: b"\xe2\x82", 3: b"\xac", 4: b" b"}
+    decode = lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")  # noqa: E731
+    d = IncrementalDetokenizer(decode)
+    ids = []
+    for t in [1, 2, 3, 4]:
+        ids.append(t)
+        d.step(ids)
+        assert "\ufffd" not in d.text
+    assert d.text == decode(ids) == "a\u20ac b"
+
+
+def test_prompt_logprob_rows_and_row_budget():
+    sched = make_sched(num_pages=100, max_running=4, step_tokens=64)
+    model = FakeModel(4)
+    prompt = list(range(10, 30))  # 20 tokens, logprobs from position 2
+    req = make_req("lp", prompt, 1)
+    req.return_logprob, req.logprob_start_len = True, 2
+    sched.add_request(req)
+    drive(sched, model)
+    # Rows 2..18 (row i predicts prompt token i+1), delivered in chunks of <= 4 rows.
+    assert req.input_logprobs == [-float(i) for i in range(2, 19)]
+    assert max(c.num_tokens for b in model.steps for c in b.chunks if c.logits == "all") <= 4
+    assert req.output_ids == reference(prompt, 1)
+
+
+def test_prompt_only_request_finishes_after_prefill():
+    sched = make_sched(num_pages=100)
+    model = FakeModel(4)
+    req = make_req("p", [11, 12, 13], 0)
+    sched.add_request(req)
+    drive(sched, model)
+    assert req.output_ids == [] and req.finish_reason == {"type": "length", "length": 0}
+    assert sched.page_pool.num_used == 0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("min_p", 2.0),
+    ("max_new_tokens", -1), ("repetition_penalty", 0.0), ("frequency_penalty", 3.0),
+    ("stop", [""]), ("stop_token_ids", [10_000]),
+])
+def test_sampling_params_validation_names_field(field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.from_dict({field: value}).validate(vocab_size=1000)
+    assert e.value.field == f"sampling_params.{field}"
+
+
+def test_sampling_params_nulls_types_and_unknown_keys():
+    sp = SamplingParams.from_dict({"temperature": None, "top_k": None, "stop": "x", "max_new_tokens": None})
+    assert sp.temperature == 1.0 and sp.top_k == -1 and sp.stop == ["x"] and sp.max_new_tokens is None
+    sp.validate(1000)
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.from_dict({"temprature": 1.0})
+    assert e.value.field == "sampling_params.temprature"
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.from_dict({"max_new_tokens": "5"})
+    assert e.value.field == "sampling_params.max_new_tokens"
+    with pytest.raises(InvalidRequestError):
+        SamplingParams.from_dict({"regex": "a", "json_schema": "{}"}).validate()
