@@ -88,9 +88,9 @@ class ModelRunner:
         )
         self.counts = jnp.zeros((num_state_slots, cfg.vocab_size), jnp.int32)  # i32[S, V]
         self.prompt_mask = jnp.zeros((num_state_slots, cfg.vocab_size), jnp.bool_)  # bool[S, V]
-        self._forward = jax.jit(
-            qwen3_5_moe.forward, static_argnames=("cfg", "impl"), donate_argnames=("cache",)
-        )
+        # One module-level jit (static cfg/impl, cache donated): runners of equal shapes share
+        # compilations.
+        self._forward = qwen3_5_moe.forward_jit
 
     # Shapes ---------------------------------------------------------------------------
     def shapes_for(self, kind: StepKind, num_tokens: int, num_reqs: int, num_rows: int) -> tuple[int, int, int]:
