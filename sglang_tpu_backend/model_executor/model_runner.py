@@ -8,6 +8,7 @@ Buckets (so steady-state serving never recompiles):
                  covering both the requests and the logits rows (the scheduler keeps logits
                  rows per step <= max_running_requests, chunking prompt-logprob prefills).
 The sampler compiles per R and per static top-logprob count (0 or max_top_logprobs_num).
+"""
 
 from __future__ import annotations
 
