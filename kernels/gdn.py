@@ -396,13 +396,23 @@ def _check_args(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_st
 
 
 # ----------------------------------------------------------------------------- Pallas kernels
+# TPU layout assumptions (documented, checked only in interpret mode and by lowering to Mosaic):
+# Dk, Dv and the q/k/v segment widths are multiples of 128 lanes at real shapes (Dk=Dv=128);
+# chunk_size is a multiple of 8 sublanes; conv states keep K-1 (=3) in the lane dim, as the
+# API stores them, so their VMEM copies are lane-padded (small: [n, 3]). All HBM traffic is
+# manual DMA from pl.ANY refs (ragged rows and state slots are not block-aligned); the DMAs
+# of one phase are started together and then waited on, so their latencies overlap.
+
+_NUM_SEMS = 16  # DMA semaphores: one per transfer in flight within a phase
 
 
-def _copy(src, dst, sem):
-    """Synchronous DMA (start + wait)."""
-    cp = pltpu.make_async_copy(src, dst, sem)
-    cp.start()
-    cp.wait()
+def _dma_all(pairs, sems):
+    """Start every (src, dst) copy, then wait for all of them."""
+    copies = [pltpu.make_async_copy(s, d, sems.at[i]) for i, (s, d) in enumerate(pairs)]
+    for cp in copies:
+        cp.start()
+    for cp in copies:
+        cp.wait()
 
 
 def _head_stack(y, num_heads, d, rep):
@@ -420,7 +430,8 @@ def _segments(j, dims):
 
 
 def _qkv_gates(ys, a_blk, b_blk, alog, dtb, dims):
-    """Post-conv segments f32[L, n] and gate rows [L, hb] -> q, k [hb, L, Dk], v [hb, L, Dv], g, beta f32[L, hb]."""
+    """Post-conv segments f32[L, n], gate inputs [L, hb], f32[1, hb] params ->
+    q, k f32[hb, L, Dk], v f32[hb, L, Dv], g, beta f32[L, hb]."""
     kb, rep, Dk, Dv = dims["kb"], dims["rep"], dims["Dk"], dims["Dv"]
     q = _l2norm(_head_stack(ys[0], kb, Dk, rep)) * (Dk**-0.5)
     k = _l2norm(_head_stack(ys[1], kb, Dk, rep))
@@ -434,80 +445,83 @@ def _decode_kernel(
     slots_ref,  # i32[T] state slot of each row
     flags_ref,  # i32[T] _VALID (real row) | _FRESH
     # Input
-    alog_ref, dtb_ref,  # f32[1, Hv] (VMEM, whole)
-    a_ref, b_ref,  # [T, Hv] (VMEM, whole)
+    alog_ref, dtb_ref,  # f32[1, 1, hb] this head block's A_log, dt_bias (VMEM)
     x_hbm,  # [T, C] pre-conv rows (ANY)
+    a_hbm, b_hbm,  # [T, Hv] (ANY)
     w_hbm,  # [C, K] conv weights (ANY)
     cs_hbm, rs_hbm,  # [S, C, K-1], [S, Hv, Dk, Dv] (ANY, aliased to the outputs)
     # Output
     o_hbm,  # [T, Hv, Dv] (ANY)
     cs_out, rs_out,  # aliases of cs_hbm, rs_hbm
     # Scratch
+    w_q, w_k, w_v,  # [n, K] weight segments, loaded once per head block
     x_q, x_k, x_v,  # [1, n] this row's segments
-    w_q, w_k, w_v,  # [n, K] weight segments
     c_q, c_k, c_v,  # [n, K-1] conv state segments (in and out)
+    a_buf, b_buf,  # [1, hb] this row's gate inputs
     s_io,  # [hb, Dk, Dv] recurrent state block in its dtype (in and out)
     o_buf,  # [1, hb, Dv] output block
-    sem,  # DMA semaphore
+    sems,  # DMA semaphores
     *, dims,
 ):
-    t, j = pl.program_id(0), pl.program_id(1)
+    j, t = pl.program_id(0), pl.program_id(1)
     hb, K = dims["hb"], dims["K"]
     h0 = j * hb
     segs = _segments(j, dims)
     real = (flags_ref[t] & _VALID) != 0
     fresh = (flags_ref[t] & _FRESH) != 0
     slot = slots_ref[t]
-    xs, ws, cs = (x_q, x_k, x_v), (w_q, w_k, w_v), (c_q, c_k, c_v)
+    ws, xs, cs = (w_q, w_k, w_v), (x_q, x_k, x_v), (c_q, c_k, c_v)
     o_dst = o_hbm.at[pl.ds(t, 1), pl.ds(h0, hb)]
+    rs_src, rs_dst = rs_hbm.at[slot, pl.ds(h0, hb)], rs_out.at[slot, pl.ds(h0, hb)]
+
+    @pl.when(t == 0)
+    def _():
+        _dma_all([(w_hbm.at[pl.ds(c0, n)], wb) for (c0, n), wb in zip(segs, ws)], sems)
 
     @pl.when(jnp.logical_not(real))
     def _():
         o_buf[...] = jnp.zeros(o_buf.shape, o_buf.dtype)
-        _copy(o_buf, o_dst, sem)
+        _dma_all([(o_buf, o_dst)], sems)
+
+    row_loads = [(x_hbm.at[pl.ds(t, 1), pl.ds(c0, n)], xb) for (c0, n), xb in zip(segs, xs)]
+    row_loads += [(a_hbm.at[pl.ds(t, 1), pl.ds(h0, hb)], a_buf),
+                  (b_hbm.at[pl.ds(t, 1), pl.ds(h0, hb)], b_buf)]
+
+    @pl.when(real & fresh)
+    def _():
+        for cb in cs:
+            cb[...] = jnp.zeros(cb.shape, cb.dtype)
+        s_io[...] = jnp.zeros(s_io.shape, s_io.dtype)
+        _dma_all(row_loads, sems)
+
+    @pl.when(real & jnp.logical_not(fresh))
+    def _():
+        state_loads = [(cs_hbm.at[slot, pl.ds(c0, n)], cb) for (c0, n), cb in zip(segs, cs)]
+        _dma_all(row_loads + state_loads + [(rs_src, s_io)], sems)
 
     @pl.when(real)
     def _():
-        for (c0, n), xb, wb, cb in zip(segs, xs, ws, cs):
-            _copy(x_hbm.at[pl.ds(t, 1), pl.ds(c0, n)], xb, sem)
-            _copy(w_hbm.at[pl.ds(c0, n)], wb, sem)
-
-        @pl.when(fresh)
-        def _():
-            for cb in cs:
-                cb[...] = jnp.zeros(cb.shape, cb.dtype)
-            s_io[...] = jnp.zeros(s_io.shape, s_io.dtype)
-
-        @pl.when(jnp.logical_not(fresh))
-        def _():
-            for (c0, n), cb in zip(segs, cs):
-                _copy(cs_hbm.at[slot, pl.ds(c0, n)], cb, sem)
-            _copy(rs_hbm.at[slot, pl.ds(h0, hb)], s_io, sem)
-
         ys = []
-        for (c0, n), xb, wb, cb in zip(segs, xs, ws, cs):
+        for wb, xb, cb in zip(ws, xs, cs):
             window = jnp.concatenate([cb[...].astype(_F32), xb[...].astype(_F32).T], axis=1)  # [n, K]
             w = wb[...].astype(_F32)
             y = _conv_act([window[:, i : i + 1] for i in range(K)],
                           [w[:, i : i + 1] for i in range(K)], wb.dtype, xb.dtype)  # [n, 1]
             ys.append(y.T)
             cb[...] = window[:, 1:].astype(cb.dtype)
-            _copy(cb, cs_out.at[slot, pl.ds(c0, n)], sem)
-        q, k, v, g, beta = _qkv_gates(
-            ys, a_ref[pl.ds(t, 1), pl.ds(h0, hb)], b_ref[pl.ds(t, 1), pl.ds(h0, hb)],
-            alog_ref[:, pl.ds(h0, hb)], dtb_ref[:, pl.ds(h0, hb)], dims)  # g, beta [1, hb]
+        q, k, v, g, beta = _qkv_gates(ys, a_buf[...], b_buf[...], alog_ref[0], dtb_ref[0], dims)
         o, s = _decode_step(s_io[...].astype(_F32), q, k, v, g.T[:, :, None], beta.T[:, :, None])
         s_io[...] = s.astype(s_io.dtype)
-        _copy(s_io, rs_out.at[slot, pl.ds(h0, hb)], sem)
         o_buf[0] = o[:, 0, :].astype(o_buf.dtype)
-        _copy(o_buf, o_dst, sem)
+        stores = [(cb, cs_out.at[slot, pl.ds(c0, n)]) for (c0, n), cb in zip(segs, cs)]
+        _dma_all(stores + [(s_io, rs_dst), (o_buf, o_dst)], sems)
 
 
 def _chunk_kernel(
     # Prefetch
     start_ref, len_ref, slot_ref, flags_ref,  # i32[N] chunk metadata (see _chunk_layout)
     # Input
-    alog_ref, dtb_ref,  # f32[1, Hv] (VMEM, whole)
+    alog_ref, dtb_ref,  # f32[1, 1, hb] this head block's A_log, dt_bias (VMEM)
     x_hbm,  # [T + L, C] pre-conv rows, padded by one chunk (ANY)
     a_hbm, b_hbm,  # [T + L, Hv] (ANY)
     w_hbm,  # [C, K] (ANY)
@@ -525,7 +539,7 @@ def _chunk_kernel(
     s_io,  # [hb, Dk, Dv] recurrent state staging in its dtype
     inv_ref,  # f32[hb, L, L] UT transform, inverted in place by forward substitution
     o_buf,  # [hb, L, Dv] output staging
-    sem,  # DMA semaphore
+    sems,  # DMA semaphores
     *, dims,
 ):
     j, n = pl.program_id(0), pl.program_id(1)
@@ -537,11 +551,11 @@ def _chunk_kernel(
     valid, first = (flags & _VALID) != 0, (flags & _FIRST) != 0
     last, fresh = (flags & _LAST) != 0, (flags & _FRESH) != 0
     start, length, slot = start_ref[n], len_ref[n], slot_ref[n]
+    rs_src, rs_dst = rs_hbm.at[slot, pl.ds(h0, hb)], rs_out.at[slot, pl.ds(h0, hb)]
 
     @pl.when(n == 0)
     def _():
-        for (c0, nc), wb in zip(segs, ws):
-            _copy(w_hbm.at[pl.ds(c0, nc)], wb, sem)
+        _dma_all([(w_hbm.at[pl.ds(c0, nc)], wb) for (c0, nc), wb in zip(segs, ws)], sems)
 
     @pl.when(valid & first & fresh)
     def _():
@@ -551,18 +565,20 @@ def _chunk_kernel(
 
     @pl.when(valid & first & jnp.logical_not(fresh))
     def _():
-        for (c0, nc), cb, eb in zip(segs, cs, es):
-            _copy(cs_hbm.at[slot, pl.ds(c0, nc)], cb, sem)
+        loads = [(cs_hbm.at[slot, pl.ds(c0, nc)], cb) for (c0, nc), cb in zip(segs, cs)]
+        _dma_all(loads + [(rs_src, s_io)], sems)
+        for cb, eb in zip(cs, es):
             eb[0 : K - 1, :] = cb[...].astype(_F32).T
-        _copy(rs_hbm.at[slot, pl.ds(h0, hb)], s_io, sem)
         s_f32[...] = s_io[...].astype(_F32)
 
     @pl.when(valid)
     def _():
+        loads = [(x_hbm.at[pl.ds(start, L), pl.ds(c0, nc)], rb) for (c0, nc), rb in zip(segs, rs)]
+        _dma_all(loads + [(a_hbm.at[pl.ds(start, L), pl.ds(h0, hb)], a_buf),
+                          (b_hbm.at[pl.ds(start, L), pl.ds(h0, hb)], b_buf)], sems)
         live = lax.broadcasted_iota(jnp.int32, (L, 1), 0) < length  # bool[L, 1]
         ys = []
-        for (c0, nc), wb, rb, eb, cb in zip(segs, ws, rs, es, cs):
-            _copy(x_hbm.at[pl.ds(start, L), pl.ds(c0, nc)], rb, sem)
+        for wb, rb, eb, cb in zip(ws, rs, es, cs):
             eb[K - 1 :, :] = rb[...].astype(_F32)
             e = eb[...]
             wt = wb[...].astype(_F32).T  # [K, n]
@@ -571,17 +587,9 @@ def _chunk_kernel(
             ys.append(jnp.where(live, y, 0.0))
             ctx = eb[pl.ds(length, K - 1), :]  # the last K-1 inputs seen so far
             eb[0 : K - 1, :] = ctx
-
-            @pl.when(last)
-            def _():
-                cb[...] = ctx.T.astype(cb.dtype)
-                _copy(cb, cs_out.at[slot, pl.ds(c0, nc)], sem)
-
-        _copy(a_hbm.at[pl.ds(start, L), pl.ds(h0, hb)], a_buf, sem)
-        _copy(b_hbm.at[pl.ds(start, L), pl.ds(h0, hb)], b_buf, sem)
-        q, k, v, g, beta = _qkv_gates(ys, a_buf[...], b_buf[...], alog_ref[:, pl.ds(h0, hb)],
-                                      dtb_ref[:, pl.ds(h0, hb)], dims)  # g, beta f32[L, hb]
-        g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
+            cb[...] = ctx.T.astype(cb.dtype)  # stored at the request's last chunk
+        q, k, v, g, beta = _qkv_gates(ys, a_buf[...], b_buf[...], alog_ref[0], dtb_ref[0], dims)
+        g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)  # f32[L, hb]
         row = lax.broadcasted_iota(jnp.int32, (L, L), 0)
         col = lax.broadcasted_iota(jnp.int32, (L, L), 1)
         tril = (row >= col).astype(_F32)
@@ -614,30 +622,33 @@ def _chunk_kernel(
         s = s * jnp.exp(g_last) + bmm("hck,hcv->hkv", k * jnp.exp(g_last - gam_col), v_new)
         s_f32[...] = s
         o_buf[...] = o.astype(o_buf.dtype)
-        for h in range(hb):
-            _copy(o_buf.at[h], o_hbm.at[pl.ds(start, L), h0 + h], sem)
+        # Rows past `length` hold zeros; the next chunk (same head block, later in the grid)
+        # overwrites them, and the wrapper zeroes padding rows.
+        _dma_all([(o_buf.at[h], o_hbm.at[pl.ds(start, L), h0 + h]) for h in range(hb)], sems)
 
         @pl.when(last)
         def _():
             s_io[...] = s.astype(s_io.dtype)
-            _copy(s_io, rs_out.at[slot, pl.ds(h0, hb)], sem)
+            stores = [(cb, cs_out.at[slot, pl.ds(c0, nc)]) for (c0, nc), cb in zip(segs, cs)]
+            _dma_all(stores + [(s_io, rs_dst)], sems)
 
 
-def _scratch(dims, x_dtype, w_dtype, cs_dtype, rs_dtype, ab_dtype, rows, decode):
-    """Scratch buffers shared by both kernels' layouts (see the kernel signatures)."""
+def _scratch(dims, x_dtype, w_dtype, cs_dtype, rs_dtype, ab_dtype, decode):
+    """Scratch buffers, in the order of the kernel signatures."""
     K, hb, Dk, Dv, L = dims["K"], dims["hb"], dims["Dk"], dims["Dv"], dims["L"]
     widths = [n for _, n in _segments(0, dims)]
     vm = pltpu.VMEM
     w = [vm((n, K), w_dtype) for n in widths]
     c = [vm((n, K - 1), cs_dtype) for n in widths]
+    sems = pltpu.SemaphoreType.DMA((max(_NUM_SEMS, hb),))
     if decode:
-        return ([vm((1, n), x_dtype) for n in widths] + w + c
-                + [vm((hb, Dk, Dv), rs_dtype), vm((1, hb, Dv), x_dtype), pltpu.SemaphoreType.DMA(())])
-    return (w + [vm((rows, n), x_dtype) for n in widths]
-            + [vm((K - 1 + rows, n), _F32) for n in widths] + c
-            + [vm((rows, hb), ab_dtype), vm((rows, hb), ab_dtype), vm((hb, Dk, Dv), _F32),
-               vm((hb, Dk, Dv), rs_dtype), vm((hb, rows, rows), _F32), vm((hb, rows, Dv), x_dtype),
-               pltpu.SemaphoreType.DMA(())])
+        return (w + [vm((1, n), x_dtype) for n in widths] + c
+                + [vm((1, hb), ab_dtype), vm((1, hb), ab_dtype), vm((hb, Dk, Dv), rs_dtype),
+                   vm((1, hb, Dv), x_dtype), sems])
+    return (w + [vm((L, n), x_dtype) for n in widths]
+            + [vm((K - 1 + L, n), _F32) for n in widths] + c
+            + [vm((L, hb), ab_dtype), vm((L, hb), ab_dtype), vm((hb, Dk, Dv), _F32),
+               vm((hb, Dk, Dv), rs_dtype), vm((hb, L, L), _F32), vm((hb, L, Dv), x_dtype), sems])
 
 
 def _pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
@@ -649,51 +660,49 @@ def _pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_st
     R = state_slots.shape[0]
     kb = block_sizes.k_heads_per_block
     rep = Hv // num_k_heads
+    hb = kb * rep
+    num_blocks = num_k_heads // kb
     L = 1 if decode else chunk_size
-    dims = dict(Hk=num_k_heads, kb=kb, rep=rep, hb=kb * rep, Dk=Dk, Dv=Dv, K=K, L=L)
-    alog = A_log.astype(_F32).reshape(1, Hv)
-    dtb = dt_bias.astype(_F32).reshape(1, Hv)
+    dims = dict(Hk=num_k_heads, kb=kb, rep=rep, hb=hb, Dk=Dk, Dv=Dv, K=K, L=L)
+    alog = A_log.astype(_F32).reshape(num_blocks, 1, hb)
+    dtb = dt_bias.astype(_F32).reshape(num_blocks, 1, hb)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     cost = gated_delta_net_cost(T, R, num_k_heads, Hv, Dk, Dv, conv_kernel=K, decode=decode,
                                 chunk_size=chunk_size, x_bytes=mixed_qkv.dtype.itemsize,
                                 state_bytes=rec_state.dtype.itemsize).to_pallas()
-    out_shape = [None, jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-                 jax.ShapeDtypeStruct(rec_state.shape, rec_state.dtype)]
     if decode:
         slots, kvl, real = _decode_rows(kv_lens, state_slots, num_seqs, T)
         flags = (real * _VALID + (real & (kvl <= 1)) * _FRESH).astype(jnp.int32)
         prefetch = (slots.astype(jnp.int32), flags)
-        grid = (T, num_k_heads // kb)
-        inputs = (alog, dtb, a, b, mixed_qkv, conv_weight, conv_state, rec_state)
-        in_specs = [whole((1, Hv)), whole((1, Hv)), whole((T, Hv)), whole((T, Hv))] + [any_spec] * 4
-        out_shape[0] = jax.ShapeDtypeStruct((T, Hv, Dv), mixed_qkv.dtype)
-        kernel, semantics = _decode_kernel, ("parallel", "parallel")
+        rows, kernel = T, _decode_kernel
     else:
         N = num_chunk_slots(T, R, L)
         _, start, length, slots, flags = _chunk_layout(cu_q_lens, kv_lens, state_slots,
                                                        num_seqs, L, N)
         prefetch = (start, length, slots.astype(jnp.int32), flags)
-        grid = (num_k_heads // kb, N)
         pad = lambda x: jnp.pad(x, ((0, L), (0, 0)))  # noqa: E731 (chunk DMAs read L rows)
-        inputs = (alog, dtb, pad(mixed_qkv), pad(a), pad(b), conv_weight, conv_state, rec_state)
-        in_specs = [whole((1, Hv)), whole((1, Hv))] + [any_spec] * 6
-        out_shape[0] = jax.ShapeDtypeStruct((T + L, Hv, Dv), mixed_qkv.dtype)
-        kernel, semantics = _chunk_kernel, ("parallel", "arbitrary")
+        mixed_qkv, a, b = pad(mixed_qkv), pad(a), pad(b)
+        rows, kernel = N, _chunk_kernel
+    # Grid: (head block, decode row or chunk). Chunks of a request run in order on one core,
+    # carrying the state in VMEM; the weight segments are loaded at the block's first step.
+    gate_spec = pl.BlockSpec((1, 1, hb), lambda j, i, *_: (j, 0, 0))
     n_pre = len(prefetch)
     o, conv_state, rec_state = pl.pallas_call(
         functools.partial(kernel, dims=dims),
-        out_shape=tuple(out_shape),
+        out_shape=(jax.ShapeDtypeStruct((mixed_qkv.shape[0], Hv, Dv), mixed_qkv.dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+                   jax.ShapeDtypeStruct(rec_state.shape, rec_state.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=n_pre, grid=grid, in_specs=in_specs,
+            num_scalar_prefetch=n_pre, grid=(num_blocks, rows),
+            in_specs=[gate_spec, gate_spec] + [any_spec] * 6,
             out_specs=[any_spec] * 3,
             scratch_shapes=_scratch(dims, mixed_qkv.dtype, conv_weight.dtype, conv_state.dtype,
-                                    rec_state.dtype, a.dtype, L, decode)),
+                                    rec_state.dtype, a.dtype, decode)),
         input_output_aliases={n_pre + 6: 1, n_pre + 7: 2},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,
-    )(*prefetch, *inputs)
+    )(*prefetch, alog, dtb, mixed_qkv, a, b, conv_weight, conv_state, rec_state)
     if not decode:
         _, _, valid = _token_meta(cu_q_lens, num_seqs, T)
         o = jnp.where(valid[:, None, None], o[:T], jnp.zeros((), o.dtype))
