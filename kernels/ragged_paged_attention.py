@@ -1,0 +1,533 @@
+"""Batched ragged paged attention: decode rows and prefill chunks of many requests in one call.
+
+Dimension letters: T tokens of the step (all requests, request after request), R request rows,
+Hq query heads, Hkv kv heads, G = Hq // Hkv query heads per kv head, D head dim,
+N pages in the cache, S page size (tokens per page), P pages per request row.
+
+Request r owns q rows ``cu_q_lens[r]:cu_q_lens[r+1]`` (q_len of them); after this step its KV
+holds ``kv_lens[r]`` tokens, so its new tokens sit at positions ``kv_lens[r] - q_len + i`` and
+query i attends causally to positions ``0 .. kv_lens[r] - q_len + i``. Position p lives in page
+``page_indices[r, p // S]`` at offset ``p % S``. Rows ``r >= num_seqs[0]`` and tokens
+``t >= cu_q_lens[num_seqs[0]]`` are padding: their outputs are zero and they write no KV.
+
+New K/V (``new_k``/``new_v``) are written by an XLA scatter in the wrapper (shared by the
+reference and the Pallas path) *before* attention; under ``jax.jit`` with the pages donated the
+scatter updates the cache in place.
+
+Pallas kernel layout (TPU):
+  * grid: one step per work item = (request, q block); the wrapper lists the items of the real
+    requests in order (at most ``R + cdiv(T, prefill_q_tokens)`` of them) and the trailing grid
+    steps are idle. Requests with ``q_len <= decode_q_tokens`` get one small block (a decode
+    row: ``decode_q_tokens * G`` score rows), longer ones blocks of ``prefill_q_tokens``.
+  * q and o stay in HBM (``pl.ANY``); each item DMAs exactly its own q rows into a double
+    buffered VMEM tile (the next item's rows are fetched while this one computes) and DMAs
+    exactly its own output rows back, so items never write rows of other requests and the
+    output needs no padding (it aliases a zero buffer, so padding tokens read zero).
+  * K/V pages stay in HBM; blocks of ``kv_pages_per_block`` pages are DMA'd per (page, kv
+    head) into a double-buffered VMEM scratch ``[2, Hkv, pages_per_block * S, D]``; the first
+    block of the next item is prefetched during the last block of the current one. Only pages
+    up to the causal bound of the block's last query are fetched.
+  * online softmax per kv head over ``[q_tokens * G, D]`` query rows (the G query heads of a
+    kv head stacked token-major), running max / sum / accumulator in fp32 VMEM scratch.
+  * both grid steps and the KV loop are sequential ("arbitrary"): the cross-item prefetch
+    carries a buffer slot from one step to the next.
+Assumptions for the real TPU: D a multiple of 128, G * decode_q_tokens a multiple of 8
+(16 for bf16), page size a multiple of 8; strided DMAs of one kv head out of the
+``[N, S, Hkv, D]`` cache (a cache laid out ``[Hkv, N, S, D]`` would make them contiguous).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import dispatch
+from kernels.cost import Cost
+
+# Finite "minus infinity" for masked scores: exp(MASK_VALUE - m) == 0 without inf - inf NaNs.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Target query rows (tokens * G) of a prefill block and kv tokens of a kv block.
+PREFILL_Q_ROWS = 512
+DECODE_Q_ROWS = 16
+KV_BLOCK_TOKENS = 512
+# Memory budget of one lax.map batch of the reference (gathered K/V in fp32 plus scores).
+REF_BATCH_BYTES = 128 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of the Pallas kernel.
+
+    decode_q_tokens: q tokens of the block of a request with ``q_len <= decode_q_tokens``.
+    prefill_q_tokens: q tokens per block of longer requests (>= decode_q_tokens).
+    kv_pages_per_block: pages per streamed K/V block.
+    """
+
+    decode_q_tokens: int
+    prefill_q_tokens: int
+    kv_pages_per_block: int
+
+    @classmethod
+    def get_default(cls, num_tokens: int, group: int, page_size: int, pages_per_seq: int):
+        decode = max(1, DECODE_Q_ROWS // group)
+        prefill = max(decode, min(PREFILL_Q_ROWS // group, _round_up(num_tokens, 8)))
+        pages = max(1, min(KV_BLOCK_TOKENS // page_size, pages_per_seq))
+        return cls(decode, prefill, pages)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens):
+    """Per token: request row, absolute KV position, and whether it is a real token.
+
+    Returns (i32[T], i32[T], bool[T]). Rows past num_seqs count as empty requests.
+    """
+    num_rows = kv_lens.shape[0]
+    ns = jnp.clip(num_seqs[0], 0, num_rows)
+    cu = jnp.where(jnp.arange(num_rows + 1) <= ns, cu_q_lens, cu_q_lens[ns])  # i32[R+1]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)  # i32[T]
+    req = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, num_rows - 1).astype(jnp.int32)
+    valid = (t >= cu[0]) & (t < cu[num_rows])
+    q_len = cu[req + 1] - cu[req]
+    pos = kv_lens[req] - q_len + (t - cu[req])  # i32[T]
+    return req, pos.astype(jnp.int32), valid
+
+
+def write_new_kv(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs):
+    """Scatter the step's new K/V rows into their pages; padding tokens are dropped.
+
+    Args: k_pages/v_pages [N, S, Hkv, D], new_k/new_v [T, Hkv, D], metadata as in
+    :func:`ragged_paged_attention`. Returns the updated (k_pages, v_pages).
+    """
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    req, pos, valid = _token_metadata(kv_lens, cu_q_lens, num_seqs, new_k.shape[0])
+    page = page_indices.at[req, pos // page_size].get(mode="clip")  # i32[T]
+    slot = jnp.where(valid & (pos >= 0), page * page_size + pos % page_size, num_pages * page_size)
+    flat = (num_pages * page_size, num_kv_heads, head_dim)
+    k_flat = k_pages.reshape(flat).at[slot].set(new_k.astype(k_pages.dtype), mode="drop")
+    v_flat = v_pages.reshape(flat).at[slot].set(new_v.astype(v_pages.dtype), mode="drop")
+    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+
+
+def _ref_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale):
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    max_kv = page_indices.shape[1] * page_size
+    req, pos, valid = _token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens)
+
+    def one_token(args):
+        q_t, r, p, ok = args  # [Hq, D], i32, i32, bool
+        pages = page_indices[r]  # i32[P]
+        k = k_pages.at[pages].get(mode="clip").reshape(max_kv, num_kv_heads, head_dim)
+        v = v_pages.at[pages].get(mode="clip").reshape(max_kv, num_kv_heads, head_dim)
+        qg = q_t.reshape(num_kv_heads, group, head_dim).astype(jnp.float32)  # f32[Hkv, G, D]
+        s = jnp.einsum("hgd,shd->hgs", qg, k.astype(jnp.float32),
+                       precision=lax.Precision.HIGHEST) * sm_scale  # f32[Hkv, G, S*P]
+        s = jnp.where(jnp.arange(max_kv) <= p, s, MASK_VALUE)
+        w = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("hgs,shd->hgd", w, v.astype(jnp.float32),
+                       precision=lax.Precision.HIGHEST)  # f32[Hkv, G, D]
+        o = jnp.where(ok, o, 0.0)
+        return o.reshape(num_q_heads, head_dim).astype(q.dtype)
+
+    per_token = 2 * max_kv * num_kv_heads * head_dim * 4 + 2 * num_q_heads * max_kv * 4
+    batch = int(max(1, min(num_tokens, REF_BATCH_BYTES // per_token)))
+    return lax.map(one_token, (q, req, pos, valid), batch_size=batch)
+
+
+def ref_ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               *, sm_scale: float, new_k=None, new_v=None):
+    """Pure-JAX reference (also the CPU path); same contract as :func:`ragged_paged_attention`.
+
+    Gathers each token's request pages in ``lax.map`` batches sized to ~REF_BATCH_BYTES and
+    masks causally; never materialises a [T, R, ...] array.
+    """
+    _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v)
+    if new_k is not None:
+        k_pages, v_pages = write_new_kv(k_pages, v_pages, new_k, new_v, kv_lens, page_indices,
+                                        cu_q_lens, num_seqs)
+    o = _ref_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                       sm_scale)
+    return o if new_k is None else (o, k_pages, v_pages)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v):
+    def bad(msg):
+        shapes = (f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}, kv_lens "
+                  f"{kv_lens.shape}, page_indices {page_indices.shape}, cu_q_lens "
+                  f"{cu_q_lens.shape}, num_seqs {num_seqs.shape}")
+        raise ValueError(f"ragged_paged_attention: {msg} ({shapes})")
+
+    if q.ndim != 3:
+        bad("q must be [T, Hq, D]")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        bad("k_pages and v_pages must both be [num_pages, page_size, Hkv, D]")
+    if k_pages.shape[3] != q.shape[2]:
+        bad("head_dim of q and pages differ")
+    if q.shape[1] % k_pages.shape[2] != 0:
+        bad("num q heads must be a multiple of num kv heads")
+    if kv_lens.ndim != 1 or page_indices.ndim != 2 or page_indices.shape[0] != kv_lens.shape[0]:
+        bad("kv_lens must be [R] and page_indices [R, pages_per_seq]")
+    if kv_lens.shape[0] < 1 or page_indices.shape[1] < 1:
+        bad("need at least one request row and one page per row")
+    if cu_q_lens.shape != (kv_lens.shape[0] + 1,):
+        bad("cu_q_lens must be [R + 1]")
+    if num_seqs.shape != (1,):
+        bad("num_seqs must be [1]")
+    for name, a in (("kv_lens", kv_lens), ("page_indices", page_indices),
+                    ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+        if not jnp.issubdtype(a.dtype, jnp.integer):
+            bad(f"{name} must be an integer array, got {a.dtype}")
+    if (new_k is None) != (new_v is None):
+        bad("give both new_k and new_v or neither")
+    if new_k is not None:
+        want = (q.shape[0], k_pages.shape[2], k_pages.shape[3])
+        if new_k.shape != want or new_v.shape != want:
+            bad(f"new_k/new_v must be [T, Hkv, D] = {want}, got {new_k.shape}/{new_v.shape}")
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _work_items(cu_q_lens, num_seqs, num_rows, block: BlockSizes, max_items: int):
+    """The (request, q block) items of the real requests, in order.
+
+    Returns (i32[max_items] request, i32[max_items] q block, i32[1] item count); entries past
+    the count repeat the last request and are never used.
+    """
+    ns = jnp.clip(num_seqs[0], 0, num_rows)
+    cu = jnp.where(jnp.arange(num_rows + 1) <= ns, cu_q_lens, cu_q_lens[ns])
+    q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)  # i32[R]
+    bq = jnp.where(q_lens <= block.decode_q_tokens, block.decode_q_tokens, block.prefill_q_tokens)
+    nblk = (q_lens + bq - 1) // bq  # i32[R]; 0 for empty and padding rows
+    ends = jnp.cumsum(nblk)  # i32[R]
+    i = jnp.arange(max_items, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(ends, i, side="right"), 0, num_rows - 1).astype(jnp.int32)
+    qblk = (i - (ends[seq] - nblk[seq])).astype(jnp.int32)
+    return seq, qblk, ends[-1:].astype(jnp.int32)
+
+
+def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, block, max_items,
+                 precision):
+    ppb = block.kv_pages_per_block
+    bkv = ppb * page_size
+
+    def kernel(
+        # Prefetch (SMEM)
+        kv_lens_ref,  # i32[R]
+        page_indices_ref,  # i32[R * P] (flattened: 2-D SMEM arrays pad their last dim)
+        cu_q_lens_ref,  # i32[R + 1]
+        num_seqs_ref,  # i32[1]
+        item_seq_ref,  # i32[max_items]
+        item_qblk_ref,  # i32[max_items]
+        num_items_ref,  # i32[1]
+        # Input (HBM)
+        q_hbm,  # [T, Hq, D]
+        k_hbm,  # [N, S, Hkv, D]
+        v_hbm,  # [N, S, Hkv, D]
+        _zeros_hbm,  # [T, Hq, D], aliased to the output
+        # Output (HBM)
+        o_hbm,  # [T, Hq, D]
+        # Scratch
+        q_buf,  # [2, prefill_q_tokens, Hq, D]  q rows of this / the next item
+        o_buf,  # [2, prefill_q_tokens, Hq, D]  output rows on their way to HBM
+        k_buf,  # [2, Hkv, bkv, D]  K block being computed / being fetched
+        v_buf,  # [2, Hkv, bkv, D]
+        m_scr,  # f32[Hkv, rows, 1]  running max
+        l_scr,  # f32[Hkv, rows, 1]  running sum
+        acc_scr,  # f32[Hkv, rows, D]  running numerator
+        q_sem,  # DMA[2]
+        o_sem,  # DMA[2]
+        kv_sem,  # DMA[2]
+        kv_state,  # i32[2] SMEM: [slot of the current item's first K/V block, already fetched]
+    ):
+        step = pl.program_id(0)
+        num_items = num_items_ref[0]
+
+        def item(i):
+            """Scalars of work item i (clamped into range)."""
+            i = jnp.minimum(i, max_items - 1)
+            r = item_seq_ref[i]
+            q_start = cu_q_lens_ref[r]
+            q_len = cu_q_lens_ref[r + 1] - q_start
+            small = q_len <= block.decode_q_tokens
+            bq = jnp.where(small, block.decode_q_tokens, block.prefill_q_tokens)
+            row0 = item_qblk_ref[i] * bq  # first q row of the block within its request
+            n = jnp.minimum(bq, q_len - row0)  # real q rows of the block
+            ctx = kv_lens_ref[r] - q_len  # tokens before the request's first new token
+            kv_end = ctx + row0 + n  # positions the block needs: [0, kv_end)
+            return dict(r=r, row=q_start + row0, n=n, small=small, ctx=ctx, row0=row0,
+                        num_kv_blocks=(kv_end + bkv - 1) // bkv,
+                        last_page=(kv_end + page_size - 1) // page_size - 1)
+
+        # ---- q / o row DMAs: one [Hq, D] row each, so nothing outside the item is touched.
+        def q_copy(it, slot, t):
+            return pltpu.make_async_copy(q_hbm.at[it["row"] + t], q_buf.at[slot, t], q_sem.at[slot])
+
+        def o_copy(it, slot, t):
+            return pltpu.make_async_copy(o_buf.at[slot, t], o_hbm.at[it["row"] + t], o_sem.at[slot])
+
+        def each_row(it, fn):
+            def body(t, c):
+                fn(t)
+                return c
+            lax.fori_loop(0, it["n"], body, 0)
+
+        # ---- K/V block DMAs: pages_per_block pages x Hkv heads, K and V.
+        def kv_copies(it, blk, slot):
+            copies = []
+            for j in range(ppb):
+                page_pos = jnp.minimum(blk * ppb + j, it["last_page"])
+                page = page_indices_ref[it["r"] * pages_per_seq + page_pos]
+                for h in range(num_kv_heads):
+                    dst = pl.ds(j * page_size, page_size)
+                    copies.append(pltpu.make_async_copy(
+                        k_hbm.at[page, :, h, :], k_buf.at[slot, h, dst], kv_sem.at[slot]))
+                    copies.append(pltpu.make_async_copy(
+                        v_hbm.at[page, :, h, :], v_buf.at[slot, h, dst], kv_sem.at[slot]))
+            return copies
+
+        def start_kv(it, blk, slot):
+            for c in kv_copies(it, blk, slot):
+                c.start()
+
+        def wait_kv(it, blk, slot):
+            for c in kv_copies(it, blk, slot):
+                c.wait()
+
+        def run_item(it, nxt, has_next, qslot, q_tokens):
+            """Attend q_buf[qslot, :q_tokens] of item ``it``; write o_buf[qslot]."""
+            rows = q_tokens * group
+            m_scr[:, :rows] = jnp.full((num_kv_heads, rows, 1), MASK_VALUE, jnp.float32)
+            l_scr[:, :rows] = jnp.zeros((num_kv_heads, rows, 1), jnp.float32)
+            acc_scr[:, :rows] = jnp.zeros((num_kv_heads, rows, acc_scr.shape[2]), jnp.float32)
+            slot0 = kv_state[0]
+            nb = it["num_kv_blocks"]
+
+            @pl.when(kv_state[1] == 0)
+            def _():
+                start_kv(it, 0, slot0)
+
+            row_tok = lax.broadcasted_iota(jnp.int32, (rows, bkv), 0) // group
+            q_pos = it["ctx"] + it["row0"] + row_tok  # i32[rows, bkv] position of each query row
+
+            def kv_block(b, carry):
+                slot = (slot0 + b) % 2
+
+                @pl.when(b + 1 < nb)
+                def _():
+                    start_kv(it, b + 1, 1 - slot)
+
+                @pl.when((b + 1 == nb) & has_next)
+                def _():
+                    start_kv(nxt, 0, 1 - slot)
+
+                wait_kv(it, b, slot)
+                kv_pos = b * bkv + lax.broadcasted_iota(jnp.int32, (rows, bkv), 1)
+                visible = kv_pos <= q_pos  # bool[rows, bkv]
+                for h in range(num_kv_heads):
+                    q = q_buf[qslot, :q_tokens, h * group:(h + 1) * group, :]
+                    q = q.reshape(rows, q.shape[-1])  # [rows, D], token-major
+                    k = k_buf[slot, h]  # [bkv, D]
+                    v = v_buf[slot, h]  # [bkv, D]
+                    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                        preferred_element_type=jnp.float32) * sm_scale
+                    s = jnp.where(visible, s, MASK_VALUE)  # f32[rows, bkv]
+                    m_prev = m_scr[h, :rows]  # f32[rows, 1]
+                    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                    p = jnp.exp(s - m_new)
+                    alpha = jnp.exp(m_prev - m_new)
+                    l_scr[h, :rows] = alpha * l_scr[h, :rows] + jnp.sum(p, axis=1, keepdims=True)
+                    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                         precision=precision, preferred_element_type=jnp.float32)
+                    acc_scr[h, :rows] = alpha * acc_scr[h, :rows] + pv
+                    m_scr[h, :rows] = m_new
+                return carry
+
+            lax.fori_loop(0, nb, kv_block, 0)
+            kv_state[0] = (slot0 + nb) % 2
+            kv_state[1] = has_next.astype(jnp.int32)
+            for h in range(num_kv_heads):
+                out = acc_scr[h, :rows] / l_scr[h, :rows]  # f32[rows, D]
+                out = out.reshape(q_tokens, group, out.shape[-1]).astype(o_buf.dtype)
+                o_buf[qslot, :q_tokens, h * group:(h + 1) * group, :] = out
+
+        @pl.when(step == 0)
+        def _init():
+            kv_state[0] = 0
+            kv_state[1] = 0
+
+            @pl.when(num_items > 0)
+            def _():
+                first = item(0)
+                each_row(first, lambda t: q_copy(first, 0, t).start())
+
+        @pl.when((step < num_items) & (item(step)["r"] < num_seqs_ref[0]))
+        def _step():
+            cur, nxt = item(step), item(step + 1)
+            has_next = step + 1 < num_items
+            qslot = step % 2
+
+            @pl.when(has_next)
+            def _():
+                each_row(nxt, lambda t: q_copy(nxt, 1 - qslot, t).start())
+
+            each_row(cur, lambda t: q_copy(cur, qslot, t).wait())
+
+            @pl.when(cur["small"])
+            def _():
+                run_item(cur, nxt, has_next, qslot, block.decode_q_tokens)
+
+            @pl.when(jnp.logical_not(cur["small"]))
+            def _():
+                run_item(cur, nxt, has_next, qslot, block.prefill_q_tokens)
+
+            each_row(cur, lambda t: o_copy(cur, qslot, t).start())
+
+            @pl.when(step > 0)
+            def _():
+                prev = item(step - 1)
+                each_row(prev, lambda t: o_copy(prev, 1 - qslot, t).wait())
+
+            @pl.when(jnp.logical_not(has_next))
+            def _():
+                each_row(cur, lambda t: o_copy(cur, qslot, t).wait())
+
+    return kernel
+
+
+def _pallas_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                      sm_scale, block: BlockSizes, interpret):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_rows, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    if not (1 <= block.decode_q_tokens <= block.prefill_q_tokens and block.kv_pages_per_block >= 1):
+        raise ValueError(f"bad block sizes {block}")
+    max_items = num_rows + pl.cdiv(num_tokens, block.prefill_q_tokens)
+    item_seq, item_qblk, num_items = _work_items(cu_q_lens, num_seqs, num_rows, block, max_items)
+    bkv = block.kv_pages_per_block * page_size
+    rows = block.prefill_q_tokens * group
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = _make_kernel(sm_scale=sm_scale, group=group, num_kv_heads=num_kv_heads,
+                          page_size=page_size, pages_per_seq=pages_per_seq, block=block,
+                          max_items=max_items, precision=precision)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=7,
+        grid=(max_items,),
+        in_specs=[any_spec] * 4,
+        out_specs=any_spec,
+        scratch_shapes=[
+            pltpu.VMEM((2, block.prefill_q_tokens, num_q_heads, head_dim), q.dtype),  # q_buf
+            pltpu.VMEM((2, block.prefill_q_tokens, num_q_heads, head_dim), q.dtype),  # o_buf
+            pltpu.VMEM((2, num_kv_heads, bkv, head_dim), k_pages.dtype),  # k_buf
+            pltpu.VMEM((2, num_kv_heads, bkv, head_dim), v_pages.dtype),  # v_buf
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),  # m_scr
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),  # l_scr
+            pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # acc_scr
+            pltpu.SemaphoreType.DMA((2,)),  # q_sem
+            pltpu.SemaphoreType.DMA((2,)),  # o_sem
+            pltpu.SemaphoreType.DMA((2,)),  # kv_sem
+            pltpu.SMEM((2,), jnp.int32),  # kv_state
+        ],
+    )
+    cost = ragged_paged_attention_cost(q.shape, k_pages.shape, page_indices.shape,
+                                       q_dtype=q.dtype, kv_dtype=k_pages.dtype)
+    zeros = jnp.zeros(q.shape, q.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        # zeros is operand 7 + 3 (after the 7 scalar-prefetch operands and q, k, v).
+        input_output_aliases={10: 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        cost_estimate=cost.to_pallas(),
+        interpret=interpret,
+    )(kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
+      cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), item_seq, item_qblk, num_items,
+      q, k_pages, v_pages, zeros)
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                           *, sm_scale: float, new_k=None, new_v=None, impl=None,
+                           block_sizes: BlockSizes | None = None):
+    """Causal GQA attention of a ragged batch of decode rows and prefill chunks over paged KV.
+
+    Args:
+      q: [T, Hq, D] queries of all new tokens, request after request.
+      k_pages, v_pages: [N, S, Hkv, D] paged cache.
+      kv_lens: i32[R] tokens in each request's KV after this step (context + new).
+      page_indices: i32[R, P] page ids of each request in order.
+      cu_q_lens: i32[R + 1]; request r owns q rows cu_q_lens[r]:cu_q_lens[r+1].
+      num_seqs: i32[1] real requests; later rows and tokens >= cu_q_lens[num_seqs] are padding.
+      sm_scale: score scale (head_dim ** -0.5 usually).
+      new_k, new_v: optional [T, Hkv, D] K/V of the new tokens, written into the pages (XLA
+        scatter in the wrapper) before attending.
+      impl: see :mod:`kernels.dispatch`.
+      block_sizes: Pallas tiling; default :meth:`BlockSizes.get_default`.
+
+    Returns:
+      o [T, Hq, D] in q.dtype (zeros for padding tokens), or (o, k_pages, v_pages) when new_k /
+      new_v are given.
+    """
+    resolved = dispatch.resolve(impl)
+    if resolved == "reference":
+        return ref_ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                                          num_seqs, sm_scale=sm_scale, new_k=new_k, new_v=new_v)
+    _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v)
+    if new_k is not None:
+        k_pages, v_pages = write_new_kv(k_pages, v_pages, new_k, new_v, kv_lens, page_indices,
+                                        cu_q_lens, num_seqs)
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default(q.shape[0], q.shape[1] // k_pages.shape[2],
+                                             k_pages.shape[1], page_indices.shape[1])
+    o = _pallas_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                          sm_scale=sm_scale, block=block_sizes,
+                          interpret=dispatch.interpret_params(resolved))
+    return o if new_k is None else (o, k_pages, v_pages)
+
+
+def ragged_paged_attention_cost(q_shape, k_pages_shape, page_indices_shape, *,
+                                q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+                                write_new_kv: bool = False) -> Cost:
+    """Upper-bound cost from shapes alone: every token attends to a full row of pages.
+
+    q_shape [T, Hq, D], k_pages_shape [N, S, Hkv, D], page_indices_shape [R, P]. Bytes: q read,
+    o written, each request's pages read once for K and V (at most T * P pages in all),
+    metadata; plus the new K/V rows written when ``write_new_kv``.
+    """
+    num_tokens, num_q_heads, head_dim = q_shape
+    _, page_size, num_kv_heads, _ = k_pages_shape
+    num_rows, pages_per_seq = page_indices_shape
+    q_bytes = jnp.dtype(q_dtype).itemsize
+    kv_bytes = jnp.dtype(kv_dtype).itemsize
+    max_kv = pages_per_seq * page_size
+    pages_read = min(num_rows, max(num_tokens, 1)) * max_kv
+    flops = 4 * num_tokens * num_q_heads * max_kv * head_dim  # QK^T and PV
+    nbytes = (2 * num_tokens * num_q_heads * head_dim * q_bytes
+              + 2 * pages_read * num_kv_heads * head_dim * kv_bytes
+              + 4 * (num_rows * (pages_per_seq + 2) + 2))
+    if write_new_kv:
+        nbytes += 2 * num_tokens * num_kv_heads * head_dim * kv_bytes
+    return Cost(flops=int(flops), bytes_accessed=int(nbytes),
+                transcendentals=int(num_tokens * num_q_heads * max_kv))

@@ -1,0 +1,269 @@
+"""Ragged paged attention: Pallas (TPU interpret mode) vs reference, reference vs numpy loop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import ragged_paged_attention as rpa
+
+# Max abs error allowed against the reference / numpy loop, per dtype.
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+@dataclasses.dataclass
+class Case:
+    q_lens: list[int]  # per real request
+    ctx_lens: list[int]  # tokens already in the cache before this step
+    num_q_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    page_size: int = 16
+    pad_rows: int = 0  # padding request rows after the real ones
+    pad_tokens: int = 0  # padding tokens after the real ones
+    dtype: type = jnp.float32
+    seed: int = 0
+
+
+def make_inputs(c: Case):
+    """Random q, pages, and metadata for a case; unused page-table entries are valid ids."""
+    rng = np.random.default_rng(c.seed)
+    ns = len(c.q_lens)
+    num_rows = ns + c.pad_rows
+    kv_lens = [cl + ql for cl, ql in zip(c.ctx_lens, c.q_lens)]
+    pages_needed = [max(1, -(-kl // c.page_size)) for kl in kv_lens]
+    pages_per_seq = max(pages_needed) + 1
+    num_pages = sum(pages_needed) + 3
+    perm = rng.permutation(num_pages)
+    page_indices = rng.integers(0, num_pages, (num_rows, pages_per_seq))
+    used = 0
+    for r, n in enumerate(pages_needed):
+        page_indices[r, :n] = perm[used:used + n]
+        used += n
+    cu = np.zeros(num_rows + 1, np.int64)
+    cu[1:ns + 1] = np.cumsum(c.q_lens)
+    cu[ns + 1:] = cu[ns]
+    num_tokens = int(cu[ns]) + c.pad_tokens
+    kv = np.zeros(num_rows, np.int64)
+    kv[:ns] = kv_lens
+    kv[ns:] = rng.integers(0, 40, c.pad_rows)  # garbage in padding rows
+    shape = (num_pages, c.page_size, c.num_kv_heads, c.head_dim)
+    arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32).astype(c.dtype)
+    return dict(
+        q=arr(num_tokens, c.num_q_heads, c.head_dim), k_pages=arr(*shape), v_pages=arr(*shape),
+        kv_lens=jnp.asarray(kv, jnp.int32), page_indices=jnp.asarray(page_indices, jnp.int32),
+        cu_q_lens=jnp.asarray(cu, jnp.int32), num_seqs=jnp.asarray([ns], jnp.int32),
+        new_k=arr(num_tokens, c.num_kv_heads, c.head_dim),
+        new_v=arr(num_tokens, c.num_kv_heads, c.head_dim))
+
+
+ARGS = ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+
+
+def numpy_write(x):
+    """New K/V scattered into copies of the pages by a plain loop over real tokens."""
+    kp = np.asarray(x["k_pages"], np.float32).copy()
+    vp = np.asarray(x["v_pages"], np.float32).copy()
+    cu, kv, pi = (np.asarray(x[n]) for n in ("cu_q_lens", "kv_lens", "page_indices"))
+    ps = kp.shape[1]
+    for r in range(int(x["num_seqs"][0])):
+        q_len = cu[r + 1] - cu[r]
+        for i in range(q_len):
+            pos = kv[r] - q_len + i
+            kp[pi[r, pos // ps], pos % ps] = np.asarray(x["new_k"][cu[r] + i], np.float32)
+            vp[pi[r, pos // ps], pos % ps] = np.asarray(x["new_v"][cu[r] + i], np.float32)
+    return kp, vp
+
+
+def numpy_attention(x, kp, vp, sm_scale):
+    """Naive float64 loop over requests, tokens and heads."""
+    q = np.asarray(x["q"], np.float64)
+    cu, kv, pi = (np.asarray(x[n]) for n in ("cu_q_lens", "kv_lens", "page_indices"))
+    ps, hkv = kp.shape[1], kp.shape[2]
+    group = q.shape[1] // hkv
+    out = np.zeros_like(q)
+    for r in range(int(x["num_seqs"][0])):
+        q_len = cu[r + 1] - cu[r]
+        for i in range(q_len):
+            t = cu[r] + i
+            last = kv[r] - q_len + i
+            keys = np.stack([kp[pi[r, p // ps], p % ps] for p in range(last + 1)])
+            vals = np.stack([vp[pi[r, p // ps], p % ps] for p in range(last + 1)])
+            for h in range(q.shape[1]):
+                s = keys[:, h // group] @ q[t, h] * sm_scale
+                w = np.exp(s - s.max())
+                out[t, h] = (w / w.sum()) @ vals[:, h // group]
+    return out
+
+
+def run(x, impl, with_write, block_sizes=None):
+    sm_scale = x["q"].shape[-1] ** -0.5
+    extra = {"new_k": x["new_k"], "new_v": x["new_v"]} if with_write else {}
+    if impl == "ref":
+        fn = lambda *a, **kw: rpa.ref_ragged_paged_attention(*a, sm_scale=sm_scale, **kw)
+    else:
+        fn = lambda *a, **kw: rpa.ragged_paged_attention(
+            *a, sm_scale=sm_scale, impl=impl, block_sizes=block_sizes, **kw)
+    try:
+        return jax.jit(fn)(*(x[n] for n in ARGS), **extra)
+    except Exception:
+        if hasattr(pltpu, "reset_tpu_interpret_mode_state"):
+            pltpu.reset_tpu_interpret_mode_state()
+        raise
+
+
+def close(a, b, dtype):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# --- reference vs numpy loop --------------------------------------------------------------
+
+REF_CASES = {
+    "decode_gqa1": Case([1, 1, 1], [5, 0, 33], num_q_heads=2, num_kv_heads=2),
+    "prefill_gqa2": Case([9, 16], [0, 0], num_q_heads=4, num_kv_heads=2),
+    "mixed_gqa16_midpage": Case([1, 7, 1, 12], [40, 9, 0, 21], num_q_heads=16, num_kv_heads=1,
+                                pad_rows=2, pad_tokens=3),
+    "mixed_page256_d256": Case([3, 1], [250, 300], num_q_heads=4, num_kv_heads=1, head_dim=256,
+                               page_size=256, pad_tokens=2),
+    "bf16_mixed": Case([1, 5], [17, 30], dtype=jnp.bfloat16, pad_rows=1, pad_tokens=1),
+}
+
+
+@pytest.mark.parametrize("name", list(REF_CASES))
+def test_reference_matches_numpy_loop(name):
+    c = REF_CASES[name]
+    x = make_inputs(c)
+    o, kp, vp = run(x, "ref", with_write=True)
+    want_kp, want_vp = numpy_write(x)
+    np.testing.assert_array_equal(np.asarray(kp, np.float32), want_kp)
+    np.testing.assert_array_equal(np.asarray(vp, np.float32), want_vp)
+    want = numpy_attention(x, want_kp, want_vp, c.head_dim ** -0.5)
+    close(o, want, c.dtype)
+    # Without a write the reference attends to the pages as given.
+    o2 = run(x, "ref", with_write=False)
+    close(o2, numpy_attention(x, np.asarray(x["k_pages"], np.float32),
+                              np.asarray(x["v_pages"], np.float32), c.head_dim ** -0.5), c.dtype)
+
+
+def test_reference_hand_checked():
+    """One request, one head, only dim 0 non-zero: softmax weights 1:2(:3) by hand."""
+    x = make_inputs(Case([2], [1], num_q_heads=1, num_kv_heads=1, head_dim=128, page_size=16))
+    q = np.zeros((2, 1, 128), np.float32)
+    q[:, 0, 0] = 1.0
+    kp = np.zeros(x["k_pages"].shape, np.float32)
+    vp = np.zeros_like(kp)
+    page = int(x["page_indices"][0, 0])
+    kp[page, :3, 0, 0] = [0.0, np.log(2.0), np.log(3.0)]  # scores (scale 1)
+    vp[page, :3, 0, 0] = [1.0, 10.0, 100.0]
+    x.update(q=jnp.asarray(q), k_pages=jnp.asarray(kp), v_pages=jnp.asarray(vp))
+    o = rpa.ref_ragged_paged_attention(*(x[n] for n in ARGS), sm_scale=1.0)
+    # token 0 sees positions 0,1: weights 1:2; token 1 sees 0,1,2: weights 1:2:3.
+    np.testing.assert_allclose(np.asarray(o[:, 0, 0]), [21.0 / 3, 321.0 / 6], rtol=1e-6)
+
+
+# --- Pallas (interpret) vs reference -------------------------------------------------------
+
+B = rpa.BlockSizes
+KERNEL_CASES = {
+    # name: (case, block sizes or None for the defaults, with_write)
+    "decode_only": (Case([1, 1, 1, 1], [3, 16, 40, 0]), B(1, 4, 1), False),
+    "prefill_only_multiblock": (Case([13, 6], [0, 0]), B(1, 4, 2), True),
+    "mixed_chunk_continuation": (Case([1, 9, 1, 5], [30, 20, 0, 11], pad_rows=1, pad_tokens=2),
+                                 B(1, 4, 1), True),
+    "gqa16_defaults": (Case([1, 6, 1], [20, 10, 47], num_q_heads=16, num_kv_heads=1), None, True),
+    "gqa2_small_decode_block": (Case([2, 1, 7], [5, 9, 3]), B(2, 8, 3), False),
+    "page256_d256": (Case([1, 4, 1], [260, 3, 10], num_q_heads=2, num_kv_heads=1, head_dim=256,
+                          page_size=256, pad_tokens=3), None, True),
+    "bf16_mixed": (Case([1, 8, 1], [33, 5, 2], dtype=jnp.bfloat16, pad_rows=2), B(1, 4, 2),
+                   True),
+    "bf16_page256": (Case([5, 1], [251, 0], dtype=jnp.bfloat16, page_size=256), None, False),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_kernel_matches_reference(name):
+    c, block, with_write = KERNEL_CASES[name]
+    x = make_inputs(c)
+    got = run(x, "interpret", with_write, block)
+    want = run(x, "ref", with_write)
+    if with_write:
+        for g, w in zip(got, want):
+            close(g, w, c.dtype)
+        got, want = got[0], want[0]
+    close(got, want, c.dtype)
+    real = int(x["cu_q_lens"][len(c.q_lens)])
+    assert np.all(np.asarray(got[real:], np.float32) == 0.0)  # padding tokens are zero
+    assert np.all(np.isfinite(np.asarray(got, np.float32)))
+
+
+def test_kernel_padding_leaves_pages_untouched_and_outputs_zero():
+    c = Case([3, 1], [4, 7], pad_rows=3, pad_tokens=4)
+    x = make_inputs(c)
+    x["new_k"] = x["new_k"].at[4:].set(1e3)  # padding tokens' K/V must never land in pages
+    x["new_v"] = x["new_v"].at[4:].set(1e3)
+    o, kp, vp = run(x, "interpret", True, B(1, 4, 1))
+    want_kp, want_vp = numpy_write(x)
+    np.testing.assert_array_equal(np.asarray(kp), want_kp)
+    np.testing.assert_array_equal(np.asarray(vp), want_vp)
+    assert np.all(np.asarray(o[4:]) == 0.0)
+    close(o, numpy_attention(x, want_kp, want_vp, c.head_dim ** -0.5), c.dtype)
+
+
+def test_kernel_no_real_requests():
+    x = make_inputs(Case([2], [3], pad_rows=1, pad_tokens=2))
+    x["num_seqs"] = jnp.asarray([0], jnp.int32)
+    assert np.all(np.asarray(run(x, "interpret", False, B(1, 4, 1))) == 0.0)
+    assert np.all(np.asarray(run(x, "ref", False)) == 0.0)
+
+
+# --- invalid input and cost -------------------------------------------------------------------
+
+def _bad(**changes):
+    x = make_inputs(Case([1, 2], [3, 4]))
+    x.update(changes)
+    return x
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+@pytest.mark.parametrize("what", ["q_rank", "head_dim", "heads", "v_shape", "cu_len", "pi_rows",
+                                  "num_seqs", "float_lens", "new_k_only", "new_k_shape"])
+def test_invalid_inputs_raise(impl, what):
+    x = make_inputs(Case([1, 2], [3, 4]))
+    extra = {}
+    if what == "q_rank":
+        x["q"] = x["q"][:, 0]
+    elif what == "head_dim":
+        x["q"] = x["q"][..., :64]
+    elif what == "heads":
+        x["q"] = x["q"][:, :3]
+    elif what == "v_shape":
+        x["v_pages"] = x["v_pages"][:-1]
+    elif what == "cu_len":
+        x["cu_q_lens"] = x["cu_q_lens"][:-1]
+    elif what == "pi_rows":
+        x["page_indices"] = x["page_indices"][:-1]
+    elif what == "num_seqs":
+        x["num_seqs"] = jnp.asarray([2, 0], jnp.int32)
+    elif what == "float_lens":
+        x["kv_lens"] = x["kv_lens"].astype(jnp.float32)
+    elif what == "new_k_only":
+        extra = {"new_k": x["new_k"]}
+    elif what == "new_k_shape":
+        extra = {"new_k": x["new_k"][:, :1], "new_v": x["new_v"][:, :1]}
+    with pytest.raises(ValueError, match="ragged_paged_attention"):
+        rpa.ragged_paged_attention(*(x[n] for n in ARGS), sm_scale=1.0, impl=impl, **extra)
+
+
+def test_cost_counts_scale_with_shapes():
+    c1 = rpa.ragged_paged_attention_cost((8, 4, 128), (10, 16, 2, 128), (2, 4))
+    c2 = rpa.ragged_paged_attention_cost((16, 4, 128), (10, 16, 2, 128), (2, 4))
+    assert c1.flops == 4 * 8 * 4 * 64 * 128
+    assert c2.flops == 2 * c1.flops
+    assert c1.transcendentals == 8 * 4 * 64
+    assert c2.bytes_accessed > c1.bytes_accessed > 0
