@@ -57,6 +57,8 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 PREFILL_Q_ROWS = 512
 DECODE_Q_ROWS = 16
 KV_BLOCK_TOKENS = 512
+# Scoped VMEM for the kernel: ~7 MiB of buffers at 16:1 GQA, D 256, 512-row q and kv blocks.
+VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 # Memory budget of one lax.map batch of the reference (gathered K/V in fp32 plus scores).
 REF_BATCH_BYTES = 128 * 1024 * 1024
 
@@ -274,7 +276,8 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
             kv_end = ctx + row0 + n  # positions the block needs: [0, kv_end)
             return dict(r=r, row=q_start + row0, n=n, small=small, ctx=ctx, row0=row0,
                         num_kv_blocks=(kv_end + bkv - 1) // bkv,
-                        last_page=(kv_end + page_size - 1) // page_size - 1)
+                        last_page=jnp.clip((kv_end + page_size - 1) // page_size - 1,
+                                           0, pages_per_seq - 1))
 
         # ---- q / o row DMAs: one [Hq, D] row each, so nothing outside the item is touched.
         def q_copy(it, slot, t):
@@ -289,27 +292,27 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
                 return c
             lax.fori_loop(0, it["n"], body, 0)
 
-        # ---- K/V block DMAs: pages_per_block pages x Hkv heads, K and V.
-        def kv_copies(it, blk, slot):
-            copies = []
-            for j in range(ppb):
+        # ---- K/V block DMAs: pages_per_block pages x Hkv heads, K and V. Pages past the
+        # block's causal bound re-fetch its last needed page (masked anyway), so page-table
+        # entries beyond a request's pages are never read.
+        def for_each_kv_copy(it, blk, slot, fn):
+            def body(j, c):
                 page_pos = jnp.minimum(blk * ppb + j, it["last_page"])
                 page = page_indices_ref[it["r"] * pages_per_seq + page_pos]
+                dst = pl.ds(pl.multiple_of(j * page_size, page_size), page_size)
                 for h in range(num_kv_heads):
-                    dst = pl.ds(j * page_size, page_size)
-                    copies.append(pltpu.make_async_copy(
+                    fn(pltpu.make_async_copy(
                         k_hbm.at[page, :, h, :], k_buf.at[slot, h, dst], kv_sem.at[slot]))
-                    copies.append(pltpu.make_async_copy(
+                    fn(pltpu.make_async_copy(
                         v_hbm.at[page, :, h, :], v_buf.at[slot, h, dst], kv_sem.at[slot]))
-            return copies
+                return c
+            lax.fori_loop(0, ppb, body, 0)
 
         def start_kv(it, blk, slot):
-            for c in kv_copies(it, blk, slot):
-                c.start()
+            for_each_kv_copy(it, blk, slot, lambda c: c.start())
 
         def wait_kv(it, blk, slot):
-            for c in kv_copies(it, blk, slot):
-                c.wait()
+            for_each_kv_copy(it, blk, slot, lambda c: c.wait())
 
         def run_item(it, nxt, has_next, qslot, q_tokens):
             """Attend q_buf[qslot, :q_tokens] of item ``it``; write o_buf[qslot]."""
@@ -457,7 +460,8 @@ def _pallas_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         # zeros is operand 7 + 3 (after the 7 scalar-prefetch operands and q, k, v).
         input_output_aliases={10: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             vmem_limit_bytes=VMEM_LIMIT_BYTES),
         cost_estimate=cost.to_pallas(),
         interpret=interpret,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),

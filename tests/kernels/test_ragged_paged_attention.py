@@ -31,7 +31,7 @@ class Case:
 
 
 def make_inputs(c: Case):
-    """Random q, pages, and metadata for a case; unused page-table entries are valid ids."""
+    """Random q, pages, and metadata for a case (pages of the requests in random order)."""
     rng = np.random.default_rng(c.seed)
     ns = len(c.q_lens)
     num_rows = ns + c.pad_rows
@@ -40,7 +40,8 @@ def make_inputs(c: Case):
     pages_per_seq = max(pages_needed) + 1
     num_pages = sum(pages_needed) + 3
     perm = rng.permutation(num_pages)
-    page_indices = rng.integers(0, num_pages, (num_rows, pages_per_seq))
+    # Entries past a request's pages hold an out-of-range id: neither path may read them.
+    page_indices = np.full((num_rows, pages_per_seq), num_pages + 7)
     used = 0
     for r, n in enumerate(pages_needed):
         page_indices[r, :n] = perm[used:used + n]
