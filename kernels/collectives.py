@@ -207,7 +207,7 @@ def _reduce_scatter_kernel(
     peers = [device(chip, (die + k) % E) for k in range(1, E)]
     peers += [device((chip + k) % C, die) for k in range(1, C)]
     for peer in peers:
-        _semaphore_signal(barrier, 1, device_id=peer, device_id_type=pltpu.DeviceIdType.MESH)
+        _semaphore_signal(barrier, 1, device_id=peer)  # dict -> mesh coordinates
     _semaphore_wait(barrier, len(peers))
 
     # Stage 1 sends: to die (die + k) % E the rows of all blocks that die owns; they land in
@@ -220,7 +220,6 @@ def _reduce_scatter_kernel(
             send_sem=s1_send.at[m, k - 1],
             recv_sem=s1_recv.at[m, k - 1],
             device_id=device(chip, (die + k) % E),
-            device_id_type=pltpu.DeviceIdType.MESH,
         )
 
     # Stage 2 sends: to chip (chip + k) % C my die-local sum of its block; slot = my chip.
@@ -232,7 +231,6 @@ def _reduce_scatter_kernel(
             send_sem=s2_send.at[m, k - 1],
             recv_sem=s2_recv.at[m, chip],
             device_id=device(dst_chip, die),
-            device_id_type=pltpu.DeviceIdType.MESH,
         )
 
     def stage2_wait_recv(m, k):
@@ -244,7 +242,6 @@ def _reduce_scatter_kernel(
             send_sem=s2_send.at[m, k - 1],
             recv_sem=s2_recv.at[m, src_chip],
             device_id=device(src_chip, die),
-            device_id_type=pltpu.DeviceIdType.MESH,
         ).wait_recv()
 
     def stage1_reduce(m):
