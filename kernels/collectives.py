@@ -168,6 +168,8 @@ def _reduce_scatter_lax(x, layout: ReduceScatterLayout, chip_axis, die_axis):
 
 
 def _reduce_scatter_kernel(
+    # Prefetch
+    coords_ref,  # i32[2 + (E-1) + 2*(C-1)] SMEM, see _peer_coords
     # Input
     x_hbm,  # [C, E, M, R, H] HBM, this device's rows
     # Output
@@ -190,8 +192,16 @@ def _reduce_scatter_kernel(
     die_axis: str,
 ):
     C, E, M = layout.num_chips, layout.num_dies, layout.num_microbatches
-    chip = lax.axis_index(chip_axis)
-    die = lax.axis_index(die_axis)
+    chip, die = coords_ref[0], coords_ref[1]
+
+    def die_plus(k):  # (die + k) % E, 1 <= k < E
+        return coords_ref[1 + k]
+
+    def chip_plus(k):  # (chip + k) % C, 1 <= k < C
+        return coords_ref[E + k]
+
+    def chip_minus(k):  # (chip - k) % C, 1 <= k < C
+        return coords_ref[E + C - 1 + k]
 
     def device(c, e):
         return {chip_axis: c, die_axis: e}
@@ -204,8 +214,8 @@ def _reduce_scatter_kernel(
     # Barrier with every peer (other dies of my chip, my die on other chips): nobody writes
     # into a peer's buffers before the peer has entered the kernel.
     barrier = pltpu.get_barrier_semaphore()
-    peers = [device(chip, (die + k) % E) for k in range(1, E)]
-    peers += [device((chip + k) % C, die) for k in range(1, C)]
+    peers = [device(chip, die_plus(k)) for k in range(1, E)]
+    peers += [device(chip_plus(k), die) for k in range(1, C)]
     for peer in peers:
         _semaphore_signal(barrier, 1, device_id=peer)  # dict -> mesh coordinates
     _semaphore_wait(barrier, len(peers))
@@ -215,16 +225,16 @@ def _reduce_scatter_kernel(
     # slot by the *sender's* offset k, and the receiver waits for offset k from die - k).
     def stage1_copy(m, k):
         return pltpu.make_async_remote_copy(
-            src_ref=x_hbm.at[:, (die + k) % E, m],  # [C, R, H] strided
+            src_ref=x_hbm.at[:, die_plus(k), m],  # [C, R, H] strided
             dst_ref=recv1_hbm.at[m, k - 1],  # [C, R, H]
             send_sem=s1_send.at[m, k - 1],
             recv_sem=s1_recv.at[m, k - 1],
-            device_id=device(chip, (die + k) % E),
+            device_id=device(chip, die_plus(k)),
         )
 
     # Stage 2 sends: to chip (chip + k) % C my die-local sum of its block; slot = my chip.
     def stage2_copy(m, k):
-        dst_chip = (chip + k) % C
+        dst_chip = chip_plus(k)
         return pltpu.make_async_remote_copy(
             src_ref=part_hbm.at[m, dst_chip],  # [R, H]
             dst_ref=recv2_hbm.at[m, chip],  # [R, H]
@@ -235,7 +245,7 @@ def _reduce_scatter_kernel(
 
     def stage2_wait_recv(m, k):
         # Descriptor of what chip (chip - k) % C sent me; only its destination side is used.
-        src_chip = (chip - k + C) % C
+        src_chip = chip_minus(k)
         pltpu.make_async_remote_copy(
             src_ref=part_hbm.at[m, chip],
             dst_ref=recv2_hbm.at[m, src_chip],
@@ -300,6 +310,25 @@ def _struct_like(shape, dtype, like):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _peer_coords(layout: ReduceScatterLayout, chip_axis, die_axis):
+    """i32[2 + (E-1) + 2*(C-1)]: my chip, my die, (die+k)%E, (chip+k)%C, (chip-k)%C for k>=1.
+
+    Computed outside the kernel (scalar prefetch) so the kernel body does no index arithmetic
+    on ``axis_index`` values, which the TPU interpreter cannot do under ``check_vma=True``.
+    """
+    C, E = layout.num_chips, layout.num_dies
+    chip = lax.axis_index(chip_axis)
+    die = lax.axis_index(die_axis)
+    ks_e = jnp.arange(1, E, dtype=jnp.int32)
+    ks_c = jnp.arange(1, C, dtype=jnp.int32)
+    return jnp.concatenate([
+        jnp.stack([chip, die]).astype(jnp.int32),
+        (die + ks_e) % E,
+        (chip + ks_c) % C,
+        (chip - ks_c + C) % C,
+    ])
+
+
 def _reduce_scatter_pallas(x, layout: ReduceScatterLayout, chip_axis, die_axis, interpret):
     lo = layout
     C, E, M, R, H = (
@@ -316,9 +345,9 @@ def _reduce_scatter_pallas(x, layout: ReduceScatterLayout, chip_axis, die_axis, 
     kernel = functools.partial(
         _reduce_scatter_kernel, layout=lo, chip_axis=chip_axis, die_axis=die_axis
     )
-    out, *_ = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(),
         in_specs=[any_spec],
         out_specs=[any_spec] * len(out_shape),
         scratch_shapes=[
@@ -330,6 +359,11 @@ def _reduce_scatter_pallas(x, layout: ReduceScatterLayout, chip_axis, die_axis, 
             pltpu.SemaphoreType.DMA((M, max(C - 1, 1))),  # s2_send
             pltpu.SemaphoreType.DMA((M, C)),  # s2_recv
         ],
+    )
+    out, *_ = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(
             collective_id=REDUCE_SCATTER_COLLECTIVE_ID, has_side_effects=True
         ),
@@ -337,7 +371,7 @@ def _reduce_scatter_pallas(x, layout: ReduceScatterLayout, chip_axis, die_axis, 
             lo.num_rows, H, dtype=x.dtype, num_chips=C, num_dies=E, num_microbatches=M
         ).to_pallas(),
         interpret=interpret,
-    )(x5)
+    )(_peer_coords(lo, chip_axis, die_axis), x5)
     return out.reshape(M * R, H)  # [N/D, H]
 
 

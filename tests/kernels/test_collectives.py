@@ -73,16 +73,16 @@ RS_CASES = [
 # ------------------------------------------------------------------------------------------
 
 
-def _shard_map(f, mesh, in_specs, out_specs):
+def _shard_map(f, mesh, in_specs, out_specs, check_vma=True):
     import jax
 
     if hasattr(jax, "shard_map"):  # jax >= 0.7 (0.10.2, 0.12)
         return jax.shard_map(
-            f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+            f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
         )
     from jax.experimental.shard_map import shard_map
 
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)
 
 
 def _make_input(dtype, m, rows, kind, seed):
@@ -109,10 +109,10 @@ def _worker(out_dir: str) -> None:
     arrays: dict[str, np.ndarray] = {}
     info: dict[str, object] = {"jax_version": jax.__version__}
 
-    def run(fn, *xs, in_specs=None, out_specs=spec):
+    def run(fn, *xs, in_specs=None, out_specs=spec, check_vma=True):
         """jit(shard_map(fn)) and its inputs placed with the in_specs sharding (jax 0.12)."""
         in_specs = in_specs or (spec,) * len(xs)
-        f = jax.jit(_shard_map(fn, mesh, in_specs, out_specs))
+        f = jax.jit(_shard_map(fn, mesh, in_specs, out_specs, check_vma))
         return f, [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(xs, in_specs)]
 
     # --- hierarchical reduce-scatter ----------------------------------------------------
@@ -133,6 +133,12 @@ def _worker(out_dir: str) -> None:
         f, (xs,) = run(lambda a: col.ref_hierarchical_reduce_scatter(a), x)
         want = f(xs)
         arrays[f"rs_{name}_want"] = np.asarray(want.astype(jnp.float32) if dtype == "bfloat16" else want)
+        if name == "f32_m3":  # the kernel also runs without shard_map's varying-axes checks
+            f, (xs,) = run(
+                lambda a: col.hierarchical_reduce_scatter(a, num_microbatches=3, impl="interpret"),
+                x, check_vma=False,
+            )
+            arrays[f"rs_{name}_novma"] = np.asarray(f(xs))
 
     # --- the kernel under the interpreter's race detector ---------------------------------
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
@@ -192,10 +198,11 @@ def _worker(out_dir: str) -> None:
     bits.reshape(-1)[-SPECIAL_WEIGHT_BITS.size :] = SPECIAL_WEIGHT_BITS[::-1]
     weights = bits.view(np.float32)
     arrays["ag_ids"], arrays["ag_weight_bits"] = ids, bits
-    rep = P()
+    # out_specs stack every device's own copy of the gathered arrays, so the tests can check
+    # that each device got the same, complete result.
     for axes_key, axis_name, in_spec, out_spec in [
-        ("both", ("chip", "die"), spec, rep),
-        ("die", "die", spec, P("chip")),
+        ("both", ("chip", "die"), spec, spec),
+        ("die", "die", spec, spec),
     ]:
         for which, fn in (("packed", col.packed_all_gather), ("ref", col.ref_packed_all_gather)):
             def body(i, w, fn=fn, axis_name=axis_name):
@@ -284,6 +291,11 @@ def test_reduce_scatter_bit_exact(results, name, dtype, m, rows, kind, impl):
     )
 
 
+def test_reduce_scatter_without_check_vma(results):
+    arrays, _ = results
+    assert arrays["rs_f32_m3_novma"].tobytes() == arrays["rs_f32_m3_want"].tobytes()
+
+
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
 def test_reduce_scatter_random_floats(results, impl):
     # Not bit-exact in general: the two-stage schedule sums (die pair) then chips 0..3 in
@@ -330,14 +342,18 @@ def test_packed_all_gather_bit_exact(results, axes):
         got, want = arrays[f"ag_{axes}_packed_{part}"], arrays[f"ag_{axes}_ref_{part}"]
         assert got.shape == want.shape
         np.testing.assert_array_equal(got, want)
-    if axes == "both":  # replicated result: every device's rows, in device order
-        np.testing.assert_array_equal(arrays["ag_both_packed_ids"], arrays["ag_ids"])
-        np.testing.assert_array_equal(arrays["ag_both_packed_bits"], arrays["ag_weight_bits"])
-        flat = arrays["ag_both_packed_bits"].reshape(-1)
-        np.testing.assert_array_equal(flat[: SPECIAL_WEIGHT_BITS.size], SPECIAL_WEIGHT_BITS)
-    else:  # gathered over the die pair of each chip: out_specs P("chip") stacks chips
-        ids = arrays["ag_ids"].reshape(NUM_CHIPS, NUM_DIES * TOPK_T, TOPK_K)
-        np.testing.assert_array_equal(arrays["ag_die_packed_ids"], ids.reshape(-1, TOPK_K))
+    # what each device must hold: all devices' rows, or those of its chip's two dies
+    ids, bits = arrays["ag_ids"], arrays["ag_weight_bits"]
+    groups = 1 if axes == "both" else NUM_CHIPS
+    per_device = NUM_DEVICES * TOPK_T // groups
+    got_ids = arrays[f"ag_{axes}_packed_ids"].reshape(NUM_DEVICES, per_device, TOPK_K)
+    got_bits = arrays[f"ag_{axes}_packed_bits"].reshape(NUM_DEVICES, per_device, TOPK_K)
+    for dev in range(NUM_DEVICES):
+        g = dev // (NUM_DEVICES // groups)  # chip of the device when gathering over "die"
+        np.testing.assert_array_equal(got_ids[dev], ids.reshape(groups, per_device, TOPK_K)[g])
+        np.testing.assert_array_equal(got_bits[dev], bits.reshape(groups, per_device, TOPK_K)[g])
+    flat = got_bits[0].reshape(-1)
+    np.testing.assert_array_equal(flat[: SPECIAL_WEIGHT_BITS.size], SPECIAL_WEIGHT_BITS)
 
 
 @pytest.mark.parametrize("axes", ["both", "die"])
