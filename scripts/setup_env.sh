@@ -20,8 +20,13 @@ fi
 .venv/bin/pip install -q --no-deps "sglang==0.5.23"
 .venv/bin/pip install -q orjson psutil pybase64 triton pillow msgspec pyzmq ipython aiohttp 2>&1 \
   | grep -v "requires" || true
-if command -v python3.12 >/dev/null; then
-  [ -x .venv312/bin/python ] || python3.12 -m venv .venv312
+# Python 3.12 may only be installed under pyenv without being on the global path.
+PY312=${PYTHON312:-python3.12}
+if ! "$PY312" --version >/dev/null 2>&1; then
+  PY312=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+fi
+if [ -n "$PY312" ] && "$PY312" --version >/dev/null 2>&1; then
+  [ -x .venv312/bin/python ] || "$PY312" -m venv .venv312
   .venv312/bin/python -m pip install -q --upgrade pip
   .venv312/bin/pip install -q -e ".[test]"
 fi
