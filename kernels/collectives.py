@@ -16,6 +16,16 @@ destination block in one micro-batch.
 Row layout of the reduce-scatter: x[N, H] viewed as x[C, E, M, R, H]; rows x[c, e] (one block
 of N / D rows) belong to the device at mesh position (chip c, die e), whose linear index in
 the (chip, die) axes is c * E + e; inside a block, micro-batch m is rows [m * R, (m + 1) * R).
+
+TPU assumptions of the kernel: x stays in HBM (``pl.ANY``); the reductions run on [R, H]
+VMEM tiles (R a multiple of 8 for f32 / 16 for bf16, H a multiple of 128 on hardware); the
+receive buffers and stage-1 partial sums live in HBM, passed as extra outputs because Pallas
+TPU has no HBM scratch; peers synchronise once through the barrier semaphore (collective_id 0).
+
+Interpret mode (CPU tests): the kernel runs with ``dma_execution_mode="eager"`` (it also passes
+with "on_wait"). On a 2-core machine keep each device's x under ~100 KiB: PJRT CPU copies bigger
+arrays on its thread pool, which 8 interpreted devices blocked in semaphore waits can exhaust,
+and the call hangs.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ from kernels.cost import Cost
 MAX_MICROBATCHES = 4
 # collective_id of the reduce-scatter kernel's barrier semaphore (one per collective kernel).
 REDUCE_SCATTER_COLLECTIVE_ID = 0
+VMEM_HEADROOM_BYTES = 4 * 1024 * 1024
+VMEM_MAX_BYTES = 60 * 1024 * 1024  # Ironwood: 64 MiB VMEM per TensorCore
 
 _semaphore_signal = getattr(pl, "semaphore_signal", None) or pltpu.semaphore_signal
 _semaphore_wait = getattr(pl, "semaphore_wait", None) or pltpu.semaphore_wait
@@ -220,9 +232,9 @@ def _reduce_scatter_kernel(
         _semaphore_signal(barrier, 1, device_id=peer)  # dict -> mesh coordinates
     _semaphore_wait(barrier, len(peers))
 
-    # Stage 1 sends: to die (die + k) % E the rows of all blocks that die owns; they land in
-    # its recv1 slot k - 1 (from its point of view I am at die offset E - k ... so we index the
-    # slot by the *sender's* offset k, and the receiver waits for offset k from die - k).
+    # Stage 1 sends: to die (die + k) % E the rows of every block that die owns (one per chip).
+    # Slots and semaphores are indexed by the sender's offset k, so the same descriptor also
+    # describes what I receive from die (die - k) % E (wait_recv only uses dst and recv_sem).
     def stage1_copy(m, k):
         return pltpu.make_async_remote_copy(
             src_ref=x_hbm.at[:, die_plus(k), m],  # [C, R, H] strided
@@ -365,7 +377,12 @@ def _reduce_scatter_pallas(x, layout: ReduceScatterLayout, chip_axis, die_axis, 
         out_shape=out_shape,
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(
-            collective_id=REDUCE_SCATTER_COLLECTIVE_ID, has_side_effects=True
+            collective_id=REDUCE_SCATTER_COLLECTIVE_ID,
+            has_side_effects=True,
+            # two [R, H] tiles (+ headroom); N=8192, H=4096 f32 at M=2: 2 x 8 MiB
+            vmem_limit_bytes=min(
+                2 * R * H * x.dtype.itemsize + VMEM_HEADROOM_BYTES, VMEM_MAX_BYTES
+            ),
         ),
         cost_estimate=hierarchical_reduce_scatter_cost(
             lo.num_rows, H, dtype=x.dtype, num_chips=C, num_dies=E, num_microbatches=M
@@ -376,7 +393,8 @@ def _reduce_scatter_pallas(x, layout: ReduceScatterLayout, chip_axis, die_axis, 
 
 
 def _interpret_params(resolved: str):
-    """Remote DMAs between devices need eagerly executed DMAs in the interpreter."""
+    """Interpret params for this kernel: DMAs execute as soon as they are issued ("eager"),
+    closest to the hardware's overlap of transfers and reductions (DESIGN.md section 8)."""
     if resolved != "interpret":
         return False
     return pltpu.InterpretParams(dma_execution_mode="eager")

@@ -109,6 +109,9 @@ def _worker(out_dir: str) -> None:
     arrays: dict[str, np.ndarray] = {}
     info: dict[str, object] = {"jax_version": jax.__version__}
 
+    def to_numpy(a):  # bfloat16 results as float32 (exact), the rest as they are
+        return np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a)
+
     def run(fn, *xs, in_specs=None, out_specs=spec, check_vma=True):
         """jit(shard_map(fn)) and its inputs placed with the in_specs sharding (jax 0.12)."""
         in_specs = in_specs or (spec,) * len(xs)
@@ -119,7 +122,7 @@ def _worker(out_dir: str) -> None:
     for i, (name, dtype, m, rows, kind) in enumerate(RS_CASES):
         x_np = _make_input(dtype, m, rows, kind, seed=i)
         x = jnp.asarray(x_np).astype(dtype)
-        arrays[f"rs_{name}_x"] = np.asarray(x.astype(jnp.float32) if dtype == "bfloat16" else x)
+        arrays[f"rs_{name}_x"] = to_numpy(x)
         for impl in ("interpret", "reference"):
             f, (xs,) = run(
                 lambda a, impl=impl, m=m: col.hierarchical_reduce_scatter(
@@ -128,11 +131,11 @@ def _worker(out_dir: str) -> None:
                 x,
             )
             got = f(xs)
-            arrays[f"rs_{name}_{impl}"] = np.asarray(got.astype(jnp.float32) if dtype == "bfloat16" else got)
+            arrays[f"rs_{name}_{impl}"] = to_numpy(got)
             info[f"rs_{name}_{impl}_dtype"] = str(got.dtype)
         f, (xs,) = run(lambda a: col.ref_hierarchical_reduce_scatter(a), x)
         want = f(xs)
-        arrays[f"rs_{name}_want"] = np.asarray(want.astype(jnp.float32) if dtype == "bfloat16" else want)
+        arrays[f"rs_{name}_want"] = to_numpy(want)
         if name == "f32_m3":  # the kernel also runs without shard_map's varying-axes checks
             f, (xs,) = run(
                 lambda a: col.hierarchical_reduce_scatter(a, num_microbatches=3, impl="interpret"),
@@ -208,7 +211,9 @@ def _worker(out_dir: str) -> None:
             def body(i, w, fn=fn, axis_name=axis_name):
                 return fn(i, w, axis_name=axis_name)
 
-            f, xs = run(body, ids, weights, in_specs=(in_spec, in_spec), out_specs=(out_spec, out_spec))
+            f, xs = run(
+                body, ids, weights, in_specs=(in_spec, in_spec), out_specs=(out_spec, out_spec)
+            )
             got_ids, got_w = f(*xs)
             arrays[f"ag_{axes_key}_{which}_ids"] = np.asarray(got_ids)
             arrays[f"ag_{axes_key}_{which}_bits"] = np.asarray(got_w).view(np.uint32)
@@ -216,7 +221,9 @@ def _worker(out_dir: str) -> None:
             info[f"ag_{axes_key}_{which}_jaxpr_all_gathers"] = jaxpr.count("all_gather[")
             hlo = f.lower(*xs).compile().as_text()
             info[f"ag_{axes_key}_{which}_hlo_all_gathers"] = sum(
-                1 for line in hlo.splitlines() if " all-gather(" in line or " all-gather-start(" in line
+                1
+                for line in hlo.splitlines()
+                if " all-gather(" in line or " all-gather-start(" in line
             )
     try:
         col.packed_all_gather(jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 3), jnp.float32),
@@ -245,7 +252,8 @@ def _worker(out_dir: str) -> None:
 def results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("collectives")
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = flags.strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
@@ -284,7 +292,8 @@ def test_reduce_scatter_bit_exact(results, name, dtype, m, rows, kind, impl):
     assert info[f"rs_{name}_{impl}_dtype"] == dtype
     assert got.shape == want.shape == (NUM_DEVICES * m * rows, HIDDEN)
     # the reference itself against a numpy loop (sums of small integers are exact)
-    np.testing.assert_array_equal(want.astype(np.float64), _naive_reduce_scatter(arrays[f"rs_{name}_x"]))
+    naive = _naive_reduce_scatter(arrays[f"rs_{name}_x"])
+    np.testing.assert_array_equal(want.astype(np.float64), naive)
     assert got.dtype == want.dtype
     assert got.tobytes() == want.tobytes(), (
         f"{impl} differs from psum_scatter in {np.sum(got != want)} elements"
@@ -303,7 +312,8 @@ def test_reduce_scatter_random_floats(results, impl):
     arrays, _ = results
     got, want = arrays[f"rs_f32rand_m2_{impl}"], arrays["rs_f32rand_m2_want"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got, _naive_reduce_scatter(arrays["rs_f32rand_m2_x"]), rtol=1e-5, atol=1e-5)
+    naive = _naive_reduce_scatter(arrays["rs_f32rand_m2_x"])
+    np.testing.assert_allclose(got, naive, rtol=1e-5, atol=1e-5)
 
 
 def test_reduce_scatter_kernel_has_no_races(results):
@@ -313,11 +323,16 @@ def test_reduce_scatter_kernel_has_no_races(results):
     np.testing.assert_array_equal(arrays["race_got"], _naive_reduce_scatter(arrays["race_x"]))
 
 
-@pytest.mark.parametrize(
-    "key",
-    [f"{k}_{impl}" for k in ("rows_not_divisible", "rows_not_divisible_m3", "too_many_microbatches",
-                             "zero_microbatches") for impl in ("interpret", "reference")] + ["x_1d"],
-)
+ERROR_KEYS = [
+    f"{case}_{impl}"
+    for case in (
+        "rows_not_divisible", "rows_not_divisible_m3", "too_many_microbatches", "zero_microbatches"
+    )
+    for impl in ("interpret", "reference")
+] + ["x_1d"]
+
+
+@pytest.mark.parametrize("key", ERROR_KEYS)
 def test_reduce_scatter_value_errors(results, key):
     _, info = results
     msg = info["errors"][key]
