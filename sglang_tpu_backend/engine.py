@@ -39,7 +39,8 @@ TPU_CONTEXT_CAP = 32768
 class Engine:
     """One model, one scheduler loop thread. See engine_api.md for the contract."""
 
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, *, start_loop: bool = True):
+        """``start_loop=False`` leaves stepping to the caller (``step()``; benchmarks, tests)."""
         from sglang_tpu_backend.loader import load_model
         from sglang_tpu_backend.tokenizer import load_tokenizer
 
@@ -86,7 +87,8 @@ class Engine:
         self._consumers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
-        self._thread.start()
+        if start_loop:
+            self._thread.start()
 
     # Validation --------------------------------------------------------------------------
     def _make_req(self, obj: GenerateReqInput) -> Req:
@@ -183,6 +185,14 @@ class Engine:
             if not done:
                 self.abort_request(req.rid)
 
+    def add_request(self, obj: GenerateReqInput) -> Req:
+        """Validate and queue a request with no consumer (its outputs are not delivered)."""
+        req = self._make_req(obj)
+        with self._lock:
+            self.scheduler.add_request(req)
+            self._wake.notify()
+        return req
+
     def abort_request(self, rid: str) -> bool:
         """Abort a queued or running request; its pages and slot are free on return."""
         with self._lock:
@@ -270,25 +280,31 @@ class Engine:
                     self._wake.wait()
                 if self._stop:
                     return
-                batch = self.scheduler.schedule()
-            if batch is None:
+            if self.step() is None:
                 time.sleep(0.001)
-                continue
-            try:
-                results = self.runner.run(batch)
-            except Exception as e:  # a failed step must not kill the server: fail its requests
-                logger.exception("model step failed")
-                with self._lock:
-                    self.stats["num_errors"] += 1
-                    for c in batch.chunks:
-                        if self.scheduler.abort(c.req.rid, f"internal error: {type(e).__name__}: {e}"):
-                            self._deliver([c.req])
-                continue
+
+    def step(self):
+        """One scheduling + model step (the loop thread's body); returns the batch or None."""
+        with self._lock:
+            batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        try:
+            results = self.runner.run(batch)
+        except Exception as e:  # a failed step must not kill the server: fail its requests
+            logger.exception("model step failed")
             with self._lock:
-                touched = self.scheduler.process_result(batch, results)
-                self.stats["num_steps"] += 1
-                self.stats["generation_tokens_total"] += sum(1 for c in batch.chunks if c.sample)
-                self._deliver(touched)
+                self.stats["num_errors"] += 1
+                for c in batch.chunks:
+                    if self.scheduler.abort(c.req.rid, f"internal error: {type(e).__name__}: {e}"):
+                        self._deliver([c.req])
+            return batch
+        with self._lock:
+            touched = self.scheduler.process_result(batch, results)
+            self.stats["num_steps"] += 1
+            self.stats["generation_tokens_total"] += sum(1 for c in batch.chunks if c.sample)
+            self._deliver(touched)
+        return batch
 
     def _deliver(self, reqs: list[Req]) -> None:
         """Push outputs to consumers (caller holds the lock)."""

@@ -1,0 +1,68 @@
+"""Host overhead of the engine per decode step at 64 running requests on the tiny model.
+
+Measures, in one run and on the same shapes: the wall time of a full engine step
+(schedule + host array building + forward + sample + result processing/detokenisation) and
+the pure jitted forward alone, each the median over N decode steps; prints their ratio.
+
+    JAX_PLATFORMS=cpu python benchmarks/bench_host_overhead.py --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+
+from sglang_tpu_backend.engine import Engine
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.managers.schedule_batch import StepKind
+from sglang_tpu_backend.server_args import ServerArgs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    n = args.num_requests
+    eng = Engine(ServerArgs(model_path=args.model_path, max_running_requests=n, chunked_prefill_size=max(256, n),
+                            context_length=512, dtype=args.dtype, skip_warmup=True), start_loop=False)
+    budget = args.steps * 2 + 8
+    for i in range(n):
+        ids = [3 + (i * 31 + j * 7) % 1000 for j in range(args.prompt_len)]
+        eng.add_request(GenerateReqInput(input_ids=ids, sampling_params={
+            "max_new_tokens": budget, "temperature": 0, "ignore_eos": True}))
+    # Prefill everything, then run decode steps until steady state (compiles included here).
+    while True:
+        batch = eng.step()
+        if batch.kind == StepKind.DECODE and len(batch.chunks) == n:
+            break
+    for _ in range(3):
+        eng.step()
+    step_times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        batch = eng.step()
+        step_times.append(time.perf_counter() - t0)
+        assert batch.kind == StepKind.DECODE and len(batch.chunks) == n
+    # Pure forward on the same shapes (same bucket, a real decode batch of this step).
+    fb, _, _, _ = eng.runner.prepare(eng.scheduler.schedule())
+    fwd_times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(eng.runner.forward(fb))
+        fwd_times.append(time.perf_counter() - t0)
+    step, fwd = statistics.median(step_times), statistics.median(fwd_times)
+    print(f"backend={jax.default_backend()} running={n} steps={args.steps}")
+    print(f"engine decode step: median {step * 1e3:.2f} ms")
+    print(f"pure jitted forward: median {fwd * 1e3:.2f} ms")
+    print(f"host overhead: step / forward = {step / fwd:.3f}  (+{(step - fwd) * 1e3:.2f} ms per step)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""One tiny-model Engine shared by the engine test modules (compiles once per shape)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+ENGINE_ARGS = dict(max_running_requests=64, chunked_prefill_size=64, context_length=128,
+                   page_size=16, dtype="float32", skip_warmup=True, random_seed=0)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    eng = Engine(ServerArgs(**ENGINE_ARGS))
+    yield eng
+    eng.shutdown()
+
+
+def wait_pools_empty(engine, timeout=10.0) -> dict:
+    """Pool stats once nothing is allocated (abort frees synchronously; this allows a step to end)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine.pool_stats()
+        if (s["kv_pages_used"] == 0 and s["state_slots_used"] == 0 and s["num_running"] == 0
+                and s["num_queued"] == 0) or time.monotonic() > deadline:
+            return s
+
+
+@pytest.fixture
+def clean_engine(engine):
+    """The shared engine; asserts the pools are empty after the test."""
+    yield engine
+    s = wait_pools_empty(engine)
+    assert s["kv_pages_used"] == 0 and s["state_slots_used"] == 0, s
