@@ -17,6 +17,8 @@ from typing import Any
 from sglang_tpu_backend.entrypoints.request_fields import APIError, is_int, is_int_list, opt_field
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 
+# Sampling params whose empty value means "unset" (dropped, so engines without them accept it).
+UNSET_IF_EMPTY = ("stop_regex",)
 # meta_info lists that stream incrementally (each chunk carries only its new entries).
 INCREMENTAL_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs")
 
@@ -104,7 +106,9 @@ def parse_generate(body: dict, seed_rng: random.Random) -> ParsedGenerate:
     reqs: list[GenerateReqInput] = []
     any_n = False
     for i, (kind, prompt) in enumerate(prompts):
-        sp = dict(sps[i] or {})
+        # null means "unset" in SGLang; the frontend sends every key (stop_regex: [] included)
+        sp = {k: v for k, v in (sps[i] or {}).items()
+              if v is not None and not (k in UNSET_IF_EMPTY and v in ([], "", ()))}
         n = sp.pop("n", None)
         n = 1 if n is None else n
         if not is_int(n) or n < 1:
