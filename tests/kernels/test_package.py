@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import kernels
 from kernels import dispatch
 
@@ -16,7 +18,7 @@ def test_kernels_is_this_repository():
 
 
 def test_transformers_does_not_see_a_hub_kernels_package():
-    transformers_utils = __import__("pytest").importorskip("transformers.utils")
+    transformers_utils = pytest.importorskip("transformers.utils")
     assert not transformers_utils.is_kernels_available()
 
 
@@ -25,5 +27,5 @@ def test_dispatch_resolves_and_rejects():
     assert dispatch.resolve("interpret") == "interpret"
     assert dispatch.resolve("auto") in ("pallas", "reference")
     assert dispatch.interpret_params("reference") is False
-    with __import__("pytest").raises(ValueError, match="impl must be one of"):
+    with pytest.raises(ValueError, match="impl must be one of"):
         dispatch.resolve("cuda")
