@@ -278,6 +278,24 @@ def _ragged_conv(mixed_qkv, conv_weight, cs0, cu_q_lens, q_len, num_seqs):
     return y, new_cs
 
 
+def _unit_lower_inverse(n):
+    """(I + n)^-1 for strictly lower-triangular n: f32[..., L, L], by forward substitution.
+
+    Row i of the inverse is ``-n[i] + (-n[i]) @ inv[:i]`` once rows < i are final. Written as
+    a loop of matrix-vector products rather than ``lax.linalg.triangular_solve``: on XLA:CPU
+    the LAPACK solve runs on the intra-op pool and two independent solves in one program can
+    wait on each other forever on a 2-core host.
+    """
+    L = n.shape[-1]
+
+    def row(i, a):
+        r = a[..., i, :]  # f32[..., L], zero from column i on
+        return a.at[..., i, :].set(r + jnp.einsum("...j,...jk->...k", r, a, precision=_HI))
+
+    a = lax.fori_loop(1, L, row, -n)
+    return a + jnp.eye(L, dtype=n.dtype)
+
+
 def _ref_chunked(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
                  cu_q_lens, kv_lens, state_slots, num_seqs, num_k_heads, chunk_size):
     """decode=False reference: chunked (UT/WY) gated delta rule over a ragged batch."""
@@ -306,12 +324,10 @@ def _ref_chunked(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_s
     tril = jnp.tril(jnp.ones((L, L), bool))
     decay = jnp.exp(jnp.where(tril, gam[..., :, None] - gam[..., None, :], -jnp.inf))
     kb = kc * bc[..., None]
-    ut = jnp.einsum("nhid,nhjd->nhij", kb, kc, precision=_HI) * decay
-    ut = jnp.where(jnp.tril(jnp.ones((L, L), bool), -1), ut, 0.0) + jnp.eye(L, dtype=_F32)
-    solve = functools.partial(lax.linalg.triangular_solve, left_side=True, lower=True,
-                              unit_diagonal=True)
-    u = solve(ut, vc * bc[..., None])  # f32[N, Hv, L, Dv]
-    w = solve(ut, kb * jnp.exp(gam)[..., None])  # f32[N, Hv, L, Dk]
+    kk = jnp.einsum("nhid,nhjd->nhij", kb, kc, precision=_HI) * decay
+    ut_inv = _unit_lower_inverse(jnp.where(jnp.tril(jnp.ones((L, L), bool), -1), kk, 0.0))
+    u = jnp.einsum("nhij,nhjv->nhiv", ut_inv, vc * bc[..., None], precision=_HI)  # f32[N, Hv, L, Dv]
+    w = jnp.einsum("nhij,nhjk->nhik", ut_inv, kb * jnp.exp(gam)[..., None], precision=_HI)
     attn = jnp.einsum("nhid,nhjd->nhij", qc, kc, precision=_HI) * decay
     qd = qc * jnp.exp(gam)[..., None]
     kd = kc * jnp.exp(gam[..., -1:] - gam)[..., None]
