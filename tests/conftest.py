@@ -3,5 +3,3 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import sglang_tpu_backend  # noqa: E402,F401  (configures XLA:CPU; see its __init__)
