@@ -27,9 +27,6 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_FLAGS = ["--context-length", "2048", "--max-running-requests", "8", "--page-size", "16",
                  "--chunked-prefill-size", "64", "--max-request-body-bytes", "65536", "--skip-warmup",
                  "--random-seed", "1234", "--log-level", "warning"]
-# No JAX persistent compilation cache: with it, the CPU engine's steps hang after a few requests
-# (reproduced with jax 0.10.2, Engine alone, no HTTP).
-_DROPPED_ENV = ("JAX_COMPILATION_CACHE_DIR",)
 STARTUP_TIMEOUT_S = float(os.environ.get("STB_SERVER_TEST_STARTUP_S", "600"))
 
 
@@ -46,7 +43,7 @@ class LiveServer:
         module = ("tests.server.fake_server" if os.environ.get("STB_SERVER_TEST_ENGINE") == "fake"
                   else "sglang_tpu_backend.launch_server")
         self.log = tempfile.NamedTemporaryFile("w+", prefix="stb-server-", suffix=".log", delete=False)
-        env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
+        env = dict(os.environ)
         env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port), *flags],

@@ -5,7 +5,6 @@ Run from ``sglang/test/test_programs.py`` (their asserts hold for any model):
   test_mt_bench              chat roles (system/user/assistant), two gens; asserts the message count
   test_select(False)         sgl.select via max_new_tokens=0 + input logprobs; answer in the choices
   test_regex                 regex-constrained IP address (a finite language: always completes)
-  test_decode_json_regex     JSON assembled from regex-constrained string/int/float gens
   test_dtype_gen             dtype=str/int/float/bool gens (regex-constrained), parsed back
   test_expert_answer(False)  gens with stop strings, reusing a generated variable
   test_stream                streaming text_iter over the whole text and one variable
@@ -21,6 +20,9 @@ Not run for other reasons:
   test_parallel_encoding   uses ``fork().join(mode="concate_and_append")`` ->
                            POST /concate_and_append_request, a legacy route SGLang's own server
                            no longer has (and its assert needs a correct answer too).
+  test_decode_json_regex   its REGEX_STR ``"[\w\d\s]*"`` admits control characters (``\s``),
+                           which JSON strings forbid; the random model does emit them, so
+                           ``json.loads`` can fail on a regex-conforming output (seen here).
   test_decode_json         unbounded ``gen_string``/``gen_int`` pieces: an untrained model can hit
                            max_new_tokens=64 inside a string, leaving invalid JSON.
   test_image_qa            needs a vision model and an image file.
@@ -73,7 +75,6 @@ def tokenizer_stub(live_server, monkeypatch):
     ("test_mt_bench", {}),
     ("test_select", {"check_answer": False}),
     ("test_regex", {}),
-    ("test_decode_json_regex", {}),
     ("test_dtype_gen", {}),
     ("test_expert_answer", {"check_answer": False}),
     ("test_stream", {}),
