@@ -17,7 +17,7 @@ import jax
 
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
-from sglang_tpu_backend.managers.schedule_batch import StepKind
+from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 from sglang_tpu_backend.server_args import ServerArgs
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     # Prefill everything, then run decode steps until steady state (compiles included here).
     while True:
         batch = eng.step()
-        if batch.kind == StepKind.DECODE and len(batch.chunks) == n:
+        if batch.kind == ForwardMode.DECODE and len(batch.chunks) == n:
             break
     for _ in range(3):
         eng.step()
@@ -49,7 +49,7 @@ def main() -> None:
         t0 = time.perf_counter()
         batch = eng.step()
         step_times.append(time.perf_counter() - t0)
-        assert batch.kind == StepKind.DECODE and len(batch.chunks) == n
+        assert batch.kind == ForwardMode.DECODE and len(batch.chunks) == n
     # Pure forward on the same shapes (same bucket, a real decode batch of this step).
     fb, _, _, _ = eng.runner.prepare(eng.scheduler.schedule())
     fwd_times = []

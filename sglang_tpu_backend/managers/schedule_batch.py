@@ -11,17 +11,10 @@ position, so greedy and seeded results do not change.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from typing import Any, Callable
 
-
-class StepKind(enum.IntEnum):
-    """Same values as ``ForwardMode`` (which lives with the jitted model, not here)."""
-
-    EXTEND = 1
-    DECODE = 2
-    MIXED = 3
+from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 
 
 class IncrementalDetokenizer:
@@ -226,7 +219,7 @@ class ScheduledChunk:
 @dataclasses.dataclass
 class ScheduledBatch:
     chunks: list[ScheduledChunk]
-    kind: StepKind
+    kind: ForwardMode
 
     @property
     def num_tokens(self) -> int:

@@ -19,10 +19,10 @@ from sglang_tpu_backend.managers.schedule_batch import (
     Req,
     ScheduledBatch,
     ScheduledChunk,
-    StepKind,
 )
 from sglang_tpu_backend.mem_cache.page_pool import PagePool, pages_for
 from sglang_tpu_backend.mem_cache.state_pool import StatePool
+from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -209,11 +209,11 @@ class Scheduler:
         if not chunks:
             return None
         if num_decodes == len(chunks):
-            kind = StepKind.DECODE
+            kind = ForwardMode.DECODE
         elif num_decodes == 0:
-            kind = StepKind.EXTEND
+            kind = ForwardMode.EXTEND
         else:
-            kind = StepKind.MIXED
+            kind = ForwardMode.MIXED
         return ScheduledBatch(chunks=chunks, kind=kind)
 
     # Results -------------------------------------------------------------------------

@@ -13,21 +13,12 @@ request (max context / page size), L rows that need logits.
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import jax
 
+from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 
-class ForwardMode(enum.IntEnum):
-    """What kind of step this is (SGLang's names). It is static: each mode compiles once."""
-
-    EXTEND = 1  # prefill chunks only
-    DECODE = 2  # exactly one new token per request: the GDN layers take the recurrent path
-    MIXED = 3  # prefill chunks and decode tokens together
-    IDLE = 4  # nothing to run on this DP rank (keeps collectives in step)
-
-    def is_decode(self) -> bool:
-        return self == ForwardMode.DECODE
+__all__ = ["ForwardBatch", "ForwardMode"]
 
 
 @jax.tree_util.register_dataclass

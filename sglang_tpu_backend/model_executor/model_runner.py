@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_backend.config import ModelConfig
-from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledBatch, StepKind
+from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledBatch
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -94,19 +94,19 @@ class ModelRunner:
         self._forward = qwen3_5_moe.forward_jit
 
     # Shapes ---------------------------------------------------------------------------
-    def shapes_for(self, kind: StepKind, num_tokens: int, num_reqs: int, num_rows: int) -> tuple[int, int, int]:
+    def shapes_for(self, kind: ForwardMode, num_tokens: int, num_reqs: int, num_rows: int) -> tuple[int, int, int]:
         """Bucketed (T, R, L) for a step."""
-        if kind == StepKind.DECODE:
+        if kind == ForwardMode.DECODE:
             r = pick_bucket(self.req_buckets, num_reqs)
             return r, r, r
         t = pick_bucket(self.token_buckets, num_tokens)
         r = pick_bucket(self.extend_req_buckets, max(num_reqs, num_rows, 1))
         return t, r, r
 
-    def all_shapes(self) -> list[tuple[StepKind, int, int, int]]:
+    def all_shapes(self) -> list[tuple[ForwardMode, int, int, int]]:
         """Every (kind, T, R, L) variant serving can produce (what warmup compiles)."""
-        out = [(StepKind.DECODE, r, r, r) for r in self.req_buckets]
-        for kind in (StepKind.EXTEND, StepKind.MIXED):
+        out = [(ForwardMode.DECODE, r, r, r) for r in self.req_buckets]
+        for kind in (ForwardMode.EXTEND, ForwardMode.MIXED):
             for t in self.token_buckets:
                 prev = 0
                 for r in self.extend_req_buckets:
@@ -130,7 +130,7 @@ class ModelRunner:
         num_rows = sum({"all": c.num_tokens, "last": 1, "none": 0}[c.logits] for c in batch.chunks)
         T, R, L = self.shapes_for(batch.kind, batch.num_tokens, len(batch.chunks), num_rows)
         fb, rows = build_forward_batch(
-            seq_chunks, page_size=self.page_size, mode=ForwardMode(int(batch.kind)), num_tokens=T,
+            seq_chunks, page_size=self.page_size, mode=batch.kind, num_tokens=T,
             num_seqs=R, pages_per_seq=self.pages_per_seq, num_logits=L,
         )
         want_lp = any(c.req.return_logprob for c in batch.chunks)
@@ -230,14 +230,14 @@ class ModelRunner:
         return results
 
     # Warmup ---------------------------------------------------------------------------
-    def dummy_batch(self, kind: StepKind, T: int, R: int, L: int) -> ForwardBatch:
+    def dummy_batch(self, kind: ForwardMode, T: int, R: int, L: int) -> ForwardBatch:
         """An all-padding batch (num_seqs = 0) of the given shape: writes nothing."""
         return ForwardBatch(
             input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
             cu_q_lens=np.zeros(R + 1, np.int32), kv_lens=np.zeros(R, np.int32),
             page_table=np.zeros((R, self.pages_per_seq), np.int32), state_slots=np.zeros(R, np.int32),
             num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(L, np.int32),
-            mode=ForwardMode(int(kind)),
+            mode=kind,
         )
 
     def dummy_sampling_inputs(self, R: int, L: int) -> sampler.SamplingInputs:

@@ -12,7 +12,8 @@ import random
 import pytest
 
 from sglang_tpu_backend.managers.io_struct import InvalidRequestError
-from sglang_tpu_backend.managers.schedule_batch import ChunkResult, IncrementalDetokenizer, Req, StepKind
+from sglang_tpu_backend.managers.schedule_batch import ChunkResult, IncrementalDetokenizer, Req
+from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 from sglang_tpu_backend.managers.scheduler import Scheduler
 from sglang_tpu_backend.mem_cache.page_pool import PagePool, pages_for
 from sglang_tpu_backend.mem_cache.state_pool import StatePool
@@ -136,10 +137,10 @@ def test_all_requests_complete_with_reference_outputs_and_pools_empty():
         assert r.finish_reason == {"type": "length", "length": r.max_new_tokens}
     assert sched.page_pool.num_used == 0 and sched.state_pool.num_used == 0
     kinds = {b.kind for b in model.steps}
-    assert kinds == {StepKind.EXTEND, StepKind.DECODE, StepKind.MIXED}
+    assert kinds == {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED}
     for b in model.steps:  # mode labels match content
         dec = [c.start > 0 and c.num_tokens == 1 and c.req.output_ids for c in b.chunks]
-        if b.kind == StepKind.DECODE:
+        if b.kind == ForwardMode.DECODE:
             assert all(dec)
     # Chunked prefill: a 40-token prompt cannot go in one chunk of a 32-token step.
     assert max(c.num_tokens for b in model.steps for c in b.chunks) <= 32

@@ -1,4 +1,4 @@
-"""SGLang frontend programs, unchanged, through the real ``sglang.RuntimeEndpoint`` against a
+r"""SGLang frontend programs, unchanged, through the real ``sglang.RuntimeEndpoint`` against a
 live server running the embedded (untrained, random-weight) tiny model.
 
 Run from ``sglang/test/test_programs.py`` (their asserts hold for any model):
