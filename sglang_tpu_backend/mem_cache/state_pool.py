@@ -2,41 +2,23 @@
 
 from __future__ import annotations
 
+from sglang_tpu_backend.mem_cache.id_allocator import IdAllocator
 
-class StatePool:
+
+class StatePool(IdAllocator):
     """Owns which state slots ``[0, num_slots)`` are free."""
 
     def __init__(self, num_slots: int):
-        if num_slots <= 0:
-            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        super().__init__(num_slots, "GDN state slot")
         self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._used)
 
     def can_allocate(self) -> bool:
-        return bool(self._free)
+        return self.num_free > 0
 
     def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError(f"no free GDN state slot (all {self.num_slots} in use)")
-        slot = self._free.pop()
-        self._used.add(slot)
-        return slot
+        """One slot; raises RuntimeError when none is free (check ``can_allocate``)."""
+        return self._take(1)[0]
 
     def free(self, slot: int) -> None:
-        if slot not in self._used:
-            raise ValueError(f"state slot {slot} freed but not allocated")
-        self._used.remove(slot)
-        self._free.append(slot)
-
-    def reset(self) -> None:
-        self._free = list(range(self.num_slots - 1, -1, -1))
-        self._used.clear()
+        """Return a slot; raises ValueError on a slot that is not allocated (double free)."""
+        self._give_back([slot])
