@@ -11,6 +11,7 @@ A client that disconnects stops its engine generators, which aborts the requests
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import random
@@ -55,7 +56,7 @@ async def verify_api_key(request: Request) -> None:
     if auth is None:
         raise APIError("Missing API key: send 'Authorization: Bearer <key>'", "authorization", 401)
     scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or token.strip() != key:
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
         raise APIError("Invalid API key", "authorization", 401)
 
 
