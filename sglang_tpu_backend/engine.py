@@ -37,7 +37,12 @@ TPU_CONTEXT_CAP = 32768
 
 
 class Engine:
-    """One model, one scheduler loop thread. See engine_api.md for the contract."""
+    """One model, one scheduler loop thread.
+
+    The API the HTTP routes (and later the Ray ingress) use: ``generate`` (async iterator of
+    SGLang-format output dicts), ``abort_request``, ``flush_cache``, ``get_model_info``,
+    ``get_server_info``, ``health_generate``, ``pool_stats``, ``shutdown``.
+    """
 
     def __init__(self, args: ServerArgs, *, start_loop: bool = True):
         """``start_loop=False`` leaves stepping to the caller (``step()``; benchmarks, tests)."""

@@ -1,4 +1,4 @@
-"""Safetensors checkpoint -> parameter pytree (see briefs/params.md for the layout).
+"""Safetensors checkpoint -> parameter pytree (layout in ``models/qwen3_5_moe.py``).
 
 Reads HF Qwen3.5-MoE (``model.language_model.`` / ``model.`` prefixes) and Qwen3-Next
 checkpoints, fused or per-expert expert layouts, bf16/fp32/FP8-block-scaled weights. Every
@@ -334,7 +334,7 @@ def load_params(
     keep_fp8_experts: bool = False,
     progress: bool | None = None,
 ) -> dict:
-    """Load a safetensors checkpoint into the params pytree of briefs/params.md.
+    """Load a safetensors checkpoint into the params pytree (layout in ``models/qwen3_5_moe.py``).
 
     Args:
       checkpoint_dir: directory with ``*.safetensors`` (and optionally the index json).

@@ -7,7 +7,25 @@ sigmoid-gated shared expert) unless the config marks it dense (Qwen3-Next only).
 
 Dimension letters: T tokens in the step, R requests, L logits rows, H hidden, V vocab,
 E experts, K top-k, I expert width, N q heads, G kv heads, D head dim.
-The parameter pytree is documented in ``sglang_tpu_backend/loader.py``.
+
+Parameter pytree (``loader.load_params`` builds it): nested dicts of arrays; every linear
+weight is [in, out] (HF's [out, in] transposed) so layers compute ``x @ w``.
+
+    embed_tokens [V, H], norm [H], lm_head [H, V] (= embed_tokens.T when tied),
+    layers: list, one dict per layer with
+      input_layernorm [H], post_attention_layernorm [H] (zero-centred, applied as 1 + w)
+      self_attn (full_attention layers):
+        q_proj [H, N*2*D] (per head [query(D) | gate(D)]), k_proj [H, G*D], v_proj [H, G*D],
+        o_proj [N*D, H], q_norm [D], k_norm [D]
+      linear_attn (linear_attention layers), C = 2*Hk*Dk + Hv*Dv in order [q | k | v]:
+        in_proj_qkv [H, C], in_proj_z [H, Hv*Dv], in_proj_b [H, Hv], in_proj_a [H, Hv],
+        conv1d [C, K], A_log f32[Hv], dt_bias f32[Hv], norm [Dv] (plain weight),
+        out_proj [Hv*Dv, H]
+      mlp (MoE): gate [H, E]; experts {gate_up [E, H, 2I] (columns [gate | up]), down [E, I, H],
+        and with FP8 experts kept: gate_up_scale f32[E, H/128, 2I/128], down_scale
+        f32[E, I/128, H/128] (128x128 block scales, multiply to dequantise)};
+        shared_expert {gate_up [H, 2Is], down [Is, H]}; shared_expert_gate [H, 1]
+      mlp (dense, Qwen3-Next mlp_only layers): gate_up [H, 2I], down [I, H]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TEST DOUBLE: an object with the Engine API (briefs/engine_api.md) and no model.
+"""TEST DOUBLE: an object with the Engine API (see ``sglang_tpu_backend.engine.Engine``) and no model.
 
 Used only by route-level unit tests (tests/server/test_routes_fake.py). It tokenizes with
 the embedded tiny tokenizer, validates through the real ``SamplingParams``, "generates"
