@@ -1,7 +1,7 @@
 """MoE routing: sort assignments by local expert, gather token rows, weighted gather-reduce.
 
 Dimension letters: T tokens, k top-k slots, E local experts, M = T*k sorted assignments,
-H hidden.
+H hidden, P row split (below).
 
 Flow on one expert-parallel device (DESIGN.md section 3):
   token_idx, group_sizes, rows = route_metadata(topk_ids, E, expert_offset=...)
@@ -9,10 +9,37 @@ Flow on one expert-parallel device (DESIGN.md section 3):
   ys = gmm(... xs ..., group_sizes)                  # expert outputs in sorted order
   out = gather_reduce(ys, rows, topk_weights)        # [T, H], per-token weighted sum
 
-Both data movers are index-driven Pallas kernels: the indices are scalar-prefetched into
-SMEM and each needed row is DMA'd from HBM (``pl.ANY``) into a VMEM block, with up to
-``NUM_INFLIGHT`` row copies outstanding; no one-hot or padded permutation matrix exists.
-The index arrays live whole in SMEM, which bounds them to tens of thousands of entries.
+Both data movers are index-driven Pallas kernels: each grid step reads its block of indices
+(and weights) into SMEM through a blocked SMEM input spec, so the index arrays are never held
+whole in SMEM (1 MiB on TPU7x) and any T*k works; it then DMAs every needed row from HBM
+(``pl.ANY``) into a VMEM buffer, with up to ``NUM_INFLIGHT`` row copies outstanding. No
+one-hot or padded permutation matrix exists.
+
+TPU layout. Mosaic tiles only the last two dims of a buffer ((8, 128) 32-bit, (16, 128) bf16,
+(32, 128) 8-bit in registers; XLA stores [M, H] bf16 in HBM as (8, 128) tiles of row pairs)
+and rejects dynamic offsets along tiled dims unless provably tile-aligned, so one row can
+never be sliced out of an [M, H] array. The wrappers therefore view the source as
+``[rows, P, H/P]``: a row is ``src.at[idx]``, an index into the leading, untiled dim, and is
+DMA'd whole-tile into a VMEM buffer ``[n, P, H/P]`` at leading index ``i``. ``P``
+(:func:`_row_split`) is the largest power of two <= the dtype's tile rows (8 f32, 16 bf16,
+32 8-bit) with H % (128 P) == 0, so a row fills whole tiles and the buffer carries no padding
+(H = 4096: P = 16 bf16, a row is one [16, 256] slab; P = 8 f32). Smaller H pads: H = 128
+has P = 1 and a bf16 row pads to 2 sublanes (f32 none); an H that is not a multiple of 128
+pads each row's lanes to the next multiple of 128. Each kernel reshapes its gathered block
+to dense [rows, H] in registers before the output store, so the outputs are ordinary
+[M, H] / [T, H] arrays in XLA's default layout.
+
+Cost of the view: it is not a bitcast of XLA's [rows, H] layout, so XLA relayouts the source
+once in HBM before the kernel (one read + write of it): x [T, H] for gather_rows (1/k of the
+kernel's traffic), y [M, H] for gather_reduce (about doubles that kernel's HBM traffic, and
+an M x H temporary; a producer writing y directly as [M, P, H/P] would remove it).
+
+VMEM (default blocks, H = 4096 bf16, k = 10): gather_rows 3 MiB = a [128, 16, 256] row
+buffer (1 MiB) + the double-buffered [128, 4096] output block (2 MiB); gather_reduce 3.5 MiB
+= a [320, 16, 256] row buffer (2.5 MiB) + f32[32, 16, 256] sums (0.5 MiB) + double-buffered
+[32, 4096] output blocks (0.5 MiB). On TPU the SMEM index blocks constrain the block sizes:
+``gather_rows`` a power of two >= 128 unless one block covers all rows, ``reduce_tokens`` a
+multiple of 8.
 """
 
 from __future__ import annotations
@@ -41,6 +68,15 @@ class RoutingBlockSizes:
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def _row_split(h: int, dtype) -> int:
+    """P for the [rows, P, H/P] view: the largest power of two <= the dtype's tile rows
+    (8 f32, 16 bf16, 32 for 8-bit) dividing H into multiples of 128 lanes; 1 if none does."""
+    p = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+    while p > 1 and h % (p * 128):
+        p //= 2
+    return p
 
 
 # --------------------------------------------------------------------------- metadata
@@ -116,15 +152,16 @@ def _validate_reduce(y, rows, weights):
 # --------------------------------------------------------------------------- kernels
 
 
-def _copy_rows(src_hbm, index_of, dst_of, num, sem):
-    """DMA ``src_hbm[index_of(i)]`` -> ``dst_of(i)`` for i < num, NUM_INFLIGHT copies in flight.
+def _copy_rows(src_hbm, index_of, buf, num, sem):
+    """``buf[i] = src_hbm[index_of(i)]`` for i < num, NUM_INFLIGHT row DMAs in flight.
 
-    Rows whose index is negative are skipped (their destination keeps stale data; callers
-    mask them). Slot ``i % NUM_INFLIGHT`` of ``sem`` tracks copy i.
+    src_hbm [R, P, H/P] and buf [n, P, H/P]: both row indices are leading (untiled) dims, so
+    every DMA is whole tiles. Rows whose index is negative are zero-filled instead. Slot
+    ``i % NUM_INFLIGHT`` of ``sem`` tracks copy i.
     """
 
     def copy(i, idx):
-        return pltpu.make_async_copy(src_hbm.at[pl.ds(idx, 1)], dst_of(i), sem.at[i % NUM_INFLIGHT])
+        return pltpu.make_async_copy(src_hbm.at[idx], buf.at[i], sem.at[i % NUM_INFLIGHT])
 
     def body(i, carry):
         @pl.when(i >= NUM_INFLIGHT)
@@ -141,6 +178,10 @@ def _copy_rows(src_hbm, index_of, dst_of, num, sem):
         def _():
             copy(i, idx).start()
 
+        @pl.when(idx < 0)
+        def _():
+            buf[i] = jnp.zeros(buf.shape[1:], buf.dtype)  # [P, H/P]
+
         return carry
 
     jax.lax.fori_loop(0, num, body, 0)
@@ -156,43 +197,40 @@ def _copy_rows(src_hbm, index_of, dst_of, num, sem):
 
 
 def _gather_rows_kernel(
-    idx_ref,  # Prefetch: i32[Mp] source rows
-    idx_blk_ref,  # Input: i32[bm, 1] the same indices, as a vector for masking
-    x_hbm,  # Input: [T, H] in HBM (pl.ANY)
+    idx_ref,  # Input (SMEM): i32[bm] source row per output row of this block, -1 = zeros
+    x_hbm,  # Input: [T, P, H/P] in HBM (pl.ANY)
     o_ref,  # Output: [bm, H]
+    buf,  # Scratch: [bm, P, H/P] gathered rows
     sem,  # Scratch: DMA semaphores[NUM_INFLIGHT]
     *, bm,
 ):
-    base = pl.program_id(0) * bm
-    _copy_rows(x_hbm, lambda i: idx_ref[base + i], lambda i: o_ref.at[pl.ds(i, 1)], bm, sem)
-    o_ref[...] = jnp.where(idx_blk_ref[...] >= 0, o_ref[...], 0).astype(o_ref.dtype)
+    _copy_rows(x_hbm, lambda i: idx_ref[i], buf, bm, sem)
+    o_ref[...] = buf[...].reshape(o_ref.shape)  # [bm, P, H/P] -> [bm, H]
 
 
 def _gather_reduce_kernel(
-    rows_ref,  # Prefetch: i32[Tp * k] sorted row of each (token, slot)
-    rows_blk_ref,  # Input: i32[bt, k] the same rows, as vectors for masking
-    w_ref,  # Input: f32[bt, k] routing weights
-    y_hbm,  # Input: [M, H] in HBM (pl.ANY)
+    rows_ref,  # Input (SMEM): i32[bt, k] sorted row of each (token, slot), -1 = skipped
+    w_ref,  # Input (SMEM): f32[bt, k] routing weights
+    y_hbm,  # Input: [M, P, H/P] in HBM (pl.ANY)
     o_ref,  # Output: [bt, H]
-    buf,  # Scratch: [k, bt, H] gathered expert rows, slot-major
+    buf,  # Scratch: [bt * k, P, H/P] gathered expert rows, token-major
+    acc_ref,  # Scratch: f32[bt, P, H/P] per-token sums
     sem,  # Scratch: DMA semaphores[NUM_INFLIGHT]
     *, bt, k,
 ):
-    base = pl.program_id(0) * bt * k
-    _copy_rows(
-        y_hbm,
-        lambda i: rows_ref[base + i],
-        lambda i: buf.at[i % k].at[pl.ds(i // k, 1)],
-        bt * k,
-        sem,
-    )
-    valid = rows_blk_ref[...] >= 0  # bool[bt, k]
-    w = w_ref[...].astype(jnp.float32)  # f32[bt, k]
-    acc = jnp.zeros(o_ref.shape, jnp.float32)
-    for j in range(k):
-        contrib = w[:, j : j + 1] * buf[j].astype(jnp.float32)  # f32[bt, H]
-        acc += jnp.where(valid[:, j : j + 1], contrib, 0.0)  # skipped slots hold stale data
-    o_ref[...] = acc.astype(o_ref.dtype)
+    # buf[t * k + j] = y[rows[t, j]]; skipped slots are zero rows
+    _copy_rows(y_hbm, lambda i: rows_ref[i // k, i % k], buf, bt * k, sem)
+
+    def token(t, carry):
+        acc = jnp.zeros(acc_ref.shape[1:], jnp.float32)  # f32[P, H/P]
+        for j in range(k):
+            w = jnp.where(rows_ref[t, j] >= 0, w_ref[t, j], 0.0)  # f32; skipped slots weigh 0
+            acc += w * buf[t * k + j].astype(jnp.float32)  # f32[P, H/P]
+        acc_ref[t] = acc
+        return carry
+
+    jax.lax.fori_loop(0, bt, token, 0)
+    o_ref[...] = acc_ref[...].reshape(o_ref.shape).astype(o_ref.dtype)  # [bt, P, H/P] -> [bt, H]
 
 
 # --------------------------------------------------------------------------- public API
@@ -203,7 +241,7 @@ def gather_rows(x, token_idx, *, impl=None, block_sizes: RoutingBlockSizes | Non
 
     Args:
       x: [T, H] token hidden states.
-      token_idx: i32[M] source row per output row; entries < 0 give zero rows.
+      token_idx: i32[M] source row per output row; entries < 0 (or >= T) give zero rows.
       impl: see :mod:`kernels.dispatch` (static under jit).
     Returns:
       [M, H] in x.dtype.
@@ -213,28 +251,30 @@ def gather_rows(x, token_idx, *, impl=None, block_sizes: RoutingBlockSizes | Non
     if resolved == "reference" or token_idx.shape[0] == 0:
         return ref_gather_rows(x, token_idx)
     m, (t, h) = token_idx.shape[0], x.shape
+    p = _row_split(h, x.dtype)
     bm = min((block_sizes or RoutingBlockSizes()).gather_rows, _round_up(m, 16))
     mp = _round_up(m, bm)
     idx = token_idx.astype(jnp.int32)
     idx = jnp.where(idx < t, idx, -1)  # out-of-range rows read nothing (zeros)
     idx = jnp.pad(idx, (0, mp - m), constant_values=-1)  # i32[Mp]
+    x3 = x.reshape(t, p, h // p)  # [T, P, H/P]: a row is x3[idx], a leading index
     out = pl.pallas_call(
         functools.partial(_gather_rows_kernel, bm=bm),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(mp // bm,),
-            in_specs=[
-                pl.BlockSpec((bm, 1), lambda i, idx_ref: (i, 0)),
-                pl.BlockSpec(memory_space=pl.ANY),
-            ],
-            out_specs=pl.BlockSpec((bm, h), lambda i, idx_ref: (i, 0)),
-            scratch_shapes=[pltpu.SemaphoreType.DMA((NUM_INFLIGHT,))],
-        ),
+        grid=(mp // bm,),
+        in_specs=[
+            pl.BlockSpec((bm,), lambda i: (i,), memory_space=pltpu.SMEM),
+            pl.BlockSpec(memory_space=pl.ANY),
+        ],
+        out_specs=pl.BlockSpec((bm, h), lambda i: (i, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((bm, p, h // p), x.dtype),  # gathered rows of this block
+            pltpu.SemaphoreType.DMA((NUM_INFLIGHT,)),
+        ],
         out_shape=jax.ShapeDtypeStruct((mp, h), x.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         cost_estimate=gather_rows_cost(m, h, itemsize=x.dtype.itemsize).to_pallas(),
         interpret=dispatch.interpret_params(resolved),
-    )(idx, idx[:, None], x)
+    )(idx, x3)
     return out[:m]
 
 
@@ -243,7 +283,7 @@ def gather_reduce(y, rows, weights, *, impl=None, block_sizes: RoutingBlockSizes
 
     Args:
       y: [M, H] expert outputs in sorted-assignment order.
-      rows: i32[T, k] from :func:`route_metadata` (-1 = not local, skipped).
+      rows: i32[T, k] from :func:`route_metadata` (-1 = not local, skipped; >= M skipped too).
       weights: f32[T, k] routing weights.
       impl: see :mod:`kernels.dispatch` (static under jit).
     Returns:
@@ -255,32 +295,29 @@ def gather_reduce(y, rows, weights, *, impl=None, block_sizes: RoutingBlockSizes
     if resolved == "reference" or t == 0 or k == 0:
         return ref_gather_reduce(y, rows, weights)
     m, h = y.shape
+    p = _row_split(h, y.dtype)
     bt = min((block_sizes or RoutingBlockSizes()).reduce_tokens, _round_up(t, 8))
     tp = _round_up(t, bt)
     r = rows.astype(jnp.int32)
     r = jnp.pad(jnp.where(r < m, r, -1), ((0, tp - t), (0, 0)), constant_values=-1)  # i32[Tp, k]
     w = jnp.pad(weights.astype(jnp.float32), ((0, tp - t), (0, 0)))  # f32[Tp, k]
+    y3 = y.reshape(m, p, h // p)  # [M, P, H/P]: a row is y3[row], a leading index
+    smem_block = pl.BlockSpec((bt, k), lambda i: (i, 0), memory_space=pltpu.SMEM)
     out = pl.pallas_call(
         functools.partial(_gather_reduce_kernel, bt=bt, k=k),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(tp // bt,),
-            in_specs=[
-                pl.BlockSpec((bt, k), lambda i, rows_ref: (i, 0)),
-                pl.BlockSpec((bt, k), lambda i, rows_ref: (i, 0)),
-                pl.BlockSpec(memory_space=pl.ANY),
-            ],
-            out_specs=pl.BlockSpec((bt, h), lambda i, rows_ref: (i, 0)),
-            scratch_shapes=[
-                pltpu.VMEM((k, bt, h), y.dtype),  # gathered rows of this token block
-                pltpu.SemaphoreType.DMA((NUM_INFLIGHT,)),
-            ],
-        ),
+        grid=(tp // bt,),
+        in_specs=[smem_block, smem_block, pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((bt, h), lambda i: (i, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((bt * k, p, h // p), y.dtype),  # gathered rows of this token block
+            pltpu.VMEM((bt, p, h // p), jnp.float32),  # per-token fp32 sums
+            pltpu.SemaphoreType.DMA((NUM_INFLIGHT,)),
+        ],
         out_shape=jax.ShapeDtypeStruct((tp, h), y.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         cost_estimate=gather_reduce_cost(t, k, h, itemsize=y.dtype.itemsize).to_pallas(),
         interpret=dispatch.interpret_params(resolved),
-    )(r.reshape(-1), r, w, y)
+    )(r, w, y3)
     return out[:t]
 
 

@@ -2,7 +2,8 @@
 # Create (or update) the project's virtual environments.
 #   scripts/setup_env.sh          runtime env .venv (Python 3.11, jax 0.10.2)
 #   scripts/setup_env.sh --test   + test extras: CPU torch (the transformers reference), the
-#                                 sglang frontend package, and .venv312 (Python 3.12, jax 0.12)
+#                                 sglang frontend package, libtpu (compile-only TPU7x target for
+#                                 tests/tpu), and .venv312 (Python 3.12, jax 0.12)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -13,7 +14,7 @@ if [ "${1:-}" != "--test" ]; then
   exit 0
 fi
 # torch 2.13.0 is the CPU build that installs offline on Python 3.11.
-.venv/bin/pip install -q -e ".[test]" "torch==2.13.0"
+.venv/bin/pip install -q -e ".[test,tpu]" "torch==2.13.0"
 # The SGLang frontend (sgl.RuntimeEndpoint) for the compatibility tests. Its server-side
 # dependency pins (a CUDA torch among them) are not wanted, so: --no-deps plus what
 # `import sglang` needs.

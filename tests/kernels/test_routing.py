@@ -102,6 +102,72 @@ def test_gather_reduce_kernel(dtype, tol):
     _check(R.ref_gather_reduce(y, jnp.asarray(rows), jnp.asarray(w)), expected, tol)
 
 
+def test_row_split():
+    # largest power of two <= the dtype's tile rows with H % (128 P) == 0, else 1
+    assert R._row_split(4096, jnp.bfloat16) == 16 and R._row_split(4096, jnp.float32) == 8
+    assert R._row_split(4096, jnp.float8_e4m3fn) == 32 and R._row_split(4096, jnp.int8) == 32
+    assert R._row_split(128, jnp.bfloat16) == 1 and R._row_split(384, jnp.float32) == 1
+    assert R._row_split(512, jnp.bfloat16) == 4 and R._row_split(2560, jnp.bfloat16) == 4
+    assert R._row_split(200, jnp.float32) == 1  # not a lane multiple: one unsplit row
+
+
+# (dtype, H): every row-split P of the [rows, P, H/P] view -- 1 (H = 128, 384 = 3 * 128,
+# 200 not a lane multiple), 2, 8 (f32 full tile), 16 (bf16 full tile), 32 (int8 full tile).
+LAYOUT_CASES = [
+    (jnp.float32, 128), (jnp.bfloat16, 128), (jnp.float32, 384), (jnp.float32, 200),
+    (jnp.bfloat16, 256), (jnp.float32, 1024), (jnp.bfloat16, 2048), (jnp.int8, 4096),
+]
+
+
+@pytest.mark.parametrize("dtype,h", LAYOUT_CASES)
+def test_gather_rows_layouts(dtype, h):
+    rng = np.random.default_rng(5)
+    t, m = 9, 37
+    x = jnp.asarray(rng.integers(-100, 100, (t, h)), dtype)  # exact in every dtype
+    idx = rng.integers(-2, t + 3, m).astype(np.int32)  # negatives and out-of-range (>= T)
+    idx[:4] = [t, -1, t - 1, 0]
+    out = R.gather_rows(x, jnp.asarray(idx), impl="interpret", block_sizes=BLOCKS)
+    valid = (idx >= 0) & (idx < t)
+    expected = np.where(valid[:, None], np.asarray(x, np.float32)[np.where(valid, idx, 0)], 0)
+    assert out.dtype == dtype and out.shape == (m, h)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
+
+
+@pytest.mark.parametrize("dtype,h", [(jnp.float32, 1024), (jnp.bfloat16, 2048), (jnp.bfloat16, 256),
+                                     (jnp.float32, 200)])
+def test_gather_reduce_layouts(dtype, h):
+    rng = np.random.default_rng(6)
+    t, k, m = 11, 3, 20
+    y = jnp.asarray(rng.standard_normal((m, h)), dtype)
+    rows = rng.integers(-1, m + 4, (t, k)).astype(np.int32)  # -1 and out-of-range (>= M) skipped
+    rows[0] = [m, -1, m + 1]  # nothing valid -> zeros
+    w = rng.random((t, k)).astype(np.float32)
+    w[rows < 0] = np.nan  # weights of skipped slots never reach the sum
+    out = R.gather_reduce(y, jnp.asarray(rows), jnp.asarray(w), impl="interpret", block_sizes=BLOCKS)
+    valid = (rows >= 0) & (rows < m)
+    yn = np.asarray(y, np.float64)
+    expected = np.einsum("tk,tkh->th", np.where(valid, w, 0), yn[np.where(valid, rows, 0)])
+    assert out.dtype == dtype and out.shape == (t, h)
+    _check(out, expected, 1e-6 if dtype == jnp.float32 else 1e-2)
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+
+
+def test_gather_default_blocks_single_and_many_steps():
+    # default blocks: M < 128 is one whole-array SMEM block; M = 300 is three 128-row steps
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((40, 256)), jnp.bfloat16)
+    for m in (24, 300):
+        idx = rng.integers(-1, 40, m).astype(np.int32)
+        out = R.gather_rows(x, jnp.asarray(idx), impl="interpret")
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(R.ref_gather_rows(x, jnp.asarray(idx)), np.float32))
+    rows = rng.integers(-1, 300, (70, 4)).astype(np.int32)  # 70 tokens: three 32-token steps
+    w = rng.random((70, 4)).astype(np.float32)
+    y = jnp.asarray(rng.standard_normal((300, 256)), jnp.float32)
+    out = R.gather_reduce(y, jnp.asarray(rows), jnp.asarray(w), impl="interpret")
+    _check(out, R.ref_gather_reduce(y, jnp.asarray(rows), jnp.asarray(w)), 1e-6)
+
+
 # ----------------------------------------------------------------------------- composed MoE
 
 

@@ -1,0 +1,78 @@
+"""gmm_swiglu and gmm (kernels/gmm.py) compiled by Mosaic for one TPU7x TensorCore.
+
+Tiny shapes: M = T*k = 256 rows, K = H = 128, N = I = 64 (gate_up [16, 128, 128], down
+[16, 64, 128]). Qwen3.5-397B per-device shapes: 64 local experts, H = 4096, I = 1024 (gate_up
+[64, 4096, 2048], down [64, 1024, 4096]) at M = 64*10 (decode) and 2048*10 (prefill) rows.
+Weights bf16, FP8 (float8_e4m3fn) with 128x128 block scales, and FP8 with quantize_lhs=True
+(FP8 needs the SwiGLU half width I to be a multiple of 128, so the tiny FP8 case uses I=128).
+Activations are bf16 throughout.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from kernels import gmm as G
+from kernels.tpu_compile import abstract, compile_for_tpu
+
+FP8 = G.FP8_DTYPE
+BLOCK = G.WEIGHT_BLOCK
+
+# (label, M rows, E experts, H hidden, I intermediate)
+SHAPES = [
+    ("tiny", 256, 16, 128, 64),
+    ("397B decode", 64 * 10, 64, 4096, 1024),
+    ("397B prefill", 2048 * 10, 64, 4096, 1024),
+]
+WEIGHTS = ["bf16", "fp8", "fp8+quantize_lhs"]
+
+
+def _cases():
+    for label, m, e, h, i in SHAPES:
+        for weights in WEIGHTS:
+            if weights != "bf16" and label == "tiny":
+                i = 128  # FP8 gmm_swiglu needs I % 128 == 0
+            yield pytest.param(label, m, e, h, i, weights, id=f"{label.split()[-1]}-M{m}-{weights}")
+
+
+def _weight_args(mesh, e, k, n, weights):
+    """(rhs, rhs_scale) abstract arrays for an [E, K, N] weight, scale None for bf16."""
+    if weights == "bf16":
+        return abstract((e, k, n), jnp.bfloat16, mesh), None
+    scale = abstract((e, -(-k // BLOCK), -(-n // BLOCK)), jnp.float32, mesh)  # f32[E, K/128, N/128]
+    return abstract((e, k, n), FP8, mesh), scale
+
+
+@pytest.mark.parametrize("label,m,e,h,i,weights", list(_cases()))
+def test_gmm_swiglu_compiles(mesh, record, label, m, e, h, i, weights):
+    rhs, scale = _weight_args(mesh, e, h, 2 * i, weights)  # gate_up [E, H, 2I]
+    quantize = weights == "fp8+quantize_lhs"
+    args = [abstract((m, h), jnp.bfloat16, mesh), rhs, abstract((e,), jnp.int32, mesh)]
+    if scale is not None:
+        args.append(scale)
+
+    def fn(x, w, gs, s=None):
+        return G.gmm_swiglu(x, w, gs, rhs_scale=s, quantize_lhs=quantize, impl="pallas")  # [M, I]
+
+    report = compile_for_tpu(fn, args, mesh)
+    record(f"gmm_swiglu {label} M={m} gate_up [{e},{h},{2 * i}] {weights}", report)
+    assert len(report.kernels) == 1
+    assert report.memory["output_size_in_bytes"] >= m * i * 2
+
+
+@pytest.mark.parametrize("label,m,e,h,i,weights", list(_cases()))
+def test_gmm_down_compiles(mesh, record, label, m, e, h, i, weights):
+    rhs, scale = _weight_args(mesh, e, i, h, weights)  # down [E, I, H]
+    quantize = weights == "fp8+quantize_lhs"
+    args = [abstract((m, i), jnp.bfloat16, mesh), rhs, abstract((e,), jnp.int32, mesh)]
+    if scale is not None:
+        args.append(scale)
+
+    def fn(x, w, gs, s=None):
+        return G.gmm(x, w, gs, rhs_scale=s, quantize_lhs=quantize, impl="pallas")  # [M, H]
+
+    report = compile_for_tpu(fn, args, mesh)
+    record(f"gmm down {label} M={m} down [{e},{i},{h}] {weights}", report)
+    assert len(report.kernels) == 1
+    assert report.memory["output_size_in_bytes"] >= m * h * 2
