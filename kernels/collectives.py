@@ -1,4 +1,4 @@
-"""Collectives of the DP-attention -> EP-MoE transition (DESIGN.md section 3).
+"""Collectives of the DP-attention -> EP-MoE transition of one expert-parallel MoE layer.
 
 Two ops, both called *inside* ``shard_map`` over the ("chip", "die") mesh (4 x 2 on Ironwood):
 
@@ -394,7 +394,7 @@ def _reduce_scatter_pallas(x, layout: ReduceScatterLayout, chip_axis, die_axis, 
 
 def _interpret_params(resolved: str):
     """Interpret params for this kernel: DMAs execute as soon as they are issued ("eager"),
-    closest to the hardware's overlap of transfers and reductions (DESIGN.md section 8)."""
+    closest to the hardware's overlap of transfers and reductions."""
     if resolved != "interpret":
         return False
     return pltpu.InterpretParams(dma_execution_mode="eager")

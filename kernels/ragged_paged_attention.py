@@ -2,7 +2,13 @@
 
 Dimension letters: T tokens of the step (all requests, request after request), R request rows,
 Hq query heads, Hkv kv heads, G = Hq // Hkv query heads per kv head, D head dim,
-N pages in the cache, S page size (tokens per page), P pages per request row.
+Lyr attention layers sharing the cache, N pages per layer, S page size (tokens per page),
+P pages per request row.
+
+KV cache layout: ``kv_pages [Lyr, N, 2 * Hkv, S, D]``; layer l, page n; K of kv head h at index
+``2 * h`` and V of kv head h at ``2 * h + 1``. The tiled (minor) dims of the array are (S, D),
+so one page ``kv_pages[l, n]`` is a contiguous ``[2 * Hkv, S, D]`` block that the kernel DMAs
+whole, and every dynamic index (layer, page) lands on an untiled leading dim.
 
 Request r owns q rows ``cu_q_lens[r]:cu_q_lens[r+1]`` (q_len of them); after this step its KV
 holds ``kv_lens[r]`` tokens, so its new tokens sit at positions ``kv_lens[r] - q_len + i`` and
@@ -10,37 +16,44 @@ query i attends causally to positions ``0 .. kv_lens[r] - q_len + i``. Position 
 ``page_indices[r, p // S]`` at offset ``p % S``. Rows ``r >= num_seqs[0]`` and tokens
 ``t >= cu_q_lens[num_seqs[0]]`` are padding: their outputs are zero and they write no KV.
 
-New K/V (``new_k``/``new_v``) are written by an XLA scatter in the wrapper (shared by the
-reference and the Pallas path) *before* attention; under ``jax.jit`` with the pages donated the
-scatter updates the cache in place.
+New K/V (``new_k``/``new_v``) are written into layer ``layer`` by an XLA scatter in the wrapper
+(shared by the reference and the Pallas path) *before* attention. The scatter indexes the
+stacked cache with the layer index, so under ``jax.jit`` with the cache donated it updates in
+place (no per-layer slice or copy of the cache).
 
 Pallas kernel layout (TPU):
   * grid: one step per work item = (request, q block); the wrapper lists the items of the real
     requests in order (at most ``R + cdiv(T, prefill_q_tokens)`` of them) and the trailing grid
     steps are idle. Requests with ``q_len <= decode_q_tokens`` get one small block (a decode
     row: ``decode_q_tokens * G`` score rows), longer ones blocks of ``prefill_q_tokens``.
-  * q and o stay in HBM (``pl.ANY``); each item DMAs exactly its own q rows into a double
-    buffered VMEM tile (the next item's rows are fetched while this one computes) and DMAs
-    exactly its own output rows back, so items never write rows of other requests and the
-    output needs no padding (it aliases a zero buffer, so padding tokens read zero).
-  * K/V pages stay in HBM; blocks of ``kv_pages_per_block`` pages are DMA'd per (page, kv
-    head) into a double-buffered VMEM scratch ``[2, Hkv, pages_per_block * S, D]``; the first
-    block of the next item is prefetched during the last block of the current one. Only pages
-    up to the causal bound of the block's last query are fetched.
+  * scalar prefetch (SMEM): the layer index, the metadata and the work-item list.
+  * q and o stay in HBM (``pl.ANY``) laid out ``[T, Hkv, G, D]`` by the wrapper; each item DMAs
+    exactly its own q rows (one ``[Hkv, G, D]`` row per token, indexed on the leading T dim)
+    into a double-buffered VMEM tile (the next item's rows are fetched while this one
+    computes) and DMAs exactly its own output rows back, so items never write rows of other
+    requests and the output needs no padding (it aliases a zero buffer, so padding tokens
+    read zero).
+  * K/V pages stay in HBM; blocks of ``kv_pages_per_block`` pages are DMA'd one whole page per
+    DMA (``kv_hbm.at[layer, page]``) into a double-buffered VMEM scratch
+    ``[2, pages_per_block, 2 * Hkv, S, D]``; the first block of the next item is prefetched
+    during the last block of the current one. Only pages up to the causal bound of the
+    block's last query are fetched.
   * online softmax per kv head over ``[q_tokens * G, D]`` query rows (the G query heads of a
     kv head stacked token-major), running max / sum / accumulator in fp32 VMEM scratch.
   * both grid steps and the KV loop are sequential ("arbitrary"): the cross-item prefetch
     carries a buffer slot from one step to the next.
-Assumptions for the real TPU: D a multiple of 128, G * decode_q_tokens a multiple of 8
-(16 for bf16), page size a multiple of 8; strided DMAs of one kv head out of the
-``[N, S, Hkv, D]`` cache (a cache laid out ``[Hkv, N, S, D]`` would make them contiguous).
+Mosaic constraints this layout meets: only the last two dims of a buffer are tiled, and every
+dynamic DMA offset (layer, page, token row, buffer slot, page within block) is on a leading
+dim. In-kernel value reshapes only merge/split a leading dim with the second-minor dim:
+``[pages, S, D] -> [pages * S, D]`` (layout-free: S in {16, 256} is a multiple of the sublane
+tile) and ``[q_tokens, G, D] <-> [q_tokens * G, D]`` (layout-free for G = 16, the production
+ratio; Mosaic relayouts other G: checked to compile for G in {1, 2, 3, 4, 6, 8, 12, 16}, bf16
+and f32, D 64 and 128).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +70,8 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 PREFILL_Q_ROWS = 512
 DECODE_Q_ROWS = 16
 KV_BLOCK_TOKENS = 512
-# Scoped VMEM for the kernel: ~7 MiB of buffers at 16:1 GQA, D 256, 512-row q and kv blocks.
+# Scoped VMEM for the kernel: Mosaic reports 8.4 MiB used at 16:1 GQA, D 256, page 256, bf16,
+# 512-row q and kv blocks (the largest default tiling); the default 32 MiB leaves headroom.
 VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 # Memory budget of one lax.map batch of the reference (gathered K/V in fp32 plus scores).
 REF_BATCH_BYTES = 128 * 1024 * 1024
@@ -107,41 +121,57 @@ def _token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens):
     return req, pos.astype(jnp.int32), valid
 
 
-def write_new_kv(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs):
-    """Scatter the step's new K/V rows into their pages; padding tokens are dropped.
+def _layer_index(layer, num_layers):
+    """``layer`` as an i32 scalar; a traced one is clipped into [0, Lyr) (static ones are
+    range-checked by :func:`_validate`)."""
+    return jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
 
-    Args: k_pages/v_pages [N, S, Hkv, D], new_k/new_v [T, Hkv, D], metadata as in
-    :func:`ragged_paged_attention`. Returns the updated (k_pages, v_pages).
+
+def write_new_kv(kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs, layer=0):
+    """Scatter the step's new K/V rows into their pages of layer ``layer``; padding dropped.
+
+    Args: kv_pages [Lyr, N, 2*Hkv, S, D], new_k/new_v [T, Hkv, D], metadata as in
+    :func:`ragged_paged_attention`, layer an int or traced i32 scalar. Returns the updated
+    kv_pages (one scatter into the stacked array: in place when the cache is donated).
     """
-    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
-    req, pos, valid = _token_metadata(kv_lens, cu_q_lens, num_seqs, new_k.shape[0])
+    num_layers, num_pages, _, page_size, head_dim = kv_pages.shape
+    num_tokens, num_kv_heads, _ = new_k.shape
+    req, pos, valid = _token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens)
     page = page_indices.at[req, pos // page_size].get(mode="clip")  # i32[T]
-    slot = jnp.where(valid & (pos >= 0), page * page_size + pos % page_size, num_pages * page_size)
-    flat = (num_pages * page_size, num_kv_heads, head_dim)
-    k_flat = k_pages.reshape(flat).at[slot].set(new_k.astype(k_pages.dtype), mode="drop")
-    v_flat = v_pages.reshape(flat).at[slot].set(new_v.astype(v_pages.dtype), mode="drop")
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    page = jnp.where(valid & (pos >= 0), page, num_pages)  # i32[T]; num_pages: dropped
+    offset = pos % page_size  # i32[T]
+    new_kv = jnp.stack([new_k, new_v], axis=2).reshape(num_tokens, 2 * num_kv_heads, head_dim)
+    lyr = _layer_index(layer, num_layers)
+    # One [D] row per (token, K/V head): kv_pages[lyr, page[t], j, offset[t]] = new_kv[t, j].
+    # Indexing every dim but D keeps the scatter window on the contiguous minor dim, so XLA
+    # scatters in place instead of relaying out the whole cache to make [2*Hkv, D] windows.
+    j = jnp.arange(2 * num_kv_heads, dtype=jnp.int32)[None, :]  # i32[1, 2*Hkv]
+    return kv_pages.at[lyr, page[:, None], j, offset[:, None]].set(
+        new_kv.astype(kv_pages.dtype), mode="drop")
 
 
-def _ref_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale):
+def _ref_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale):
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    _, _, two_hkv, page_size, _ = kv_pages.shape
+    num_kv_heads = two_hkv // 2
     group = num_q_heads // num_kv_heads
-    max_kv = page_indices.shape[1] * page_size
+    pages_per_seq = page_indices.shape[1]
+    max_kv = pages_per_seq * page_size
     req, pos, valid = _token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens)
 
     def one_token(args):
         q_t, r, p, ok = args  # [Hq, D], i32, i32, bool
         pages = page_indices[r]  # i32[P]
-        k = k_pages.at[pages].get(mode="clip").reshape(max_kv, num_kv_heads, head_dim)
-        v = v_pages.at[pages].get(mode="clip").reshape(max_kv, num_kv_heads, head_dim)
+        kv = kv_pages.at[layer, pages].get(mode="clip")  # [P, 2*Hkv, S, D]
+        kv = kv.reshape(pages_per_seq, num_kv_heads, 2, page_size, head_dim)
+        kv = kv.transpose(2, 1, 0, 3, 4).reshape(2, num_kv_heads, max_kv, head_dim)
+        k, v = kv[0].astype(jnp.float32), kv[1].astype(jnp.float32)  # f32[Hkv, P*S, D]
         qg = q_t.reshape(num_kv_heads, group, head_dim).astype(jnp.float32)  # f32[Hkv, G, D]
-        s = jnp.einsum("hgd,shd->hgs", qg, k.astype(jnp.float32),
-                       precision=lax.Precision.HIGHEST) * sm_scale  # f32[Hkv, G, S*P]
+        s = jnp.einsum("hgd,hsd->hgs", qg, k,
+                       precision=lax.Precision.HIGHEST) * sm_scale  # f32[Hkv, G, P*S]
         s = jnp.where(jnp.arange(max_kv) <= p, s, MASK_VALUE)
         w = jax.nn.softmax(s, axis=-1)
-        o = jnp.einsum("hgs,shd->hgd", w, v.astype(jnp.float32),
-                       precision=lax.Precision.HIGHEST)  # f32[Hkv, G, D]
+        o = jnp.einsum("hgs,hsd->hgd", w, v, precision=lax.Precision.HIGHEST)  # f32[Hkv, G, D]
         o = jnp.where(ok, o, 0.0)
         return o.reshape(num_q_heads, head_dim).astype(q.dtype)
 
@@ -150,39 +180,40 @@ def _ref_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_se
     return lax.map(one_token, (q, req, pos, valid), batch_size=batch)
 
 
-def ref_ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                               *, sm_scale: float, new_k=None, new_v=None):
+def ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                               *, sm_scale: float, new_k=None, new_v=None, layer=0):
     """Pure-JAX reference (also the CPU path); same contract as :func:`ragged_paged_attention`.
 
-    Gathers each token's request pages in ``lax.map`` batches sized to ~REF_BATCH_BYTES and
-    masks causally; never materialises a [T, R, ...] array.
+    Gathers each token's request pages of layer ``layer`` in ``lax.map`` batches sized to
+    ~REF_BATCH_BYTES and masks causally; never materialises a [T, R, ...] array.
     """
-    _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v)
+    _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer)
     if new_k is not None:
-        k_pages, v_pages = write_new_kv(k_pages, v_pages, new_k, new_v, kv_lens, page_indices,
-                                        cu_q_lens, num_seqs)
-    o = _ref_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                       sm_scale)
-    return o if new_k is None else (o, k_pages, v_pages)
+        kv_pages = write_new_kv(kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
+                                num_seqs, layer)
+    o = _ref_attention(q, kv_pages, _layer_index(layer, kv_pages.shape[0]), kv_lens,
+                       page_indices, cu_q_lens, num_seqs, sm_scale)
+    return o if new_k is None else (o, kv_pages)
 
 
 # ----------------------------------------------------------------------------- validation
 
 
-def _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v):
+def _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer):
     def bad(msg):
-        shapes = (f"q {q.shape}, k_pages {k_pages.shape}, v_pages {v_pages.shape}, kv_lens "
-                  f"{kv_lens.shape}, page_indices {page_indices.shape}, cu_q_lens "
-                  f"{cu_q_lens.shape}, num_seqs {num_seqs.shape}")
+        shapes = (f"q {q.shape}, kv_pages {kv_pages.shape}, kv_lens {kv_lens.shape}, "
+                  f"page_indices {page_indices.shape}, cu_q_lens {cu_q_lens.shape}, num_seqs "
+                  f"{num_seqs.shape}")
         raise ValueError(f"ragged_paged_attention: {msg} ({shapes})")
 
     if q.ndim != 3:
         bad("q must be [T, Hq, D]")
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        bad("k_pages and v_pages must both be [num_pages, page_size, Hkv, D]")
-    if k_pages.shape[3] != q.shape[2]:
-        bad("head_dim of q and pages differ")
-    if q.shape[1] % k_pages.shape[2] != 0:
+    if kv_pages.ndim != 5 or kv_pages.shape[2] % 2 != 0 or kv_pages.shape[0] < 1:
+        bad("kv_pages must be [layers, num_pages, 2 * Hkv, page_size, D]")
+    num_kv_heads = kv_pages.shape[2] // 2
+    if kv_pages.shape[4] != q.shape[2]:
+        bad("head_dim of q and kv_pages differ")
+    if q.shape[1] % num_kv_heads != 0:
         bad("num q heads must be a multiple of num kv heads")
     if kv_lens.ndim != 1 or page_indices.ndim != 2 or page_indices.shape[0] != kv_lens.shape[0]:
         bad("kv_lens must be [R] and page_indices [R, pages_per_seq]")
@@ -199,9 +230,14 @@ def _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, n
     if (new_k is None) != (new_v is None):
         bad("give both new_k and new_v or neither")
     if new_k is not None:
-        want = (q.shape[0], k_pages.shape[2], k_pages.shape[3])
+        want = (q.shape[0], num_kv_heads, kv_pages.shape[4])
         if new_k.shape != want or new_v.shape != want:
             bad(f"new_k/new_v must be [T, Hkv, D] = {want}, got {new_k.shape}/{new_v.shape}")
+    if isinstance(layer, int):
+        if not 0 <= layer < kv_pages.shape[0]:
+            bad(f"layer {layer} out of range for {kv_pages.shape[0]} layers")
+    elif jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        bad(f"layer must be an int or an integer scalar, got {layer!r}")
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -226,12 +262,13 @@ def _work_items(cu_q_lens, num_seqs, num_rows, block: BlockSizes, max_items: int
 
 
 def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, block, max_items,
-                 precision):
+                 compute_dtype, precision):
     ppb = block.kv_pages_per_block
     bkv = ppb * page_size
 
     def kernel(
         # Prefetch (SMEM)
+        layer_ref,  # i32[1]  layer of kv_hbm to read
         kv_lens_ref,  # i32[R]
         page_indices_ref,  # i32[R * P] (flattened: 2-D SMEM arrays pad their last dim)
         cu_q_lens_ref,  # i32[R + 1]
@@ -240,17 +277,15 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
         item_qblk_ref,  # i32[max_items]
         num_items_ref,  # i32[1]
         # Input (HBM)
-        q_hbm,  # [T, Hq, D]
-        k_hbm,  # [N, S, Hkv, D]
-        v_hbm,  # [N, S, Hkv, D]
-        _zeros_hbm,  # [T, Hq, D], aliased to the output
+        q_hbm,  # [T, Hkv, G, D]
+        kv_hbm,  # [Lyr, N, 2*Hkv, S, D]
+        _zeros_hbm,  # [T, Hkv, G, D], aliased to the output
         # Output (HBM)
-        o_hbm,  # [T, Hq, D]
+        o_hbm,  # [T, Hkv, G, D]
         # Scratch
-        q_buf,  # [2, prefill_q_tokens, Hq, D]  q rows of this / the next item
-        o_buf,  # [2, prefill_q_tokens, Hq, D]  output rows on their way to HBM
-        k_buf,  # [2, Hkv, bkv, D]  K block being computed / being fetched
-        v_buf,  # [2, Hkv, bkv, D]
+        q_buf,  # [2, prefill_q_tokens, Hkv, G, D]  q rows of this / the next item
+        o_buf,  # [2, prefill_q_tokens, Hkv, G, D]  output rows on their way to HBM
+        kv_buf,  # [2, ppb, 2*Hkv, S, D]  K/V block being computed / being fetched
         m_scr,  # f32[Hkv, rows, 1]  running max
         l_scr,  # f32[Hkv, rows, 1]  running sum
         acc_scr,  # f32[Hkv, rows, D]  running numerator
@@ -261,6 +296,7 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
     ):
         step = pl.program_id(0)
         num_items = num_items_ref[0]
+        layer = layer_ref[0]
 
         def item(i):
             """Scalars of work item i (clamped into range)."""
@@ -274,12 +310,13 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
             n = jnp.minimum(bq, q_len - row0)  # real q rows of the block
             ctx = kv_lens_ref[r] - q_len  # tokens before the request's first new token
             kv_end = ctx + row0 + n  # positions the block needs: [0, kv_end)
-            return dict(r=r, row=q_start + row0, n=n, small=small, ctx=ctx, row0=row0,
+            return dict(r=r, row=q_start + row0, n=n, small=small, q_pos0=ctx + row0,
                         num_kv_blocks=(kv_end + bkv - 1) // bkv,
                         last_page=jnp.clip((kv_end + page_size - 1) // page_size - 1,
                                            0, pages_per_seq - 1))
 
-        # ---- q / o row DMAs: one [Hq, D] row each, so nothing outside the item is touched.
+        # ---- q / o row DMAs: one [Hkv, G, D] token row each (dynamic index on the leading T
+        # dim), so nothing outside the item is touched.
         def q_copy(it, slot, t):
             return pltpu.make_async_copy(q_hbm.at[it["row"] + t], q_buf.at[slot, t], q_sem.at[slot])
 
@@ -292,19 +329,15 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
                 return c
             lax.fori_loop(0, it["n"], body, 0)
 
-        # ---- K/V block DMAs: pages_per_block pages x Hkv heads, K and V. Pages past the
-        # block's causal bound re-fetch its last needed page (masked anyway), so page-table
-        # entries beyond a request's pages are never read.
+        # ---- K/V block DMAs: one whole [2*Hkv, S, D] page per DMA. Pages past the block's
+        # causal bound re-fetch its last needed page (masked anyway), so page-table entries
+        # beyond a request's pages are never read.
         def for_each_kv_copy(it, blk, slot, fn):
             def body(j, c):
                 page_pos = jnp.minimum(blk * ppb + j, it["last_page"])
                 page = page_indices_ref[it["r"] * pages_per_seq + page_pos]
-                dst = pl.ds(pl.multiple_of(j * page_size, page_size), page_size)
-                for h in range(num_kv_heads):
-                    fn(pltpu.make_async_copy(
-                        k_hbm.at[page, :, h, :], k_buf.at[slot, h, dst], kv_sem.at[slot]))
-                    fn(pltpu.make_async_copy(
-                        v_hbm.at[page, :, h, :], v_buf.at[slot, h, dst], kv_sem.at[slot]))
+                fn(pltpu.make_async_copy(kv_hbm.at[layer, page], kv_buf.at[slot, j],
+                                         kv_sem.at[slot]))
                 return c
             lax.fori_loop(0, ppb, body, 0)
 
@@ -313,6 +346,28 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
 
         def wait_kv(it, blk, slot):
             for_each_kv_copy(it, blk, slot, lambda c: c.wait())
+
+        def attend_block(qslot, slot, q_tokens, visible):
+            """Online-softmax update of every kv head with K/V block ``kv_buf[slot]``."""
+            rows = q_tokens * group
+            for h in range(num_kv_heads):
+                q = q_buf[qslot, :q_tokens, h].reshape(rows, -1)  # [rows, D], token-major
+                k = kv_buf[slot, :, 2 * h].reshape(bkv, -1)  # [bkv, D]
+                v = kv_buf[slot, :, 2 * h + 1].reshape(bkv, -1)  # [bkv, D]
+                # Mosaic matmuls need one operand dtype (no-ops when q and cache agree).
+                q, k, v = (a.astype(compute_dtype) for a in (q, k, v))
+                s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                    preferred_element_type=jnp.float32) * sm_scale
+                s = jnp.where(visible, s, MASK_VALUE)  # f32[rows, bkv]
+                m_prev = m_scr[h, :rows]  # f32[rows, 1]
+                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                p = jnp.exp(s - m_new)  # f32[rows, bkv]
+                alpha = jnp.exp(m_prev - m_new)  # f32[rows, 1]
+                l_scr[h, :rows] = alpha * l_scr[h, :rows] + jnp.sum(p, axis=1, keepdims=True)
+                pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                                     precision=precision, preferred_element_type=jnp.float32)
+                acc_scr[h, :rows] = alpha * acc_scr[h, :rows] + pv  # f32[rows, D]
+                m_scr[h, :rows] = m_new
 
         def run_item(it, nxt, has_next, qslot, q_tokens):
             """Attend q_buf[qslot, :q_tokens] of item ``it``; write o_buf[qslot]."""
@@ -327,8 +382,10 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
             def _():
                 start_kv(it, 0, slot0)
 
-            row_tok = lax.broadcasted_iota(jnp.int32, (rows, bkv), 0) // group
-            q_pos = it["ctx"] + it["row0"] + row_tok  # i32[rows, bkv] position of each query row
+            # Row i is query token i // G at position q_pos0 + i // G; it sees kv position p iff
+            # p - q_pos0 <= i // G, i.e. (p - q_pos0) * G <= i (no vector division).
+            row = lax.broadcasted_iota(jnp.int32, (rows, bkv), 0)
+            col = lax.broadcasted_iota(jnp.int32, (rows, bkv), 1)
 
             def kv_block(b, carry):
                 slot = (slot0 + b) % 2
@@ -342,25 +399,8 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
                     start_kv(nxt, 0, 1 - slot)
 
                 wait_kv(it, b, slot)
-                kv_pos = b * bkv + lax.broadcasted_iota(jnp.int32, (rows, bkv), 1)
-                visible = kv_pos <= q_pos  # bool[rows, bkv]
-                for h in range(num_kv_heads):
-                    q = q_buf[qslot, :q_tokens, h * group:(h + 1) * group, :]
-                    q = q.reshape(rows, q.shape[-1])  # [rows, D], token-major
-                    k = k_buf[slot, h]  # [bkv, D]
-                    v = v_buf[slot, h]  # [bkv, D]
-                    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                        preferred_element_type=jnp.float32) * sm_scale
-                    s = jnp.where(visible, s, MASK_VALUE)  # f32[rows, bkv]
-                    m_prev = m_scr[h, :rows]  # f32[rows, 1]
-                    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-                    p = jnp.exp(s - m_new)
-                    alpha = jnp.exp(m_prev - m_new)
-                    l_scr[h, :rows] = alpha * l_scr[h, :rows] + jnp.sum(p, axis=1, keepdims=True)
-                    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                         precision=precision, preferred_element_type=jnp.float32)
-                    acc_scr[h, :rows] = alpha * acc_scr[h, :rows] + pv
-                    m_scr[h, :rows] = m_new
+                visible = (b * bkv - it["q_pos0"] + col) * group <= row  # bool[rows, bkv]
+                attend_block(qslot, slot, q_tokens, visible)
                 return carry
 
             lax.fori_loop(0, nb, kv_block, 0)
@@ -368,8 +408,7 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
             kv_state[1] = has_next.astype(jnp.int32)
             for h in range(num_kv_heads):
                 out = acc_scr[h, :rows] / l_scr[h, :rows]  # f32[rows, D]
-                out = out.reshape(q_tokens, group, out.shape[-1]).astype(o_buf.dtype)
-                o_buf[qslot, :q_tokens, h * group:(h + 1) * group, :] = out
+                o_buf[qslot, :q_tokens, h] = out.reshape(q_tokens, group, -1).astype(o_buf.dtype)
 
         @pl.when(step == 0)
         def _init():
@@ -415,33 +454,40 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
     return kernel
 
 
-def _pallas_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                      sm_scale, block: BlockSizes, interpret):
+def _pallas_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                      sm_scale, block: BlockSizes | None, interpret):
+    """q [T, Hq, D] -> o [T, Hq, D]; layer an i32 scalar."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    _, _, two_hkv, page_size, _ = kv_pages.shape
+    num_kv_heads = two_hkv // 2
     num_rows, pages_per_seq = page_indices.shape
     group = num_q_heads // num_kv_heads
+    if block is None:
+        block = BlockSizes.get_default(num_tokens, group, page_size, pages_per_seq)
     if not (1 <= block.decode_q_tokens <= block.prefill_q_tokens and block.kv_pages_per_block >= 1):
         raise ValueError(f"bad block sizes {block}")
     max_items = num_rows + pl.cdiv(num_tokens, block.prefill_q_tokens)
     item_seq, item_qblk, num_items = _work_items(cu_q_lens, num_seqs, num_rows, block, max_items)
-    bkv = block.kv_pages_per_block * page_size
+    ppb = block.kv_pages_per_block
     rows = block.prefill_q_tokens * group
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    compute_dtype = jnp.promote_types(q.dtype, kv_pages.dtype)  # matmul operand dtype
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     kernel = _make_kernel(sm_scale=sm_scale, group=group, num_kv_heads=num_kv_heads,
                           page_size=page_size, pages_per_seq=pages_per_seq, block=block,
-                          max_items=max_items, precision=precision)
+                          max_items=max_items, compute_dtype=compute_dtype,
+                          precision=precision)
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, Hkv, G, D]
+    q_rows = (block.prefill_q_tokens, num_kv_heads, group, head_dim)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=7,
+        num_scalar_prefetch=8,
         grid=(max_items,),
-        in_specs=[any_spec] * 4,
+        in_specs=[any_spec] * 3,
         out_specs=any_spec,
         scratch_shapes=[
-            pltpu.VMEM((2, block.prefill_q_tokens, num_q_heads, head_dim), q.dtype),  # q_buf
-            pltpu.VMEM((2, block.prefill_q_tokens, num_q_heads, head_dim), q.dtype),  # o_buf
-            pltpu.VMEM((2, num_kv_heads, bkv, head_dim), k_pages.dtype),  # k_buf
-            pltpu.VMEM((2, num_kv_heads, bkv, head_dim), v_pages.dtype),  # v_buf
+            pltpu.VMEM((2, *q_rows), q.dtype),  # q_buf
+            pltpu.VMEM((2, *q_rows), q.dtype),  # o_buf
+            pltpu.VMEM((2, ppb, two_hkv, page_size, head_dim), kv_pages.dtype),  # kv_buf
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),  # m_scr
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),  # l_scr
             pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # acc_scr
@@ -451,77 +497,80 @@ def _pallas_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num
             pltpu.SMEM((2,), jnp.int32),  # kv_state
         ],
     )
-    cost = ragged_paged_attention_cost(q.shape, k_pages.shape, page_indices.shape,
-                                       q_dtype=q.dtype, kv_dtype=k_pages.dtype)
-    zeros = jnp.zeros(q.shape, q.dtype)
-    return pl.pallas_call(
+    cost = ragged_paged_attention_cost(q.shape, kv_pages.shape, page_indices.shape,
+                                       q_dtype=q.dtype, kv_dtype=kv_pages.dtype)
+    zeros = jnp.zeros(q4.shape, q.dtype)  # [T, Hkv, G, D]
+    o4 = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        # zeros is operand 7 + 3 (after the 7 scalar-prefetch operands and q, k, v).
+        out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
+        # zeros is operand 8 + 2 (after the 8 scalar-prefetch operands, q and kv_pages).
         input_output_aliases={10: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         cost_estimate=cost.to_pallas(),
         interpret=interpret,
-    )(kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
-      cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32), item_seq, item_qblk, num_items,
-      q, k_pages, v_pages, zeros)
+    )(jnp.reshape(layer, (1,)), kv_lens.astype(jnp.int32),
+      page_indices.reshape(-1).astype(jnp.int32), cu_q_lens.astype(jnp.int32),
+      num_seqs.astype(jnp.int32), item_seq, item_qblk, num_items, q4, kv_pages, zeros)
+    return o4.reshape(q.shape)
 
 
 # ----------------------------------------------------------------------------- public
 
 
-def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                           *, sm_scale: float, new_k=None, new_v=None, impl=None,
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                           *, sm_scale: float, new_k=None, new_v=None, layer=0, impl=None,
                            block_sizes: BlockSizes | None = None):
     """Causal GQA attention of a ragged batch of decode rows and prefill chunks over paged KV.
 
     Args:
       q: [T, Hq, D] queries of all new tokens, request after request.
-      k_pages, v_pages: [N, S, Hkv, D] paged cache.
+      kv_pages: [Lyr, N, 2*Hkv, S, D] paged cache of all attention layers; K of kv head h at
+        index 2*h, V at 2*h + 1.
       kv_lens: i32[R] tokens in each request's KV after this step (context + new).
       page_indices: i32[R, P] page ids of each request in order.
       cu_q_lens: i32[R + 1]; request r owns q rows cu_q_lens[r]:cu_q_lens[r+1].
       num_seqs: i32[1] real requests; later rows and tokens >= cu_q_lens[num_seqs] are padding.
       sm_scale: score scale (head_dim ** -0.5 usually).
-      new_k, new_v: optional [T, Hkv, D] K/V of the new tokens, written into the pages (XLA
-        scatter in the wrapper) before attending.
+      new_k, new_v: optional [T, Hkv, D] K/V of the new tokens, written into layer ``layer`` of
+        the pages (XLA scatter in the wrapper) before attending.
+      layer: int (range-checked) or traced i32 scalar (clipped into range): the layer of
+        kv_pages to write and read. The whole cache goes to the kernel (scalar prefetch of
+        the layer index), never a per-layer slice.
       impl: see :mod:`kernels.dispatch`.
       block_sizes: Pallas tiling; default :meth:`BlockSizes.get_default`.
 
     Returns:
-      o [T, Hq, D] in q.dtype (zeros for padding tokens), or (o, k_pages, v_pages) when new_k /
-      new_v are given.
+      o [T, Hq, D] in q.dtype (zeros for padding tokens), or (o, kv_pages) when new_k / new_v
+      are given.
     """
     resolved = dispatch.resolve(impl)
     if resolved == "reference":
-        return ref_ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-                                          num_seqs, sm_scale=sm_scale, new_k=new_k, new_v=new_v)
-    _validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v)
+        return ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                                          num_seqs, sm_scale=sm_scale, new_k=new_k, new_v=new_v,
+                                          layer=layer)
+    _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer)
     if new_k is not None:
-        k_pages, v_pages = write_new_kv(k_pages, v_pages, new_k, new_v, kv_lens, page_indices,
-                                        cu_q_lens, num_seqs)
-    if block_sizes is None:
-        block_sizes = BlockSizes.get_default(q.shape[0], q.shape[1] // k_pages.shape[2],
-                                             k_pages.shape[1], page_indices.shape[1])
-    o = _pallas_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                          sm_scale=sm_scale, block=block_sizes,
-                          interpret=dispatch.interpret_params(resolved))
-    return o if new_k is None else (o, k_pages, v_pages)
+        kv_pages = write_new_kv(kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
+                                num_seqs, layer)
+    o = _pallas_attention(q, kv_pages, _layer_index(layer, kv_pages.shape[0]), kv_lens,
+                          page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+                          block=block_sizes, interpret=dispatch.interpret_params(resolved))
+    return o if new_k is None else (o, kv_pages)
 
 
-def ragged_paged_attention_cost(q_shape, k_pages_shape, page_indices_shape, *,
+def ragged_paged_attention_cost(q_shape, kv_pages_shape, page_indices_shape, *,
                                 q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
                                 write_new_kv: bool = False) -> Cost:
     """Upper-bound cost from shapes alone: every token attends to a full row of pages.
 
-    q_shape [T, Hq, D], k_pages_shape [N, S, Hkv, D], page_indices_shape [R, P]. Bytes: q read,
-    o written, each request's pages read once for K and V (at most T * P pages in all),
-    metadata; plus the new K/V rows written when ``write_new_kv``.
+    q_shape [T, Hq, D], kv_pages_shape [Lyr, N, 2*Hkv, S, D], page_indices_shape [R, P]. Bytes:
+    q read, o written, each request's pages of one layer read once (K and V, at most T * P
+    pages in all), metadata; plus the new K/V rows written when ``write_new_kv``.
     """
     num_tokens, num_q_heads, head_dim = q_shape
-    _, page_size, num_kv_heads, _ = k_pages_shape
+    _, _, two_hkv, page_size, _ = kv_pages_shape
     num_rows, pages_per_seq = page_indices_shape
     q_bytes = jnp.dtype(q_dtype).itemsize
     kv_bytes = jnp.dtype(kv_dtype).itemsize
@@ -529,9 +578,9 @@ def ragged_paged_attention_cost(q_shape, k_pages_shape, page_indices_shape, *,
     pages_read = min(num_rows, max(num_tokens, 1)) * max_kv
     flops = 4 * num_tokens * num_q_heads * max_kv * head_dim  # QK^T and PV
     nbytes = (2 * num_tokens * num_q_heads * head_dim * q_bytes
-              + 2 * pages_read * num_kv_heads * head_dim * kv_bytes
-              + 4 * (num_rows * (pages_per_seq + 2) + 2))
+              + pages_read * two_hkv * head_dim * kv_bytes
+              + 4 * (num_rows * (pages_per_seq + 2) + 3))
     if write_new_kv:
-        nbytes += 2 * num_tokens * num_kv_heads * head_dim * kv_bytes
+        nbytes += num_tokens * two_hkv * head_dim * kv_bytes
     return Cost(flops=int(flops), bytes_accessed=int(nbytes),
                 transcendentals=int(num_tokens * num_q_heads * max_kv))

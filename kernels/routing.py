@@ -3,7 +3,7 @@
 Dimension letters: T tokens, k top-k slots, E local experts, M = T*k sorted assignments,
 H hidden, P row split (below).
 
-Flow on one expert-parallel device (DESIGN.md section 3):
+Flow on one expert-parallel device:
   token_idx, group_sizes, rows = route_metadata(topk_ids, E, expert_offset=...)
   xs = gather_rows(x, token_idx)                     # [M, H], local assignments first
   ys = gmm(... xs ..., group_sizes)                  # expert outputs in sorted order

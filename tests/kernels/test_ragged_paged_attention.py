@@ -26,8 +26,12 @@ class Case:
     page_size: int = 16
     pad_rows: int = 0  # padding request rows after the real ones
     pad_tokens: int = 0  # padding tokens after the real ones
-    dtype: type = jnp.float32
+    dtype: type = jnp.float32  # q (and the cache unless kv_dtype is given)
     seed: int = 0
+    kv_dtype: type | None = None  # cache and new K/V dtype when it differs from q's
+    num_layers: int = 1  # layers of the stacked cache
+    layer: int = 0  # the layer this call reads and writes
+    traced_layer: bool = False  # pass the layer as a traced jit argument
 
 
 def make_inputs(c: Case):
@@ -53,65 +57,79 @@ def make_inputs(c: Case):
     kv = np.zeros(num_rows, np.int64)
     kv[:ns] = kv_lens
     kv[ns:] = rng.integers(0, 40, c.pad_rows)  # garbage in padding rows
-    shape = (num_pages, c.page_size, c.num_kv_heads, c.head_dim)
-    arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32).astype(c.dtype)
+    shape = (c.num_layers, num_pages, 2 * c.num_kv_heads, c.page_size, c.head_dim)
+    kv_dtype = c.kv_dtype or c.dtype
+    arr = lambda *s, dt=kv_dtype: jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dt)
     return dict(
-        q=arr(num_tokens, c.num_q_heads, c.head_dim), k_pages=arr(*shape), v_pages=arr(*shape),
+        q=arr(num_tokens, c.num_q_heads, c.head_dim, dt=c.dtype), kv_pages=arr(*shape),
         kv_lens=jnp.asarray(kv, jnp.int32), page_indices=jnp.asarray(page_indices, jnp.int32),
         cu_q_lens=jnp.asarray(cu, jnp.int32), num_seqs=jnp.asarray([ns], jnp.int32),
         new_k=arr(num_tokens, c.num_kv_heads, c.head_dim),
-        new_v=arr(num_tokens, c.num_kv_heads, c.head_dim))
+        new_v=arr(num_tokens, c.num_kv_heads, c.head_dim),
+        layer=c.layer, traced_layer=c.traced_layer)
 
 
-ARGS = ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+ARGS = ("q", "kv_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 
 
 def numpy_write(x):
-    """New K/V scattered into copies of the pages by a plain loop over real tokens."""
-    kp = np.asarray(x["k_pages"], np.float32).copy()
-    vp = np.asarray(x["v_pages"], np.float32).copy()
-    cu, kv, pi = (np.asarray(x[n]) for n in ("cu_q_lens", "kv_lens", "page_indices"))
-    ps = kp.shape[1]
+    """New K/V scattered into a copy of the cache (layer x["layer"]) by a plain loop."""
+    kv_pages = np.asarray(x["kv_pages"], np.float32).copy()
+    kv = kv_pages[x["layer"]]  # view: [N, 2*Hkv, S, D]
+    cu, kl, pi = (np.asarray(x[n]) for n in ("cu_q_lens", "kv_lens", "page_indices"))
+    ps, hkv = kv.shape[2], kv.shape[1] // 2
     for r in range(int(x["num_seqs"][0])):
         q_len = cu[r + 1] - cu[r]
         for i in range(q_len):
-            pos = kv[r] - q_len + i
-            kp[pi[r, pos // ps], pos % ps] = np.asarray(x["new_k"][cu[r] + i], np.float32)
-            vp[pi[r, pos // ps], pos % ps] = np.asarray(x["new_v"][cu[r] + i], np.float32)
-    return kp, vp
+            pos = kl[r] - q_len + i
+            for h in range(hkv):
+                kv[pi[r, pos // ps], 2 * h, pos % ps] = np.asarray(x["new_k"][cu[r] + i, h],
+                                                                   np.float32)
+                kv[pi[r, pos // ps], 2 * h + 1, pos % ps] = np.asarray(x["new_v"][cu[r] + i, h],
+                                                                       np.float32)
+    return kv_pages
 
 
-def numpy_attention(x, kp, vp, sm_scale):
-    """Naive float64 loop over requests, tokens and heads."""
+def numpy_attention(x, kv_pages, sm_scale):
+    """Naive float64 loop over requests, tokens and heads (layer x["layer"] of kv_pages)."""
     q = np.asarray(x["q"], np.float64)
-    cu, kv, pi = (np.asarray(x[n]) for n in ("cu_q_lens", "kv_lens", "page_indices"))
-    ps, hkv = kp.shape[1], kp.shape[2]
+    kv = np.asarray(kv_pages, np.float64)[x["layer"]]  # [N, 2*Hkv, S, D]
+    cu, kl, pi = (np.asarray(x[n]) for n in ("cu_q_lens", "kv_lens", "page_indices"))
+    ps, hkv = kv.shape[2], kv.shape[1] // 2
     group = q.shape[1] // hkv
     out = np.zeros_like(q)
     for r in range(int(x["num_seqs"][0])):
         q_len = cu[r + 1] - cu[r]
         for i in range(q_len):
             t = cu[r] + i
-            last = kv[r] - q_len + i
-            keys = np.stack([kp[pi[r, p // ps], p % ps] for p in range(last + 1)])
-            vals = np.stack([vp[pi[r, p // ps], p % ps] for p in range(last + 1)])
+            last = kl[r] - q_len + i
             for h in range(q.shape[1]):
-                s = keys[:, h // group] @ q[t, h] * sm_scale
+                g = h // group
+                keys = np.stack([kv[pi[r, p // ps], 2 * g, p % ps] for p in range(last + 1)])
+                vals = np.stack([kv[pi[r, p // ps], 2 * g + 1, p % ps] for p in range(last + 1)])
+                s = keys @ q[t, h] * sm_scale
                 w = np.exp(s - s.max())
-                out[t, h] = (w / w.sum()) @ vals[:, h // group]
+                out[t, h] = (w / w.sum()) @ vals
     return out
 
 
 def run(x, impl, with_write, block_sizes=None):
+    """Call the reference or the kernel under jit; the layer is static or a traced argument."""
     sm_scale = x["q"].shape[-1] ** -0.5
     extra = {"new_k": x["new_k"], "new_v": x["new_v"]} if with_write else {}
     if impl == "ref":
-        fn = lambda *a, **kw: rpa.ref_ragged_paged_attention(*a, sm_scale=sm_scale, **kw)
+        op = lambda *a, **kw: rpa.ref_ragged_paged_attention(*a, sm_scale=sm_scale, **kw)
     else:
-        fn = lambda *a, **kw: rpa.ragged_paged_attention(
+        op = lambda *a, **kw: rpa.ragged_paged_attention(
             *a, sm_scale=sm_scale, impl=impl, block_sizes=block_sizes, **kw)
+    if x["traced_layer"]:
+        fn = lambda layer, *a, **kw: op(*a, layer=layer, **kw)
+        args = (jnp.asarray(x["layer"], jnp.int32), *(x[n] for n in ARGS))
+    else:
+        fn = lambda *a, **kw: op(*a, layer=x["layer"], **kw)
+        args = tuple(x[n] for n in ARGS)
     try:
-        return jax.jit(fn)(*(x[n] for n in ARGS), **extra)
+        return jax.jit(fn)(*args, **extra)
     except Exception:
         if hasattr(pltpu, "reset_tpu_interpret_mode_state"):
             pltpu.reset_tpu_interpret_mode_state()
@@ -133,6 +151,9 @@ REF_CASES = {
     "mixed_page256_d256": Case([3, 1], [250, 300], num_q_heads=4, num_kv_heads=1, head_dim=256,
                                page_size=256, pad_tokens=2),
     "bf16_mixed": Case([1, 5], [17, 30], dtype=jnp.bfloat16, pad_rows=1, pad_tokens=1),
+    "d64_gqa2": Case([1, 4], [9, 12], head_dim=64),
+    "layer2_of_3_traced": Case([1, 6], [20, 3], num_layers=3, layer=2, traced_layer=True,
+                               pad_rows=1, pad_tokens=2),
 }
 
 
@@ -140,16 +161,14 @@ REF_CASES = {
 def test_reference_matches_numpy_loop(name):
     c = REF_CASES[name]
     x = make_inputs(c)
-    o, kp, vp = run(x, "ref", with_write=True)
-    want_kp, want_vp = numpy_write(x)
-    np.testing.assert_array_equal(np.asarray(kp, np.float32), want_kp)
-    np.testing.assert_array_equal(np.asarray(vp, np.float32), want_vp)
-    want = numpy_attention(x, want_kp, want_vp, c.head_dim ** -0.5)
+    o, kv_pages = run(x, "ref", with_write=True)
+    want_kv = numpy_write(x)
+    np.testing.assert_array_equal(np.asarray(kv_pages, np.float32), want_kv)
+    want = numpy_attention(x, want_kv, c.head_dim ** -0.5)
     close(o, want, c.dtype)
     # Without a write the reference attends to the pages as given.
     o2 = run(x, "ref", with_write=False)
-    close(o2, numpy_attention(x, np.asarray(x["k_pages"], np.float32),
-                              np.asarray(x["v_pages"], np.float32), c.head_dim ** -0.5), c.dtype)
+    close(o2, numpy_attention(x, x["kv_pages"], c.head_dim ** -0.5), c.dtype)
 
 
 def test_reference_hand_checked():
@@ -157,15 +176,44 @@ def test_reference_hand_checked():
     x = make_inputs(Case([2], [1], num_q_heads=1, num_kv_heads=1, head_dim=128, page_size=16))
     q = np.zeros((2, 1, 128), np.float32)
     q[:, 0, 0] = 1.0
-    kp = np.zeros(x["k_pages"].shape, np.float32)
-    vp = np.zeros_like(kp)
+    kv = np.zeros(x["kv_pages"].shape, np.float32)  # [1, N, 2, S, D]
     page = int(x["page_indices"][0, 0])
-    kp[page, :3, 0, 0] = [0.0, np.log(2.0), np.log(3.0)]  # scores (scale 1)
-    vp[page, :3, 0, 0] = [1.0, 10.0, 100.0]
-    x.update(q=jnp.asarray(q), k_pages=jnp.asarray(kp), v_pages=jnp.asarray(vp))
+    kv[0, page, 0, :3, 0] = [0.0, np.log(2.0), np.log(3.0)]  # K: scores (scale 1)
+    kv[0, page, 1, :3, 0] = [1.0, 10.0, 100.0]  # V
+    x.update(q=jnp.asarray(q), kv_pages=jnp.asarray(kv))
     o = rpa.ref_ragged_paged_attention(*(x[n] for n in ARGS), sm_scale=1.0)
     # token 0 sees positions 0,1: weights 1:2; token 1 sees 0,1,2: weights 1:2:3.
     np.testing.assert_allclose(np.asarray(o[:, 0, 0]), [21.0 / 3, 321.0 / 6], rtol=1e-6)
+
+
+def test_reference_hand_checked_kv_head_order():
+    """Two kv heads: K of head h at index 2h, V at 2h + 1; q head 1 reads kv head 1 only."""
+    x = make_inputs(Case([1], [1], num_q_heads=2, num_kv_heads=2, head_dim=128, page_size=16,
+                         num_layers=2, layer=1))
+    q = np.zeros((1, 2, 128), np.float32)
+    q[0, :, 0] = 1.0
+    kv = np.zeros(x["kv_pages"].shape, np.float32)  # [2, N, 4, S, D]
+    page = int(x["page_indices"][0, 0])
+    kv[1, page, 2, :2, 0] = [0.0, np.log(3.0)]  # K of kv head 1: weights 1:3
+    kv[1, page, 3, :2, 0] = [4.0, 8.0]  # V of kv head 1
+    kv[0, page, 3, :2, 0] = [1e3, 1e3]  # layer 0 must not be read
+    x.update(q=jnp.asarray(q), kv_pages=jnp.asarray(kv))
+    o = rpa.ref_ragged_paged_attention(*(x[n] for n in ARGS), sm_scale=1.0, layer=1)
+    np.testing.assert_allclose(np.asarray(o[0, :, 0]), [0.0, 7.0], rtol=1e-6)
+
+
+def test_write_new_kv_layout():
+    """write_new_kv puts K of kv head h at index 2h and V at 2h + 1 of layer ``layer`` only."""
+    x = make_inputs(Case([2], [15], num_layers=2, layer=1))
+    kv = rpa.write_new_kv(x["kv_pages"], x["new_k"], x["new_v"], x["kv_lens"],
+                          x["page_indices"], x["cu_q_lens"], x["num_seqs"], layer=1)
+    p0, p1 = (int(p) for p in x["page_indices"][0, :2])
+    # positions 15 (page 0, slot 15) and 16 (page 1, slot 0)
+    for t, (page, slot) in enumerate([(p0, 15), (p1, 0)]):
+        for h in range(2):
+            np.testing.assert_array_equal(kv[1, page, 2 * h, slot], x["new_k"][t, h])
+            np.testing.assert_array_equal(kv[1, page, 2 * h + 1, slot], x["new_v"][t, h])
+    np.testing.assert_array_equal(kv[0], x["kv_pages"][0])
 
 
 # --- Pallas (interpret) vs reference -------------------------------------------------------
@@ -184,6 +232,13 @@ KERNEL_CASES = {
     "bf16_mixed": (Case([1, 8, 1], [33, 5, 2], dtype=jnp.bfloat16, pad_rows=2), B(1, 4, 2),
                    True),
     "bf16_page256": (Case([5, 1], [251, 0], dtype=jnp.bfloat16, page_size=256), None, False),
+    "d64_bf16_defaults": (Case([1, 7, 1], [18, 4, 30], head_dim=64, dtype=jnp.bfloat16,
+                               pad_tokens=1), None, True),
+    "layer1_of_2_traced": (Case([1, 5, 1], [17, 9, 0], num_layers=2, layer=1, traced_layer=True,
+                                pad_rows=1, pad_tokens=2), B(1, 4, 2), True),
+    "layer2_of_3_static_bf16": (Case([3, 1], [12, 40], num_layers=3, layer=2,
+                                     dtype=jnp.bfloat16), None, True),
+    "f32_q_bf16_cache": (Case([1, 6], [21, 2], kv_dtype=jnp.bfloat16), B(1, 4, 1), True),
 }
 
 
@@ -194,10 +249,15 @@ def test_kernel_matches_reference(name):
     got = run(x, "interpret", with_write, block)
     want = run(x, "ref", with_write)
     if with_write:
-        for g, w in zip(got, want):
-            close(g, w, c.dtype)
-        got, want = got[0], want[0]
-    close(got, want, c.dtype)
+        got, got_kv = got
+        want, want_kv = want
+        np.testing.assert_array_equal(np.asarray(got_kv, np.float32),
+                                      np.asarray(want_kv, np.float32))
+        for layer in range(c.num_layers):  # other layers bit-identical to the input
+            if layer != c.layer:
+                np.testing.assert_array_equal(np.asarray(got_kv[layer]),
+                                              np.asarray(x["kv_pages"][layer]))
+    close(got, want, c.kv_dtype or c.dtype)
     real = int(x["cu_q_lens"][len(c.q_lens)])
     assert np.all(np.asarray(got[real:], np.float32) == 0.0)  # padding tokens are zero
     assert np.all(np.isfinite(np.asarray(got, np.float32)))
@@ -208,12 +268,11 @@ def test_kernel_padding_leaves_pages_untouched_and_outputs_zero():
     x = make_inputs(c)
     x["new_k"] = x["new_k"].at[4:].set(1e3)  # padding tokens' K/V must never land in pages
     x["new_v"] = x["new_v"].at[4:].set(1e3)
-    o, kp, vp = run(x, "interpret", True, B(1, 4, 1))
-    want_kp, want_vp = numpy_write(x)
-    np.testing.assert_array_equal(np.asarray(kp), want_kp)
-    np.testing.assert_array_equal(np.asarray(vp), want_vp)
+    o, kv = run(x, "interpret", True, B(1, 4, 1))
+    want_kv = numpy_write(x)
+    np.testing.assert_array_equal(np.asarray(kv), want_kv)
     assert np.all(np.asarray(o[4:]) == 0.0)
-    close(o, numpy_attention(x, want_kp, want_vp, c.head_dim ** -0.5), c.dtype)
+    close(o, numpy_attention(x, want_kv, c.head_dim ** -0.5), c.dtype)
 
 
 def test_kernel_no_real_requests():
@@ -225,17 +284,12 @@ def test_kernel_no_real_requests():
 
 # --- invalid input and cost -------------------------------------------------------------------
 
-def _bad(**changes):
-    x = make_inputs(Case([1, 2], [3, 4]))
-    x.update(changes)
-    return x
-
-
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
-@pytest.mark.parametrize("what", ["q_rank", "head_dim", "heads", "v_shape", "cu_len", "pi_rows",
-                                  "num_seqs", "float_lens", "new_k_only", "new_k_shape"])
+@pytest.mark.parametrize("what", ["q_rank", "head_dim", "heads", "kv_rank", "kv_odd_heads",
+                                  "cu_len", "pi_rows", "num_seqs", "float_lens", "new_k_only",
+                                  "new_k_shape", "layer_range", "layer_float"])
 def test_invalid_inputs_raise(impl, what):
-    x = make_inputs(Case([1, 2], [3, 4]))
+    x = make_inputs(Case([1, 2], [3, 4], num_layers=2))
     extra = {}
     if what == "q_rank":
         x["q"] = x["q"][:, 0]
@@ -243,8 +297,10 @@ def test_invalid_inputs_raise(impl, what):
         x["q"] = x["q"][..., :64]
     elif what == "heads":
         x["q"] = x["q"][:, :3]
-    elif what == "v_shape":
-        x["v_pages"] = x["v_pages"][:-1]
+    elif what == "kv_rank":
+        x["kv_pages"] = x["kv_pages"][0]
+    elif what == "kv_odd_heads":
+        x["kv_pages"] = x["kv_pages"][:, :, :3]
     elif what == "cu_len":
         x["cu_q_lens"] = x["cu_q_lens"][:-1]
     elif what == "pi_rows":
@@ -257,14 +313,23 @@ def test_invalid_inputs_raise(impl, what):
         extra = {"new_k": x["new_k"]}
     elif what == "new_k_shape":
         extra = {"new_k": x["new_k"][:, :1], "new_v": x["new_v"][:, :1]}
+    elif what == "layer_range":
+        extra = {"layer": 2}
+    elif what == "layer_float":
+        extra = {"layer": jnp.asarray(1.0)}
     with pytest.raises(ValueError, match="ragged_paged_attention"):
         rpa.ragged_paged_attention(*(x[n] for n in ARGS), sm_scale=1.0, impl=impl, **extra)
 
 
 def test_cost_counts_scale_with_shapes():
-    c1 = rpa.ragged_paged_attention_cost((8, 4, 128), (10, 16, 2, 128), (2, 4))
-    c2 = rpa.ragged_paged_attention_cost((16, 4, 128), (10, 16, 2, 128), (2, 4))
+    c1 = rpa.ragged_paged_attention_cost((8, 4, 128), (3, 10, 4, 16, 128), (2, 4))
+    c2 = rpa.ragged_paged_attention_cost((16, 4, 128), (3, 10, 4, 16, 128), (2, 4))
+    c3 = rpa.ragged_paged_attention_cost((16, 4, 128), (3, 10, 4, 16, 128), (2, 4),
+                                         write_new_kv=True)
     assert c1.flops == 4 * 8 * 4 * 64 * 128
     assert c2.flops == 2 * c1.flops
     assert c1.transcendentals == 8 * 4 * 64
     assert c2.bytes_accessed > c1.bytes_accessed > 0
+    assert c3.bytes_accessed == c2.bytes_accessed + 16 * 4 * 128 * 2  # new K/V rows, bf16
+    # the number of layers in the cache does not change one call's cost
+    assert rpa.ragged_paged_attention_cost((8, 4, 128), (7, 10, 4, 16, 128), (2, 4)) == c1

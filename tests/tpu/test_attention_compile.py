@@ -1,0 +1,69 @@
+"""ragged_paged_attention (kernels/ragged_paged_attention.py) compiled by Mosaic for one TPU7x
+TensorCore, with the new K/V written into the stacked cache and the layer a traced scalar.
+
+Tiny model: Hq=4, Hkv=2, D=64, page 16, 2 layers x 256 pages, up to 8 pages (128 tokens) per
+request; 16 decode rows (T=R=16) and 64 mixed tokens (R=16), the latter also with f32 queries
+over the bf16 cache.
+Qwen3.5-397B per chip: Hq=32, Hkv=2, D=256, page 256, 15 attention layers x 4096 pages (a 30 GiB
+bf16 cache), up to 32 pages (8K tokens) per request; decode at T=R=64 and T=R=512, mixed
+prefill + decode at T=1024 and T=2048 (R=64). Metadata is data, so "decode" and "mixed" differ
+only in T and R here.
+
+Each program donates the cache; the assertions check that the scatter of the new K/V updates
+it in place (the cache is aliased and no temporary the size of a cache layer appears).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from kernels import ragged_paged_attention as rpa
+from kernels.tpu_compile import abstract, compile_for_tpu
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+# (label, T tokens, R rows, Hq, Hkv, D, S page size, P pages per row, N pages, Lyr layers,
+#  q dtype); the cache and new K/V are bf16.
+SHAPES = [
+    ("tiny decode", 16, 16, 4, 2, 64, 16, 8, 256, 2, BF16),
+    ("tiny mixed", 64, 16, 4, 2, 64, 16, 8, 256, 2, BF16),
+    ("tiny mixed", 64, 16, 4, 2, 64, 16, 8, 256, 2, F32),
+    ("397B decode", 64, 64, 32, 2, 256, 256, 32, 4096, 15, BF16),
+    ("397B decode", 512, 512, 32, 2, 256, 256, 32, 4096, 15, BF16),
+    ("397B mixed", 1024, 64, 32, 2, 256, 256, 32, 4096, 15, BF16),
+    ("397B mixed", 2048, 64, 32, 2, 256, 256, 32, 4096, 15, BF16),
+]
+
+
+@pytest.mark.parametrize(
+    "label,t,r,hq,hkv,d,s,p,n,lyr,q_dtype", SHAPES,
+    ids=[f"{sh[0].split()[0]}-T{sh[1]}-R{sh[2]}-q{jnp.dtype(sh[-1]).name}" for sh in SHAPES])
+def test_ragged_paged_attention_compiles(mesh, record, label, t, r, hq, hkv, d, s, p, n, lyr,
+                                         q_dtype):
+    dt = BF16
+    i32 = jnp.int32
+    args = [
+        abstract((t, hq, d), q_dtype, mesh),  # q
+        abstract((lyr, n, 2 * hkv, s, d), dt, mesh),  # kv_pages (donated)
+        abstract((r,), i32, mesh),  # kv_lens
+        abstract((r, p), i32, mesh),  # page_indices
+        abstract((r + 1,), i32, mesh),  # cu_q_lens
+        abstract((1,), i32, mesh),  # num_seqs
+        abstract((), i32, mesh),  # layer (traced)
+        abstract((t, hkv, d), dt, mesh),  # new_k
+        abstract((t, hkv, d), dt, mesh),  # new_v
+    ]
+
+    def fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, layer, new_k, new_v):
+        return rpa.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                                          num_seqs, sm_scale=d ** -0.5, new_k=new_k,
+                                          new_v=new_v, layer=layer, impl="pallas")
+
+    report = compile_for_tpu(fn, args, mesh, donate_argnums=(1,))
+    record(f"ragged_paged_attention {label} T={t} R={r} Hq={hq} Hkv={hkv} D={d} page={s} "
+           f"cache [{lyr},{n},{2 * hkv},{s},{d}] q {jnp.dtype(q_dtype).name}", report)
+    assert len(report.kernels) == 1
+    cache_bytes = lyr * n * 2 * hkv * s * d * jnp.dtype(dt).itemsize
+    layer_bytes = cache_bytes // lyr
+    assert report.memory["alias_size_in_bytes"] >= cache_bytes  # cache updated in place
+    assert report.memory["temp_size_in_bytes"] < layer_bytes  # no copy of the cache
