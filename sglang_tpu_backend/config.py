@@ -86,6 +86,20 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_mlp_layers
 
+    @property
+    def layer_period(self) -> int:
+        """Smallest p dividing the depth such that layers i and i + p are of the same kind
+        (token mixer and MLP). The model runs ``num_hidden_layers / p`` groups of p layers in a
+        ``lax.scan`` (Qwen3.5: p = 4, three GDN layers then one attention layer); a pattern
+        that never repeats gives p = num_hidden_layers, one group.
+        """
+        n = self.num_hidden_layers
+        kind = [(t, self.is_moe_layer(i)) for i, t in enumerate(self.layer_types)]
+        for p in range(1, n + 1):
+            if n % p == 0 and all(kind[i] == kind[i % p] for i in range(n)):
+                return p
+        return n
+
 
 def _text_fields(raw: dict[str, Any]) -> dict[str, Any]:
     model_type = raw.get("model_type")

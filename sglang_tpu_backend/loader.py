@@ -28,6 +28,7 @@ from sglang_tpu_backend.checkpoint_io import (
     read_tensor,
 )
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig, load_model_config
+from sglang_tpu_backend.models.qwen3_5_moe import stack_layers
 
 __all__ = ["CheckpointError", "load_model", "load_params"]
 
@@ -356,7 +357,7 @@ def load_params(
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=disable) as bar:
         r = _Reader(entries, dtype, bar)
         params: dict[str, Any] = {"embed_tokens": r.vec(f"{prefix}embed_tokens.weight")}
-        params["layers"] = []
+        layers = []
         for i, kind in enumerate(cfg.layer_types):
             lp = f"{prefix}layers.{i}."
             layer = {"input_layernorm": r.vec(f"{lp}input_layernorm.weight"),
@@ -366,7 +367,8 @@ def load_params(
             else:
                 layer["linear_attn"] = _load_gdn(r, cfg, f"{lp}linear_attn.")
             layer["mlp"] = _load_mlp(r, cfg, i, f"{lp}mlp.", keep_fp8_experts)
-            params["layers"].append(layer)
+            layers.append(layer)
+        params["layer_groups"] = stack_layers(layers, cfg)
         params["norm"] = r.vec(f"{prefix}norm.weight")
         if cfg.tie_word_embeddings:
             params["lm_head"] = params["embed_tokens"].T

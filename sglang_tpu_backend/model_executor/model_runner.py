@@ -49,6 +49,28 @@ def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def step_shapes(max_running_requests: int, max_tokens_per_step: int
+                ) -> list[tuple[ForwardMode, int, int, int]]:
+    """Every bucketed (mode, T, R, L) a runner with these limits can step with.
+
+    DECODE: T = R = L in powers of two up to max_running_requests. EXTEND/MIXED: T in powers
+    of two up to max(max_tokens_per_step, max_running_requests), R = L in powers of four up
+    to max_running_requests, only where some request count n <= T picks that R.
+    """
+    req_buckets = bucket_ladder(max_running_requests)
+    extend_req_buckets = bucket_ladder(max_running_requests, factor=4)
+    token_buckets = bucket_ladder(max(max_tokens_per_step, max_running_requests))
+    out = [(ForwardMode.DECODE, r, r, r) for r in req_buckets]
+    for kind in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        for t in token_buckets:
+            prev = 0
+            for r in extend_req_buckets:
+                if prev < t:  # some count n in (prev, r] with n <= t picks r
+                    out.append((kind, t, r, r))
+                prev = r
+    return out
+
+
 def _uses_penalties(sp: Any) -> bool:
     return sp.frequency_penalty != 0 or sp.presence_penalty != 0 or sp.repetition_penalty != 1
 
@@ -83,6 +105,7 @@ class ModelRunner:
         self.req_buckets = bucket_ladder(max_running_requests)
         self.extend_req_buckets = bucket_ladder(max_running_requests, factor=4)
         self.token_buckets = bucket_ladder(max(max_tokens_per_step, max_running_requests))
+        self.step_limits = (max_running_requests, max_tokens_per_step)
         self.cache = qwen3_5_moe.init_cache(
             cfg, num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
             kv_dtype=kv_dtype, state_dtype=state_dtype,
@@ -105,15 +128,7 @@ class ModelRunner:
 
     def all_shapes(self) -> list[tuple[ForwardMode, int, int, int]]:
         """Every (kind, T, R, L) variant serving can produce (what warmup compiles)."""
-        out = [(ForwardMode.DECODE, r, r, r) for r in self.req_buckets]
-        for kind in (ForwardMode.EXTEND, ForwardMode.MIXED):
-            for t in self.token_buckets:
-                prev = 0
-                for r in self.extend_req_buckets:
-                    if prev < t:  # some count n in (prev, r] with n <= t picks r
-                        out.append((kind, t, r, r))
-                    prev = r
-        return out
+        return step_shapes(*self.step_limits)
 
     # Step -----------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch) -> jax.Array:

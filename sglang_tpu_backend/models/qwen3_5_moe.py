@@ -12,7 +12,9 @@ Parameter pytree (``loader.load_params`` builds it): nested dicts of arrays; eve
 weight is [in, out] (HF's [out, in] transposed) so layers compute ``x @ w``.
 
     embed_tokens [V, H], norm [H], lm_head [H, V] (= embed_tokens.T when tied),
-    layers: list, one dict per layer with
+    layer_groups: tuple of ``cfg.layer_period`` dicts, position j holding layers j, j + p, ...
+      with every leaf stacked over the groups ([num_groups, ...]; ``stack_layers`` builds it,
+      ``layer_params`` slices one layer back out). Each layer's dict holds
       input_layernorm [H], post_attention_layernorm [H] (zero-centred, applied as 1 + w)
       self_attn (full_attention layers):
         q_proj [H, N*2*D] (per head [query(D) | gate(D)]), k_proj [H, G*D], v_proj [H, G*D],
@@ -37,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import gdn, gmm, ragged_paged_attention as rpa, routing
+from kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.models.layers import (
@@ -53,25 +56,29 @@ Params = dict[str, Any]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelCache:
-    """Per-layer device state that persists across steps.
+    """Device state that persists across steps: one array per kind for all layers of that kind.
 
-    k_pages, v_pages: one [num_pages, page_size, G, D] array per attention layer.
-    conv_state:       one [num_slots, C, conv_kernel - 1] array per GDN layer.
-    rec_state:        one [num_slots, Hv, Dk, Dv] array per GDN layer.
+    Layouts are the kernels' own (dynamic indices in leading dims, see ``kernels/``):
+      kv_pages:   [num_attention_layers, num_pages, 2*G, page_size, D]; K of kv head g at
+                  index 2g, V at 2g + 1.
+      conv_state: [num_gdn_layers, num_slots, rows, C]: rows 0..K-2 the last pre-conv inputs,
+                  oldest first; rows = conv_state_rows(K) pads K-1 to a power of two.
+      rec_state:  [num_gdn_layers, num_slots, Hv, Dk, Dv] recurrent state (fp32 or bf16).
+    Attention layer ``a`` (the a-th full_attention layer) owns ``kv_pages[a]``; GDN layer ``l``
+    owns ``conv_state[l]`` and ``rec_state[l]``.
     """
 
-    k_pages: tuple[jax.Array, ...]
-    v_pages: tuple[jax.Array, ...]
-    conv_state: tuple[jax.Array, ...]
-    rec_state: tuple[jax.Array, ...]
+    kv_pages: jax.Array
+    conv_state: jax.Array
+    rec_state: jax.Array
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages[0].shape[0] if self.k_pages else 0
+        return self.kv_pages.shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k_pages[0].shape[1] if self.k_pages else 0
+        return self.kv_pages.shape[3]
 
 
 def init_cache(
@@ -86,25 +93,49 @@ def init_cache(
 ) -> ModelCache:
     """Zeroed KV pages and GDN state slots. Every page and slot id is usable."""
     conv_dtype = kv_dtype if conv_dtype is None else conv_dtype
-    kv_shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-    conv_shape = (num_state_slots, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1)
-    rec_shape = (
-        num_state_slots,
-        cfg.linear_num_value_heads,
-        cfg.linear_key_head_dim,
-        cfg.linear_value_head_dim,
-    )
     n_attn, n_lin = len(cfg.attention_layers), len(cfg.linear_layers)
+    kv_shape = (n_attn, num_pages, 2 * cfg.num_key_value_heads, page_size, cfg.head_dim)
+    conv_shape = (n_lin, num_state_slots, conv_state_rows(cfg.linear_conv_kernel_dim),
+                  cfg.linear_conv_dim)
+    rec_shape = (n_lin, num_state_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                 cfg.linear_value_head_dim)
     return ModelCache(
-        k_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(n_attn)),
-        v_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(n_attn)),
-        conv_state=tuple(jnp.zeros(conv_shape, conv_dtype) for _ in range(n_lin)),
-        rec_state=tuple(jnp.zeros(rec_shape, state_dtype) for _ in range(n_lin)),
+        kv_pages=jnp.zeros(kv_shape, kv_dtype),
+        conv_state=jnp.zeros(conv_shape, conv_dtype),
+        rec_state=jnp.zeros(rec_shape, state_dtype),
     )
 
 
-def attention_block(p: Params, x, k_pages, v_pages, cos, sin, batch: ForwardBatch, cfg, impl):
-    """Gated GQA attention. x: [T, H] -> ([T, H], k_pages, v_pages)."""
+# Parameters: per-layer dicts <-> groups stacked for the layer scan ---------------------------
+
+
+def stack_layers(layers: list[Params], cfg: ModelConfig) -> tuple[Params, ...]:
+    """Per-layer param dicts -> ``cfg.layer_period`` dicts whose leaves are stacked over groups.
+
+    Position j of the result holds layers ``j, j + p, j + 2p, ...`` (p = layer_period), each
+    leaf ``[num_groups, ...]``. Frees each layer's arrays as soon as they are stacked.
+    """
+    p = cfg.layer_period
+    groups = []
+    for j in range(p):
+        same = [layers[i] for i in range(j, len(layers), p)]
+        groups.append(jax.tree.map(lambda *xs: jnp.stack(xs), *same))
+        for i in range(j, len(layers), p):
+            layers[i] = None
+    return tuple(groups)
+
+
+def layer_params(params: Params, cfg: ModelConfig, layer: int) -> Params:
+    """The param dict of one layer, sliced out of ``params["layer_groups"]``."""
+    p = cfg.layer_period
+    return jax.tree.map(lambda x: x[layer // p], params["layer_groups"][layer % p])
+
+
+# Blocks -------------------------------------------------------------------------------------
+
+
+def attention_block(p: Params, x, kv_pages, layer, cos, sin, batch: ForwardBatch, cfg, impl):
+    """Gated GQA attention of attention layer ``layer``. x: [T, H] -> ([T, H], kv_pages)."""
     T = x.shape[0]
     N, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q_gate = (x @ p["q_proj"]).reshape(T, N, 2 * D)  # per head [query | gate]
@@ -113,25 +144,25 @@ def attention_block(p: Params, x, k_pages, v_pages, cos, sin, batch: ForwardBatc
     v = (x @ p["v_proj"]).reshape(T, G, D)
     q = apply_partial_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = apply_partial_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
-    o, k_pages, v_pages = rpa.ragged_paged_attention(
+    o, kv_pages = rpa.ragged_paged_attention(
         q,
-        k_pages,
-        v_pages,
+        kv_pages,
         batch.kv_lens,
         batch.page_table,
         batch.cu_q_lens,
         batch.num_seqs,
         sm_scale=D**-0.5,
-        new_k=k.astype(k_pages.dtype),
-        new_v=v.astype(v_pages.dtype),
+        new_k=k.astype(kv_pages.dtype),
+        new_v=v.astype(kv_pages.dtype),
+        layer=layer,
         impl=impl,
     )  # o: [T, N, D]
     o = o.reshape(T, N * D) * jax.nn.sigmoid(gate.reshape(T, N * D))
-    return o @ p["o_proj"], k_pages, v_pages
+    return o @ p["o_proj"], kv_pages
 
 
-def gdn_block(p: Params, x, conv_state, rec_state, batch: ForwardBatch, cfg, impl):
-    """Gated DeltaNet. x: [T, H] -> ([T, H], conv_state, rec_state)."""
+def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, cfg, impl):
+    """Gated DeltaNet of GDN layer ``layer``. x: [T, H] -> ([T, H], conv_state, rec_state)."""
     T = x.shape[0]
     Hv, Dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     mixed_qkv = x @ p["in_proj_qkv"]  # [T, C]
@@ -153,6 +184,7 @@ def gdn_block(p: Params, x, conv_state, rec_state, batch: ForwardBatch, cfg, imp
         batch.num_seqs,
         num_k_heads=cfg.linear_num_key_heads,
         decode=batch.mode.is_decode(),
+        layer=layer,
         impl=impl,
     )  # o: [T, Hv, Dv]
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(T, Hv * Dv)
@@ -195,30 +227,47 @@ def mlp_block(p: Params, x, cfg: ModelConfig, layer: int, impl):
 
 
 def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl):
-    """All decoder layers and the final norm. Returns (hidden [T, H], cache)."""
+    """All decoder layers and the final norm. Returns (hidden [T, H], cache).
+
+    The layers run as a ``lax.scan`` over ``num_hidden_layers / layer_period`` groups (the body
+    is traced and compiled once, whatever the depth); group g's j-th attention layer is
+    attention layer ``g * attn_per_group + j`` of the cache, likewise for GDN layers. The
+    caches travel in the carry and the kernels update them in place.
+    """
+    period = cfg.layer_period
+    kinds = cfg.layer_types[:period]
+    attn_per_group = sum(k == FULL_ATTENTION for k in kinds)
+    lin_per_group = period - attn_per_group
     x = params["embed_tokens"][batch.input_ids]  # [T, H]
     cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta)
-    k_pages, v_pages = list(cache.k_pages), list(cache.v_pages)
-    conv_state, rec_state = list(cache.conv_state), list(cache.rec_state)
-    i_attn = i_lin = 0
-    for layer, (p, kind) in enumerate(zip(params["layers"], cfg.layer_types)):
-        h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
-        if kind == FULL_ATTENTION:
-            h, k_pages[i_attn], v_pages[i_attn] = attention_block(
-                p["self_attn"], h, k_pages[i_attn], v_pages[i_attn], cos, sin, batch, cfg, impl
-            )
-            i_attn += 1
-        else:
-            h, conv_state[i_lin], rec_state[i_lin] = gdn_block(
-                p["linear_attn"], h, conv_state[i_lin], rec_state[i_lin], batch, cfg, impl
-            )
-            i_lin += 1
-        x = x + h
-        h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-        x = x + mlp_block(p["mlp"], h, cfg, layer, impl)
+
+    def group(carry, xs):
+        x, kv_pages, conv_state, rec_state = carry
+        group_params, g = xs
+        i_attn = i_lin = 0
+        for j, (p, kind) in enumerate(zip(group_params, kinds)):
+            h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
+            if kind == FULL_ATTENTION:
+                layer = g * attn_per_group + i_attn
+                h, kv_pages = attention_block(p["self_attn"], h, kv_pages, layer, cos, sin,
+                                              batch, cfg, impl)
+                i_attn += 1
+            else:
+                layer = g * lin_per_group + i_lin
+                h, conv_state, rec_state = gdn_block(p["linear_attn"], h, conv_state, rec_state,
+                                                     layer, batch, cfg, impl)
+                i_lin += 1
+            x = x + h
+            h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
+            x = x + mlp_block(p["mlp"], h, cfg, j, impl)
+        return (x, kv_pages, conv_state, rec_state), None
+
+    num_groups = cfg.num_hidden_layers // period
+    carry = (x, cache.kv_pages, cache.conv_state, cache.rec_state)
+    carry, _ = jax.lax.scan(group, carry, (params["layer_groups"], jnp.arange(num_groups)))
+    x, kv_pages, conv_state, rec_state = carry
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    new_cache = ModelCache(tuple(k_pages), tuple(v_pages), tuple(conv_state), tuple(rec_state))
-    return x, new_cache
+    return x, ModelCache(kv_pages, conv_state, rec_state)
 
 
 def forward(

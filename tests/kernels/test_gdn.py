@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from kernels import gdn  # noqa: E402
+from kernels.gdn_common import conv_state_rows  # noqa: E402
 
 F32_TOL = 2e-5
 F64_TOL = 1e-4
@@ -33,10 +34,21 @@ kernel = jax.jit(gdn.gated_delta_net,
                  static_argnames=("num_k_heads", "decode", "chunk_size", "impl", "block_sizes"))
 
 
-def make_case(seed, lens, *, hk=2, hv=4, dk=16, dv=16, k=4, num_slots=8, num_tokens=None,
-              num_reqs=None, context=None, slots=None, dtype=jnp.float32,
+def conv_states(rng, num_layers, num_slots, k, c):
+    """Random f32[Lyr, S, conv_state_rows(k), C]: K-1 random rows per slot, then zero padding."""
+    cs = np.zeros((num_layers, num_slots, conv_state_rows(k), c))
+    cs[:, :, : k - 1] = rng.normal(size=(num_layers, num_slots, k - 1, c))
+    return cs
+
+
+def make_case(seed, lens, *, hk=2, hv=4, dk=16, dv=16, k=4, num_slots=8, num_layers=1,
+              num_tokens=None, num_reqs=None, context=None, slots=None, dtype=jnp.float32,
               state_dtype=jnp.float32):
-    """Random inputs for requests with q lengths `lens`; context[r] > 0 continues a request."""
+    """Random inputs for requests with q lengths `lens`; context[r] > 0 continues a request.
+
+    States are stacked over `num_layers` GDN layers: conv [Lyr, S, rows, C] (rows K-1.. are
+    zero padding), rec [Lyr, S, Hv, Dk, Dv].
+    """
     rng = np.random.default_rng(seed)
     n_real = len(lens)
     T = num_tokens or max(1, sum(lens))
@@ -59,8 +71,9 @@ def make_case(seed, lens, *, hk=2, hv=4, dk=16, dv=16, k=4, num_slots=8, num_tok
         conv_weight=jnp.asarray(rng.normal(size=(c, k)) * 0.5, dtype),
         A_log=jnp.asarray(np.log(A), jnp.float32),
         dt_bias=jnp.asarray(rng.normal(size=hv) - 1.0, jnp.float32),
-        conv_state=jnp.asarray(rng.normal(size=(num_slots, c, k - 1)), dtype),
-        rec_state=jnp.asarray(rng.normal(size=(num_slots, hv, dk, dv)) * 0.3, state_dtype),
+        conv_state=jnp.asarray(conv_states(rng, num_layers, num_slots, k, c), dtype),
+        rec_state=jnp.asarray(rng.normal(size=(num_layers, num_slots, hv, dk, dv)) * 0.3,
+                              state_dtype),
         cu_q_lens=jnp.asarray(cu),
         kv_lens=jnp.asarray(kv),
         state_slots=jnp.asarray(st),
@@ -87,11 +100,14 @@ def assert_results_close(got, want, tol):
 # ----------------------------------------------------------------------------- reference
 
 
-def numpy_gdn(case, hk):
+def numpy_gdn(case, hk, layer=0):
     """Naive float64 per-request, per-token, per-head loop of the transformers math."""
     c = {k: np.asarray(jnp.asarray(v, jnp.float32), np.float64) if jnp.issubdtype(v.dtype, jnp.floating)
          else np.asarray(v) for k, v in case.items()}
-    x, w, cs, rs = c["mixed_qkv"], c["conv_weight"], c["conv_state"].copy(), c["rec_state"].copy()
+    x, w = c["mixed_qkv"], c["conv_weight"]
+    cs_all, rs_all = c["conv_state"].copy(), c["rec_state"].copy()
+    cs, rs = cs_all[layer], rs_all[layer]  # views: [S, rows, C], [S, Hv, Dk, Dv]
+    k1 = w.shape[1] - 1
     T, C = x.shape
     _, hv, dk, dv = rs.shape
     o = np.zeros((T, hv, dv))
@@ -101,7 +117,7 @@ def numpy_gdn(case, hk):
         if hi == lo:
             continue
         fresh = kv[r] == hi - lo
-        hist = np.zeros_like(cs[0]) if fresh else cs[slots[r]].copy()
+        hist = np.zeros_like(cs[0, :k1].T) if fresh else cs[slots[r], :k1].T.copy()  # [C, K-1]
         s = np.zeros_like(rs[0]) if fresh else rs[slots[r]].copy()
         for t in range(lo, hi):
             win = np.concatenate([hist, x[t][:, None]], axis=1)
@@ -121,9 +137,9 @@ def numpy_gdn(case, hk):
                 d = beta * (v[h] - s[h].T @ k[j])
                 s[h] += np.outer(k[j], d)
                 o[t, h] = s[h].T @ q[j]
-        cs[slots[r]] = hist
+        cs[slots[r], :k1] = hist.T
         rs[slots[r]] = s
-    return o, cs, rs
+    return o, cs_all, rs_all
 
 
 def test_reference_matches_numpy_loop():
@@ -177,8 +193,9 @@ def test_matches_transformers():
                                  None, True)
     o, cs, rs = run(ref_chunked, case, hk, chunk_size=4)
     assert_close(o, o_t.numpy(), F64_TOL, "prefill o")
-    assert_close(cs[1], cs_t[0, :, 1:].numpy(), 0.0, "conv state")
-    assert_close(rs[1], rs_t[0].numpy(), F64_TOL, "rec state")
+    assert_close(cs[0, 1, :3], cs_t[0, :, 1:].numpy().T, 0.0, "conv state")
+    assert not np.asarray(cs[0, 1, 3:]).any()  # padding rows stay zero
+    assert_close(rs[0, 1], rs_t[0].numpy(), F64_TOL, "rec state")
     for step in range(3):
         dcase, _ = make_case(10 + step, [1], hk=hk, hv=hv, dk=dk, dv=dv, context=[11 + step])
         dcase.update(conv_state=cs, rec_state=rs, conv_weight=case["conv_weight"],
@@ -187,7 +204,7 @@ def test_matches_transformers():
                                      cs_t, rs_t, False)
         o, cs, rs = run(ref_chunked, dcase, hk, decode=True)
         assert_close(o, o_t.numpy(), F64_TOL, f"decode o {step}")
-        assert_close(rs[1], rs_t[0].numpy(), F64_TOL, f"decode rec state {step}")
+        assert_close(rs[0, 1], rs_t[0].numpy(), F64_TOL, f"decode rec state {step}")
 
 
 # ----------------------------------------------------------------------------- chunked == recurrent
@@ -248,13 +265,13 @@ def test_ragged_batch_equals_each_alone():
                      num_seqs=jnp.asarray([1], jnp.int32))
         o1, cs1, rs1 = run(ref_chunked, alone, hk, chunk_size=8)
         assert_close(o[rows], o1[:n], F32_TOL, f"o of request {r}")
-        assert_close(cs[slots[r]], cs1[slots[r]], 0.0, f"conv state of request {r}")
-        assert_close(rs[slots[r]], rs1[slots[r]], F32_TOL, f"rec state of request {r}")
+        assert_close(cs[0, slots[r]], cs1[0, slots[r]], 0.0, f"conv state of request {r}")
+        assert_close(rs[0, slots[r]], rs1[0, slots[r]], F32_TOL, f"rec state of request {r}")
     assert np.all(np.asarray(o)[int(cu[len(lens)]) :] == 0), "padding rows must be zero"
-    untouched = [s for s in range(case["conv_state"].shape[0]) if s not in slots]  # incl. slot 0
+    untouched = [s for s in range(case["conv_state"].shape[1]) if s not in slots]  # incl. slot 0
     for s in untouched:  # padding request rows point at slot 0
-        assert np.array_equal(np.asarray(cs[s]), np.asarray(case["conv_state"][s]))
-        assert np.array_equal(np.asarray(rs[s]), np.asarray(case["rec_state"][s]))
+        assert np.array_equal(np.asarray(cs[0, s]), np.asarray(case["conv_state"][0, s]))
+        assert np.array_equal(np.asarray(rs[0, s]), np.asarray(case["rec_state"][0, s]))
 
 
 # ----------------------------------------------------------------------------- bf16 state drift
@@ -312,41 +329,119 @@ def _interpret(case, hk, **kw):
         raise
 
 
-@pytest.mark.parametrize("dtype,state_dtype", [(jnp.float32, jnp.float32),
-                                               (jnp.bfloat16, jnp.bfloat16)])
-def test_pallas_decode_matches_reference(dtype, state_dtype):
-    # 4 real rows (fresh and continuing), 2 padding rows pointing at slot 0; Dk=Dv=32.
-    case, hk = make_case(9, [1] * 4, dk=32, dv=32, num_reqs=6, num_tokens=6, context=[3, 0, 1, 6],
+def _assert_slots_untouched(got, case, slots, layer=0):
+    for s in slots:
+        assert np.array_equal(np.asarray(got[1][layer, s]), np.asarray(case["conv_state"][layer, s]))
+        assert np.array_equal(np.asarray(got[2][layer, s]), np.asarray(case["rec_state"][layer, s]))
+
+
+@pytest.mark.parametrize("dtype,state_dtype,d,k_heads_per_block", [
+    (jnp.float32, jnp.float32, 32, None),  # one head block (Dk < 128)
+    (jnp.bfloat16, jnp.bfloat16, 32, None),
+    (jnp.float32, jnp.bfloat16, 128, 1),  # two lane-aligned head blocks
+])
+def test_pallas_decode_matches_reference(dtype, state_dtype, d, k_heads_per_block):
+    # 4 real rows (fresh and continuing), 2 padding rows pointing at slot 0.
+    case, hk = make_case(9, [1] * 4, dk=d, dv=d, num_reqs=6, num_tokens=6, context=[3, 0, 1, 6],
                          slots=[3, 1, 4, 2], dtype=dtype, state_dtype=state_dtype)
     case["cu_q_lens"] = jnp.asarray([0, 1, 2, 3, 4, 4, 4], jnp.int32)
-    tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
-    got = _interpret(case, hk, decode=True)
+    tol = F32_TOL if dtype == state_dtype == jnp.float32 else BF16_TOL
+    got = _interpret(case, hk, decode=True,
+                     block_sizes=gdn.GdnBlockSizes(k_heads_per_block=k_heads_per_block))
     assert_results_close(got, run(ref_chunked, case, hk, decode=True), tol)
-    for s in (0, 5, 6, 7):  # slots of no real request
-        assert np.array_equal(np.asarray(got[1][s]), np.asarray(case["conv_state"][s]))
-        assert np.array_equal(np.asarray(got[2][s]), np.asarray(case["rec_state"][s]))
+    assert np.all(np.asarray(got[0], np.float32)[4:] == 0)
+    _assert_slots_untouched(got, case, (0, 5, 6, 7))  # slots of no real request
 
 
-@pytest.mark.parametrize("dtype,state_dtype,k_heads_per_block", [
-    (jnp.float32, jnp.float32, 1),
-    (jnp.float32, jnp.bfloat16, 2),
-    (jnp.bfloat16, jnp.bfloat16, 1),
+@pytest.mark.parametrize("dtype,state_dtype,d,k_heads_per_block", [
+    (jnp.float32, jnp.float32, 32, None),  # one head block (Dk < 128)
+    (jnp.float32, jnp.bfloat16, 32, 2),
+    (jnp.bfloat16, jnp.bfloat16, 32, None),
+    (jnp.float32, jnp.float32, 128, 1),  # two lane-aligned head blocks
 ])
-def test_pallas_chunked_matches_reference(dtype, state_dtype, k_heads_per_block):
+def test_pallas_chunked_matches_reference(dtype, state_dtype, d, k_heads_per_block):
     # chunk 16: a 37-token prompt (3 chunks, continuing), lengths below K-1, a decode row,
     # exactly one chunk; 4 padding tokens and a padding request row pointing at slot 0.
     lens, context = [37, 2, 1, 16, 3], [5, 0, 4, 0, 1]
-    case, hk = make_case(10, lens, dk=32, dv=32, num_tokens=sum(lens) + 4, num_reqs=6,
+    case, hk = make_case(10, lens, dk=d, dv=d, num_tokens=sum(lens) + 4, num_reqs=6,
                          context=context, slots=[3, 1, 6, 2, 5], dtype=dtype,
                          state_dtype=state_dtype)
-    tol = F32_TOL * 5 if dtype == jnp.float32 and state_dtype == jnp.float32 else BF16_TOL
+    tol = F32_TOL * 5 if dtype == state_dtype == jnp.float32 else BF16_TOL
     got = _interpret(case, hk, chunk_size=16,
                      block_sizes=gdn.GdnBlockSizes(k_heads_per_block=k_heads_per_block))
     assert_results_close(got, run(ref_chunked, case, hk, chunk_size=16), tol)
     assert np.all(np.asarray(got[0], np.float32)[sum(lens) :] == 0)
-    for s in (0, 4, 7):
-        assert np.array_equal(np.asarray(got[1][s]), np.asarray(case["conv_state"][s]))
-        assert np.array_equal(np.asarray(got[2][s]), np.asarray(case["rec_state"][s]))
+    _assert_slots_untouched(got, case, (0, 4, 7))
+
+
+# ----------------------------------------------------------------------------- stacked layers
+
+
+def _stack_layers(case, layer, num_layers, seed):
+    """The case's single-layer states placed at `layer` of `num_layers` random layers."""
+    rng = np.random.default_rng(seed)
+    stacked = {}
+    for name in ("conv_state", "rec_state"):
+        x = case[name]
+        others = jnp.asarray(rng.normal(size=(num_layers,) + x.shape[1:]), x.dtype)
+        stacked[name] = others.at[layer].set(x[0])
+    return dict(case, **stacked)
+
+
+LAYER_CASES = {  # name: (make_case kwargs, run kwargs)
+    "chunked": (dict(lens=[9, 1, 3], context=[0, 4, 2], num_tokens=16, num_reqs=4),
+                dict(chunk_size=8)),
+    "decode": (dict(lens=[1, 1, 1], context=[0, 4, 2], num_tokens=4, num_reqs=4),
+               dict(decode=True)),
+}
+
+
+@pytest.mark.parametrize("path,impl", [("chunked", "reference"), ("chunked", "recurrent"),
+                                       ("chunked", "interpret"), ("decode", "reference"),
+                                       ("decode", "interpret")])
+def test_layer_index_updates_only_its_layer(path, impl):
+    # Lyr=3, layer 1 passed as a traced scalar: the result equals the single-layer call and
+    # layers 0 and 2 come back bit-identical.
+    kw_case, kw_run = LAYER_CASES[path]
+    case, hk = make_case(13, dk=32, dv=32, **kw_case)
+    if path == "decode":
+        case["cu_q_lens"] = jnp.asarray([0, 1, 2, 3, 3], jnp.int32)
+    stacked = _stack_layers(case, 1, 3, seed=14)
+    if impl == "recurrent":
+        fn = lambda c, **kw: run(ref_recurrent, c, hk, **kw)  # noqa: E731
+    elif impl == "reference":
+        fn = lambda c, **kw: run(ref_chunked, c, hk, **kw_run, **kw)  # noqa: E731
+    else:
+        fn = lambda c, **kw: _interpret(c, hk, **kw_run, **kw)  # noqa: E731
+    want = fn(case)
+    got = fn(stacked, layer=jnp.int32(1))
+    assert_close(got[0], want[0], F32_TOL, "o")
+    assert_close(got[1][1], want[1][0], F32_TOL, "conv state of layer 1")
+    assert_close(got[2][1], want[2][0], F32_TOL, "rec state of layer 1")
+    for other in (0, 2):
+        assert np.array_equal(np.asarray(got[1][other]), np.asarray(stacked["conv_state"][other]))
+        assert np.array_equal(np.asarray(got[2][other]), np.asarray(stacked["rec_state"][other]))
+
+
+def test_layer_index_in_scan_matches_loop():
+    # The model runs GDN layers in a lax.scan: the traced layer index of each iteration.
+    case, hk = make_case(15, [5, 1], context=[0, 3], num_tokens=8, num_reqs=3, num_layers=2)
+
+    @jax.jit
+    def scanned(conv_state, rec_state):
+        def body(carry, layer):
+            o, cs, rs = gdn.ref_gated_delta_net(**dict(case, conv_state=carry[0],
+                                                       rec_state=carry[1]),
+                                                num_k_heads=hk, chunk_size=4, layer=layer)
+            return (cs, rs), o
+        return jax.lax.scan(body, (conv_state, rec_state), jnp.arange(2))
+
+    (cs, rs), o = scanned(case["conv_state"], case["rec_state"])
+    for layer in range(2):
+        want = run(ref_chunked, case, hk, chunk_size=4, layer=layer)
+        assert_close(o[layer], want[0], F32_TOL, f"o of layer {layer}")
+        assert_close(cs[layer], want[1][layer], 0.0, f"conv state of layer {layer}")
+        assert_close(rs[layer], want[2][layer], F32_TOL, f"rec state of layer {layer}")
 
 
 # ----------------------------------------------------------------------------- invalid inputs
@@ -360,7 +455,10 @@ def _bad(case, **changes):
     (lambda c: _bad(c, mixed_qkv=c["mixed_qkv"][:, :-1]), "C must equal"),
     (lambda c: _bad(c, a=c["a"][:, :-1]), "a and b"),
     (lambda c: _bad(c, conv_state=c["conv_state"][..., :-1]), "conv_state"),
-    (lambda c: _bad(c, rec_state=c["rec_state"][:, :3]), "num_k_heads|C must equal"),
+    (lambda c: _bad(c, conv_state=c["conv_state"][:, :, :3]), "conv_state"),  # unpadded rows
+    (lambda c: _bad(c, rec_state=c["rec_state"][:, :, :3]), "num_k_heads|C must equal"),
+    (lambda c: _bad(c, rec_state=c["rec_state"][0]), "rec_state must be"),
+    (lambda c: _bad(c, conv_state=jnp.concatenate([c["conv_state"]] * 2)), "conv_state"),
     (lambda c: _bad(c, kv_lens=c["kv_lens"][:-1]), "kv_lens"),
     (lambda c: _bad(c, cu_q_lens=c["cu_q_lens"].astype(jnp.float32)), "integer"),
     (lambda c: _bad(c, num_seqs=jnp.asarray([1, 1], jnp.int32)), "num_seqs"),
@@ -381,8 +479,17 @@ def test_bad_heads_and_blocks_raise():
     with pytest.raises(ValueError, match="k_heads_per_block"):
         gdn.gated_delta_net(**case, num_k_heads=2, impl="interpret",
                             block_sizes=gdn.GdnBlockSizes(k_heads_per_block=3))
+    with pytest.raises(ValueError, match="multiples of 128"):  # Dk=16: 1 qk head is 16 lanes
+        gdn.gated_delta_net(**case, num_k_heads=2, impl="interpret",
+                            block_sizes=gdn.GdnBlockSizes(k_heads_per_block=1))
     with pytest.raises(ValueError, match="chunk_size"):
         gdn.gated_delta_net(**case, num_k_heads=2, chunk_size=0, impl="reference")
+    for layer in (-1, 1):  # Lyr = 1
+        with pytest.raises(ValueError, match="layer"):
+            gdn.gated_delta_net(**case, num_k_heads=2, layer=layer, impl="reference")
+    with pytest.raises(ValueError, match="layer"):
+        gdn.gated_delta_net(**case, num_k_heads=2, layer=jnp.zeros((1,), jnp.int32),
+                            impl="reference")
 
 
 def test_cost_counts_scale():

@@ -26,6 +26,15 @@ CONFIGS = {
         moe_intermediate_size=24, shared_expert_intermediate_size=40, max_position_embeddings=512,
         tie_word_embeddings=True,
     ),
+    # 5 layers whose kinds never repeat with a period (one scan group of all 5 layers).
+    "irregular": dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, max_position_embeddings=512,
+        layer_types=["linear_attention", "full_attention", "linear_attention",
+                     "linear_attention", "full_attention"],
+    ),
 }
 
 

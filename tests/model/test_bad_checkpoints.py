@@ -11,6 +11,7 @@ import pytest
 from sglang_tpu_backend.checkpoint_io import CheckpointError, write_checkpoint
 from sglang_tpu_backend.config import ConfigError, model_config_from_dict
 from sglang_tpu_backend.loader import load_model
+from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.tiny_model import random_checkpoint_tensors
 from sglang_tpu_backend.tokenizer import load_tokenizer
 
@@ -37,7 +38,7 @@ def error_of(exc_type, fn, *args, **kwargs) -> str:
 
 def test_valid_checkpoint_loads(tmp_path):  # the baseline every case below breaks
     cfg, params = load_model(write_checkpoint(tmp_path, tensors(), CONFIG), dtype=jnp.float32)
-    assert params["layers"][1]["self_attn"]["q_proj"].shape == (32, 64)
+    assert layer_params(params, cfg, 1)["self_attn"]["q_proj"].shape == (32, 64)
 
 
 def test_unknown_architecture_names_it_and_lists_supported(tmp_path):

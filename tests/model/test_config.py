@@ -52,3 +52,21 @@ def test_bad_configs_name_the_problem(raw, needle):
     assert "\n" not in str(e.value)
     if raw.get("model_type") == "llama":
         assert "qwen3_5_moe, qwen3_5_moe_text, qwen3_next" in str(e.value)
+
+
+@pytest.mark.parametrize("layer_types,dense,period", [
+    (["linear_attention"] * 3 + ["full_attention"], (), 4),
+    ((["linear_attention"] * 3 + ["full_attention"]) * 2, (), 4),
+    (["linear_attention", "full_attention"] * 4, (), 2),
+    (["linear_attention", "full_attention", "linear_attention", "linear_attention",
+      "full_attention"], (), 5),
+    ((["linear_attention"] * 3 + ["full_attention"]) * 2, (1,), 8),  # a dense MLP breaks it
+    ((["linear_attention"] * 3 + ["full_attention"]) * 2, (1, 5), 4),
+])
+def test_layer_period_is_the_smallest_repeating_group(layer_types, dense, period):
+    cfg = model_config_from_dict({"model_type": "qwen3_5_moe_text", **TEXT,
+                                  "num_hidden_layers": len(layer_types),
+                                  "layer_types": layer_types})
+    import dataclasses
+    cfg = dataclasses.replace(cfg, dense_mlp_layers=dense)
+    assert cfg.layer_period == period

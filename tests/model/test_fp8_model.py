@@ -9,6 +9,7 @@ import numpy as np
 from sglang_tpu_backend.checkpoint_io import quantize_checkpoint_fp8, write_checkpoint
 from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.loader import load_model
+from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 from sglang_tpu_backend.tiny_model import random_checkpoint_tensors
@@ -34,8 +35,8 @@ def test_fp8_experts_kept_equal_dequantised(tmp_path):
     path = write_checkpoint(tmp_path / "fp8", tensors, CONFIG)
     _, deq = load_model(path, dtype=jnp.float32)
     cfg, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True)
-    assert kept["layers"][0]["mlp"]["experts"]["gate_up"].dtype == jnp.float8_e4m3fn
-    assert "gate_up_scale" in kept["layers"][0]["mlp"]["experts"]
+    assert layer_params(kept, cfg, 0)["mlp"]["experts"]["gate_up"].dtype == jnp.float8_e4m3fn
+    assert "gate_up_scale" in layer_params(kept, cfg, 0)["mlp"]["experts"]
 
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 13).tolist()
     outs = []

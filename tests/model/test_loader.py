@@ -20,6 +20,8 @@ from sglang_tpu_backend.checkpoint_io import (
 )
 from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.loader import load_model
+from sglang_tpu_backend.models.param_shapes import param_shapes
+from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.tiny_model import random_checkpoint_tensors
 
 P = "model.language_model."
@@ -68,13 +70,13 @@ def test_fused_and_per_expert_layouts_load_identically(tmp_path):
     # And both equal the checkpoint, transposed as params.md says.
     i = cfg.moe_intermediate_size
     gate_up = tensors[P + "layers.1.mlp.experts.gate_up_proj"].astype(np.float32)  # [E, 2I, H]
-    experts = a["layers"][1]["mlp"]["experts"]
+    experts = layer_params(a, cfg, 1)["mlp"]["experts"]
     assert experts["gate_up"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(experts["gate_up"], np.float32)[2, :, :i], gate_up[2, :i].T)
     np.testing.assert_array_equal(np.asarray(experts["gate_up"], np.float32)[2, :, i:], gate_up[2, i:].T)
     down = tensors[P + "layers.1.mlp.experts.down_proj"].astype(np.float32)  # [E, H, I]
     np.testing.assert_array_equal(np.asarray(experts["down"], np.float32), down.transpose(0, 2, 1))
-    gdn = a["layers"][0]["linear_attn"]
+    gdn = layer_params(a, cfg, 0)["linear_attn"]
     assert gdn["A_log"].dtype == jnp.float32 and gdn["dt_bias"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(gdn["A_log"]), tensors[P + "layers.0.linear_attn.A_log"])
     np.testing.assert_array_equal(np.asarray(a["lm_head"], np.float32),
@@ -89,11 +91,11 @@ def test_fp8_block_scaled_checkpoint_dequantises_to_reference(tmp_path):
     assert fp8[q_name].dtype == ml_dtypes.float8_e4m3fn
     assert fp8[q_name + "_scale_inv"].shape == (2 * 64 * 2 // FP8_BLOCK, 1)
     ref = dequantized_reference(fp8)
-    _, got = load_model(write_checkpoint(tmp_path / "fp8", fp8, config), dtype=jnp.float32)
+    cfg, got = load_model(write_checkpoint(tmp_path / "fp8", fp8, config), dtype=jnp.float32)
     _, want = load_model(write_checkpoint(tmp_path / "ref", ref, config), dtype=jnp.float32)
     assert_trees_equal(got, want)
     # The quantisation itself is faithful (e4m3: 3 mantissa bits).
-    q = np.asarray(got["layers"][3]["self_attn"]["q_proj"])
+    q = np.asarray(layer_params(got, cfg, 3)["self_attn"]["q_proj"])
     np.testing.assert_allclose(q, tensors[q_name].T, atol=0.07 * np.abs(tensors[q_name]).max())
 
 
@@ -104,7 +106,7 @@ def test_keep_fp8_experts_keeps_values_and_transposed_scales(tmp_path):
     cfg, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True)
     _, deq = load_model(path, dtype=jnp.float32)
     i, bi = cfg.moe_intermediate_size, cfg.moe_intermediate_size // FP8_BLOCK
-    ex = kept["layers"][2]["mlp"]["experts"]
+    ex = layer_params(kept, cfg, 2)["mlp"]["experts"]
     assert ex["gate_up"].dtype == jnp.float8_e4m3fn and ex["down"].dtype == jnp.float8_e4m3fn
     assert ex["gate_up_scale"].shape == (4, 1, 2 * bi) and ex["down_scale"].shape == (4, bi, 1)
     stem = P + "layers.2.mlp.experts.1."
@@ -117,13 +119,19 @@ def test_keep_fp8_experts_keeps_values_and_transposed_scales(tmp_path):
     np.testing.assert_array_equal(np.asarray(ex["down_scale"])[1], fp8[stem + "down_proj.weight_scale_inv"].T)
     # Kept values times their block scales are the dequantised load.
     expand = lambda s: np.repeat(np.repeat(np.asarray(s), FP8_BLOCK, 1), FP8_BLOCK, 2)  # noqa: E731
-    deq_ex = deq["layers"][2]["mlp"]["experts"]
+    deq_ex = layer_params(deq, cfg, 2)["mlp"]["experts"]
     np.testing.assert_array_equal(np.asarray(ex["gate_up"], np.float32) * expand(ex["gate_up_scale"]),
                                   np.asarray(deq_ex["gate_up"]))
     np.testing.assert_array_equal(np.asarray(ex["down"], np.float32) * expand(ex["down_scale"]),
                                   np.asarray(deq_ex["down"]))
     # Everything but the routed experts is dequantised as usual.
-    assert_trees_equal(kept["layers"][2]["linear_attn"], deq["layers"][2]["linear_attn"])
+    assert_trees_equal(layer_params(kept, cfg, 2)["linear_attn"], layer_params(deq, cfg, 2)["linear_attn"])
+    # Both loads have exactly the abstract tree that compiles without weights.
+    for params, fp8_experts in ((kept, True), (deq, False)):
+        want = param_shapes(cfg, jnp.float32, fp8_experts=fp8_experts)
+        assert jax.tree.structure(params) == jax.tree.structure(want)
+        got_sd = [(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+        assert got_sd == [(x.shape, x.dtype) for x in jax.tree.leaves(want)]
 
 
 def test_keep_fp8_experts_falls_back_when_width_not_blockable(tmp_path, caplog):
@@ -235,7 +243,7 @@ def test_transformers_save_pretrained_checkpoint_matches_torch_weights(tmp_path)
     for i in range(cfg.num_hidden_layers):
         expected = _expected_from_torch(sd, cfg, i)
         got_leaves = {jax.tree_util.keystr(p, simple=True, separator="."): x
-                      for p, x in jax.tree_util.tree_leaves_with_path(params["layers"][i])}
+                      for p, x in jax.tree_util.tree_leaves_with_path(layer_params(params, cfg, i))}
         assert set(got_leaves) == set(expected)
         for name, want in expected.items():
             np.testing.assert_array_equal(np.asarray(got_leaves[name]), want, err_msg=f"layer {i} {name}")
@@ -266,12 +274,12 @@ def test_qwen3_next_fused_projections_split_like_transformers(tmp_path):
         want = {"in_proj_qkv": np.concatenate([flat(q), flat(k), flat(v)], -1), "in_proj_z": flat(z),
                 "in_proj_b": flat(b), "in_proj_a": flat(a)}
         for name, ref in want.items():
-            got = x.numpy() @ np.asarray(params["layers"][i]["linear_attn"][name])
+            got = x.numpy() @ np.asarray(layer_params(params, cfg, i)["linear_attn"][name])
             np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5, err_msg=f"layer {i} {name}")
     dense = model.model.layers[1].mlp
     np.testing.assert_array_equal(
-        np.asarray(params["layers"][1]["mlp"]["gate_up"]),
+        np.asarray(layer_params(params, cfg, 1)["mlp"]["gate_up"]),
         np.concatenate([dense.gate_proj.weight.detach().numpy().T, dense.up_proj.weight.detach().numpy().T], 1))
-    np.testing.assert_array_equal(np.asarray(params["layers"][1]["mlp"]["down"]),
+    np.testing.assert_array_equal(np.asarray(layer_params(params, cfg, 1)["mlp"]["down"]),
                                   dense.down_proj.weight.detach().numpy().T)
-    assert "experts" in params["layers"][0]["mlp"] and "experts" not in params["layers"][1]["mlp"]
+    assert "experts" in layer_params(params, cfg, 0)["mlp"] and "experts" not in layer_params(params, cfg, 1)["mlp"]

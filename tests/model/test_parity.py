@@ -18,11 +18,13 @@ PROMPT_LEN = 21  # ends mid-page
 DECODE_STEPS = 32
 
 
-@pytest.fixture(scope="module", params=["small", "wide"])
+@pytest.fixture(scope="module", params=["small", "wide", "irregular"])
 def models(request, tmp_path_factory):
     hf = make_hf_model(request.param, seed=1)
     path = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
     cfg, params = load_model(path, dtype=jnp.float32)
+    # "small"/"wide" scan over groups of 4 layers (3 GDN + 1 attention); "irregular" is one group.
+    assert cfg.layer_period == {"small": 4, "wide": 4, "irregular": 5}[request.param]
     return hf, cfg, params
 
 

@@ -11,6 +11,7 @@ import pytest
 from sglang_tpu_backend import tiny_model
 from sglang_tpu_backend.assets.build_tiny_tokenizer import build_tokenizer
 from sglang_tpu_backend.loader import load_model
+from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.tiny_model import ASSET_DIR, default_model_path, tiny_config_dict
 from sglang_tpu_backend.tokenizer import load_tokenizer
 
@@ -65,18 +66,18 @@ def test_loads_through_load_model(model_dir):
     assert (cfg.hidden_size, cfg.head_dim, cfg.rotary_dim, cfg.rope_theta) == (128, 64, 16, 1e7)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (16, 4, 64)
     assert params["embed_tokens"].shape == (cfg.vocab_size, 128) and params["embed_tokens"].dtype == jnp.bfloat16
-    assert params["layers"][0]["mlp"]["experts"]["gate_up"].shape == (16, 128, 128)
-    gdn = params["layers"][0]["linear_attn"]
+    assert layer_params(params, cfg, 0)["mlp"]["experts"]["gate_up"].shape == (16, 128, 128)
+    gdn = layer_params(params, cfg, 0)["linear_attn"]
     a = np.exp(np.asarray(gdn["A_log"]))
     dt = np.log1p(np.exp(np.asarray(gdn["dt_bias"])))
     assert gdn["A_log"].dtype == jnp.float32 and np.all((a >= 1) & (a < 16))
     assert np.all((dt >= 1e-3) & (dt < 0.1))
     assert np.all(np.abs(np.asarray(params["norm"], np.float32)) < 0.5)  # zero-centred (1 + w)
-    q = np.asarray(params["layers"][3]["self_attn"]["q_proj"], np.float32)
+    q = np.asarray(layer_params(params, cfg, 3)["self_attn"]["q_proj"], np.float32)
     assert 0.015 < q.std() < 0.025
     # Different tensors draw different values.
-    assert not np.array_equal(np.asarray(params["layers"][0]["input_layernorm"]),
-                              np.asarray(params["layers"][1]["input_layernorm"]))
+    assert not np.array_equal(np.asarray(layer_params(params, cfg, 0)["input_layernorm"]),
+                              np.asarray(layer_params(params, cfg, 1)["input_layernorm"]))
 
 
 def test_tokenizer_round_trips_text():

@@ -1,0 +1,488 @@
+"""Pallas TPU kernels of the fused causal conv1d + Gated DeltaNet (the op: ``kernels.gdn``).
+
+Two kernels over a grid (head block j, step i): ``_decode_kernel`` (step = decode row, one
+token per request) and ``_chunk_kernel`` (step = chunk of one request; a request's chunks are
+consecutive steps of the same head block and carry its state in VMEM scratch).
+
+Layouts, and why Mosaic accepts them (it tiles only the last two dims of a buffer, (8, 128)
+for 32-bit and (16, 128) for bf16, and needs dynamic offsets there to be provably aligned):
+  * Every dynamic index -- layer, state slot, head block, decode row, chunk -- addresses a
+    leading, untiled dimension. No kernel slices a tiled dimension at a dynamic offset.
+  * Per-step activations are rearranged by the wrapper (XLA), not in the kernel: the ragged
+    tokens are gathered into chunks ``[nb, N, L, cb]`` (zero past each chunk's length), decode
+    rows into ``[nb, T, 1, cb]``, gate inputs into ``[nb, N, L, hb]`` / ``[nb, T, 1, hb]``,
+    with the channels of head block j contiguous (``cb = [q_j | k_j | v_j]``). BlockSpecs
+    then cover whole trailing dims and pipeline automatically. The output comes back as
+    ``[nb, N, hb, L, Dv]`` / ``[nb, T, hb, Dv]`` and is un-chunked by the wrapper.
+  * Persistent states keep their one layout, ``conv_state [Lyr, S, rows, C]`` (channels on
+    lanes; rows = K-1 rounded up to a power of two, see ``gdn_common.conv_state_rows``, so
+    XLA's default layout of the array is the row-major one Mosaic takes) and
+    ``rec_state [Lyr, S, Hv, Dk, Dv]``, and are moved by manual DMA from the
+    aliased HBM arrays: ``cs.at[layer, slot, :, pl.ds(c0, w)]`` (all rows; lane
+    offset c0 and width w multiples of 128, or the whole C when there is one head block)
+    and ``rs.at[layer, slot, pl.ds(j * hb, hb)]`` (Dk, Dv whole). Only the touched slots of
+    the touched layer are written; everything else stays bit-identical.
+  * Inside the kernels only static slices touch tiled dims (conv taps at static row offsets,
+    per-head lane slices); the last K-1 inputs of a chunk of dynamic length, and row i of the
+    forward substitution, are picked with iota masks instead of dynamic sublane indexing.
+
+Dimension letters as in ``kernels.gdn``; nb head blocks of kb qk heads and hb = kb * Hv / Hk
+value heads; cb = 2 * kb * Dk + hb * Dv block channels; P = K-1 rounded up to 8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.gdn_common import (F32, FIRST, FRESH, HI, LAST, VALID, chunk_layout, conv_act,
+                                decode_rows, gates, l2norm, num_chunk_slots, token_meta)
+
+_LANES = 128
+_NUM_SEMS = 4  # DMA semaphores: conv segments (<= 3) + recurrent state block
+
+
+# ----------------------------------------------------------------------------- geometry
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static shapes of one call: heads, head dims, conv taps, head blocking, chunk length."""
+
+    Hk: int
+    Hv: int
+    Dk: int
+    Dv: int
+    K: int
+    kb: int  # qk heads per head block
+    L: int  # chunk length (1 for decode)
+
+    @property
+    def rep(self):  # value heads per qk head
+        return self.Hv // self.Hk
+
+    @property
+    def hb(self):  # value heads per head block
+        return self.kb * self.rep
+
+    @property
+    def nb(self):  # head blocks
+        return self.Hk // self.kb
+
+    @property
+    def C(self):
+        return 2 * self.Hk * self.Dk + self.Hv * self.Dv
+
+    @property
+    def cb(self):  # channels of one head block: [q_j | k_j | v_j]
+        return 2 * self.kb * self.Dk + self.hb * self.Dv
+
+    @property
+    def ctx_rows(self):  # P: conv context rows above a chunk in the extended buffer
+        return -(-(self.K - 1) // 8) * 8
+
+    def conv_segments(self, j):
+        """(channel offset in C, offset in the block, width) of head block j's conv channels.
+
+        One segment (all of C) for a single head block; otherwise q_j, k_j, v_j, whose
+        offsets and widths are multiples of 128 lanes (checked by :func:`block_error`).
+        """
+        if self.nb == 1:
+            return [(0, 0, self.C)]
+        qk, vw = self.kb * self.Dk, self.hb * self.Dv
+        lane = lambda x: pl.multiple_of(x, _LANES)  # noqa: E731 (true: qk, vw, Hk*Dk % 128 == 0)
+        return [(lane(j * qk), 0, qk), (lane(self.Hk * self.Dk + j * qk), qk, qk),
+                (lane(2 * self.Hk * self.Dk + j * vw), 2 * qk, vw)]
+
+
+def block_error(num_k_heads, num_v_heads, dk, dv, kb):
+    """Why ``kb`` qk heads per block cannot tile these heads (None if it can)."""
+    if kb < 1 or num_k_heads % kb:
+        return "k_heads_per_block must divide num_k_heads"
+    v_width = kb * (num_v_heads // num_k_heads) * dv
+    if kb != num_k_heads and ((kb * dk) % _LANES or v_width % _LANES):
+        return ("k_heads_per_block must give q/k/v channel widths that are multiples of 128 "
+                "lanes (kb*Dk, kb*Hv/Hk*Dv), or be num_k_heads")
+    return None
+
+
+def default_k_heads_per_block(num_k_heads, num_v_heads, dk, dv):
+    """The smallest lane-aligned head block (1 qk head at 397B shapes), else all heads."""
+    for kb in range(1, num_k_heads + 1):
+        if block_error(num_k_heads, num_v_heads, dk, dv, kb) is None:
+            return kb
+    return num_k_heads
+
+
+# ----------------------------------------------------------------------------- kernel helpers
+
+
+def _dma_all(pairs, sems):
+    """Start every (src, dst) copy, then wait for all of them (their latencies overlap)."""
+    copies = [pltpu.make_async_copy(s, d, sems.at[i]) for i, (s, d) in enumerate(pairs)]
+    for cp in copies:
+        cp.start()
+    for cp in copies:
+        cp.wait()
+
+
+def _state_copies(geom, j, layer, slot, cs_hbm, rs_hbm, cs_buf, s_buf):
+    """(HBM, VMEM) ref pairs of head block j's conv and recurrent state in (layer, slot)."""
+    pairs = [(cs_hbm.at[layer, slot, :, pl.ds(c0, w)], cs_buf.at[:, pl.ds(b0, w)])
+             for c0, b0, w in geom.conv_segments(j)]  # [rows, w] each
+    pairs.append((rs_hbm.at[layer, slot, pl.ds(j * geom.hb, geom.hb)], s_buf))  # [hb, Dk, Dv]
+    return pairs
+
+
+def _dot(x, y):  # [m, k] @ [k, n]
+    return jnp.dot(x, y, precision=HI, preferred_element_type=F32)
+
+
+def _dot_nt(x, y):  # [m, k] @ [n, k]^T
+    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=HI,
+                           preferred_element_type=F32)
+
+
+def _dot_tn(x, y):  # [k, m]^T @ [k, n]
+    return lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=HI,
+                           preferred_element_type=F32)
+
+
+def _block_heads(y, geom):
+    """Post-conv block channels f32[L, cb] -> per value head of the block: q, k f32[L, Dk]
+    (l2-normed, q scaled by Dk^-0.5; shared by the rep value heads of a qk head), v f32[L, Dv]."""
+    kb, Dk, Dv, rep = geom.kb, geom.Dk, geom.Dv, geom.rep
+    qk = kb * Dk
+    q = [l2norm(y[:, i * Dk : (i + 1) * Dk]) * (Dk**-0.5) for i in range(kb)]
+    k = [l2norm(y[:, qk + i * Dk : qk + (i + 1) * Dk]) for i in range(kb)]
+    v = [y[:, 2 * qk + h * Dv : 2 * qk + (h + 1) * Dv] for h in range(geom.hb)]
+    return [q[h // rep] for h in range(geom.hb)], [k[h // rep] for h in range(geom.hb)], v
+
+
+# ----------------------------------------------------------------------------- decode kernel
+
+
+def _decode_conv(cs_buf, x_ref, w_ref):
+    """One conv step: window = [conv state rows (oldest first) | x]. Returns y f32[1, cb] and
+    shifts the window into rows 0..K-2 of cs_buf [rows, cb] (padding rows stay zero)."""
+    K = w_ref.shape[0]
+    taps = [cs_buf[i : i + 1, :].astype(F32) for i in range(K - 1)] + [x_ref[...].astype(F32)]
+    w = w_ref[...].astype(F32)  # [K, cb]
+    y = conv_act(taps, [w[i : i + 1] for i in range(K)], w_ref.dtype, x_ref.dtype)
+    cs_buf[0 : K - 1, :] = jnp.concatenate(taps[1:], axis=0).astype(cs_buf.dtype)
+    return y
+
+
+def _decode_head(s, q, k, v, g, beta):
+    """Rearranged delta-rule step of one head (as ``gdn._decode_step``).
+
+    s f32[Dk, Dv]; q, k f32[1, Dk]; v f32[1, Dv]; g, beta f32[1, 1]. Returns o f32[1, Dv] and
+    the new state: o = q.S_pre + (q.k) d and S_pre + k^T d, with S_pre = exp(g) S and
+    d = beta (v - k.S_pre).
+    """
+    s = s * jnp.exp(g)
+    d = beta * (v - _dot(k, s))  # [1, Dv]
+    o = _dot(q, s) + jnp.sum(q * k, axis=-1, keepdims=True) * d
+    return o, s + _dot_tn(k, d)
+
+
+def _decode_kernel(
+    # Scalar prefetch
+    layer_ref,  # i32[1] layer of the stacked states
+    slot_ref,  # i32[T] state slot of each row
+    flags_ref,  # i32[T] VALID (real row) | FRESH
+    # Inputs
+    alog_ref, dtb_ref,  # f32[1, hb] this head block's A_log, dt_bias
+    x_ref,  # [1, cb] this row's pre-conv channels of the block
+    a_ref, b_ref,  # [1, hb] this row's gate inputs
+    w_ref,  # [K, cb] conv weights of the block
+    cs_hbm, rs_hbm,  # [Lyr, S, rows, C], [Lyr, S, Hv, Dk, Dv] (ANY; aliased to cs_out, rs_out)
+    # Outputs
+    o_ref,  # [hb, Dv]
+    cs_out, rs_out,
+    # Scratch
+    cs_buf,  # [rows, cb] conv state of the block (in and out; rows K-1.. are padding)
+    s_buf,  # [hb, Dk, Dv] recurrent state block in its dtype (in and out)
+    sems,  # DMA semaphores
+    *, geom,
+):
+    j, t = pl.program_id(0), pl.program_id(1)
+    real = (flags_ref[t] & VALID) != 0
+    fresh = (flags_ref[t] & FRESH) != 0
+    copies = functools.partial(_state_copies, geom, j, layer_ref[0], slot_ref[t])
+
+    @pl.when(jnp.logical_not(real))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    @pl.when(real & fresh)
+    def _():
+        cs_buf[...] = jnp.zeros(cs_buf.shape, cs_buf.dtype)
+        s_buf[...] = jnp.zeros(s_buf.shape, s_buf.dtype)
+
+    @pl.when(real & jnp.logical_not(fresh))
+    def _():
+        _dma_all(copies(cs_hbm, rs_hbm, cs_buf, s_buf), sems)
+
+    @pl.when(real)
+    def _():
+        y = _decode_conv(cs_buf, x_ref, w_ref)  # f32[1, cb]
+        qs, ks, vs = _block_heads(y, geom)
+        g, beta = gates(a_ref[...], b_ref[...], alog_ref[...], dtb_ref[...])  # f32[1, hb]
+        outs = []
+        for h in range(geom.hb):
+            o, s = _decode_head(s_buf[h].astype(F32), qs[h], ks[h], vs[h], g[:, h : h + 1],
+                                beta[:, h : h + 1])
+            s_buf[h] = s.astype(s_buf.dtype)
+            outs.append(o)
+        o_ref[...] = jnp.concatenate(outs, axis=0).astype(o_ref.dtype)
+        _dma_all([(vmem, hbm) for hbm, vmem in copies(cs_out, rs_out, cs_buf, s_buf)], sems)
+
+
+# ----------------------------------------------------------------------------- chunk kernel
+
+
+def _chunk_conv(ext, x_ref, w_ref, length, geom):
+    """Causal conv + SiLU of one chunk.
+
+    ext f32[P+L, cb]: rows P-(K-1)..P-1 hold the K-1 inputs before the chunk; the chunk's rows
+    are written at P..P+L-1. Returns y f32[L, cb] (zero from row ``length`` on) and the last
+    K-1 inputs seen, f32[K-1, cb], which are also left in rows P-(K-1)..P-1 for the next chunk.
+    """
+    K, L, P = geom.K, geom.L, geom.ctx_rows
+    base = P - (K - 1)
+    ext[P : P + L, :] = x_ref[...].astype(F32)
+    w = w_ref[...].astype(F32)  # [K, cb]
+    taps = [ext[base + i : base + i + L, :] for i in range(K)]  # tap i: input K-1-i steps back
+    y = conv_act(taps, [w[i : i + 1] for i in range(K)], w_ref.dtype, x_ref.dtype)
+    y = jnp.where(lax.broadcasted_iota(jnp.int32, (L, 1), 0) < length, y, 0.0)
+    e = ext[...]  # f32[P+L, cb]
+    rows = lax.broadcasted_iota(jnp.int32, e.shape, 0)
+    ctx = jnp.concatenate([jnp.sum(jnp.where(rows == base + length + i, e, 0.0), axis=0,
+                                   keepdims=True) for i in range(K - 1)], axis=0)
+    ext[base:P, :] = ctx
+    return y, ctx
+
+
+def _chunk_gates(a_ref, b_ref, alog_ref, dtb_ref, length):
+    """Gates of one chunk, zero past ``length``: cumulative log-decay gam f32[L, hb] (time on
+    sublanes), its transpose f32[hb, L], and beta f32[L, hb]."""
+    L = a_ref.shape[0]
+    g, beta = gates(a_ref[...], b_ref[...], alog_ref[...], dtb_ref[...])  # f32[L, hb]
+    live = lax.broadcasted_iota(jnp.int32, (L, 1), 0) < length
+    g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
+    row = lax.broadcasted_iota(jnp.int32, (L, L), 0)
+    col = lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    gam = _dot((row >= col).astype(F32), g)  # gam[i, h] = sum_{j<=i} g[j, h]
+    return gam, gam.T, beta
+
+
+def _unit_lower_inverse(ns):
+    """(I + n)^-1 of each strictly lower-triangular f32[L, L] in ``ns``, as in the reference:
+    row i of the inverse is ``-n[i] + (-n[i]) @ inv`` once rows < i are final. Row i is picked
+    with an iota mask (no dynamic sublane index); the heads' chains share one loop."""
+    L = ns[0].shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (L, L), 0)
+    col = lax.broadcasted_iota(jnp.int32, (L, L), 1)
+
+    def substitute(i, acc):
+        out = []
+        for a in acc:
+            r = jnp.sum(jnp.where(row == i, a, 0.0), axis=0, keepdims=True)  # [1, L]
+            out.append(jnp.where(row == i, r + _dot(r, a), a))
+        return tuple(out)
+
+    acc = lax.fori_loop(1, L, substitute, tuple(-n for n in ns))
+    return [a + (row == col).astype(F32) for a in acc]
+
+
+def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref):
+    """UT/WY chunked delta rule for the block's heads, one chunk.
+
+    q, k, v: per head f32[L, Dk|Dv]; gam f32[L, hb], gam_t f32[hb, L], beta f32[L, hb];
+    s_f32 f32[hb, Dk, Dv] state (read and updated); writes o_ref [hb, L, Dv].
+    """
+    L, hb = gam.shape
+    row = lax.broadcasted_iota(jnp.int32, (L, L), 0)
+    col = lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    heads = []
+    for h in range(hb):
+        gcol, bcol = gam[:, h : h + 1], beta[:, h : h + 1]  # [L, 1]
+        decay = jnp.exp(jnp.where(row >= col, gcol - gam_t[h : h + 1, :], -jnp.inf))  # [L, L]
+        kb = k[h] * bcol  # [L, Dk]
+        n = jnp.where(row > col, _dot_nt(kb, k[h]) * decay, 0.0)  # strictly lower [L, L]
+        heads.append((gcol, bcol, decay, kb, n))
+    t_inv = _unit_lower_inverse([hd[4] for hd in heads])
+    for h, ((gcol, bcol, decay, kb, _), ti) in enumerate(zip(heads, t_inv)):
+        s = s_f32[h]  # f32[Dk, Dv]
+        u = _dot(ti, v[h] * bcol)  # [L, Dv]
+        w = _dot(ti, kb * jnp.exp(gcol))  # [L, Dk]
+        v_new = u - _dot(w, s)
+        attn = _dot_nt(q[h], k[h]) * decay  # [L, L]
+        o = _dot(q[h] * jnp.exp(gcol), s) + _dot(attn, v_new)  # [L, Dv]
+        g_last = gcol[L - 1 :, :]  # [1, 1]
+        s_f32[h] = s * jnp.exp(g_last) + _dot_tn(k[h] * jnp.exp(g_last - gcol), v_new)
+        o_ref[h] = o.astype(o_ref.dtype)
+
+
+def _chunk_kernel(
+    # Scalar prefetch
+    layer_ref,  # i32[1] layer of the stacked states
+    len_ref,  # i32[N] tokens in each chunk
+    slot_ref,  # i32[N] state slot of each chunk's request
+    flags_ref,  # i32[N] VALID | FIRST | LAST | FRESH
+    # Inputs
+    alog_ref, dtb_ref,  # f32[1, hb] this head block's A_log, dt_bias
+    x_ref,  # [L, cb] this chunk's pre-conv channels of the block (zero past its length)
+    a_ref, b_ref,  # [L, hb] gate inputs
+    w_ref,  # [K, cb] conv weights of the block
+    cs_hbm, rs_hbm,  # [Lyr, S, rows, C], [Lyr, S, Hv, Dk, Dv] (ANY; aliased to cs_out, rs_out)
+    # Outputs
+    o_ref,  # [hb, L, Dv]
+    cs_out, rs_out,
+    # Scratch
+    ext,  # f32[P+L, cb] conv context (rows P-(K-1)..P-1) then this chunk's inputs
+    cs_io,  # [rows, cb] conv state staging in its dtype (rows K-1.. are padding)
+    s_f32,  # f32[hb, Dk, Dv] recurrent state, carried across a request's chunks
+    s_io,  # [hb, Dk, Dv] recurrent state staging in its dtype
+    sems,  # DMA semaphores
+    *, geom,
+):
+    j, n = pl.program_id(0), pl.program_id(1)
+    flags, length = flags_ref[n], len_ref[n]
+    valid, first = (flags & VALID) != 0, (flags & FIRST) != 0
+    last, fresh = (flags & LAST) != 0, (flags & FRESH) != 0
+    copies = functools.partial(_state_copies, geom, j, layer_ref[0], slot_ref[n])
+    P, K = geom.ctx_rows, geom.K
+
+    @pl.when(valid & first & fresh)
+    def _():
+        ext[P - (K - 1) : P, :] = jnp.zeros((K - 1, geom.cb), F32)
+        s_f32[...] = jnp.zeros(s_f32.shape, F32)
+
+    @pl.when(valid & first & jnp.logical_not(fresh))
+    def _():
+        _dma_all(copies(cs_hbm, rs_hbm, cs_io, s_io), sems)
+        ext[P - (K - 1) : P, :] = cs_io[0 : K - 1, :].astype(F32)
+        s_f32[...] = s_io[...].astype(F32)
+
+    @pl.when(valid)
+    def _():
+        y, ctx = _chunk_conv(ext, x_ref, w_ref, length, geom)  # f32[L, cb], f32[K-1, cb]
+        q, k, v = _block_heads(y, geom)
+        gam, gam_t, beta = _chunk_gates(a_ref, b_ref, alog_ref, dtb_ref, length)
+        _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref)
+
+        @pl.when(last)
+        def _():
+            cs_io[...] = jnp.zeros(cs_io.shape, cs_io.dtype)  # padding rows stored as zeros
+            cs_io[0 : K - 1, :] = ctx.astype(cs_io.dtype)
+            s_io[...] = s_f32[...].astype(s_io.dtype)
+            _dma_all([(vmem, hbm) for hbm, vmem in copies(cs_out, rs_out, cs_io, s_io)], sems)
+
+    @pl.when(jnp.logical_not(valid))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _to_blocks(x, geom):
+    """[..., C] channels [q | k | v] -> [..., nb, cb], block j = [q_j | k_j | v_j]."""
+    lead, kd = x.shape[:-1], geom.Hk * geom.Dk
+    q = x[..., :kd].reshape(*lead, geom.nb, geom.kb * geom.Dk)
+    k = x[..., kd : 2 * kd].reshape(*lead, geom.nb, geom.kb * geom.Dk)
+    v = x[..., 2 * kd :].reshape(*lead, geom.nb, geom.hb * geom.Dv)
+    return jnp.concatenate([q, k, v], axis=-1)
+
+
+def _head_blocks(x, geom):
+    """[..., Hv] -> [..., nb, hb]."""
+    return x.reshape(*x.shape[:-1], geom.nb, geom.hb)
+
+
+def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
+               cu_q_lens, kv_lens, state_slots, num_seqs, layer, *, geom: Geometry,
+               decode: bool, cost, interpret):
+    """Run the decode or chunk kernel; arguments as ``kernels.gdn.gated_delta_net`` (``layer``
+    an i32 scalar, already clipped to the stacked layers)."""
+    T = mixed_qkv.shape[0]
+    R = state_slots.shape[0]
+    nb, hb, cb, Dv, K, L = geom.nb, geom.hb, geom.cb, geom.Dv, geom.K, geom.L
+    sq = pl.Squeezed()
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    alog = _head_blocks(A_log.astype(F32), geom)[:, None, :]  # f32[nb, 1, hb]
+    dtb = _head_blocks(dt_bias.astype(F32), geom)[:, None, :]
+    w = jnp.moveaxis(_to_blocks(conv_weight.T, geom), 1, 0)  # [nb, K, cb]
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+
+    def per_block(*shape):  # block j of an [nb, *shape] array, the same at every step
+        return pl.BlockSpec((sq, *shape), lambda j, i, *_: (j,) + (0,) * len(shape))
+
+    def per_step(*shape):  # block (j, step i) of an [nb, steps, *shape] array
+        return pl.BlockSpec((sq, sq, *shape), lambda j, i, *_: (j, i) + (0,) * len(shape))
+
+    if decode:
+        slots, kvl, real = decode_rows(kv_lens, state_slots, num_seqs, T)
+        flags = (real * VALID + (real & (kvl <= 1)) * FRESH).astype(jnp.int32)
+        prefetch = (layer, slots.astype(jnp.int32), flags)
+        steps, kernel = T, _decode_kernel
+        x_in = jnp.moveaxis(_to_blocks(mixed_qkv, geom), 1, 0)[:, :, None, :]  # [nb, T, 1, cb]
+        a_in, b_in = (jnp.moveaxis(_head_blocks(z, geom), 1, 0)[:, :, None, :]  # [nb, T, 1, hb]
+                      for z in (a, b))
+        x_spec, ab_spec, o_spec = per_step(1, cb), per_step(1, hb), per_step(hb, Dv)
+        o_shape = (nb, T, hb, Dv)
+        scratch = [pltpu.VMEM((conv_state.shape[2], cb), conv_state.dtype),
+                   pltpu.VMEM((hb, geom.Dk, Dv), rec_state.dtype)]
+    else:
+        N = num_chunk_slots(T, R, L)
+        lay = chunk_layout(cu_q_lens, kv_lens, state_slots, num_seqs, L, N)
+        prefetch = (layer, lay.length, lay.slot, lay.flags)
+        steps, kernel = N, _chunk_kernel
+        idx = jnp.clip(lay.start[:, None] + jnp.arange(L)[None, :], 0, T - 1)  # i32[N, L]
+        live = (jnp.arange(L)[None, :] < lay.length[:, None])[..., None]  # bool[N, L, 1]
+        chunked = lambda z: jnp.where(live, z[idx], jnp.zeros((), z.dtype))  # noqa: E731 [N, L, *]
+        x_in = jnp.moveaxis(_to_blocks(chunked(mixed_qkv), geom), 2, 0)  # [nb, N, L, cb]
+        a_in, b_in = (jnp.moveaxis(_head_blocks(chunked(z), geom), 2, 0)  # [nb, N, L, hb]
+                      for z in (a, b))
+        x_spec, ab_spec, o_spec = per_step(L, cb), per_step(L, hb), per_step(hb, L, Dv)
+        o_shape = (nb, N, hb, L, Dv)
+        scratch = [pltpu.VMEM((geom.ctx_rows + L, cb), F32),
+                   pltpu.VMEM((conv_state.shape[2], cb), conv_state.dtype),
+                   pltpu.VMEM((hb, geom.Dk, Dv), F32),
+                   pltpu.VMEM((hb, geom.Dk, Dv), rec_state.dtype)]
+
+    n_pre = len(prefetch)
+    o, conv_state, rec_state = pl.pallas_call(
+        functools.partial(kernel, geom=geom),
+        out_shape=(jax.ShapeDtypeStruct(o_shape, mixed_qkv.dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+                   jax.ShapeDtypeStruct(rec_state.shape, rec_state.dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=n_pre,
+            # Grid (head block, decode row | chunk): a request's chunks are consecutive steps
+            # of one head block, so its state stays in VMEM scratch between them.
+            grid=(nb, steps),
+            in_specs=[per_block(1, hb), per_block(1, hb), x_spec, ab_spec, ab_spec,
+                      per_block(K, cb), any_spec, any_spec],
+            out_specs=[o_spec, any_spec, any_spec],
+            scratch_shapes=scratch + [pltpu.SemaphoreType.DMA((_NUM_SEMS,))]),
+        input_output_aliases={n_pre + 6: 1, n_pre + 7: 2},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        cost_estimate=cost,
+        interpret=interpret,
+    )(*prefetch, alog, dtb, x_in, a_in, b_in, w, conv_state, rec_state)
+
+    if decode:
+        return jnp.moveaxis(o, 1, 0).reshape(T, geom.Hv, Dv), conv_state, rec_state
+    req, pos, valid = token_meta(cu_q_lens, num_seqs, T)
+    chunk = jnp.clip(lay.first_chunk[req] + pos // L, 0, N - 1)  # i32[T]
+    o = o[:, chunk, :, pos % L].reshape(T, geom.Hv, Dv)  # [T, nb, hb, Dv] -> [T, Hv, Dv]
+    return jnp.where(valid[:, None, None], o, jnp.zeros((), o.dtype)), conv_state, rec_state

@@ -1,0 +1,86 @@
+"""Shapes and dtypes of the parameter pytree, without any data.
+
+``param_shapes(cfg)`` is the abstract twin of ``loader.load_params(dir, cfg)``: the same tree
+(layout in ``models/qwen3_5_moe.py``) with ``jax.ShapeDtypeStruct`` leaves. It lets a step be
+compiled for a 397B model on a machine that holds none of its weights (``kernels/tpu_compile``)
+and lets memory be planned from a config alone.
+
+Letters: H hidden, V vocab, E experts, I expert width, Is shared-expert width, N/G q/kv heads of
+size D, Hv value heads of size Dv, C conv channels, K conv taps, P = layer_period.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig
+
+FP8_BLOCK = 128  # block size of FP8 expert scales (the checkpoints' weight_scale_inv)
+
+
+def _sd(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), dtype)
+
+
+def layer_param_shapes(cfg: ModelConfig, layer: int, dtype: Any = jnp.bfloat16,
+                       fp8_experts: bool = False) -> dict:
+    """One layer's param dict as ShapeDtypeStructs (what the loader builds for ``layer``)."""
+    H = cfg.hidden_size
+    out: dict[str, Any] = {"input_layernorm": _sd((H,), dtype),
+                           "post_attention_layernorm": _sd((H,), dtype)}
+    if cfg.layer_types[layer] == FULL_ATTENTION:
+        N, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        out["self_attn"] = {
+            "q_proj": _sd((H, N * 2 * D), dtype), "k_proj": _sd((H, G * D), dtype),
+            "v_proj": _sd((H, G * D), dtype), "o_proj": _sd((N * D, H), dtype),
+            "q_norm": _sd((D,), dtype), "k_norm": _sd((D,), dtype),
+        }
+    else:
+        Hv, Dv, C = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim
+        out["linear_attn"] = {
+            "in_proj_qkv": _sd((H, C), dtype), "in_proj_z": _sd((H, Hv * Dv), dtype),
+            "in_proj_b": _sd((H, Hv), dtype), "in_proj_a": _sd((H, Hv), dtype),
+            "conv1d": _sd((C, cfg.linear_conv_kernel_dim), dtype),
+            "A_log": _sd((Hv,), jnp.float32), "dt_bias": _sd((Hv,), jnp.float32),
+            "norm": _sd((Dv,), dtype), "out_proj": _sd((Hv * Dv, H), dtype),
+        }
+    if not cfg.is_moe_layer(layer):
+        Id = cfg.intermediate_size
+        out["mlp"] = {"gate_up": _sd((H, 2 * Id), dtype), "down": _sd((Id, H), dtype)}
+        return out
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    if fp8_experts and I % FP8_BLOCK == 0:  # the loader dequantises other widths
+        bh, bi = -(-H // FP8_BLOCK), I // FP8_BLOCK
+        experts = {"gate_up": _sd((E, H, 2 * I), jnp.float8_e4m3fn),
+                   "down": _sd((E, I, H), jnp.float8_e4m3fn),
+                   "gate_up_scale": _sd((E, bh, 2 * bi), jnp.float32),
+                   "down_scale": _sd((E, bi, bh), jnp.float32)}
+    else:
+        experts = {"gate_up": _sd((E, H, 2 * I), dtype), "down": _sd((E, I, H), dtype)}
+    mlp: dict[str, Any] = {"gate": _sd((H, E), dtype), "experts": experts}
+    if cfg.shared_expert_intermediate_size:
+        Is = cfg.shared_expert_intermediate_size
+        mlp["shared_expert"] = {"gate_up": _sd((H, 2 * Is), dtype), "down": _sd((Is, H), dtype)}
+        mlp["shared_expert_gate"] = _sd((H, 1), dtype)
+    out["mlp"] = mlp
+    return out
+
+
+def param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16, fp8_experts: bool = False) -> dict:
+    """The whole param pytree (layer groups stacked) as ShapeDtypeStructs."""
+    P = cfg.layer_period
+    num_groups = cfg.num_hidden_layers // P
+    stack = lambda s: _sd((num_groups, *s.shape), s.dtype)  # noqa: E731
+    groups = tuple(jax.tree.map(stack, layer_param_shapes(cfg, j, dtype, fp8_experts))
+                   for j in range(P))
+    V, H = cfg.vocab_size, cfg.hidden_size
+    return {"embed_tokens": _sd((V, H), dtype), "layer_groups": groups,
+            "norm": _sd((H,), dtype), "lm_head": _sd((H, V), dtype)}
+
+
+def num_param_bytes(shapes) -> int:
+    """Total bytes of a pytree of ShapeDtypeStructs (or arrays)."""
+    return sum(int(x.size) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))

@@ -1,0 +1,91 @@
+"""TPU7x compile tests of the GDN kernels (kernels.gdn_kernels) through kernels.gdn.
+
+Each case lowers ``gated_delta_net(..., impl="pallas")`` with Mosaic for one Ironwood
+TensorCore from abstract arrays, the layer passed as a traced scalar (as under the model's
+``lax.scan``) and the stacked states donated, and records VMEM use.
+
+The conv state has ``conv_state_rows(K) = 4`` rows per slot (3 taps padded to a power of
+two): XLA:TPU's default layout of ``[Lyr, S, 4, C]`` is row-major, the layout the kernels take,
+while for 3 rows it would make S second-minor and copy the whole stacked state in and out of
+every step. The 397B cases assert that no such copy exists (``_assert_states_not_copied``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+from kernels import gdn  # noqa: E402
+from kernels.gdn_common import conv_state_rows  # noqa: E402
+from kernels.tpu_compile import abstract, compile_for_tpu  # noqa: E402
+
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+TINY = dict(hk=2, hv=4, d=32, layers=6, slots=16)  # C = 2*2*32 + 4*32 = 256
+QWEN = dict(hk=16, hv=64, d=128, layers=45, slots=512)  # Qwen3.5-397B per chip, C = 12288
+
+
+def _shapes(model, *, tokens, reqs, state_dtype, slots=None):
+    """(shape, dtype) of gated_delta_net's 12 arrays, then the layer scalar."""
+    hk, hv, d, lyr = model["hk"], model["hv"], model["d"], model["layers"]
+    s = slots or model["slots"]
+    k, c = 4, 2 * hk * d + hv * d
+    return [((tokens, c), BF16), ((tokens, hv), BF16), ((tokens, hv), BF16), ((c, k), BF16),
+            ((hv,), F32), ((hv,), F32), ((lyr, s, conv_state_rows(k), c), BF16),
+            ((lyr, s, hv, d, d), state_dtype), ((reqs + 1,), I32), ((reqs,), I32),
+            ((reqs,), I32), ((1,), I32), ((), I32)]
+
+
+def _step(model, decode):
+    def step(*a):
+        return gdn.gated_delta_net(*a[:12], num_k_heads=model["hk"], decode=decode,
+                                   layer=a[12], impl="pallas")
+
+    return step
+
+
+def _compile(mesh, model, *, tokens, reqs, decode, state_dtype, slots=None):
+    shapes = _shapes(model, tokens=tokens, reqs=reqs, state_dtype=state_dtype, slots=slots)
+    args = [abstract(shape, dtype, mesh) for shape, dtype in shapes]
+    return compile_for_tpu(_step(model, decode), args, mesh, donate_argnums=(6, 7))
+
+
+def _assert_states_not_copied(report, model, state_dtype, slots=None):
+    """Neither stacked state is relaid out around the kernel (no copy of it in the HLO, temp
+    memory below one copy of either) and both are aliased in place."""
+    hv, d, lyr = model["hv"], model["d"], model["layers"]
+    s = slots or model["slots"]
+    c = 2 * model["hk"] * d + hv * d
+    conv_bytes = lyr * s * conv_state_rows(4) * c * 2
+    rec_bytes = lyr * s * hv * d * d * jnp.dtype(state_dtype).itemsize
+    assert report.memory["temp_size_in_bytes"] < min(conv_bytes, rec_bytes), report.memory
+    state_shape = f"[{lyr},{s},{conv_state_rows(4)},{c}]"
+    assert not any(" copy(" in line and state_shape in line for line in report.hlo.splitlines())
+    assert report.memory["alias_size_in_bytes"] >= conv_bytes + rec_bytes, report.memory
+
+
+@pytest.mark.parametrize("decode,tokens", [(True, 16), (False, 64)])
+def test_tiny_model(mesh, record, decode, tokens):
+    report = _compile(mesh, TINY, tokens=tokens, reqs=16, decode=decode, state_dtype=F32)
+    record(f"gdn tiny {'decode' if decode else 'chunked'} T={tokens} fp32 state", report)
+
+
+@pytest.mark.parametrize("state_dtype,slots", [(BF16, None), (F32, 128)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tokens", [64, 512])
+def test_qwen_decode(mesh, record, tokens, state_dtype, slots):
+    report = _compile(mesh, QWEN, tokens=tokens, reqs=tokens, decode=True,
+                      state_dtype=state_dtype, slots=slots)
+    record(f"gdn 397B decode T=R={tokens} {jnp.dtype(state_dtype).name} state", report)
+    _assert_states_not_copied(report, QWEN, state_dtype, slots)
+
+
+@pytest.mark.parametrize("state_dtype,slots", [(BF16, None), (F32, 128)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tokens", [1024, 2048])
+def test_qwen_chunked(mesh, record, tokens, state_dtype, slots):
+    report = _compile(mesh, QWEN, tokens=tokens, reqs=64, decode=False, state_dtype=state_dtype,
+                      slots=slots)
+    record(f"gdn 397B chunked T={tokens} R=64 {jnp.dtype(state_dtype).name} state", report)
+    _assert_states_not_copied(report, QWEN, state_dtype, slots)

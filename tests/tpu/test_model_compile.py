@@ -1,0 +1,96 @@
+"""The whole model step compiled for one TPU7x TensorCore with the Pallas kernels.
+
+The embedded tiny default in every bucket its runner steps with (default server limits), the
+scan over layer groups (compile time flat in depth), and a Qwen3.5-397B single-TensorCore slice
+at the real per-device shapes (64 of 512 experts in FP8, bf16 attention and GDN weights, page
+256, 8K contexts) for the decode, prefill and mixed buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from sglang_tpu_backend.config import ModelConfig, load_model_config, model_config_from_dict
+from sglang_tpu_backend.engine import CPU_CONTEXT_CAP
+from sglang_tpu_backend.mem_cache.page_pool import pages_for
+from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
+from sglang_tpu_backend.model_executor.model_runner import step_shapes
+from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_step
+from sglang_tpu_backend.server_args import ServerArgs
+from sglang_tpu_backend.tiny_model import ASSET_DIR
+
+CONFIG_397B = (Path(__file__).resolve().parents[2] / "sglang_tpu_backend" / "assets" / "configs"
+               / "qwen3.5-397b-a17b.json")
+TINY = load_model_config(ASSET_DIR)
+
+
+def tiny_programs() -> list[tuple[ForwardMode, int, int, int]]:
+    """The distinct step programs of the tiny default's runner (EXTEND and MIXED trace the
+    same program: only DECODE changes what the forward does)."""
+    args = ServerArgs()
+    seen, out = set(), []
+    for mode, T, R, L in step_shapes(args.max_running_requests, args.max_tokens_per_step):
+        key = (mode.is_decode(), T, R, L)
+        if key not in seen:
+            seen.add(key)
+            out.append((mode, T, R, L))
+    return out
+
+
+def tiny_spec(mode, T, R, L) -> StepSpec:
+    args = ServerArgs()
+    context = min(TINY.max_position_embeddings, CPU_CONTEXT_CAP)
+    num_pages = args.max_running_requests * min(context, 1024) // args.page_size
+    return StepSpec(mode, T, R, L, pages_per_seq=pages_for(context, args.page_size),
+                    num_pages=num_pages, page_size=args.page_size,
+                    num_state_slots=args.max_running_requests)
+
+
+@pytest.mark.parametrize("mode,T,R,L", tiny_programs(),
+                         ids=lambda v: v.name if isinstance(v, ForwardMode) else str(v))
+def test_tiny_default_step_compiles_in_every_bucket(mesh, record, mode, T, R, L):
+    report = compile_step(TINY, tiny_spec(mode, T, R, L), mesh)
+    # One scan body: each kernel kind appears once however many layers there are.
+    record(f"tiny step {mode.name} T={T} R={R}", report, min_kernels=4)
+
+
+def with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    kinds = cfg.layer_types[:cfg.layer_period]
+    return dataclasses.replace(cfg, num_hidden_layers=n,
+                               layer_types=tuple(kinds[i % len(kinds)] for i in range(n)))
+
+
+def test_compile_time_does_not_grow_with_depth(mesh, record):
+    spec = tiny_spec(ForwardMode.DECODE, 8, 8, 8)
+    compile_step(with_layers(TINY, 4), spec, mesh)  # warm libtpu and the tracing caches
+    r8 = record("tiny step 8 layers", compile_step(with_layers(TINY, 8), spec, mesh))
+    r60 = record("tiny step 60 layers", compile_step(with_layers(TINY, 60), spec, mesh))
+    assert r60.seconds < 2 * r8.seconds, (r8.seconds, r60.seconds)
+    assert len(r60.kernels) == len(r8.kernels)  # the layers are not unrolled
+
+
+def slice_397b(num_layers: int = 8) -> ModelConfig:
+    """Qwen3.5-397B as one TensorCore of a DP8/EP8 host sees it: 64 of the 512 experts."""
+    cfg = model_config_from_dict(json.loads(CONFIG_397B.read_text()))
+    return dataclasses.replace(with_layers(cfg, num_layers), num_experts=64)
+
+
+SPECS_397B = {  # 64 running requests per DP rank, 8K contexts, page 256, 1024-token chunks
+    "decode64": StepSpec(ForwardMode.DECODE, 64, 64, 64, 32, 64 * 32, 256, 64),
+    "prefill1024": StepSpec(ForwardMode.EXTEND, 1024, 8, 8, 32, 64 * 32, 256, 64),
+    "mixed1024": StepSpec(ForwardMode.MIXED, 1024, 64, 64, 32, 64 * 32, 256, 64),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS_397B))
+@pytest.mark.parametrize("state_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16state", "f32state"])
+def test_397b_slice_step_compiles(mesh, record, name, state_dtype):
+    report = compile_step(slice_397b(), SPECS_397B[name], mesh, fp8_experts=True,
+                          state_dtype=state_dtype)
+    record(f"397B slice (8 layers) {name} {jnp.dtype(state_dtype).name} state", report,
+           min_kernels=4)
