@@ -44,35 +44,21 @@ def _weight_args(mesh, e, k, n, weights):
     return abstract((e, k, n), FP8, mesh), scale
 
 
+@pytest.mark.parametrize("op", ["gmm_swiglu", "gmm"])
 @pytest.mark.parametrize("label,m,e,h,i,weights", list(_cases()))
-def test_gmm_swiglu_compiles(mesh, record, label, m, e, h, i, weights):
-    rhs, scale = _weight_args(mesh, e, h, 2 * i, weights)  # gate_up [E, H, 2I]
+def test_gmm_compiles(mesh, record, op, label, m, e, h, i, weights):
+    # gmm_swiglu: x [M, H] @ gate_up [E, H, 2I] -> [M, I]; gmm (down): [M, I] @ [E, I, H] -> [M, H]
+    k, n, out = (h, 2 * i, i) if op == "gmm_swiglu" else (i, h, h)
+    rhs, scale = _weight_args(mesh, e, k, n, weights)
     quantize = weights == "fp8+quantize_lhs"
-    args = [abstract((m, h), jnp.bfloat16, mesh), rhs, abstract((e,), jnp.int32, mesh)]
+    args = [abstract((m, k), jnp.bfloat16, mesh), rhs, abstract((e,), jnp.int32, mesh)]
     if scale is not None:
         args.append(scale)
 
     def fn(x, w, gs, s=None):
-        return G.gmm_swiglu(x, w, gs, rhs_scale=s, quantize_lhs=quantize, impl="pallas")  # [M, I]
+        return getattr(G, op)(x, w, gs, rhs_scale=s, quantize_lhs=quantize, impl="pallas")
 
     report = compile_for_tpu(fn, args, mesh)
-    record(f"gmm_swiglu {label} M={m} gate_up [{e},{h},{2 * i}] {weights}", report)
+    record(f"{op} {label} M={m} rhs [{e},{k},{n}] {weights}", report)
     assert len(report.kernels) == 1
-    assert report.memory["output_size_in_bytes"] >= m * i * 2
-
-
-@pytest.mark.parametrize("label,m,e,h,i,weights", list(_cases()))
-def test_gmm_down_compiles(mesh, record, label, m, e, h, i, weights):
-    rhs, scale = _weight_args(mesh, e, i, h, weights)  # down [E, I, H]
-    quantize = weights == "fp8+quantize_lhs"
-    args = [abstract((m, i), jnp.bfloat16, mesh), rhs, abstract((e,), jnp.int32, mesh)]
-    if scale is not None:
-        args.append(scale)
-
-    def fn(x, w, gs, s=None):
-        return G.gmm(x, w, gs, rhs_scale=s, quantize_lhs=quantize, impl="pallas")  # [M, H]
-
-    report = compile_for_tpu(fn, args, mesh)
-    record(f"gmm down {label} M={m} down [{e},{i},{h}] {weights}", report)
-    assert len(report.kernels) == 1
-    assert report.memory["output_size_in_bytes"] >= m * h * 2
+    assert report.memory["output_size_in_bytes"] >= m * out * 2
