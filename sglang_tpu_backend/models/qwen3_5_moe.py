@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kernels import gdn, gmm, ragged_paged_attention as rpa, routing
+from kernels import gdn, ragged_paged_attention as rpa
 from kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
@@ -49,6 +49,8 @@ from sglang_tpu_backend.models.layers import (
     rope_cos_sin,
     swiglu_mlp,
 )
+from sglang_tpu_backend.models.moe import ep_routed_experts, routed_experts
+from sglang_tpu_backend.parallel.mesh import EPContext
 
 Params = dict[str, Any]
 
@@ -191,9 +193,13 @@ def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, c
     return o @ p["out_proj"], conv_state, rec_state
 
 
-def moe_block(p: Params, x, cfg: ModelConfig, impl):
-    """Sparse MoE with renormalised top-k and a sigmoid-gated shared expert. x: [T, H]."""
-    E, K = cfg.num_experts, cfg.num_experts_per_tok
+def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None):
+    """Sparse MoE with renormalised top-k and a sigmoid-gated shared expert. x: [T, H].
+
+    ``ep`` (inside ``shard_map`` only): experts are split over the DP/EP ranks, see
+    ``models/moe.py``; the router and the shared expert run on this rank's tokens either way.
+    """
+    K = cfg.num_experts_per_tok
     router_logits = x @ p["gate"]  # [T, E]
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, E]
     top_w, top_i = jax.lax.top_k(probs, K)  # [T, K]
@@ -201,18 +207,10 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl):
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     top_w = top_w.astype(x.dtype).astype(jnp.float32)
 
-    experts = p["experts"]
-    token_idx, group_sizes, rows = routing.route_metadata(top_i.astype(jnp.int32), E)
-    xs = routing.gather_rows(x, token_idx, impl=impl)  # [T*K, H] sorted by expert
-    h = gmm.gmm_swiglu(
-        xs, experts["gate_up"], group_sizes, rhs_scale=experts.get("gate_up_scale"),
-        out_dtype=x.dtype, impl=impl,
-    )  # [T*K, I]
-    y = gmm.gmm(
-        h, experts["down"], group_sizes, rhs_scale=experts.get("down_scale"),
-        out_dtype=x.dtype, impl=impl,
-    )  # [T*K, H]
-    routed = routing.gather_reduce(y, rows, top_w, impl=impl)  # [T, H]
+    if ep is None:
+        routed = routed_experts(p["experts"], x, top_i, top_w, cfg.num_experts, 0, impl)
+    else:
+        routed = ep_routed_experts(p["experts"], x, top_i, top_w, impl, ep)  # [T, H]
 
     shared = p["shared_expert"]
     shared_out = swiglu_mlp(x, shared["gate_up"], shared["down"])  # [T, H]
@@ -220,13 +218,14 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl):
     return routed + shared_out
 
 
-def mlp_block(p: Params, x, cfg: ModelConfig, layer: int, impl):
+def mlp_block(p: Params, x, cfg: ModelConfig, layer: int, impl, ep: EPContext | None = None):
     if cfg.is_moe_layer(layer):
-        return moe_block(p, x, cfg, impl)
+        return moe_block(p, x, cfg, impl, ep)
     return swiglu_mlp(x, p["gate_up"], p["down"])
 
 
-def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl):
+def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl,
+                   ep: EPContext | None = None):
     """All decoder layers and the final norm. Returns (hidden [T, H], cache).
 
     The layers run as a ``lax.scan`` over ``num_hidden_layers / layer_period`` groups (the body
@@ -259,7 +258,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
                 i_lin += 1
             x = x + h
             h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-            x = x + mlp_block(p["mlp"], h, cfg, j, impl)
+            x = x + mlp_block(p["mlp"], h, cfg, j, impl, ep)
         return (x, kv_pages, conv_state, rec_state), None
 
     num_groups = cfg.num_hidden_layers // period
@@ -271,17 +270,20 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
 
 
 def forward(
-    params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl: str = "auto"
+    params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl: str = "auto",
+    ep: EPContext | None = None,
 ) -> tuple[jax.Array, ModelCache]:
     """One model step over a ragged batch.
 
     Returns f32[L, V] logits for the rows ``batch.logits_indices`` and the updated cache.
-    Jit with ``static_argnames=("cfg", "impl")`` and ``donate_argnames=("cache",)``.
+    Jit with ``static_argnames=("cfg", "impl", "ep")`` and ``donate_argnames=("cache",)``.
+    ``ep`` is set only by the data-parallel step (``parallel/dp_forward.py``), which runs this
+    function per device under ``shard_map``.
     """
-    hidden, cache = forward_hidden(params, cache, batch, cfg, impl)
+    hidden, cache = forward_hidden(params, cache, batch, cfg, impl, ep)
     h = hidden[batch.logits_indices]  # [L, H]
     logits = (h @ params["lm_head"]).astype(jnp.float32)  # [L, V]
     return logits, cache
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep"), donate_argnames=("cache",))

@@ -1,0 +1,49 @@
+"""Routed experts of a MoE layer: on one device, or expert-parallel across the DP ranks.
+
+Dimension letters: T tokens of this device, D devices (DP = EP ranks), K top-k, E experts on
+this device, H hidden, I expert width.
+
+Expert-parallel flow (inside ``shard_map``; each device holds E = num_experts / D experts):
+  1. all-gather the tokens' hidden states of every DP rank          x_all [D*T, H]
+  2. all-gather top-k ids and weights in ONE collective              [D*T, K] each
+  3. gather the rows routed to this device's experts, grouped matmuls (SwiGLU fused), weighted
+     gather-reduce per token                                        y_all [D*T, H] (partial)
+  4. hierarchical reduce-scatter: each rank gets the sum over devices of its own T rows.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from kernels import collectives, gmm, routing
+from sglang_tpu_backend.parallel.mesh import EPContext
+
+
+def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, impl):
+    """Sum over each token's top-k experts held here: [T, H] (zero for experts elsewhere).
+
+    experts: {gate_up [E, H, 2I], down [E, I, H] (+ FP8 scales)}; top_i i32[T, K] global
+    expert ids; top_w f32[T, K]; expert ``expert_offset + e`` is local expert e.
+    """
+    token_idx, group_sizes, rows = routing.route_metadata(
+        top_i.astype(jnp.int32), num_experts, expert_offset=expert_offset)
+    xs = routing.gather_rows(x, token_idx, impl=impl)  # [T*K, H] sorted by expert
+    h = gmm.gmm_swiglu(xs, experts["gate_up"], group_sizes, rhs_scale=experts.get("gate_up_scale"),
+                       out_dtype=x.dtype, impl=impl)  # [T*K, I]
+    y = gmm.gmm(h, experts["down"], group_sizes, rhs_scale=experts.get("down_scale"),
+                out_dtype=x.dtype, impl=impl)  # [T*K, H]
+    return routing.gather_reduce(y, rows, top_w, impl=impl)  # [T, H]
+
+
+def ep_routed_experts(experts, x, top_i, top_w, impl, ep: EPContext):
+    """Expert-parallel :func:`routed_experts` of this rank's tokens x [T, H] -> [T, H]."""
+    num_local = experts["gate_up"].shape[0]
+    ids_all, w_all = collectives.packed_all_gather(
+        top_i.astype(jnp.int32), top_w.astype(jnp.float32), axis_name=ep.axes)  # [D*T, K]
+    x_all = lax.all_gather(x, ep.axes, axis=0, tiled=True)  # [D*T, H]
+    rank = lax.axis_index(ep.axes)
+    y_all = routed_experts(experts, x_all, ids_all, w_all, num_local, rank * num_local, impl)
+    m = ep.num_microbatches if x.shape[0] % ep.num_microbatches == 0 else 1
+    return collectives.hierarchical_reduce_scatter(
+        y_all, chip_axis=ep.chip_axis, die_axis=ep.die_axis, num_microbatches=m, impl=impl)

@@ -1,0 +1,125 @@
+"""The model step with data-parallel attention and expert-parallel MoE over a device mesh.
+
+Every device is one DP rank: it runs ``models.qwen3_5_moe.forward`` on its own ragged batch
+(its own requests) over its own shard of the caches, so page ids and state slots in a rank's
+batch are rank-local. Attention, GDN, norms, router and shared expert weights are replicated;
+routed experts are split over the same devices, and each MoE layer moves tokens between the
+two layouts with one all-gather of hidden states, one packed all-gather of routing metadata
+and a hierarchical reduce-scatter (``models/moe.py``).
+
+Global arrays (D = DP ranks, every rank's part the same bucketed size):
+  batch:  each ForwardBatch field is the D ranks' fields concatenated on axis 0
+          (input_ids [D*T], cu_q_lens [D*(R+1)], page_table [D*R, P], num_seqs [D], ...),
+          split over the ranks. A rank with nothing to do gets an all-padding batch
+          (num_seqs 0) and still takes part in every collective.
+  cache:  kv_pages [Lyr, D*N, 2G, S, Dh], conv_state [Lyr, D*Sl, rows, C], rec_state
+          [Lyr, D*Sl, Hv, Dk, Dv]: pages and slots split over the ranks (rank r owns pages
+          r*N .. r*N+N-1, addressed as 0..N-1 in its batch).
+  params: expert leaves [groups, E, ...] split on E; everything else replicated.
+  logits: [D*L, V], rank r's rows at r*L .. r*L+L-1.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_backend.models import qwen3_5_moe
+from sglang_tpu_backend.parallel.mesh import EPContext, rank_spec
+
+REPLICATED = PartitionSpec()
+
+
+def _is_expert_leaf(path) -> bool:
+    return any(getattr(k, "key", None) == "experts" for k in path)
+
+
+class DPForward:
+    """``forward`` over a (chip, die) mesh: one DP rank per device, experts split over them."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, *, impl: str = "auto",
+                 ep: EPContext = EPContext()):
+        if cfg.num_experts % mesh.size:
+            raise ValueError(f"--ep-size {mesh.size} must divide num_experts {cfg.num_experts}")
+        self.cfg, self.mesh, self.impl, self.ep = cfg, mesh, impl, ep
+        self.dp_size = mesh.size
+        self._step = jax.jit(self._global_step, donate_argnums=(1,))
+
+    # Placement ------------------------------------------------------------------------------
+    def _sharding(self, spec: PartitionSpec) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def param_specs(self, params) -> Any:
+        """Expert leaves [groups, E, ...] split on E over the ranks; the rest replicated."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: rank_spec(self.ep, 1) if _is_expert_leaf(path) else REPLICATED,
+            params)
+
+    def cache_specs(self) -> qwen3_5_moe.ModelCache:
+        spec = rank_spec(self.ep, 1)  # pages / slots
+        return qwen3_5_moe.ModelCache(kv_pages=spec, conv_state=spec, rec_state=spec)
+
+    def batch_specs(self, mode: ForwardMode) -> ForwardBatch:
+        spec = rank_spec(self.ep, 0)
+        names = [f.name for f in ForwardBatch.__dataclass_fields__.values() if f.name != "mode"]
+        return ForwardBatch(**{n: spec for n in names}, mode=mode)
+
+    def shard_params(self, params):
+        """Place params on the mesh (experts split, the rest replicated)."""
+        return jax.tree.map(lambda x, s: jax.device_put(x, self._sharding(s)), params,
+                            self.param_specs(params))
+
+    def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int,
+                   kv_dtype=jnp.bfloat16, state_dtype=jnp.float32) -> qwen3_5_moe.ModelCache:
+        """Zeroed caches with ``num_pages`` pages and ``num_state_slots`` slots PER RANK,
+        allocated shard by shard on the devices."""
+        make = functools.partial(
+            qwen3_5_moe.init_cache, self.cfg, num_pages=num_pages * self.dp_size,
+            page_size=page_size, num_state_slots=num_state_slots * self.dp_size,
+            kv_dtype=kv_dtype, state_dtype=state_dtype)
+        shardings = jax.tree.map(self._sharding, self.cache_specs())
+        return jax.jit(make, out_shardings=shardings)()
+
+    def put_batch(self, batches: Sequence[ForwardBatch]) -> ForwardBatch:
+        """One rank-local batch per DP rank (equal shapes) -> the global, placed batch.
+
+        The step is a DECODE step only when every rank's batch is one (all-padding batches of
+        idle ranks are built with the common mode by the caller).
+        """
+        if len(batches) != self.dp_size:
+            raise ValueError(f"need {self.dp_size} rank batches, got {len(batches)}")
+        modes = {b.mode for b in batches}
+        mode = ForwardMode.DECODE if modes == {ForwardMode.DECODE} else ForwardMode.MIXED
+        shapes = {tuple(np.shape(getattr(b, n)) for n in ("input_ids", "cu_q_lens", "page_table",
+                                                           "logits_indices")) for b in batches}
+        if len(shapes) != 1:
+            raise ValueError(f"rank batches must share one bucket, got shapes {sorted(shapes)}")
+        fields = {}
+        spec = self._sharding(rank_spec(self.ep, 0))
+        for name in ForwardBatch.__dataclass_fields__:
+            if name == "mode":
+                continue
+            glob = np.concatenate([np.asarray(getattr(b, name)) for b in batches], axis=0)
+            fields[name] = jax.device_put(glob, spec)
+        return ForwardBatch(**fields, mode=mode)
+
+    # Step -------------------------------------------------------------------------------------
+    def _global_step(self, params, cache, batch):
+        local = functools.partial(qwen3_5_moe.forward, cfg=self.cfg, impl=self.impl, ep=self.ep)
+        step = jax.shard_map(
+            lambda p, c, b: local(p, c, b), mesh=self.mesh,
+            in_specs=(self.param_specs(params), self.cache_specs(), self.batch_specs(batch.mode)),
+            out_specs=(rank_spec(self.ep, 0), self.cache_specs()),
+            check_vma=False)
+        return step(params, cache, batch)
+
+    def __call__(self, params, cache, batch: ForwardBatch):
+        """f32[D*L, V] logits and the updated cache (donated)."""
+        return self._step(params, cache, batch)

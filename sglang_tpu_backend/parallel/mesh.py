@@ -1,0 +1,55 @@
+"""The device mesh of one DP x EP step and the static context the MoE layers read.
+
+All devices of a host (Ironwood: 4 chips x 2 TensorCores = 8 JAX devices) form one mesh with
+axes ("chip", "die"). Attention and GDN run data-parallel over the whole mesh (each device a
+DP rank owning whole requests, its own KV pages and GDN state slots); routed experts are split
+over the same devices (EP rank = DP rank). A device's linear rank is ``chip * num_dies + die``,
+the order of tiled all-gathers and of the reduce-scatter in ``kernels/collectives.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+CHIP_AXIS, DIE_AXIS = "chip", "die"
+
+
+@dataclasses.dataclass(frozen=True)
+class EPContext:
+    """Static description of the expert-parallel axes (hashable: a jit static argument).
+
+    chip_axis, die_axis: mesh axis names; the EP ranks are every (chip, die) device.
+    num_microbatches: micro-batches of the hierarchical reduce-scatter (1..4).
+    """
+
+    chip_axis: str = CHIP_AXIS
+    die_axis: str = DIE_AXIS
+    num_microbatches: int = 2
+
+    @property
+    def axes(self) -> tuple[str, str]:
+        return (self.chip_axis, self.die_axis)
+
+
+def make_mesh(dp_size: int, devices: Sequence | None = None, dies_per_chip: int = 2) -> Mesh:
+    """A (dp_size / dies, dies) ("chip", "die") mesh over the first ``dp_size`` devices.
+
+    ``dies_per_chip`` is 2 on Ironwood; an odd ``dp_size`` gets one die per chip.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if dp_size < 1 or dp_size > len(devices):
+        raise ValueError(f"--dp-size {dp_size} needs 1..{len(devices)} devices "
+                         f"({len(devices)} visible)")
+    dies = dies_per_chip if dp_size % dies_per_chip == 0 else 1
+    grid = np.array(devices[:dp_size]).reshape(dp_size // dies, dies)
+    return Mesh(grid, (CHIP_AXIS, DIE_AXIS))
+
+
+def rank_spec(ep: EPContext, dim: int) -> PartitionSpec:
+    """Split dimension ``dim`` over all DP/EP ranks, everything else replicated."""
+    return PartitionSpec(*([None] * dim), ep.axes)

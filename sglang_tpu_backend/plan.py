@@ -1,0 +1,322 @@
+"""Per-device memory plan of one serving host: weights, KV pages, GDN state, activations.
+
+    python -m sglang_tpu_backend.plan --model-config CONFIG --topology tpu7x:2x2x1 \\
+        --dp 8 --ep 8 --context-len 9216 [--tp 8] [--expert-dtype fp8] [--json]
+
+One device is one JAX device (one TensorCore). All sizes are bytes per device unless named
+otherwise; the table prints GiB (2**30 B). Letters: H hidden, V vocab, E experts, k top-k,
+I expert width, N/G q/kv heads of size D, Hk/Hv GDN key/value heads of size Dk/Dv,
+C = 2*Hk*Dk + Hv*Dv conv channels, K conv taps, La/Lg attention/GDN layers.
+
+Parallelism: dp x tp = devices of the topology. dp attention groups each own whole requests
+(their KV pages and GDN state); inside a group of tp devices (tensor-parallel attention, as
+SGLang's --tp-size) q heads, GDN key and value heads split over tp, and kv heads split too
+when tp <= G, else each device holds one replicated kv head: g = max(1, G/tp),
+hk = max(1, Hk/tp), hv = Hv/tp. Routed experts split over ep (E/ep per device, default ep =
+devices). R is the number of running requests per host; a device serves the requests of its
+group, r = ceil(R * hosts / dp) (DP8: R/8; TP8: R).
+
+weights   from ``models.param_shapes.param_shapes`` (+ ``num_param_bytes``), no shapes here:
+          sharded    = routed experts / ep (FP8: 1 B/elem + f32 128x128 block scales)
+                       + in TP mode q_proj, o_proj * 1/tp, k_proj, v_proj * g/G,
+                         in_proj_qkv, conv1d * (2*hk*Dk + hv*Dv)/C, the other value-head
+                         weights (in_proj_z/a/b, A_log, dt_bias, out_proj) * hv/Hv;
+          replicated = the rest: embeddings, lm_head, norms, attention and GDN (DP mode),
+                       router, shared expert, dense MLPs (also replicated in TP mode,
+                       where SGLang shards vocab and shared expert: TP weights are an upper bound).
+KV pages  r * ceil(context / page) * La * (2 * g * page * D * b_kv)      ([.., 2g, page, D])
+GDN state r * Lg * (rows(K) * c * b_kv + hv * Dk * Dv * b_state)
+          with rows = kernels.gdn_common.conv_state_rows(K) (4 for K = 4), c = 2*hk*Dk + hv*Dv;
+          the conv state is stored in the KV dtype.
+activations, one step of T = --max-num-batched-tokens tokens per DP rank, b = --dtype bytes:
+          b * (2*T*H             residual stream + one layer's output
+               + Tg*H            MoE all-gather of the EP group's tokens, Tg = max(1, ep/tp)*T
+                                 (= dp*T when ep = devices)
+               + M*(2*H + I))    routed rows: gathered-in and expert-out [M, H], SwiGLU [M, I],
+                                 M = Tg*k (the static row count the MoE kernels allocate)
+          + 4 * r * V            f32 logits for the device's running requests
+headroom  = HBM per device - (weights + KV + GDN + activations); max_running_requests is the
+          largest R with headroom >= 0 (binary search; the plan is monotone in R).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import jax
+
+from kernels.gdn_common import conv_state_rows
+from sglang_tpu_backend.config import ModelConfig, load_model_config, model_config_from_dict
+from sglang_tpu_backend.models.param_shapes import num_param_bytes, param_shapes
+
+GiB = 1 << 30
+DEFAULT_CONFIG = Path(__file__).parent / "assets" / "configs" / "qwen3.5-397b-a17b.json"
+DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
+DTYPE_FLAGS = {"--expert-dtype": ("fp8", "bf16"), "--dtype": ("bf16",),  # first: the default
+               "--kv-dtype": ("bf16", "fp8"), "--state-dtype": ("bf16", "fp32")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One TPU generation: per-chip numbers; a JAX device is one TensorCore."""
+
+    cores_per_chip: int
+    hbm_per_chip: int  # bytes
+    hbm_bw_per_chip: float  # bytes/s
+    bf16_flops_per_chip: float
+    fp8_flops_per_chip: float
+    vmem_per_core: int  # bytes
+    chips_per_host: int
+
+
+GENERATIONS = {  # Ironwood: 192 GiB HBM, 7.4 TB/s, 2,307 / 4,614 TFLOP/s per chip
+    "tpu7x": Generation(cores_per_chip=2, hbm_per_chip=192 * GiB, hbm_bw_per_chip=7.4e12,
+                        bf16_flops_per_chip=2307e12, fp8_flops_per_chip=4614e12,
+                        vmem_per_core=64 << 20, chips_per_host=4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str  # e.g. "tpu7x:2x2x1"
+    generation: Generation
+    chips: int
+    devices: int  # chips * cores_per_chip
+    hosts: int
+    hbm_per_device: int  # bytes
+
+
+def parse_topology(name: str) -> Topology:
+    """``<generation>:AxBxC`` (chips along each axis) -> Topology; ValueError naming --topology."""
+    m = re.fullmatch(r"([a-z0-9]+):(\d+)x(\d+)x(\d+)", name or "")
+    if m is None or m.group(1) not in GENERATIONS:
+        raise ValueError(f"--topology {name!r}: unknown topology; expected <generation>:AxBxC "
+                         f"with generation one of {', '.join(GENERATIONS)} (e.g. tpu7x:2x2x1)")
+    gen = GENERATIONS[m.group(1)]
+    chips = math.prod(int(m.group(i)) for i in (2, 3, 4))
+    if chips < 1 or (chips > gen.chips_per_host and chips % gen.chips_per_host):
+        raise ValueError(f"--topology {name!r}: {chips} chips do not fill whole hosts of "
+                         f"{gen.chips_per_host} chips")
+    return Topology(name, gen, chips, devices=chips * gen.cores_per_chip,
+                    hosts=max(1, chips // gen.chips_per_host),
+                    hbm_per_device=gen.hbm_per_chip // gen.cores_per_chip)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device for ``running_requests`` per host, and the largest R that fits."""
+
+    topology: str
+    devices: int
+    hosts: int
+    dp: int
+    ep: int
+    tp: int
+    context_len: int
+    page_size: int
+    running_requests: int  # R, per host
+    requests_per_device: int  # r = ceil(R * hosts / dp)
+    weights_replicated: int
+    weights_sharded: int
+    kv_pages: int
+    gdn_state: int
+    activations: int
+    hbm: int
+    max_running_requests: int  # per host
+
+    @property
+    def weights(self) -> int:
+        return self.weights_replicated + self.weights_sharded
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_pages + self.gdn_state + self.activations
+
+    @property
+    def headroom(self) -> int:
+        return self.hbm - self.total
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "weights": self.weights, "total": self.total,
+                "headroom": self.headroom}
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _heads_per_device(heads: int, tp: int, what: str) -> int:
+    """Heads of one device: heads/tp, or 1 (replicated) when tp > heads."""
+    _check(heads % tp == 0 or tp % heads == 0,
+           f"--tp {tp} must divide or be a multiple of {what} ({heads})")
+    return max(1, heads // tp)
+
+
+def _tp_heads(cfg: ModelConfig, tp: int) -> tuple[int, int, int, int]:
+    """(g, hk, hv, c) of one device: kv heads, GDN key / value heads, conv channels."""
+    g = _heads_per_device(cfg.num_key_value_heads, tp, "num_key_value_heads")
+    hk = _heads_per_device(cfg.linear_num_key_heads, tp, "linear_num_key_heads")
+    hv = cfg.linear_num_value_heads // tp
+    return g, hk, hv, 2 * hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim
+
+
+def weight_bytes(cfg: ModelConfig, *, ep: int, tp: int,
+                 expert_dtype: str = "fp8") -> tuple[int, int]:
+    """(replicated, sharded) weight bytes per device, bf16 but for FP8 routed experts."""
+    shapes = param_shapes(cfg, jax.numpy.bfloat16, fp8_experts=expert_dtype == "fp8")
+    g, _, hv, conv_dev = _tp_heads(cfg, tp)
+    tp_split = {  # (module, leaf) -> (numerator, denominator) of the leaf one device holds
+        ("self_attn", "q_proj"): (1, tp), ("self_attn", "o_proj"): (1, tp),
+        ("self_attn", "k_proj"): (g, cfg.num_key_value_heads),
+        ("self_attn", "v_proj"): (g, cfg.num_key_value_heads),
+        ("linear_attn", "in_proj_qkv"): (conv_dev, cfg.linear_conv_dim),
+        ("linear_attn", "conv1d"): (conv_dev, cfg.linear_conv_dim),
+        **{("linear_attn", k): (hv, cfg.linear_num_value_heads)
+           for k in ("in_proj_z", "in_proj_a", "in_proj_b", "A_log", "dt_bias", "out_proj")},
+    }
+    replicated = sharded = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        keys = [getattr(p, "key", None) for p in path]
+        nbytes = num_param_bytes(leaf)
+        if "experts" in keys:
+            sharded += nbytes // ep
+        elif tp > 1 and tuple(keys[-2:]) in tp_split:
+            num, den = tp_split[tuple(keys[-2:])]
+            _check(nbytes * num % den == 0, f"--tp {tp} does not split {'.'.join(keys[-2:])}")
+            sharded += nbytes * num // den
+        else:
+            replicated += nbytes
+    return replicated, sharded
+
+
+def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int | None = None,
+         ep: int | None = None, tp: int | None = None, running_requests: int | None = None,
+         context_len: int = 9216, page_size: int = 256, expert_dtype: str = "fp8",
+         dtype: str = "bf16", kv_dtype: str = "bf16", state_dtype: str = "bf16",
+         max_num_batched_tokens: int = 1024) -> MemoryPlan:
+    """Memory per device for ``running_requests`` per host (default: the most that fit).
+
+    dp and tp default to fill the topology (dp = devices / tp, tp = devices / dp; both unset:
+    dp = devices, tp = 1); ep defaults to the device count. Raises ValueError naming the flag.
+    """
+    topo = parse_topology(topology) if isinstance(topology, str) else topology
+    n = topo.devices
+    for (flag, choices), val in zip(DTYPE_FLAGS.items(),
+                                   (expert_dtype, dtype, kv_dtype, state_dtype)):
+        _check(val in choices, f"{flag} {val!r}: expected one of {', '.join(choices)}")
+    for flag, val in (("--dp", dp), ("--ep", ep), ("--tp", tp), ("--context-len", context_len),
+                      ("--page-size", page_size),
+                      ("--max-num-batched-tokens", max_num_batched_tokens)):
+        _check(val is None or val >= 1, f"{flag} {val} must be >= 1")
+    tp = tp or (n // dp if dp else 1)
+    dp = dp or max(1, n // tp)
+    ep = ep or n
+    _check(dp * tp == n, f"--dp {dp} x --tp {tp} = {dp * tp} must equal the {n} devices "
+                         f"of --topology {topo.name}")
+    _check(n % ep == 0, f"--ep {ep} must divide the {n} devices of --topology {topo.name}")
+    _check(cfg.num_experts % ep == 0,
+           f"--ep {ep} does not divide num_experts ({cfg.num_experts})")
+    _check(cfg.num_attention_heads % tp == 0 and cfg.linear_num_value_heads % tp == 0,
+           f"--tp {tp} must divide num_attention_heads ({cfg.num_attention_heads}) and "
+           f"linear_num_value_heads ({cfg.linear_num_value_heads})")
+    replicated, sharded = weight_bytes(cfg, ep=ep, tp=tp, expert_dtype=expert_dtype)
+
+    b_kv, b_state, b = DTYPE_BYTES[kv_dtype], DTYPE_BYTES[state_dtype], DTYPE_BYTES[dtype]
+    g, _, hv, c = _tp_heads(cfg, tp)
+    page_bytes = 2 * g * page_size * cfg.head_dim * b_kv
+    kv_per_req = (-(-context_len // page_size)) * len(cfg.attention_layers) * page_bytes
+    gdn_per_req = len(cfg.linear_layers) * (
+        conv_state_rows(cfg.linear_conv_kernel_dim) * c * b_kv
+        + hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim * b_state)
+    T, H = max_num_batched_tokens, cfg.hidden_size
+    Tg = max(1, ep // tp) * T
+    M = Tg * cfg.num_experts_per_tok
+    act_fixed = b * (2 * T * H + Tg * H + M * (2 * H + cfg.moe_intermediate_size))
+
+    def per_device(R: int) -> tuple[int, int, int, int]:
+        r = -(-R * topo.hosts // dp)
+        return r, r * kv_per_req, r * gdn_per_req, act_fixed + 4 * r * cfg.vocab_size
+
+    hbm = topo.hbm_per_device
+    fits = lambda R: replicated + sharded + sum(per_device(R)[1:]) <= hbm  # noqa: E731
+    lo, hi = 0, 1  # largest R with fits(R): lo fits (or is 0), hi does not
+    while fits(hi) and hi < 1 << 30:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    max_r = lo if fits(lo) else 0
+    R = max_r if running_requests is None else running_requests
+    _check(R >= 0, f"--max-running-requests {R} must be >= 0")
+    r, kv, gdn, act = per_device(R)
+    return MemoryPlan(topology=topo.name, devices=n, hosts=topo.hosts, dp=dp, ep=ep, tp=tp,
+                      context_len=context_len, page_size=page_size, running_requests=R,
+                      requests_per_device=r, weights_replicated=replicated,
+                      weights_sharded=sharded, kv_pages=kv, gdn_state=gdn, activations=act,
+                      hbm=hbm, max_running_requests=max_r)
+
+
+def format_plan(p: MemoryPlan) -> str:
+    """A readable table, GiB per device."""
+    mode = "+".join([f"DP{p.dp}"] * (p.dp > 1) + [f"TP{p.tp}"] * (p.tp > 1) + [f"EP{p.ep}"])
+    head = (f"{p.topology}: {p.devices} devices on {p.hosts} host(s), {mode}, context "
+            f"{p.context_len} tokens, page {p.page_size}\n"
+            f"running requests per host {p.running_requests} "
+            f"({p.requests_per_device} per DP rank, held on each of its {p.tp} device(s))\n")
+    rows = [("weights, replicated", p.weights_replicated), ("weights, sharded", p.weights_sharded),
+            ("KV pages", p.kv_pages), ("GDN state", p.gdn_state),
+            ("activations", p.activations), ("total", p.total), ("HBM", p.hbm),
+            ("headroom", p.headroom)]
+    body = "\n".join(f"  {name:<22}{v / GiB:>9.2f} GiB" for name, v in rows)
+    return (head + body + f"\nmax running requests per host: {p.max_running_requests} "
+            f"({-(-p.max_running_requests * p.hosts // p.dp)} per DP rank)")
+
+
+def _load(path: str) -> ModelConfig:
+    try:
+        if Path(path).is_dir():
+            return load_model_config(path)
+        return model_config_from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError) as e:  # ConfigError and JSONDecodeError are ValueErrors
+        raise ValueError(f"--model-config {path}: {e}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_tpu_backend.plan",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--model-config", default=str(DEFAULT_CONFIG),
+                    help="config.json or a checkpoint directory (default: Qwen3.5-397B-A17B)")
+    ap.add_argument("--topology", default="tpu7x:2x2x1")
+    ap.add_argument("--dp", type=int, help="DP attention ranks (default: devices / tp)")
+    ap.add_argument("--ep", type=int, help="expert-parallel ranks (default: devices)")
+    ap.add_argument("--tp", type=int, help="tensor-parallel attention width (default 1)")
+    ap.add_argument("--max-running-requests", type=int,
+                    help="running requests per host (default: the most that fit)")
+    ap.add_argument("--context-len", type=int, default=9216)
+    ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    for flag, choices in DTYPE_FLAGS.items():
+        ap.add_argument(flag, default=choices[0], choices=choices)
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    a = ap.parse_args(argv)
+    try:
+        p = plan(_load(a.model_config), a.topology, dp=a.dp, ep=a.ep, tp=a.tp,
+                 running_requests=a.max_running_requests, context_len=a.context_len,
+                 page_size=a.page_size, expert_dtype=a.expert_dtype, dtype=a.dtype,
+                 kv_dtype=a.kv_dtype, state_dtype=a.state_dtype,
+                 max_num_batched_tokens=a.max_num_batched_tokens)
+    except ValueError as e:  # ConfigError is a ValueError
+        ap.error(str(e))
+    print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""DP x EP generation on 8 CPU devices vs each request alone on one device (run as a script).
+
+Run by tests/parallel/test_dp_ep.py in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8; writes an .npz of greedy tokens and
+logits of both runs. Loads are uneven on purpose: rank 0 holds four long prompts, ranks 1-4
+one or two short ones, ranks 5-7 are idle at first; rank 6 admits a new request in the middle
+of decoding, which turns those steps into MIXED steps.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sglang_tpu_backend.loader import load_model
+from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
+from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
+from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
+from sglang_tpu_backend.parallel.dp_forward import DPForward
+from sglang_tpu_backend.parallel.mesh import make_mesh
+from sglang_tpu_backend.tiny_model import default_model_path
+
+PAGE = 8
+PAGES_PER_SEQ = 12  # 96 tokens of context per request
+STEPS = 6  # decode steps after the prefill
+LATE_STEP = 2  # the step at which rank 6's request arrives
+# rank -> prompt lengths (spanning several pages and GDN chunks); ranks 5-7 idle at first.
+PLAN = {0: [37, 33, 41, 29], 1: [9, 14], 2: [5], 3: [22, 3], 4: [17]}
+LATE = (6, 19)  # (rank, prompt length)
+
+
+def alone(params, cfg, prompt, steps):
+    """Greedy tokens and per-step logits of one request on one device."""
+    cache = init_cache(cfg, num_pages=PAGES_PER_SEQ, page_size=PAGE, num_state_slots=1,
+                       kv_dtype=jnp.float32, state_dtype=jnp.float32)
+    pages = list(range(PAGES_PER_SEQ))
+    batch, _ = build_forward_batch([SeqChunk(prompt, 0, pages, 0)], page_size=PAGE,
+                                   pages_per_seq=PAGES_PER_SEQ)
+    logits, cache = forward_jit(params, cache, batch, cfg, "reference")
+    out_logits, tokens = [np.asarray(logits[0])], []
+    for step in range(steps):
+        tokens.append(int(np.argmax(out_logits[-1])))
+        batch, _ = build_forward_batch([SeqChunk([tokens[-1]], len(prompt) + step, pages, 0)],
+                                       page_size=PAGE, pages_per_seq=PAGES_PER_SEQ)
+        logits, cache = forward_jit(params, cache, batch, cfg, "reference")
+        out_logits.append(np.asarray(logits[0]))
+    return tokens, np.stack(out_logits)
+
+
+class Request:
+    def __init__(self, rank, slot, prompt):
+        self.rank, self.slot, self.prompt = rank, slot, prompt
+        self.pages = list(range(slot * PAGES_PER_SEQ, (slot + 1) * PAGES_PER_SEQ))  # rank-local
+        self.tokens, self.logits, self.context = [], [], 0
+
+    def chunk(self):
+        ids = self.prompt if self.context == 0 else [self.tokens[-1]]
+        return SeqChunk(ids, self.context, self.pages, self.slot)
+
+
+def dp_generate(dp: DPForward, params, cfg, requests, late):
+    cache = dp.init_cache(num_pages=8 * PAGES_PER_SEQ, page_size=PAGE, num_state_slots=8,
+                          kv_dtype=jnp.float32, state_dtype=jnp.float32)
+    active = list(requests)
+    for step in range(STEPS + 1):
+        if step == LATE_STEP:
+            active.append(late)
+        live = [r for r in active if len(r.logits) <= STEPS - (LATE_STEP if r is late else 0)]
+        per_rank = [[r for r in live if r.rank == k] for k in range(dp.dp_size)]
+        decode = all(r.context > 0 for r in live)
+        mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
+        T = max(8, max(sum(len(r.chunk().token_ids) for r in rs) for rs in per_rank))
+        T = 1 << (T - 1).bit_length()
+        R = 8
+        T = R if decode else T
+        batches, rows = [], []
+        for rs in per_rank:
+            fb, rws = build_forward_batch([r.chunk() for r in rs], page_size=PAGE, mode=mode,
+                                          num_tokens=T, num_seqs=R, pages_per_seq=PAGES_PER_SEQ,
+                                          num_logits=R)
+            batches.append(fb)
+            rows.append(rws)
+        logits, cache = dp(params, cache, dp.put_batch(batches))
+        logits = np.asarray(logits).reshape(dp.dp_size, R, -1)
+        for k, rs in enumerate(per_rank):
+            for r, rw in zip(rs, rows[k]):
+                r.context += len(r.chunk().token_ids)
+                r.logits.append(logits[k, rw[-1]])
+                r.tokens.append(int(np.argmax(r.logits[-1])))
+    return active
+
+
+def main(out_path: str) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    cfg, params = load_model(default_model_path(), dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    requests = []
+    for rank, lens in PLAN.items():
+        for slot, n in enumerate(lens):
+            requests.append(Request(rank, slot, rng.integers(3, cfg.vocab_size, n).tolist()))
+    late = Request(LATE[0], 0, rng.integers(3, cfg.vocab_size, LATE[1]).tolist())
+    dp = DPForward(cfg, make_mesh(8), impl="reference")
+    done = dp_generate(dp, dp.shard_params(params), cfg, requests, late)
+    results = {}
+    for i, r in enumerate(done):
+        steps = len(r.logits) - 1
+        tokens, logits = alone(params, cfg, r.prompt, steps)
+        results[f"dp_tokens_{i}"] = np.asarray(r.tokens[:steps])
+        results[f"dp_logits_{i}"] = np.stack(r.logits)
+        results[f"ref_tokens_{i}"] = np.asarray(tokens)
+        results[f"ref_logits_{i}"] = logits
+    results["num_requests"] = np.asarray(len(done))
+    results["mesh_shape"] = np.asarray(dp.mesh.devices.shape)
+    np.savez(out_path, **results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
