@@ -261,6 +261,14 @@ def _work_items(cu_q_lens, num_seqs, num_rows, block: BlockSizes, max_items: int
     return seq, qblk, ends[-1:].astype(jnp.int32)
 
 
+def _compute_dtype(q_dtype, kv_dtype):
+    """Matmul operand dtype: the wider of q's and the cache's; an 8-bit (FP8) cache is upcast
+    to q's dtype in VMEM (FP8 K/V halve the pages' HBM bytes, the math stays bf16/f32)."""
+    if jnp.dtype(kv_dtype).itemsize == 1:
+        return jnp.dtype(q_dtype)
+    return jnp.promote_types(q_dtype, kv_dtype)
+
+
 def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, block, max_items,
                  compute_dtype, precision):
     ppb = block.kv_pages_per_block
@@ -470,7 +478,7 @@ def _pallas_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_
     item_seq, item_qblk, num_items = _work_items(cu_q_lens, num_seqs, num_rows, block, max_items)
     ppb = block.kv_pages_per_block
     rows = block.prefill_q_tokens * group
-    compute_dtype = jnp.promote_types(q.dtype, kv_pages.dtype)  # matmul operand dtype
+    compute_dtype = _compute_dtype(q.dtype, kv_pages.dtype)  # matmul operand dtype
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     kernel = _make_kernel(sm_scale=sm_scale, group=group, num_kv_heads=num_kv_heads,
                           page_size=page_size, pages_per_seq=pages_per_seq, block=block,

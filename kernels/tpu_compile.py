@@ -85,11 +85,13 @@ class MosaicKernel:
     name: the op name XLA records for the custom call.
     vmem_used_bytes: scoped VMEM the compiled kernel uses.
     vmem_limit_bytes: the scoped VMEM limit it was compiled under.
+    has_communication: the kernel talks to other devices (remote DMA, e.g. a reduce-scatter).
     """
 
     name: str
     vmem_used_bytes: int
     vmem_limit_bytes: int
+    has_communication: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,14 +137,16 @@ def mosaic_kernels(hlo: str) -> tuple[MosaicKernel, ...]:
             continue
         name = re.search(r'op_name="([^"]*)"', instr)
         used = limit = 0
+        comm = False
         at = instr.find("backend_config=")
         if at >= 0:
             cfg, _ = decoder.raw_decode(instr[at + len("backend_config="):])
+            comm = bool(cfg.get("custom_call_config", {}).get("has_communication", False))
             used = sum(int(c["size"]) for c in cfg.get("used_scoped_memory_configs", [])
                        if c.get("memory_space") == "1")
             limit = sum(int(c["size"]) for c in cfg.get("scoped_memory_configs", [])
                         if c.get("memory_space") == "1")
-        out.append(MosaicKernel(name.group(1) if name else "?", used, limit))
+        out.append(MosaicKernel(name.group(1) if name else "?", used, limit, comm))
     return tuple(out)
 
 

@@ -72,3 +72,33 @@ def compile_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = j
         return qwen3_5_moe.forward(params, cache, batch, cfg, impl)
 
     return compile_for_tpu(step, (params, cache, batch), mesh, donate_argnums=(1,))
+
+
+def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = jnp.bfloat16,
+                    fp8_experts: bool = False, kv_dtype: Any = jnp.bfloat16,
+                    state_dtype: Any = jnp.float32, impl: str = "pallas",
+                    num_microbatches: int = 2) -> CompileReport:
+    """Compile the DP x EP step (``parallel/dp_forward.py``) over every device of ``mesh``.
+
+    ``spec`` is per DP rank (bucket, pages and slots of one rank); the global arrays are the
+    ranks' concatenation, placed as DPForward places them. Memory figures are per device.
+    """
+    from sglang_tpu_backend.parallel.dp_forward import DPForward
+    from sglang_tpu_backend.parallel.mesh import EPContext
+
+    dp = DPForward(cfg, mesh, impl=impl, ep=EPContext(num_microbatches=num_microbatches))
+    D = dp.dp_size
+    shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
+    params = jax.tree.map(lambda s, p: abstract(s.shape, s.dtype, mesh, p), shapes,
+                          dp.param_specs(shapes))
+    glob = dataclasses.replace(spec, num_pages=spec.num_pages * D,
+                               num_state_slots=spec.num_state_slots * D)
+    cache = jax.eval_shape(lambda: qwen3_5_moe.init_cache(
+        cfg, num_pages=glob.num_pages, page_size=spec.page_size,
+        num_state_slots=glob.num_state_slots, kv_dtype=kv_dtype, state_dtype=state_dtype))
+    cache = jax.tree.map(lambda s, p: abstract(s.shape, s.dtype, mesh, p), cache,
+                         dp.cache_specs())
+    local = abstract_batch(spec, mesh)
+    batch = jax.tree.map(lambda a, p: abstract((a.shape[0] * D, *a.shape[1:]), a.dtype, mesh, p),
+                         local, dp.batch_specs(spec.mode))
+    return compile_for_tpu(dp._global_step, (params, cache, batch), mesh, donate_argnums=(1,))

@@ -13,7 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels import ragged_paged_attention as rpa
 
 # Max abs error allowed against the reference / numpy loop, per dtype.
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float8_e4m3fn: 2e-2}
 
 
 @dataclasses.dataclass
@@ -239,6 +239,9 @@ KERNEL_CASES = {
     "layer2_of_3_static_bf16": (Case([3, 1], [12, 40], num_layers=3, layer=2,
                                      dtype=jnp.bfloat16), None, True),
     "f32_q_bf16_cache": (Case([1, 6], [21, 2], kv_dtype=jnp.bfloat16), B(1, 4, 1), True),
+    # FP8 pages (half the KV bytes) are upcast to q's dtype in VMEM.
+    "bf16_q_fp8_cache": (Case([1, 6, 1], [21, 2, 40], dtype=jnp.bfloat16,
+                              kv_dtype=jnp.float8_e4m3fn), B(1, 4, 2), True),
 }
 
 

@@ -1,0 +1,71 @@
+"""The DP8 x EP8 step (parallel/dp_forward.py) compiled for one Ironwood host (tpu7x:2x2x1).
+
+An 8-layer Qwen3.5-397B slice (two scan groups of 3 GDN + 1 attention layers, all 512 experts
+split 64 per TensorCore in FP8, bf16 attention/GDN weights), 64 running requests per DP rank
+at 9K-token contexts, page 256. Asserts the MoE data flow the design calls for: per MoE layer
+of the scan body exactly one all-gather of routing metadata (top-k ids and weights packed into
+one int32 array), one all-gather of hidden states, and the Mosaic remote-DMA reduce-scatter
+kernel (no XLA reduce-scatter or all-reduce).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from kernels.tpu_compile import topology_devices
+from sglang_tpu_backend.config import model_config_from_dict
+from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
+from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
+from sglang_tpu_backend.parallel.mesh import make_mesh
+
+CONFIG_397B = (Path(__file__).resolve().parents[2] / "sglang_tpu_backend" / "assets" / "configs"
+               / "qwen3.5-397b-a17b.json")
+PAGES = 9216 // 256  # pages per request at 9K context
+
+
+def slice_397b(num_layers: int):
+    cfg = model_config_from_dict(json.loads(CONFIG_397B.read_text()))
+    return dataclasses.replace(cfg, num_hidden_layers=num_layers,
+                               layer_types=cfg.layer_types[:num_layers])
+
+
+def count(hlo: str, pattern: str) -> int:
+    return len(re.findall(pattern, hlo))
+
+
+def all_gathers(hlo: str) -> list[tuple[str, int]]:
+    """(dtype, element count) of every all-gather in compiled HLO text."""
+    out = []
+    for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(", hlo):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        out.append((dtype, n))
+    return out
+
+
+@pytest.mark.parametrize("mode,T", [(ForwardMode.DECODE, 64), (ForwardMode.MIXED, 256)],
+                         ids=["decode64", "mixed256"])
+def test_dp8_ep8_step_compiles_with_one_routing_all_gather_per_layer(record, mode, T):
+    cfg = slice_397b(8)
+    mesh = make_mesh(8, topology_devices("tpu7x:2x2x1"))
+    spec = StepSpec(mode, T, 64, 64, PAGES, 64 * PAGES, 256, 64)  # per DP rank
+    report = compile_dp_step(cfg, spec, mesh, fp8_experts=True, state_dtype=jnp.bfloat16)
+    record(f"DP8xEP8 397B slice (8 layers) {mode.name} T={T}/rank", report, min_kernels=5)
+    moe_layers_in_body = cfg.layer_period  # the scan body holds one group of layers
+    k2 = 2 * cfg.num_experts_per_tok
+    gathers = all_gathers(report.hlo)
+    routing = gathers.count(("s32", 8 * T * k2))  # ids and weight bits in one int32 array
+    hidden = gathers.count(("bf16", 8 * T * cfg.hidden_size))
+    assert routing == moe_layers_in_body and hidden == moe_layers_in_body, gathers
+    assert len(gathers) == 2 * moe_layers_in_body, gathers
+    reduce_scatters = [k for k in report.kernels if k.has_communication]
+    assert len(reduce_scatters) == moe_layers_in_body
+    for op in ("reduce-scatter", "all-reduce"):
+        assert count(report.hlo, rf" {op}(?:-start)?\(") == 0, op
