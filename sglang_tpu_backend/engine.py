@@ -4,6 +4,10 @@
 it, and yields output dicts that the scheduler thread pushes into a per-request
 ``asyncio.Queue`` through ``loop.call_soon_threadsafe``. Leaving the iterator early aborts
 the request and frees its KV pages and state slot at once.
+
+With ``--dp-size D`` the engine serves D data-parallel attention ranks: per-rank pools and
+limits (``ServerArgs`` says how the host totals split), the scheduler places each request on
+one rank, and the runner steps all ranks at once (``parallel/dp_forward.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from sglang_tpu_backend.constrained.grammar import GrammarBackend
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
 from sglang_tpu_backend.managers.schedule_batch import Req
 from sglang_tpu_backend.managers.scheduler import Scheduler
-from sglang_tpu_backend.mem_cache.page_pool import PagePool, pages_for
-from sglang_tpu_backend.mem_cache.state_pool import StatePool
+from sglang_tpu_backend.mem_cache.page_pool import pages_for
+from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_backend.server_args import ServerArgs
@@ -46,7 +50,8 @@ class Engine:
 
     def __init__(self, args: ServerArgs, *, start_loop: bool = True):
         """``start_loop=False`` leaves stepping to the caller (``step()``; benchmarks, tests)."""
-        from sglang_tpu_backend.loader import load_model
+        from sglang_tpu_backend.config import load_model_config
+        from sglang_tpu_backend.loader import load_params
         from sglang_tpu_backend.tokenizer import load_tokenizer
 
         if args.model_path is None:
@@ -56,7 +61,9 @@ class Engine:
         if args.tokenizer_path is None:
             args = dataclasses.replace(args, tokenizer_path=args.model_path)
         self.tokenizer = load_tokenizer(args.tokenizer_path)
-        cfg, params = load_model(args.model_path, dtype=DTYPES[args.dtype])
+        cfg = load_model_config(args.model_path)
+        args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
+        params = load_params(args.model_path, cfg, dtype=DTYPES[args.dtype])
         self.model_config = cfg
         cap = TPU_CONTEXT_CAP if jax.default_backend() == "tpu" else CPU_CONTEXT_CAP
         context_length = args.context_length or min(cfg.max_position_embeddings, cap)
@@ -65,22 +72,23 @@ class Engine:
             args, context_length=context_length, max_total_tokens=max_total,
             served_model_name=args.served_model_name or args.model_path,
         )
-        self.num_pages = max_total // args.page_size
+        dp = args.dp_size
+        self.num_pages_per_rank = max_total // (args.page_size * dp)
+        self.num_pages = self.num_pages_per_rank * dp  # all ranks
         self.eos_ids = frozenset(cfg.eos_token_ids) | (
             frozenset([self.tokenizer.eos_token_id]) if self.tokenizer.eos_token_id is not None else frozenset()
         )
-        self.page_pool = PagePool(self.num_pages, args.page_size)
-        self.state_pool = StatePool(args.max_running_requests)
-        self.scheduler = Scheduler(
-            self.page_pool, self.state_pool, max_running_requests=args.max_running_requests,
-            max_tokens_per_step=args.max_tokens_per_step,
-        )
+        running = args.max_running_requests_per_rank
+        self.pools = RankPools.per_rank(dp, num_pages=self.num_pages_per_rank,
+                                        page_size=args.page_size, num_slots=running)
+        self.scheduler = Scheduler(self.pools, max_running_requests=running,
+                                   max_tokens_per_step=args.max_tokens_per_step)
         self.runner = ModelRunner(
-            cfg, params, page_size=args.page_size, num_pages=self.num_pages,
-            num_state_slots=args.max_running_requests, max_running_requests=args.max_running_requests,
+            cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
+            num_state_slots=running, max_running_requests=running,
             max_tokens_per_step=args.max_tokens_per_step, context_length=context_length,
             kv_dtype=DTYPES[args.dtype], impl=args.kernel_impl,
-            max_top_logprobs_num=args.max_top_logprobs_num,
+            max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp,
         )
         self.grammar_backend = GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
         self._rng = random.Random(args.random_seed)
@@ -130,11 +138,12 @@ class Engine:
                     f"sampling_params.max_new_tokens ({max_new}) + prompt ({P} tokens) exceeds the "
                     f"context length ({ctx} tokens)",
                 )
-        if pages_for(P + max_new, self.args.page_size) > self.num_pages:
+        if pages_for(P + max_new, self.args.page_size) > self.num_pages_per_rank:
             raise InvalidRequestError(
                 "sampling_params.max_new_tokens",
                 f"sampling_params.max_new_tokens: prompt ({P}) + max_new_tokens ({max_new}) exceeds the "
-                f"KV cache capacity ({self.num_pages * self.args.page_size} tokens)",
+                f"KV cache capacity ({self.num_pages_per_rank * self.args.page_size} tokens"
+                + (" per DP rank)" if self.args.dp_size > 1 else ")"),
             )
         start = obj.logprob_start_len
         if start is None or start == -1 or start >= P:
@@ -235,6 +244,7 @@ class Engine:
         info.update({
             "num_retracted_reqs": stats["num_retracted_total"],
             "num_pages": self.num_pages,
+            "num_pages_per_rank": self.num_pages_per_rank,
             "warmup_seconds": self.warmup_seconds,
             "token_buckets": list(self.runner.token_buckets),
             "request_buckets": list(self.runner.req_buckets),
@@ -253,18 +263,23 @@ class Engine:
         return last is not None and last["meta_info"]["finish_reason"]["type"] != "abort"
 
     def pool_stats(self) -> dict:
+        """Pool usage summed over the DP ranks, and each rank's own under ``dp_ranks``."""
         with self._lock:
+            sched = self.scheduler
+            ranks = [dict(p.stats(), num_running=len(sched.running_on(k)),
+                          num_admitted_total=sched.num_admitted_per_rank[k])
+                     for k, p in enumerate(sched.pools)]
+            totals = {key: sum(r[key] for r in ranks) for key in
+                      ("kv_pages_used", "kv_pages_total", "state_slots_used", "state_slots_total")}
             return {
-                "kv_pages_used": self.page_pool.num_used,
-                "kv_pages_total": self.page_pool.num_pages,
-                "state_slots_used": self.state_pool.num_used,
-                "state_slots_total": self.state_pool.num_slots,
-                "num_running": self.scheduler.num_running,
-                "num_queued": self.scheduler.num_waiting,
-                "num_retracted_total": self.scheduler.num_retracted_total,
-                "num_aborted_total": self.scheduler.num_aborted_total,
-                "num_finished_total": self.scheduler.num_finished_total,
-                "token_usage": self.page_pool.num_used / self.page_pool.num_pages,
+                **totals,
+                "num_running": sched.num_running,
+                "num_queued": sched.num_waiting,
+                "num_retracted_total": sched.num_retracted_total,
+                "num_aborted_total": sched.num_aborted_total,
+                "num_finished_total": sched.num_finished_total,
+                "token_usage": totals["kv_pages_used"] / totals["kv_pages_total"],
+                "dp_ranks": ranks,
             }
 
     def shutdown(self) -> None:

@@ -62,7 +62,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(args)
+    from sglang_tpu_backend.engine import Engine
+
+    try:
+        engine = Engine(args)
+    except ValueError as e:  # a checkpoint or --dp-size/--ep-size that the host cannot serve
+        parser.error(str(e))
+    serve(args, engine)
 
 
 if __name__ == "__main__":

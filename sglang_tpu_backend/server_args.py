@@ -24,6 +24,15 @@ class ServerArgs:
     ``context_length`` -> the model's ``max_position_embeddings`` (capped at 32768),
     ``max_total_tokens`` -> ``max_running_requests * min(context_length, 1024)``,
     ``served_model_name`` -> ``model_path``.
+
+    Data-parallel attention (``--dp-size D --ep-size D``): each of D devices is a DP rank with
+    its own KV pages and GDN state slots, and the routed experts are split over the same D
+    devices. ``max_total_tokens`` and ``max_running_requests`` are host totals (SGLang's
+    meaning), split evenly: each rank gets ``max_total_tokens // (D * page_size)`` KV pages
+    and ``max_running_requests // D`` running requests (= its state slots). The step limits
+    hold per rank: ``chunked_prefill_size`` prefill tokens and ``max_tokens_per_step`` token
+    rows each. A request must fit in one rank's KV pages. ``--tp-size`` (tensor-parallel
+    attention) is not supported: only 1 is accepted.
     """
 
     model_path: str | None = None
@@ -37,6 +46,7 @@ class ServerArgs:
     context_length: int | None = None
     api_key: str | None = None
     enable_metrics: bool = False
+    tp_size: int = 1
     dp_size: int = 1
     ep_size: int = 1
     dtype: str = "bfloat16"
@@ -68,30 +78,54 @@ class ServerArgs:
         positive("stream_interval", self.stream_interval)
         positive("max_request_body_bytes", self.max_request_body_bytes)
         positive("max_top_logprobs_num", self.max_top_logprobs_num)
+        positive("tp_size", self.tp_size)
+        positive("dp_size", self.dp_size)
+        positive("ep_size", self.ep_size)
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
-        if self.dp_size != 1 or self.ep_size != 1:
+        if self.tp_size != 1:
             raise ValueError(
-                f"--dp-size {self.dp_size} / --ep-size {self.ep_size}: this engine runs one "
-                "data-parallel rank without expert parallelism; only --dp-size 1 --ep-size 1 "
-                "are supported"
-            )
+                f"--tp-size {self.tp_size}: tensor-parallel attention is not supported by the "
+                "engine; use --dp-size N --ep-size N (data-parallel attention ranks, experts "
+                "split over them)")
+        if self.ep_size != self.dp_size:
+            raise ValueError(
+                f"--ep-size {self.ep_size} with --dp-size {self.dp_size}: experts are split over "
+                "the DP ranks: --ep-size must equal --dp-size")
+        if self.max_running_requests < self.dp_size:
+            raise ValueError(
+                f"--max-running-requests {self.max_running_requests} is split over --dp-size "
+                f"{self.dp_size} ranks: it must be at least {self.dp_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kernel_impl not in KERNEL_IMPLS:
             raise ValueError(f"--kernel-impl must be one of {KERNEL_IMPLS}, got {self.kernel_impl!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
-        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * self.dp_size:
             raise ValueError(
                 f"--max-total-tokens {self.max_total_tokens} is smaller than one page "
-                f"(--page-size {self.page_size})"
+                f"(--page-size {self.page_size}) per DP rank (--dp-size {self.dp_size})"
             )
+
+    def check_devices(self, num_devices: int, num_experts: int) -> None:
+        """Raise ValueError naming the flag when the DP/EP sizes do not fit the host or model."""
+        if self.dp_size > num_devices:
+            raise ValueError(f"--dp-size {self.dp_size} needs {self.dp_size} devices, "
+                             f"{num_devices} visible")
+        if num_experts % self.ep_size:
+            raise ValueError(f"--ep-size {self.ep_size} must divide the model's {num_experts} "
+                             "routed experts")
+
+    @property
+    def max_running_requests_per_rank(self) -> int:
+        return self.max_running_requests // self.dp_size
 
     @property
     def max_tokens_per_step(self) -> int:
-        """Token rows one step may hold: a prefill chunk budget that always fits all decodes."""
-        return max(self.chunked_prefill_size, self.max_running_requests)
+        """Token rows one rank's step may hold: a prefill chunk budget that always fits all
+        of the rank's decodes."""
+        return max(self.chunked_prefill_size, self.max_running_requests_per_rank)
 
     # CLI ---------------------------------------------------------------------------------
     @staticmethod
@@ -111,8 +145,12 @@ class ServerArgs:
         a("--context-length", type=int, default=d.context_length)
         a("--api-key", type=str, default=d.api_key)
         a("--enable-metrics", action="store_true", default=d.enable_metrics)
-        a("--dp-size", type=int, default=d.dp_size)
-        a("--ep-size", type=int, default=d.ep_size)
+        a("--tp-size", type=int, default=d.tp_size,
+          help="tensor-parallel attention: not supported, only 1 (use --dp-size)")
+        a("--dp-size", type=int, default=d.dp_size,
+          help="data-parallel attention ranks, one per device (each with its own KV pool)")
+        a("--ep-size", type=int, default=d.ep_size,
+          help="expert-parallel ranks: must equal --dp-size (experts split over the DP ranks)")
         a("--dtype", type=str, default=d.dtype, choices=DTYPES)
         a("--kernel-impl", type=str, default=d.kernel_impl, choices=KERNEL_IMPLS)
         a("--random-seed", type=int, default=d.random_seed)

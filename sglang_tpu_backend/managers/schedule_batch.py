@@ -91,6 +91,7 @@ class Req:
         self.num_computed = 0
         self.pages: list[int] = []
         self.state_slot: int | None = None
+        self.dp_rank: int | None = None  # DP rank whose pools hold pages and state_slot
         self.finish_reason: dict | None = None
         self.num_retractions = 0
         self.detok = IncrementalDetokenizer(decode or (lambda ids: ""))
@@ -205,6 +206,7 @@ class ScheduledChunk:
     sample: whether to sample a token after this chunk.
     pages, state_slot: snapshots taken at scheduling time (an abort during the step may
     free the request's own lists; the pages are only reallocated at the next schedule).
+    dp_rank: the DP rank the chunk runs on; ``pages`` and ``state_slot`` are its local ids.
     """
 
     req: Req
@@ -214,6 +216,7 @@ class ScheduledChunk:
     logits: str
     pages: list[int] = dataclasses.field(default_factory=list)
     state_slot: int = 0
+    dp_rank: int = 0
 
 
 @dataclasses.dataclass

@@ -1,10 +1,14 @@
 """Continuous batching: which requests run in the next step, and bookkeeping of results.
 
-Plain Python (no JAX). One step holds at most ``max_tokens_per_step`` token rows:
-every decode-ready request contributes one token, prefill chunks fill what is left
-(chunked prefill), new requests are admitted while a state slot, ``max_running_requests``
-and KV pages allow. When decodes cannot get a KV page, the newest running requests are
-retracted: pages and slot freed, requeued at the front, re-prefilled later.
+Plain Python (no JAX). The scheduler serves ``dp_size`` data-parallel attention ranks (one
+with ``--dp-size 1``), each with its own KV page pool and GDN state-slot pool
+(``mem_cache/rank_pools.py``); all limits below hold per rank. One step holds at most
+``max_tokens_per_step`` token rows per rank: every decode-ready request contributes one token,
+prefill chunks fill what is left (chunked prefill), new requests are admitted while a state
+slot, ``max_running_requests`` and KV pages allow, each on the least-loaded rank that can take
+it (``managers/dp_placement.py``), where it stays. When decodes cannot get a KV page, the
+newest running requests of that rank are retracted: pages and slot freed, requeued at the
+front, re-prefilled later (possibly on another rank).
 """
 
 from __future__ import annotations
@@ -14,42 +18,47 @@ import logging
 import time
 from typing import Iterable
 
+from sglang_tpu_backend.managers.dp_placement import RankStep, pick_rank, rank_load
 from sglang_tpu_backend.managers.schedule_batch import (
     ChunkResult,
     Req,
     ScheduledBatch,
     ScheduledChunk,
 )
-from sglang_tpu_backend.mem_cache.page_pool import PagePool, pages_for
-from sglang_tpu_backend.mem_cache.state_pool import StatePool
+from sglang_tpu_backend.mem_cache.page_pool import pages_for
+from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list and the two pools."""
+    """Owns the waiting queue, the running list (all ranks, oldest first) and each rank's pools.
+
+    ``max_running_requests``, ``max_tokens_per_step`` and ``max_logits_rows`` (one row per
+    sampling request, one per prompt-logprob row) are per DP rank.
+    """
 
     def __init__(
         self,
-        page_pool: PagePool,
-        state_pool: StatePool,
+        pools: list[RankPools],
         *,
         max_running_requests: int,
         max_tokens_per_step: int,
         max_logits_rows: int | None = None,
     ):
-        self.page_pool = page_pool
-        self.state_pool = state_pool
-        self.max_running_requests = min(max_running_requests, state_pool.num_slots)
+        self.pools = pools
+        self.dp_size = len(pools)
+        self.max_running_requests = min(max_running_requests,
+                                        *(p.state_pool.num_slots for p in pools))
         self.max_tokens_per_step = max_tokens_per_step
-        # Logits rows per step (one per sampling request, one per prompt-logprob row).
         self.max_logits_rows = max_logits_rows or self.max_running_requests
         self.waiting: collections.deque[Req] = collections.deque()
         self.running: list[Req] = []
         self.num_retracted_total = 0
         self.num_finished_total = 0
         self.num_aborted_total = 0
+        self.num_admitted_per_rank = [0] * self.dp_size  # admissions (re-admissions count again)
 
     # Queue ---------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -62,6 +71,9 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def running_on(self, rank: int) -> list[Req]:
+        return [r for r in self.running if r.dp_rank == rank]
 
     def is_idle(self) -> bool:
         return not self.running and not self.waiting
@@ -82,32 +94,36 @@ class Scheduler:
                 return req
         return None
 
-    # Resources -----------------------------------------------------------------------
+    # Resources (in the pools of the request's rank) -----------------------------------
     def _ensure_pages(self, req: Req, num_tokens: int) -> bool:
-        need = pages_for(num_tokens, self.page_pool.page_size) - len(req.pages)
+        pool = self.pools[req.dp_rank].page_pool
+        need = pages_for(num_tokens, pool.page_size) - len(req.pages)
         if need <= 0:
             return True
-        if not self.page_pool.can_allocate(need):
+        if not pool.can_allocate(need):
             return False
-        req.pages.extend(self.page_pool.allocate(need))
+        req.pages.extend(pool.allocate(need))
         return True
 
-    def _tokens_that_fit(self, req: Req, n: int, reserve_pages: int = 0) -> int:
-        """Largest ``m <= n`` new tokens whose pages can be had, keeping ``reserve_pages`` free."""
-        page_size = self.page_pool.page_size
-        spare = max(0, self.page_pool.num_free - reserve_pages)
-        capacity = (len(req.pages) + spare) * page_size - req.num_computed
+    def _tokens_that_fit(self, req: Req, rank: int, n: int, reserve_pages: int = 0) -> int:
+        """Largest ``m <= n`` new tokens whose pages rank ``rank`` can give, keeping
+        ``reserve_pages`` free."""
+        pool = self.pools[rank].page_pool
+        spare = max(0, pool.num_free - reserve_pages)
+        capacity = (len(req.pages) + spare) * pool.page_size - req.num_computed
         return max(0, min(n, capacity))
 
     def _release(self, req: Req) -> None:
+        pools = self.pools[req.dp_rank] if req.dp_rank is not None else None
         if req.pages:
-            self.page_pool.free(req.pages)
+            pools.page_pool.free(req.pages)
             req.pages = []
         if req.state_slot is not None:
-            self.state_pool.free(req.state_slot)
+            pools.state_pool.free(req.state_slot)
             req.state_slot = None
         if req in self.running:
             self.running.remove(req)
+        req.dp_rank = None
 
     def _retract(self, req: Req) -> None:
         """Free everything the request holds and requeue it at the front to re-prefill."""
@@ -130,17 +146,20 @@ class Scheduler:
         else:
             logits = "none"
         return ScheduledChunk(req=req, start=start, num_tokens=n, sample=sample, logits=logits,
-                              pages=list(req.pages), state_slot=req.state_slot)
+                              pages=list(req.pages), state_slot=req.state_slot,
+                              dp_rank=req.dp_rank)
 
-    def _limit_rows(self, req: Req, n: int) -> int:
+    @staticmethod
+    def _limit_rows(req: Req, n: int, rows_left: int) -> int:
         """Shrink a prefill chunk that needs a logits row per token to the rows left."""
         if n > 0 and req.input_logprob_rows(req.num_computed, n):
-            return min(n, self._rows_left)
+            return min(n, rows_left)
         return n
 
-    def _prefill_chunk(self, req: Req, n: int) -> ScheduledChunk:
+    def _prefill_chunk(self, req: Req, n: int, step: RankStep) -> ScheduledChunk:
         chunk = self._chunk(req, n)
-        self._rows_left -= {"all": n, "last": 1, "none": 0}[chunk.logits]
+        step.budget -= n
+        step.rows_left -= {"all": n, "last": 1, "none": 0}[chunk.logits]
         return chunk
 
     def schedule(self) -> ScheduledBatch | None:
@@ -152,60 +171,73 @@ class Scheduler:
             if not self.running:
                 # Only possible right after retracting everything: now admission may proceed.
                 return self._try_schedule()
-            # Running requests exist but none could get pages: make room.
+            # Running requests exist but none could get pages: make room (newest request).
             self._retract(self.running[-1])
 
     def _try_schedule(self) -> ScheduledBatch | None:
         chunks: list[ScheduledChunk] = []
         retracted_before = self.num_retracted_total
-        # 1. Decodes, oldest first; retract the newest requests when pages run out.
+        # 1. Decodes, oldest first; retract the newest requests of the same rank when its
+        #    pages run out.
         for req in [r for r in self.running if r.is_decode_ready]:
             if req not in self.running:
                 continue  # retracted below for an older request
             while not self._ensure_pages(req, req.num_computed + 1):
-                victim = self.running[-1]
+                victim = self.running_on(req.dp_rank)[-1]
                 self._retract(victim)
                 if victim is req:
                     break
             else:
                 chunks.append(self._chunk(req, 1))
+        steps = [RankStep(self.max_tokens_per_step, self.max_logits_rows)
+                 for _ in range(self.dp_size)]
+        for c in chunks:
+            steps[c.dp_rank].budget -= 1
+            steps[c.dp_rank].rows_left -= 1
         num_decodes = len(chunks)
-        budget = self.max_tokens_per_step - num_decodes
-        self._rows_left = self.max_logits_rows - num_decodes
         # 2. Running requests in the middle of a (chunked) prefill.
         for req in self.running:
-            if budget <= 0 or self._rows_left <= 0:
-                break
-            if req.is_decode_ready or req.num_pending <= 0:
+            step = steps[req.dp_rank]
+            step.running += 1
+            if req.is_decode_ready:
+                step.reserve += 1  # admission keeps a page per running decode in reserve
+            if step.budget <= 0 or step.rows_left <= 0 or req.is_decode_ready or req.num_pending <= 0:
                 continue
-            n = self._limit_rows(req, self._tokens_that_fit(req, min(req.num_pending, budget)))
+            n = self._tokens_that_fit(req, req.dp_rank, min(req.num_pending, step.budget))
+            n = self._limit_rows(req, n, step.rows_left)
             if n > 0 and self._ensure_pages(req, req.num_computed + n):
-                chunks.append(self._prefill_chunk(req, n))
-                budget -= n
-        # 3. Admit waiting requests (FIFO), keeping a page per running decode in reserve.
-        reserve = sum(1 for r in self.running if r.is_decode_ready)
-        while (
-            self.waiting
-            and self.num_retracted_total == retracted_before  # no re-admission thrash
-            and budget > 0
-            and self._rows_left > 0
-            and len(self.running) < self.max_running_requests
-            and self.state_pool.can_allocate()
-        ):
+                chunks.append(self._prefill_chunk(req, n, step))
+        # 3. Admit waiting requests (FIFO), each on the least-loaded rank that can take it.
+        while self.waiting and self.num_retracted_total == retracted_before:  # no thrash
             req = self.waiting[0]
-            n = self._tokens_that_fit(req, min(req.num_pending, budget), reserve_pages=reserve)
-            n = self._limit_rows(req, n)
-            if n <= 0:
+            fits = {}  # rank -> tokens of the first chunk there
+            for k, step in enumerate(steps):
+                if (step.budget <= 0 or step.rows_left <= 0
+                        or step.running >= self.max_running_requests
+                        or not self.pools[k].state_pool.can_allocate()):
+                    continue
+                n = self._tokens_that_fit(req, k, min(req.num_pending, step.budget), step.reserve)
+                n = self._limit_rows(req, n, step.rows_left)
+                if n > 0:
+                    fits[k] = n
+            if not fits:
                 break
+            if len(fits) == 1:
+                k = next(iter(fits))
+            else:
+                k = pick_rank(list(fits), [rank_load(p, self.running_on(r))
+                                           for r, p in enumerate(self.pools)])
             self.waiting.popleft()
-            req.state_slot = self.state_pool.allocate()
+            req.dp_rank = k
+            req.state_slot = self.pools[k].state_pool.allocate()
             if req.admit_time is None:
                 req.admit_time = time.monotonic()
             self.running.append(req)
-            if not self._ensure_pages(req, req.num_computed + n):  # cannot fail: checked above
+            self.num_admitted_per_rank[k] += 1
+            steps[k].running += 1
+            if not self._ensure_pages(req, req.num_computed + fits[k]):  # checked above
                 raise RuntimeError("page accounting error")
-            chunks.append(self._prefill_chunk(req, n))
-            budget -= n
+            chunks.append(self._prefill_chunk(req, fits[k], steps[k]))
         if not chunks:
             return None
         if num_decodes == len(chunks):

@@ -8,6 +8,15 @@ Buckets (so steady-state serving never recompiles):
                  covering both the requests and the logits rows (the scheduler keeps logits
                  rows per step <= max_running_requests, chunking prompt-logprob prefills).
 The sampler compiles per R and per static top-logprob count (0 or max_top_logprobs_num).
+
+Data-parallel attention (``dp_size`` D > 1): the runner owns a ``parallel.DPForward``; params
+are sharded (experts split over the ranks), the caches hold ``num_pages`` pages and
+``num_state_slots`` slots per rank, and the limits above are per rank. A step builds one
+rank-local ForwardBatch per rank (ranks without work get an all-padding one) in one common
+bucket (T, R, L) and mode (DECODE only when every chunk is a decode, else MIXED: EXTEND
+steps run as MIXED). Logits come back as [D*L, V], rank r's rows at r*L .. r*L+L-1; the
+sampler runs on them with the ranks' sampling inputs concatenated ([D*R] rows), and its
+penalty state is indexed by the global slot ``rank * num_state_slots + slot``.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_backend.config import ModelConfig
-from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledBatch
+from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledBatch, ScheduledChunk
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -76,7 +85,11 @@ def _uses_penalties(sp: Any) -> bool:
 
 
 class ModelRunner:
-    """Device side of the engine. Not thread-safe: the scheduler thread alone calls it."""
+    """Device side of the engine. Not thread-safe: the scheduler thread alone calls it.
+
+    ``num_pages``, ``num_state_slots``, ``max_running_requests`` and ``max_tokens_per_step``
+    are per DP rank (the whole cache with ``dp_size == 1``).
+    """
 
     def __init__(
         self,
@@ -93,9 +106,9 @@ class ModelRunner:
         state_dtype: Any = jnp.float32,
         impl: str = "auto",
         max_top_logprobs_num: int = 20,
+        dp_size: int = 1,
     ):
         self.cfg = cfg
-        self.params = params
         self.page_size = page_size
         self.impl = impl
         self.vocab_size = cfg.vocab_size
@@ -106,15 +119,45 @@ class ModelRunner:
         self.extend_req_buckets = bucket_ladder(max_running_requests, factor=4)
         self.token_buckets = bucket_ladder(max(max_tokens_per_step, max_running_requests))
         self.step_limits = (max_running_requests, max_tokens_per_step)
-        self.cache = qwen3_5_moe.init_cache(
-            cfg, num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
-            kv_dtype=kv_dtype, state_dtype=state_dtype,
-        )
-        self.counts = jnp.zeros((num_state_slots, cfg.vocab_size), jnp.int32)  # i32[S, V]
-        self.prompt_mask = jnp.zeros((num_state_slots, cfg.vocab_size), jnp.bool_)  # bool[S, V]
+        self.num_state_slots = num_state_slots  # per rank
+        S = dp_size * num_state_slots  # penalty-state rows: one per global slot
+        self.counts = jnp.zeros((S, cfg.vocab_size), jnp.int32)  # i32[S, V]
+        self.prompt_mask = jnp.zeros((S, cfg.vocab_size), jnp.bool_)  # bool[S, V]
+        self.dp = None
+        if dp_size == 1:
+            self.params = params
+            self.cache = qwen3_5_moe.init_cache(
+                cfg, num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
+                kv_dtype=kv_dtype, state_dtype=state_dtype,
+            )
+        else:
+            self._init_dp(params, dp_size, num_pages=num_pages, num_state_slots=num_state_slots,
+                          kv_dtype=kv_dtype, state_dtype=state_dtype)
         # One module-level jit (static cfg/impl, cache donated): runners of equal shapes share
         # compilations.
         self._forward = qwen3_5_moe.forward_jit
+
+    def _init_dp(self, params, dp_size: int, *, num_pages: int, num_state_slots: int,
+                 kv_dtype, state_dtype) -> None:
+        """DPForward over the first ``dp_size`` devices; sharded params, per-rank caches and
+        the penalty state split by slot (rank r's slots on rank r's device)."""
+        from jax.sharding import NamedSharding
+
+        from sglang_tpu_backend.parallel.dp_forward import DPForward
+        from sglang_tpu_backend.parallel.mesh import make_mesh, rank_spec
+
+        self.dp = DPForward(self.cfg, make_mesh(dp_size), impl=self.impl)
+        self.params = self.dp.shard_params(params)
+        self.cache = self.dp.init_cache(num_pages=num_pages, page_size=self.page_size,
+                                        num_state_slots=num_state_slots, kv_dtype=kv_dtype,
+                                        state_dtype=state_dtype)
+        by_slot = NamedSharding(self.dp.mesh, rank_spec(self.dp.ep, 0))
+        self.counts = jax.device_put(self.counts, by_slot)
+        self.prompt_mask = jax.device_put(self.prompt_mask, by_slot)
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.dp is None else self.dp.dp_size
 
     # Shapes ---------------------------------------------------------------------------
     def shapes_for(self, kind: ForwardMode, num_tokens: int, num_reqs: int, num_rows: int) -> tuple[int, int, int]:
@@ -127,8 +170,12 @@ class ModelRunner:
         return t, r, r
 
     def all_shapes(self) -> list[tuple[ForwardMode, int, int, int]]:
-        """Every (kind, T, R, L) variant serving can produce (what warmup compiles)."""
-        return step_shapes(*self.step_limits)
+        """Every (kind, T, R, L) variant serving can produce (what warmup compiles); with DP
+        ranks (T, R, L) are per rank and EXTEND steps run as MIXED."""
+        shapes = step_shapes(*self.step_limits)
+        if self.dp is None:
+            return shapes
+        return [s for s in shapes if s[0] != ForwardMode.EXTEND]
 
     # Step -----------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch) -> jax.Array:
@@ -136,24 +183,70 @@ class ModelRunner:
         logits, self.cache = self._forward(self.params, self.cache, fb, cfg=self.cfg, impl=self.impl)
         return logits
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, sampler.SamplingInputs, list[np.ndarray], int]:
-        """Numpy ForwardBatch + SamplingInputs for a step, the logits rows of each chunk, and K."""
+    def forward_dp(self, fbs: list[ForwardBatch]) -> jax.Array:
+        """The DP step over one batch per rank; updates the cache (donated). f32[D*L, V]."""
+        logits, self.cache = self.dp(self.params, self.cache, self.dp.put_batch(fbs))
+        return logits
+
+    def _rank_batch(self, chunks: list[ScheduledChunk], mode: ForwardMode, T: int, R: int, L: int
+                    ) -> tuple[ForwardBatch, list[np.ndarray]]:
+        """Numpy ForwardBatch of one rank's chunks in bucket (T, R, L), and each chunk's
+        logits rows."""
         seq_chunks = []
-        for c in batch.chunks:
+        for c in chunks:
             ids = c.req.fill_ids[c.start:c.start + c.num_tokens]
             seq_chunks.append(SeqChunk(ids, c.start, c.pages, c.state_slot, c.logits))
-        num_rows = sum({"all": c.num_tokens, "last": 1, "none": 0}[c.logits] for c in batch.chunks)
-        T, R, L = self.shapes_for(batch.kind, batch.num_tokens, len(batch.chunks), num_rows)
-        fb, rows = build_forward_batch(
-            seq_chunks, page_size=self.page_size, mode=batch.kind, num_tokens=T,
+        return build_forward_batch(
+            seq_chunks, page_size=self.page_size, mode=mode, num_tokens=T,
             num_seqs=R, pages_per_seq=self.pages_per_seq, num_logits=L,
         )
-        want_lp = any(c.req.return_logprob for c in batch.chunks)
-        K = self.max_top_logprobs_num if want_lp else 0
-        inp = self._sampling_inputs(batch, rows, R, L)
-        return fb, inp, rows, K
 
-    def _sampling_inputs(self, batch: ScheduledBatch, rows: list[np.ndarray], R: int, L: int) -> sampler.SamplingInputs:
+    @staticmethod
+    def _num_rows(chunks: list[ScheduledChunk]) -> int:
+        return sum({"all": c.num_tokens, "last": 1, "none": 0}[c.logits] for c in chunks)
+
+    def _top_k(self, batch: ScheduledBatch) -> int:
+        want_lp = any(c.req.return_logprob for c in batch.chunks)
+        return self.max_top_logprobs_num if want_lp else 0
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, sampler.SamplingInputs, list[np.ndarray], int]:
+        """Numpy ForwardBatch + SamplingInputs for a step, the logits rows of each chunk, and K."""
+        num_rows = self._num_rows(batch.chunks)
+        T, R, L = self.shapes_for(batch.kind, batch.num_tokens, len(batch.chunks), num_rows)
+        fb, rows = self._rank_batch(batch.chunks, batch.kind, T, R, L)
+        inp = self._sampling_inputs(batch.chunks, rows, R, L)
+        return fb, inp, rows, self._top_k(batch)
+
+    def prepare_dp(self, batch: ScheduledBatch
+                   ) -> tuple[list[ForwardBatch], sampler.SamplingInputs, list[np.ndarray], list[int], int]:
+        """One rank-local ForwardBatch per DP rank (common bucket and mode), the concatenated
+        SamplingInputs ([D*R] rows), each chunk's global logits rows and sampling row, and K."""
+        D = self.dp.dp_size
+        per_rank: list[list[ScheduledChunk]] = [[] for _ in range(D)]
+        where = []  # (rank, index within the rank) of each chunk
+        for c in batch.chunks:
+            where.append((c.dp_rank, len(per_rank[c.dp_rank])))
+            per_rank[c.dp_rank].append(c)
+        mode = ForwardMode.DECODE if batch.kind == ForwardMode.DECODE else ForwardMode.MIXED
+        T, R, L = self.shapes_for(
+            mode, max(sum(c.num_tokens for c in cs) for cs in per_rank),
+            max(len(cs) for cs in per_rank), max(self._num_rows(cs) for cs in per_rank))
+        fbs, rank_rows, inps = [], [], []
+        for k, chunks in enumerate(per_rank):
+            fb, rows = self._rank_batch(chunks, mode, T, R, L)
+            fbs.append(fb)
+            rank_rows.append(rows)
+            inps.append(self._sampling_inputs(chunks, rows, R, L, row_offset=k * L,
+                                              slot_offset=k * self.num_state_slots))
+        inp = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *inps)
+        rows = [rank_rows[k][j] + k * L for k, j in where]
+        sample_idx = [k * R + j for k, j in where]
+        return fbs, inp, rows, sample_idx, self._top_k(batch)
+
+    def _sampling_inputs(self, chunks: list[ScheduledChunk], rows: list[np.ndarray], R: int, L: int,
+                         row_offset: int = 0, slot_offset: int = 0) -> sampler.SamplingInputs:
+        """Sampling inputs of one rank's chunks; ``row_offset`` / ``slot_offset`` place the
+        rank's logits rows and penalty-state rows in the global [D*L] / [D*S] layout."""
         f32 = lambda v: np.full(R, v, np.float32)  # noqa: E731
         sample_rows = np.zeros(R, np.int32)
         valid = np.zeros(R, np.bool_)
@@ -166,16 +259,16 @@ class ModelRunner:
         slot = np.zeros(R, np.int32)
         bitmask = np.full((R, self.num_words), -1, np.int32)
         target_ids = np.zeros(L, np.int32)
-        for i, (c, r) in enumerate(zip(batch.chunks, rows)):
+        for i, (c, r) in enumerate(zip(chunks, rows)):
             req, sp = c.req, c.req.sampling
-            slot[i] = c.state_slot
+            slot[i] = c.state_slot + slot_offset
             if c.logits == "all":
                 fill = req.fill_ids
                 nxt = [fill[p + 1] if p + 1 < len(fill) else 0 for p in range(c.start, c.start + c.num_tokens)]
                 target_ids[r] = nxt
             if not c.sample:
                 continue
-            sample_rows[i] = r[-1]
+            sample_rows[i] = r[-1] + row_offset
             valid[i] = True
             temperature[i] = sp.temperature
             top_p[i], top_k[i], min_p[i] = sp.top_p, sp.top_k_or_off, sp.min_p
@@ -207,8 +300,9 @@ class ModelRunner:
             p[: len(req.prompt_ids)] = req.prompt_ids
             o = np.full(b, self.vocab_size, np.int32)
             o[: len(req.output_ids)] = req.output_ids
+            slot = c.dp_rank * self.num_state_slots + c.state_slot  # global slot
             self.counts, self.prompt_mask = sampler.reset_penalty_rows_jit(
-                self.counts, self.prompt_mask, np.int32(c.state_slot), p, o
+                self.counts, self.prompt_mask, np.int32(slot), p, o
             )
 
     def sample(self, logits: jax.Array, inp: sampler.SamplingInputs, K: int) -> dict[str, np.ndarray]:
@@ -219,11 +313,16 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[ChunkResult]:
         """Run one step: forward, sample, and split the outputs per chunk."""
         self._reset_penalties(batch)
-        fb, inp, rows, K = self.prepare(batch)
-        logits = self.forward(fb)
+        if self.dp is None:
+            fb, inp, rows, K = self.prepare(batch)
+            sample_idx = range(len(batch.chunks))
+            logits = self.forward(fb)
+        else:
+            fbs, inp, rows, sample_idx, K = self.prepare_dp(batch)
+            logits = self.forward_dp(fbs)
         out = self.sample(logits, inp, K)
         results = []
-        for i, (c, r) in enumerate(zip(batch.chunks, rows)):
+        for i, c, r in zip(sample_idx, batch.chunks, rows):
             req = c.req
             res = ChunkResult()
             n_top = req.top_logprobs_num
@@ -271,9 +370,13 @@ class ModelRunner:
 
         shapes = self.all_shapes()
         t0 = time.perf_counter()
+        D = self.dp_size
         for kind, T, R, L in tqdm(shapes, desc="warmup (compile)", disable=not progress):
-            logits = self.forward(self.dummy_batch(kind, T, R, L))
-            inp = self.dummy_sampling_inputs(R, L)
+            if self.dp is None:
+                logits = self.forward(self.dummy_batch(kind, T, R, L))
+            else:
+                logits = self.forward_dp([self.dummy_batch(kind, T, R, L)] * D)
+            inp = self.dummy_sampling_inputs(D * R, D * L)
             self.sample(logits, inp, 0)
             self.sample(logits, inp, self.max_top_logprobs_num)
         jax.block_until_ready(self.cache)

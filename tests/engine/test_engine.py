@@ -71,17 +71,18 @@ def test_retraction_with_small_kv_pool_keeps_outputs(clean_engine):
     objs = [greedy(p, 24, ignore_eos=True) for p in prompts]
     alone = [collect(eng, o)[-1]["output_ids"] for o in objs]
     # Serve from a 14-page (224-token) subset of the KV cache: 12 requests need ~36 pages.
-    big_pool = eng.page_pool
+    pools = eng.scheduler.pools[0]
+    big_pool = pools.page_pool
     small = PagePool(14, eng.args.page_size)
     before = eng.pool_stats()["num_retracted_total"]
     with eng._lock:
-        eng.page_pool = eng.scheduler.page_pool = small
+        pools.page_pool = small
     try:
         batched = asyncio.run(run_all(eng, [greedy(p, 24, ignore_eos=True) for p in prompts]))
         assert small.num_used == 0
     finally:
         with eng._lock:
-            eng.page_pool = eng.scheduler.page_pool = big_pool
+            pools.page_pool = big_pool
     assert eng.pool_stats()["num_retracted_total"] > before
     assert [b["output_ids"] for b in batched] == alone
 

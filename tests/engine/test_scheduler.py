@@ -16,6 +16,7 @@ from sglang_tpu_backend.managers.schedule_batch import ChunkResult, IncrementalD
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 from sglang_tpu_backend.managers.scheduler import Scheduler
 from sglang_tpu_backend.mem_cache.page_pool import PagePool, pages_for
+from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.mem_cache.state_pool import StatePool
 from sglang_tpu_backend.sampling.sampling_params import SamplingParams
 
@@ -33,22 +34,24 @@ def next_token(seq: list[int]) -> int:
 class FakeModel:
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self.seen: dict[int, list[int]] = {}
+        self.seen: dict[tuple[int, int], list[int]] = {}  # (dp_rank, state slot) -> tokens
         self.steps: list = []
 
     def run(self, batch) -> list[ChunkResult]:
         self.steps.append(batch)
-        used_pages: set[int] = set()
+        used_pages: set[tuple[int, int]] = set()  # (dp_rank, page)
         out = []
         for c in batch.chunks:
             req = c.req
             assert c.start == req.num_computed
             assert len(c.pages) * self.page_size >= c.start + c.num_tokens  # pages cover the KV
-            assert not used_pages & set(c.pages), "two requests share a page"
-            used_pages |= set(c.pages)
+            assert c.dp_rank == req.dp_rank
+            pages = {(c.dp_rank, p) for p in c.pages}
+            assert not used_pages & pages, "two requests share a page"
+            used_pages |= pages
             if c.start == 0:
-                self.seen[c.state_slot] = []
-            seen = self.seen[c.state_slot]
+                self.seen[c.dp_rank, c.state_slot] = []
+            seen = self.seen[c.dp_rank, c.state_slot]
             assert len(seen) == c.start, "state slot does not hold the request's context"
             seen.extend(req.fill_ids[c.start:c.start + c.num_tokens])
             res = ChunkResult()
@@ -82,16 +85,24 @@ def drive(sched: Scheduler, model: FakeModel, max_steps=10_000):
         if batch is None:
             assert sched.is_idle()
             return finished
-        assert batch.num_tokens <= sched.max_tokens_per_step
-        assert len(sched.running) <= sched.max_running_requests
+        for k in range(sched.dp_size):  # per-rank limits
+            assert sum(c.num_tokens for c in batch.chunks if c.dp_rank == k) <= sched.max_tokens_per_step
+            assert len(sched.running_on(k)) <= sched.max_running_requests
         touched = sched.process_result(batch, model.run(batch))
         finished += [r for r in touched if r.finished]
     raise AssertionError("scheduler did not drain")
 
 
-def make_sched(num_pages, page_size=4, max_running=8, step_tokens=32):
-    return Scheduler(PagePool(num_pages, page_size), StatePool(max_running),
-                     max_running_requests=max_running, max_tokens_per_step=step_tokens)
+def make_sched(num_pages, page_size=4, max_running=8, step_tokens=32, dp_size=1):
+    """Pools and limits per rank."""
+    pools = RankPools.per_rank(dp_size, num_pages=num_pages, page_size=page_size, num_slots=max_running)
+    return Scheduler(pools, max_running_requests=max_running, max_tokens_per_step=step_tokens)
+
+
+def used(sched, rank=0) -> tuple[int, int]:
+    """(KV pages, state slots) in use on one rank."""
+    p = sched.pools[rank]
+    return p.page_pool.num_used, p.state_pool.num_used
 
 
 def test_page_pool_accounting():
@@ -135,7 +146,7 @@ def test_all_requests_complete_with_reference_outputs_and_pools_empty():
     for r in reqs:
         assert r.output_ids == reference(r.prompt_ids, r.max_new_tokens), r.rid
         assert r.finish_reason == {"type": "length", "length": r.max_new_tokens}
-    assert sched.page_pool.num_used == 0 and sched.state_pool.num_used == 0
+    assert used(sched) == (0, 0)
     kinds = {b.kind for b in model.steps}
     assert kinds == {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED}
     for b in model.steps:  # mode labels match content
@@ -159,7 +170,7 @@ def test_retraction_keeps_outputs_and_frees_everything():
     assert sched.num_retracted_total > 0
     for r in reqs:
         assert r.output_ids == reference(r.prompt_ids, r.max_new_tokens), r.rid
-    assert sched.page_pool.num_used == 0 and sched.state_pool.num_used == 0
+    assert used(sched) == (0, 0)
 
 
 def test_max_running_and_abort_frees_at_once():
@@ -174,10 +185,10 @@ def test_max_running_and_abort_frees_at_once():
     assert sched.abort("r0") is reqs[0] and reqs[0].finish_reason["type"] == "abort"
     assert sched.abort("r3") is reqs[3]  # from the queue
     assert sched.abort("nope") is None
-    assert sched.state_pool.num_used == 1 and sched.page_pool.num_used == 1
+    assert used(sched) == (1, 1)
     drive(sched, model)
     assert reqs[1].output_ids == reference([11, 12, 13], 50)
-    assert sched.page_pool.num_used == 0 and sched.state_pool.num_used == 0
+    assert used(sched) == (0, 0)
 
 
 def test_abort_while_step_in_flight_drops_its_result():
@@ -189,7 +200,7 @@ def test_abort_while_step_in_flight_drops_its_result():
     results = model.run(batch)
     sched.abort("a")
     assert sched.process_result(batch, results) == [] and req.output_ids == []
-    assert sched.page_pool.num_used == 0 and sched.is_idle()
+    assert used(sched) == (0, 0) and sched.is_idle()
 
 
 def test_finish_on_eos_stop_ids_min_new_and_ignore_eos():
@@ -265,7 +276,7 @@ def test_prompt_only_request_finishes_after_prefill():
     sched.add_request(req)
     drive(sched, model)
     assert req.output_ids == [] and req.finish_reason == {"type": "length", "length": 0}
-    assert sched.page_pool.num_used == 0
+    assert used(sched) == (0, 0)
 
 
 @pytest.mark.parametrize("field,value", [
@@ -291,3 +302,101 @@ def test_sampling_params_nulls_types_and_unknown_keys():
     assert e.value.field == "sampling_params.max_new_tokens"
     with pytest.raises(InvalidRequestError):
         SamplingParams.from_dict({"regex": "a", "json_schema": "{}"}).validate()
+
+
+# Data-parallel attention ranks ---------------------------------------------------------------
+def placements(sched) -> dict[str, int]:
+    return {r.rid: r.dp_rank for r in sched.running}
+
+
+def test_dp_placement_balances_load_ties_to_lowest_rank():
+    sched = make_sched(num_pages=100, dp_size=4, max_running=4, step_tokens=64)
+    lens = {"a": 30, "b": 5, "c": 5, "d": 5, "e": 5, "f": 5, "g": 20}
+    for rid, n in lens.items():
+        sched.add_request(make_req(rid, [11] * n, 4))
+    batch = sched.schedule()
+    # a..d fill the empty ranks in order; then the least-loaded rank (ties: lowest) takes the next.
+    assert placements(sched) == {"a": 0, "b": 1, "c": 2, "d": 3, "e": 1, "f": 2, "g": 3}
+    assert {c.req.rid: c.dp_rank for c in batch.chunks} == placements(sched)
+    assert sched.num_admitted_per_rank == [1, 2, 2, 2]
+
+
+def test_dp_rank_at_running_limit_is_skipped():
+    sched = make_sched(num_pages=100, dp_size=2, max_running=2, step_tokens=64)
+    for rid, n in [("a", 1), ("b", 40), ("c", 1), ("d", 1), ("e", 1)]:
+        sched.add_request(make_req(rid, [11] * n, 4))
+    sched.schedule()
+    # Rank 0 is far less loaded, but after a and c it holds its 2 running requests.
+    assert placements(sched) == {"a": 0, "b": 1, "c": 0, "d": 1}
+    assert [r.rid for r in sched.waiting] == ["e"]
+
+
+def test_dp_token_budget_is_per_rank():
+    sched = make_sched(num_pages=100, dp_size=2, max_running=4, step_tokens=16)
+    for rid in "abc":
+        sched.add_request(make_req(rid, [11] * 16, 2))
+    batch = sched.schedule()
+    # Each rank's step holds 16 token rows: a fills rank 0, b rank 1, c waits.
+    assert [(c.req.rid, c.dp_rank, c.num_tokens) for c in batch.chunks] == [("a", 0, 16), ("b", 1, 16)]
+    assert sched.num_waiting == 1
+
+
+def test_dp_idle_ranks_get_nothing():
+    sched = make_sched(num_pages=100, dp_size=4)
+    model = FakeModel(4)
+    reqs = [make_req(f"r{i}", [11, 12 + i], 3) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    drive(sched, model)
+    assert sched.num_admitted_per_rank == [1, 1, 0, 0]
+    assert all({c.dp_rank for c in b.chunks} <= {0, 1} for b in model.steps)
+    assert all(used(sched, k) == (0, 0) for k in range(4))
+
+
+def test_dp_abort_frees_only_its_ranks_pools():
+    sched = make_sched(num_pages=100, dp_size=2)
+    model = FakeModel(4)
+    for i in range(4):
+        sched.add_request(make_req(f"r{i}", [11] * (5 + i), 20))
+    batch = sched.schedule()
+    sched.process_result(batch, model.run(batch))
+    victim = next(r for r in sched.running if r.dp_rank == 1)
+    before = [used(sched, k) for k in range(2)]
+    n_pages = len(victim.pages)
+    assert sched.abort(victim.rid) is victim
+    assert used(sched, 0) == before[0]
+    assert used(sched, 1) == (before[1][0] - n_pages, before[1][1] - 1)
+    drive(sched, model)
+    assert all(used(sched, k) == (0, 0) for k in range(2))
+
+
+def test_dp_retraction_frees_only_its_ranks_pools_and_keeps_outputs():
+    rng = random.Random(3)
+    sched = make_sched(num_pages=8, page_size=4, max_running=4, step_tokens=16, dp_size=3)
+    model = FakeModel(4)
+    retractions = []
+    real_retract = sched._retract
+
+    def recording_retract(req):
+        rank, before = req.dp_rank, [used(sched, k) for k in range(3)]
+        real_retract(req)
+        after = [used(sched, k) for k in range(3)]
+        retractions.append((rank, before, after))
+
+    sched._retract = recording_retract
+    reqs = [make_req(f"r{i}", [rng.randrange(10, V) for _ in range(rng.randint(2, 10))],
+                     rng.randint(8, 20)) for i in range(15)]
+    for r in reqs:
+        sched.add_request(r)
+    drive(sched, model)
+    assert retractions
+    for rank, before, after in retractions:
+        for k in range(3):
+            if k == rank:
+                assert after[k][0] <= before[k][0] and after[k][1] == before[k][1] - 1
+            else:
+                assert after[k] == before[k]
+    for r in reqs:
+        assert r.output_ids == reference(r.prompt_ids, r.max_new_tokens), r.rid
+    assert min(sched.num_admitted_per_rank) > 0
+    assert all(used(sched, k) == (0, 0) for k in range(3))

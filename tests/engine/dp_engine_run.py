@@ -1,0 +1,92 @@
+"""An Engine with --dp-size 8 --ep-size 8 on 8 CPU devices vs --dp-size 1 (run as a script).
+
+Run by tests/engine/test_dp_engine.py in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (fixed before jax starts). Both engines
+serve the same 24 concurrent greedy requests of varied prompt lengths (some with penalties,
+whose state is indexed by global slot); writes JSON: outputs of both, the DP runner's step
+shapes and warm-up shapes, and the final pool stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+
+import jax
+
+from sglang_tpu_backend.engine import Engine
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.server_args import ServerArgs
+
+ARGS = dict(max_running_requests=32, chunked_prefill_size=32, context_length=128, page_size=16,
+            dtype="float32", random_seed=0)
+NUM_REQUESTS, MAX_NEW = 24, 8
+
+
+def requests() -> list[GenerateReqInput]:
+    rng = random.Random(0)
+    out = []
+    for i in range(NUM_REQUESTS):
+        ids = [rng.randrange(3, 1000) for _ in range(rng.randint(1, 60))]
+        sp = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+        if i % 6 == 1:
+            sp.update(frequency_penalty=0.5, repetition_penalty=1.3)
+        out.append(GenerateReqInput(input_ids=ids, sampling_params=sp))
+    return out
+
+
+def wait_idle(engine, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine.pool_stats()
+        if s["num_running"] == 0 and s["kv_pages_used"] == 0 or time.monotonic() > deadline:
+            return s
+
+
+def serve(engine) -> list[list[int]]:
+    async def one(obj):
+        return [o async for o in engine.generate(obj)][-1]
+
+    async def run_all():
+        return await asyncio.gather(*(one(o) for o in requests()))
+
+    return [o["output_ids"] for o in asyncio.run(run_all())]
+
+
+def main(out_path: str) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    result = {}
+    dp = Engine(ServerArgs(dp_size=8, ep_size=8, **ARGS))  # warms up the DP step shapes
+    seen = []
+    real_forward_dp = dp.runner.forward_dp
+
+    def recording_forward_dp(fbs):
+        fb = fbs[0]
+        seen.append((fb.mode.name, fb.input_ids.shape[0], fb.kv_lens.shape[0],
+                     fb.logits_indices.shape[0]))
+        return real_forward_dp(fbs)
+
+    dp.runner.forward_dp = recording_forward_dp
+    t0 = time.perf_counter()
+    result["dp_outputs"] = serve(dp)
+    result["dp_serve_seconds"] = time.perf_counter() - t0
+    result["dp_stats"] = wait_idle(dp)
+    result["dp_server_info_keys"] = sorted(dp.get_server_info())
+    result["dp_step_shapes"] = sorted(set(seen))
+    result["dp_warm_shapes"] = [(m.name, T, R, L) for m, T, R, L in dp.runner.all_shapes()]
+    result["dp_warmup_seconds"] = dp.warmup_seconds
+    dp.shutdown()
+
+    single = Engine(ServerArgs(skip_warmup=True, **ARGS))
+    result["ref_outputs"] = serve(single)
+    result["ref_stats"] = wait_idle(single)
+    single.shutdown()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
