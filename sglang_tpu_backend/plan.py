@@ -305,9 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     for flag, choices in DTYPE_FLAGS.items():
         ap.add_argument(flag, default=choices[0], choices=choices)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--compile", action="store_true",
+                    help="also compile the DP x EP step for the topology with libtpu and print "
+                         "the compiler's memory_analysis() and cost_analysis() per device")
+    ap.add_argument("--layers", type=int,
+                    help="with --compile: plan and compile only the first N layers")
     a = ap.parse_args(argv)
     try:
-        p = plan(_load(a.model_config), a.topology, dp=a.dp, ep=a.ep, tp=a.tp,
+        cfg = _load(a.model_config)
+        if a.layers:
+            cfg = dataclasses.replace(cfg, num_hidden_layers=a.layers,
+                                      layer_types=cfg.layer_types[:a.layers])
+        p = plan(cfg, a.topology, dp=a.dp, ep=a.ep, tp=a.tp,
                  running_requests=a.max_running_requests, context_len=a.context_len,
                  page_size=a.page_size, expert_dtype=a.expert_dtype, dtype=a.dtype,
                  kv_dtype=a.kv_dtype, state_dtype=a.state_dtype,
@@ -315,6 +324,46 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # ConfigError is a ValueError
         ap.error(str(e))
     print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))
+    if a.compile:
+        if p.tp != 1:
+            ap.error("--compile: only the DP x EP step (--tp 1) is compiled")
+        return compile_and_compare(cfg, p, a)
+    return 0
+
+
+def compile_and_compare(cfg: ModelConfig, p: MemoryPlan, a) -> int:
+    """Compile the decode step of the plan (``r`` requests per DP rank) and print the
+    compiler's figures per device beside the planner's estimate."""
+    import jax.numpy as jnp
+
+    from kernels.tpu_compile import topology_devices
+    from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
+    from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
+    from sglang_tpu_backend.parallel.mesh import make_mesh
+
+    jdt = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16, "fp32": jnp.float32}
+    r = p.requests_per_device
+    pages = -(-p.context_len // p.page_size)
+    spec = StepSpec(ForwardMode.DECODE, r, r, r, pages, r * pages, p.page_size, r)
+    mesh = make_mesh(p.dp, topology_devices(p.topology))
+    try:
+        rep = compile_dp_step(cfg, spec, mesh, fp8_experts=a.expert_dtype == "fp8",
+                              kv_dtype=jdt[a.kv_dtype], state_dtype=jdt[a.state_dtype])
+    except Exception as e:  # XLA:TPU refuses programs that do not fit: report, do not crash
+        print(f"compile failed: {str(e).splitlines()[0]}")
+        return 1
+    gib = 2.0**30
+    used = rep.memory["argument_size_in_bytes"] + rep.memory["temp_size_in_bytes"]
+    print(f"compiled decode step, {r} requests per DP rank: {rep.seconds:.1f} s")
+    print(f"  compiler per device: arguments {rep.memory['argument_size_in_bytes'] / gib:.2f} GiB"
+          f" + temp {rep.memory['temp_size_in_bytes'] / gib:.2f} GiB = {used / gib:.2f} GiB")
+    print(f"  planner per device:  {p.total / gib:.2f} GiB "
+          f"(compiler / planner = {used / p.total:.3f}); HBM {p.hbm / gib:.2f} GiB")
+    c = rep.cost
+    est = c.get("optimal_seconds", -1.0)  # XLA reports a negative time when it cannot estimate
+    est = f"{est * 1e3:.2f} ms per step" if est > 0 else "n/a (custom calls)"
+    print(f"  cost_analysis: {c.get('flops', 0) / 1e12:.3f} TFLOP, "
+          f"{c.get('bytes accessed', 0) / 1e9:.2f} GB accessed, XLA time estimate {est}")
     return 0
 
 

@@ -23,6 +23,7 @@ from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh
+from sglang_tpu_backend.plan import plan
 
 CONFIG_397B = (Path(__file__).resolve().parents[2] / "sglang_tpu_backend" / "assets" / "configs"
                / "qwen3.5-397b-a17b.json")
@@ -69,3 +70,11 @@ def test_dp8_ep8_step_compiles_with_one_routing_all_gather_per_layer(record, mod
     assert len(reduce_scatters) == moe_layers_in_body
     for op in ("reduce-scatter", "all-reduce"):
         assert count(report.hlo, rf" {op}(?:-start)?\(") == 0, op
+    # The planner's resident bytes (weights + KV pages + GDN state) are the compiler's
+    # argument bytes per device.
+    p = plan(cfg, "tpu7x:2x2x1", dp=8, ep=8, tp=1, running_requests=512, context_len=9216,
+             page_size=256, expert_dtype="fp8", dtype="bf16", kv_dtype="bf16",
+             state_dtype="bf16", max_num_batched_tokens=1024)
+    resident = p.weights + p.kv_pages + p.gdn_state
+    assert abs(report.memory["argument_size_in_bytes"] / resident - 1) < 0.01, (
+        report.memory, resident)
