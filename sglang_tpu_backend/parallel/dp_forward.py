@@ -37,6 +37,13 @@ from sglang_tpu_backend.parallel.mesh import EPContext, rank_spec
 REPLICATED = PartitionSpec()
 
 
+def global_array(x, sharding: NamedSharding) -> jax.Array:
+    """A global array from a full host copy ``x`` that every process holds: each process fills
+    only its own devices' shards (one process or several, as on multi-host TPU slices)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
 def _is_expert_leaf(path) -> bool:
     return any(getattr(k, "key", None) == "experts" for k in path)
 
@@ -72,8 +79,9 @@ class DPForward:
         return ForwardBatch(**{n: spec for n in names}, mode=mode)
 
     def shard_params(self, params):
-        """Place params on the mesh (experts split, the rest replicated)."""
-        return jax.tree.map(lambda x, s: jax.device_put(x, self._sharding(s)), params,
+        """Place params on the mesh (experts split, the rest replicated); every process passes
+        the full params and fills its own devices."""
+        return jax.tree.map(lambda x, s: global_array(x, self._sharding(s)), params,
                             self.param_specs(params))
 
     def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int,
@@ -88,7 +96,8 @@ class DPForward:
         return jax.jit(make, out_shardings=shardings)()
 
     def put_batch(self, batches: Sequence[ForwardBatch]) -> ForwardBatch:
-        """One rank-local batch per DP rank (equal shapes) -> the global, placed batch.
+        """One rank-local batch per DP rank (equal shapes) -> the global, placed batch. Every
+        process passes all ranks' batches (multi-host: see ``parallel/multihost.py``).
 
         The step is a DECODE step only when every rank's batch is one (all-padding batches of
         idle ranks are built with the common mode by the caller).
@@ -107,7 +116,7 @@ class DPForward:
             if name == "mode":
                 continue
             glob = np.concatenate([np.asarray(getattr(b, name)) for b in batches], axis=0)
-            fields[name] = jax.device_put(glob, spec)
+            fields[name] = global_array(glob, spec)
         return ForwardBatch(**fields, mode=mode)
 
     # Step -------------------------------------------------------------------------------------

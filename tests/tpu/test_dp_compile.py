@@ -1,8 +1,9 @@
-"""The DP8 x EP8 step (parallel/dp_forward.py) compiled for one Ironwood host (tpu7x:2x2x1).
+"""The DP x EP step (parallel/dp_forward.py) compiled for one Ironwood host (tpu7x:2x2x1, DP8 x
+EP8) and for two (tpu7x:2x2x2, DP16 x EP16).
 
 An 8-layer Qwen3.5-397B slice (two scan groups of 3 GDN + 1 attention layers, all 512 experts
 split 64 per TensorCore in FP8, bf16 attention/GDN weights), 64 running requests per DP rank
-at 9K-token contexts, page 256. Asserts the MoE data flow the design calls for: per MoE layer
+at 9K-token contexts, page 256 (512 running requests per host). Asserts the MoE data flow the design calls for: per MoE layer
 of the scan body exactly one all-gather of routing metadata (top-k ids and weights packed into
 one int32 array), one all-gather of hidden states, and the Mosaic remote-DMA reduce-scatter
 kernel (no XLA reduce-scatter or all-reduce).
@@ -51,19 +52,23 @@ def all_gathers(hlo: str) -> list[tuple[str, int]]:
     return out
 
 
-@pytest.mark.parametrize("mode,T", [(ForwardMode.DECODE, 64), (ForwardMode.MIXED, 256)],
-                         ids=["decode64", "mixed256"])
-def test_dp8_ep8_step_compiles_with_one_routing_all_gather_per_layer(record, mode, T):
+@pytest.mark.parametrize("topology,D,mode,T", [
+    ("tpu7x:2x2x1", 8, ForwardMode.DECODE, 64),
+    ("tpu7x:2x2x1", 8, ForwardMode.MIXED, 256),
+    ("tpu7x:2x2x2", 16, ForwardMode.DECODE, 64),  # two hosts: DP16 x EP16
+], ids=["1host-decode64", "1host-mixed256", "2hosts-decode64"])
+def test_dp_ep_step_compiles_with_one_routing_all_gather_per_layer(record, topology, D, mode, T):
     cfg = slice_397b(8)
-    mesh = make_mesh(8, topology_devices("tpu7x:2x2x1"))
+    mesh = make_mesh(D, topology_devices(topology))
     spec = StepSpec(mode, T, 64, 64, PAGES, 64 * PAGES, 256, 64)  # per DP rank
     report = compile_dp_step(cfg, spec, mesh, fp8_experts=True, state_dtype=jnp.bfloat16)
-    record(f"DP8xEP8 397B slice (8 layers) {mode.name} T={T}/rank", report, min_kernels=5)
+    record(f"DP{D}xEP{D} {topology} 397B slice (8 layers) {mode.name} T={T}/rank", report,
+           min_kernels=5)
     moe_layers_in_body = cfg.layer_period  # the scan body holds one group of layers
     k2 = 2 * cfg.num_experts_per_tok
     gathers = all_gathers(report.hlo)
-    routing = gathers.count(("s32", 8 * T * k2))  # ids and weight bits in one int32 array
-    hidden = gathers.count(("bf16", 8 * T * cfg.hidden_size))
+    routing = gathers.count(("s32", D * T * k2))  # ids and weight bits in one int32 array
+    hidden = gathers.count(("bf16", D * T * cfg.hidden_size))
     assert routing == moe_layers_in_body and hidden == moe_layers_in_body, gathers
     assert len(gathers) == 2 * moe_layers_in_body, gathers
     reduce_scatters = [k for k in report.kernels if k.has_communication]
@@ -72,7 +77,7 @@ def test_dp8_ep8_step_compiles_with_one_routing_all_gather_per_layer(record, mod
         assert count(report.hlo, rf" {op}(?:-start)?\(") == 0, op
     # The planner's resident bytes (weights + KV pages + GDN state) are the compiler's
     # argument bytes per device.
-    p = plan(cfg, "tpu7x:2x2x1", dp=8, ep=8, tp=1, running_requests=512, context_len=9216,
+    p = plan(cfg, topology, dp=D, ep=D, tp=1, running_requests=512, context_len=9216,
              page_size=256, expert_dtype="fp8", dtype="bf16", kv_dtype="bf16",
              state_dtype="bf16", max_num_batched_tokens=1024)
     resident = p.weights + p.kv_pages + p.gdn_state

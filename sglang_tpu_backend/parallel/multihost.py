@@ -1,0 +1,219 @@
+"""Multi-process (multi-host) execution of the DP x EP step.
+
+Several processes (one per TPU host; CPU processes in the tests) form one JAX mesh and run the
+same ``DPForward`` step on it. Every process calls :func:`initialize` before touching JAX,
+loads the same parameters, and builds the same ``DPForward`` over the global mesh
+(``make_mesh(dp_size)`` over ``jax.devices()``, which lists every process's devices).
+
+Step protocol (leader = process 0; every call below is a collective all processes make):
+
+  leader                                     followers
+  ------                                     ---------
+  batches = schedule(...)  # D rank batches
+  broadcast_step(batches)   --- header --->  broadcast_step(None)
+                            --- payload -->    -> the same D batches
+  run_step(dp, params, cache, batches)       run_step(dp, params, cache, batches)
+    -> (logits [D*L, V] numpy on every process; only the leader samples)
+  ... next step: the leader's greedy choices feed the next batches ...
+  broadcast_step(None)      --- stop ----->  broadcast_step(None) -> None: leave the loop
+
+The header is a fixed-shape ``int32[5 + D]`` array ``(stop, T, R, P, L, mode_0..mode_{D-1})``
+broadcast with ``multihost_utils.broadcast_one_to_all``; the payload that follows is one flat
+``int32`` vector holding the D ranks' batch fields (its size follows from the header, so a
+follower can allocate it). No sockets or pickle: both go through JAX collectives on the
+mesh's devices (gloo on CPU, ICI/DCN on TPU).
+
+Placement: ``DPForward.shard_params`` / ``init_cache`` / ``put_batch`` build global arrays
+with ``jax.make_array_from_callback``, each process supplying only its own devices' shards
+(every process holds the full host copy: the params it loaded, the batches it received), so
+the same calls serve one process and several.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_backend.parallel.dp_forward import DPForward
+
+__all__ = [
+    "initialize", "shutdown", "is_leader", "gather_logits", "broadcast_step", "run_step",
+    "follower_loop",
+]
+
+# Batch fields in payload order (all int32) and their per-rank shapes from (T, R, P, L).
+logger = logging.getLogger(__name__)
+
+_FIELDS = ("input_ids", "positions", "cu_q_lens", "kv_lens", "page_table", "state_slots",
+           "num_seqs", "logits_indices")
+_HEADER = 5  # stop, T, R, P, L (then one mode per rank)
+
+
+def _field_shapes(T: int, R: int, P: int, L: int) -> dict[str, tuple[int, ...]]:
+    return {"input_ids": (T,), "positions": (T,), "cu_q_lens": (R + 1,), "kv_lens": (R,),
+            "page_table": (R, P), "state_slots": (R,), "num_seqs": (1,), "logits_indices": (L,)}
+
+
+# Distributed init ---------------------------------------------------------------------------
+def initialize(coordinator: str, num_processes: int, process_id: int, *, cpu_collectives: bool,
+               initialization_timeout: int = 120, heartbeat_timeout: int = 60) -> None:
+    """Join the JAX distributed system as ``process_id`` of ``num_processes``.
+
+    Must run before anything else touches JAX devices. ``coordinator`` is ``host:port`` of
+    process 0's coordination service (process 0 starts it). ``cpu_collectives`` selects gloo
+    for cross-process collectives of the CPU backend (CPU stand-ins for hosts); TPU hosts pass
+    False. Raises ValueError for bad arguments and RuntimeError when joining fails (with the
+    coordinator and process named), instead of JAX's bare errors.
+
+    Not catchable: a coordinator that stays unreachable for ``initialization_timeout`` seconds
+    makes XLA abort the process (a fatal DEADLINE_EXCEEDED in RegisterTask), and once joined,
+    a peer that dies makes the coordination service abort the others within about
+    ``heartbeat_timeout`` seconds -- so a lost host never leaves followers blocked forever.
+    """
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be a positive int, got {num_processes!r}")
+    if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id!r}")
+    if not isinstance(coordinator, str) or not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", coordinator):
+        raise ValueError(f"coordinator must be 'host:port', got {coordinator!r}")
+    if jax.distributed.is_initialized():
+        raise RuntimeError("jax.distributed is already initialized in this process")
+    if cpu_collectives:
+        try:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except Exception as e:  # pragma: no cover - depends on the jax build
+            raise RuntimeError(f"this jax ({jax.__version__}) has no gloo CPU collectives: "
+                               f"{e}") from e
+    logger.info("joining coordinator %s as process %d of %d (timeout %ds)", coordinator,
+                process_id, num_processes, initialization_timeout)
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id,
+                                   initialization_timeout=initialization_timeout,
+                                   heartbeat_timeout_seconds=heartbeat_timeout,
+                                   shutdown_timeout_seconds=heartbeat_timeout)
+    except Exception as e:
+        hint = ""
+        if "must be called before" in str(e) or "already been initialized" in str(e):
+            hint = " (initialize() must run before any JAX computation or jax.devices() call)"
+        raise RuntimeError(f"process {process_id}/{num_processes} could not join the "
+                           f"coordinator at {coordinator}{hint}: {e}") from e
+    if jax.process_count() != num_processes or jax.process_index() != process_id:
+        raise RuntimeError(f"distributed init gave process {jax.process_index()} of "
+                           f"{jax.process_count()}, expected {process_id} of {num_processes}")
+
+
+def shutdown() -> None:
+    """Leave the distributed system (a barrier: every process should call it)."""
+    jax.distributed.shutdown()
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+# Global placement ---------------------------------------------------------------------------
+def gather_logits(logits: jax.Array) -> np.ndarray:
+    """The global logits ``[D*L, V]`` (rows split over all devices) as numpy on every process.
+
+    A collective: every process must call it for every step.
+    """
+    if logits.is_fully_addressable:
+        return np.asarray(logits)
+    return np.asarray(multihost_utils.process_allgather(logits, tiled=True))
+
+
+# Step protocol ------------------------------------------------------------------------------
+def _pack(batches: Sequence[ForwardBatch]) -> tuple[np.ndarray, np.ndarray]:
+    b0 = batches[0]
+    T, R1, P, L = (len(b0.input_ids), len(b0.cu_q_lens), np.shape(b0.page_table)[1],
+                   len(b0.logits_indices))
+    R = R1 - 1
+    want = _field_shapes(T, R, P, L)
+    parts = []
+    for k, b in enumerate(batches):
+        for n in _FIELDS:
+            a = np.asarray(getattr(b, n))
+            if a.shape != want[n]:
+                raise ValueError(f"rank {k} field {n} has shape {a.shape}, expected {want[n]} "
+                                 f"(rank batches must share one bucket T={T} R={R} P={P} L={L})")
+            if a.dtype.kind not in "iu":
+                raise ValueError(f"rank {k} field {n} must be integer, got {a.dtype}")
+            parts.append(a.astype(np.int32).ravel())
+    header = np.array([0, T, R, P, L] + [int(b.mode) for b in batches], np.int32)
+    return header, np.concatenate(parts)
+
+
+def _unpack(header: np.ndarray, payload: np.ndarray, num_ranks: int) -> list[ForwardBatch]:
+    T, R, P, L = (int(v) for v in header[1:_HEADER])
+    shapes = _field_shapes(T, R, P, L)
+    out, off = [], 0
+    for k in range(num_ranks):
+        fields = {}
+        for n in _FIELDS:
+            size = int(np.prod(shapes[n]))
+            fields[n] = payload[off:off + size].reshape(shapes[n]).copy()
+            off += size
+        out.append(ForwardBatch(**fields, mode=ForwardMode(int(header[_HEADER + k]))))
+    assert off == payload.size, (off, payload.size)
+    return out
+
+
+def _payload_size(header: np.ndarray, num_ranks: int) -> int:
+    T, R, P, L = (int(v) for v in header[1:_HEADER])
+    return num_ranks * sum(int(np.prod(s)) for s in _field_shapes(T, R, P, L).values())
+
+
+def broadcast_step(batches: Sequence[ForwardBatch] | None, num_ranks: int
+                   ) -> list[ForwardBatch] | None:
+    """Send one step's D rank-local batches from the leader to every process.
+
+    On the leader (process 0) ``batches`` is the list of D numpy batches of the step, or None
+    to tell the followers to stop. Followers pass None. Returns, on every process, the same D
+    batches (numpy), or None when the leader sent stop. A collective: every process calls it
+    once per step, in the same order as the other collectives of the step.
+    """
+    leader = is_leader()
+    if not leader and batches is not None:
+        raise ValueError("only the leader (process 0) supplies batches")
+    if leader and batches is not None:
+        if len(batches) != num_ranks:
+            raise ValueError(f"need {num_ranks} rank batches, got {len(batches)}")
+        header, payload = _pack(batches)
+    else:
+        header = np.zeros(_HEADER + num_ranks, np.int32)
+        if leader:
+            header[0] = 1  # stop
+        payload = None
+    header = np.asarray(multihost_utils.broadcast_one_to_all(header, is_source=leader))
+    if header[0]:
+        return None
+    if payload is None:
+        payload = np.zeros(_payload_size(header, num_ranks), np.int32)
+    payload = np.asarray(multihost_utils.broadcast_one_to_all(payload, is_source=leader))
+    return _unpack(header, payload, num_ranks)
+
+
+def run_step(dp: DPForward, params, cache, batches: Sequence[ForwardBatch]):
+    """Place the step's batches, run ``dp`` and gather the logits to every process.
+
+    Returns (f32[D*L, V] numpy logits, the updated cache). Every process runs it with the
+    same batches (from :func:`broadcast_step`).
+    """
+    logits, cache = dp(params, cache, dp.put_batch(batches))
+    return gather_logits(logits), cache
+
+
+def follower_loop(dp: DPForward, params, cache):
+    """A follower's life: receive a step, run it, until the leader sends stop. Returns the
+    cache and the number of steps run."""
+    steps = 0
+    while (batches := broadcast_step(None, dp.dp_size)) is not None:
+        _, cache = run_step(dp, params, cache, batches)
+        steps += 1
+    return cache, steps

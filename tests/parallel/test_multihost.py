@@ -1,0 +1,160 @@
+"""Two processes forming one 8-device mesh run DP x EP generation like one process does.
+
+``multihost_run.py`` runs in 2 processes (4 CPU devices each, gloo collectives, a free local
+port for the coordinator): process 0 leads (schedules, broadcasts the rank batches, samples),
+process 1 follows. Its greedy tokens and logits are compared with ``multihost_run.py --single``
+run alongside: the same plan in ONE process with 8 devices (the code path of ``dp_ep_run.py``,
+bit-identical to it) and every request run alone on one device. The subprocesses are killed
+by pid in a ``finally`` and the whole run has a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
+from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
+from sglang_tpu_backend.parallel import multihost as mh
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+NUM_PROCESSES = 2
+DEADLINE_S = 300  # the whole fixture: ~40 s of CPU per process, ~1-2 min on 2 busy cores
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count", "")
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multihost")
+    mh_out, single_out = tmp / "multihost.npz", tmp / "single.npz"
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs, logs = {}, {}
+    try:
+        # One process with 8 devices (the same plan, plus every request alone), alongside.
+        logs["single"] = open(tmp / "single.log", "w")
+        procs["single"] = subprocess.Popen(
+            [sys.executable, str(HERE / "multihost_run.py"), "--single", str(single_out)],
+            env=_env(8),
+            stdout=logs["single"], stderr=subprocess.STDOUT)
+        for pid in range(NUM_PROCESSES):
+            logs[pid] = open(tmp / f"process{pid}.log", "w")
+            procs[pid] = subprocess.Popen(
+                [sys.executable, str(HERE / "multihost_run.py"), coordinator, str(NUM_PROCESSES),
+                 str(pid), str(mh_out)], env=_env(4), stdout=logs[pid], stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + DEADLINE_S
+        while any(p.poll() is None for p in procs.values()):
+            failed = [k for k, p in procs.items() if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break  # a dead peer would leave the others blocked in a collective
+            time.sleep(0.5)
+        codes = {k: p.poll() for k, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        for f in logs.values():
+            f.close()
+    if codes != {k: 0 for k in procs}:
+        tails = "\n".join(f"--- {k} (exit {codes[k]}):\n" + (tmp / (
+            "single.log" if k == "single" else f"process{k}.log")).read_text()[-3000:]
+            for k in procs)
+        pytest.fail(f"subprocesses failed or timed out after {DEADLINE_S}s: {codes}\n{tails}")
+    return dict(np.load(mh_out)), dict(np.load(single_out))
+
+
+def test_mesh_spans_both_processes(results):
+    multi, single = results
+    assert int(multi["process_count"]) == NUM_PROCESSES and int(single["process_count"]) == 1
+    assert multi["mesh_shape"].tolist() == single["mesh_shape"].tolist() == [4, 2]
+    # chips 0-1 are process 0's devices, chips 2-3 process 1's
+    assert multi["mesh_process"].tolist() == [[0, 0], [0, 0], [1, 1], [1, 1]]
+
+
+def test_plan_has_prefill_decode_and_mixed_steps(results):
+    multi, _ = results
+    modes = multi["step_modes"].tolist()
+    assert len(modes) == 7 and modes == results[1]["step_modes"].tolist()
+    assert modes[0] == ForwardMode.EXTEND and ForwardMode.DECODE in modes
+    assert modes.count(ForwardMode.EXTEND) == 2  # the prefill and the late request's step
+
+
+def test_greedy_tokens_equal_one_process_and_alone(results):
+    multi, single = results
+    n = int(multi["num_requests"])
+    assert n == int(single["num_requests"]) == 11
+    for i in range(n):
+        got = multi[f"dp_tokens_{i}"].tolist()
+        assert len(got) >= 4
+        assert got == single[f"dp_tokens_{i}"].tolist(), (i, got, single[f"dp_tokens_{i}"])
+        assert got == single[f"ref_tokens_{i}"].tolist(), (i, got, single[f"ref_tokens_{i}"])
+
+
+def test_logits_within_tolerance(results):
+    multi, single = results
+    for i in range(int(multi["num_requests"])):
+        got = multi[f"dp_logits_{i}"]
+        for ref in ("dp", "ref"):
+            want = single[f"{ref}_logits_{i}"]
+            assert got.shape == want.shape, (i, ref)
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=f"request {i} {ref}")
+
+
+# Single-process checks of the protocol pieces (no distributed init needed) ---------------------
+def _rank_batches(T=16, R=4, P=3, L=4):
+    out = []
+    for k in range(3):
+        chunks = [SeqChunk(list(range(1 + k, 4 + k)), 0, [0, 1, 2], 0)] if k != 1 else []
+        out.append(build_forward_batch(chunks, page_size=4, mode=ForwardMode.EXTEND,
+                                       num_tokens=T, num_seqs=R, pages_per_seq=P,
+                                       num_logits=L)[0])
+    return out
+
+
+def test_broadcast_step_round_trips_batches():
+    batches = _rank_batches()
+    got = mh.broadcast_step(batches, 3)  # one process: the leader receives its own step
+    assert len(got) == 3
+    for b, g in zip(batches, got):
+        assert g.mode == b.mode
+        for name in mh._FIELDS:
+            np.testing.assert_array_equal(getattr(g, name), getattr(b, name))
+    assert mh.broadcast_step(None, 3) is None  # stop
+
+
+def test_broadcast_step_rejects_mixed_buckets():
+    batches = _rank_batches()
+    batches[2] = _rank_batches(T=32)[2]
+    with pytest.raises(ValueError, match="one bucket"):
+        mh.broadcast_step(batches, 3)
+    with pytest.raises(ValueError, match="3 rank batches"):
+        mh.broadcast_step(batches[:2], 3)
+
+
+@pytest.mark.parametrize("args, match", [
+    (("localhost", 2, 0), "host:port"),
+    (("127.0.0.1:1234", 0, 0), "num_processes"),
+    (("127.0.0.1:1234", 2, 2), "process_id"),
+])
+def test_initialize_rejects_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        mh.initialize(*args, cpu_collectives=True)
