@@ -5,8 +5,8 @@ cd "$(dirname "$0")/.."
 scripts/setup_env.sh --test
 export JAX_PLATFORMS=cpu
 .venv/bin/python -m pytest -q -ra tests "$@"
-# The kernels and the model on jax 0.12 / Python 3.12 as well (no torch there: the
+# The kernels, the model and the multi-device step on jax 0.12 / Python 3.12 as well (no torch: the
 # transformers-parity tests skip themselves).
 if [ -x .venv312/bin/python ]; then
-  .venv312/bin/python -m pytest -q -ra tests/kernels tests/model "$@"
+  .venv312/bin/python -m pytest -q -ra tests/kernels tests/model tests/parallel "$@"
 fi
