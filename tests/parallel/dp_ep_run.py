@@ -32,13 +32,15 @@ PLAN = {0: [37, 33, 41, 29], 1: [9, 14], 2: [5], 3: [22, 3], 4: [17]}
 LATE = (6, 19)  # (rank, prompt length)
 
 
-def alone(params, cfg, prompt, steps):
-    """Greedy tokens and per-step logits of one request on one device."""
+def alone(params, cfg, prompt, steps, prefill_bucket=64):
+    """Greedy tokens and per-step logits of one request on one device (the prompt padded to
+    one bucket, so every request shares one prefill compile)."""
     cache = init_cache(cfg, num_pages=PAGES_PER_SEQ, page_size=PAGE, num_state_slots=1,
                        kv_dtype=jnp.float32, state_dtype=jnp.float32)
     pages = list(range(PAGES_PER_SEQ))
     batch, _ = build_forward_batch([SeqChunk(prompt, 0, pages, 0)], page_size=PAGE,
-                                   pages_per_seq=PAGES_PER_SEQ)
+                                   num_tokens=prefill_bucket, num_seqs=1,
+                                   pages_per_seq=PAGES_PER_SEQ, num_logits=1)
     logits, cache = forward_jit(params, cache, batch, cfg, "reference")
     out_logits, tokens = [np.asarray(logits[0])], []
     for step in range(steps):
@@ -61,21 +63,30 @@ class Request:
         return SeqChunk(ids, self.context, self.pages, self.slot)
 
 
-def dp_generate(dp: DPForward, params, cfg, requests, late):
-    cache = dp.init_cache(num_pages=8 * PAGES_PER_SEQ, page_size=PAGE, num_state_slots=8,
-                          kv_dtype=jnp.float32, state_dtype=jnp.float32)
-    active = list(requests)
+def make_requests(cfg):
+    """PLAN's requests (random prompts, seed 0) and the late one."""
+    rng = np.random.default_rng(0)
+    requests = [Request(rank, slot, rng.integers(3, cfg.vocab_size, n).tolist())
+                for rank, lens in PLAN.items() for slot, n in enumerate(lens)]
+    late = Request(LATE[0], 0, rng.integers(3, cfg.vocab_size, LATE[1]).tolist())
+    return requests, late
+
+
+def generate(dp_size, requests, late, run_step):
+    """Greedy generation of the plan; ``run_step(rank_batches) -> f32[D*R, V]`` runs one step.
+
+    Returns the requests (in arrival order) and the mode of each step."""
+    active, modes = list(requests), []
     for step in range(STEPS + 1):
         if step == LATE_STEP:
             active.append(late)
         live = [r for r in active if len(r.logits) <= STEPS - (LATE_STEP if r is late else 0)]
-        per_rank = [[r for r in live if r.rank == k] for k in range(dp.dp_size)]
+        per_rank = [[r for r in live if r.rank == k] for k in range(dp_size)]
         decode = all(r.context > 0 for r in live)
         mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
-        T = max(8, max(sum(len(r.chunk().token_ids) for r in rs) for rs in per_rank))
-        T = 1 << (T - 1).bit_length()
         R = 8
-        T = R if decode else T
+        T = max(8, max(sum(len(r.chunk().token_ids) for r in rs) for rs in per_rank))
+        T = R if decode else 1 << (T - 1).bit_length()
         batches, rows = [], []
         for rs in per_rank:
             fb, rws = build_forward_batch([r.chunk() for r in rs], page_size=PAGE, mode=mode,
@@ -83,27 +94,32 @@ def dp_generate(dp: DPForward, params, cfg, requests, late):
                                           num_logits=R)
             batches.append(fb)
             rows.append(rws)
-        logits, cache = dp(params, cache, dp.put_batch(batches))
-        logits = np.asarray(logits).reshape(dp.dp_size, R, -1)
+        logits = np.asarray(run_step(batches)).reshape(dp_size, R, -1)
+        modes.append(int(mode))
         for k, rs in enumerate(per_rank):
             for r, rw in zip(rs, rows[k]):
                 r.context += len(r.chunk().token_ids)
                 r.logits.append(logits[k, rw[-1]])
                 r.tokens.append(int(np.argmax(r.logits[-1])))
-    return active
+    return active, modes
+
+
+def init_dp_cache(dp: DPForward):
+    return dp.init_cache(num_pages=8 * PAGES_PER_SEQ, page_size=PAGE, num_state_slots=8,
+                         kv_dtype=jnp.float32, state_dtype=jnp.float32)
 
 
 def main(out_path: str) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     cfg, params = load_model(default_model_path(), dtype=jnp.float32)
-    rng = np.random.default_rng(0)
-    requests = []
-    for rank, lens in PLAN.items():
-        for slot, n in enumerate(lens):
-            requests.append(Request(rank, slot, rng.integers(3, cfg.vocab_size, n).tolist()))
-    late = Request(LATE[0], 0, rng.integers(3, cfg.vocab_size, LATE[1]).tolist())
     dp = DPForward(cfg, make_mesh(8), impl="reference")
-    done = dp_generate(dp, dp.shard_params(params), cfg, requests, late)
+    sharded, cache = dp.shard_params(params), [init_dp_cache(dp)]
+
+    def run_step(batches):
+        logits, cache[0] = dp(sharded, cache[0], dp.put_batch(batches))
+        return logits
+
+    done, _ = generate(dp.dp_size, *make_requests(cfg), run_step)
     results = {}
     for i, r in enumerate(done):
         steps = len(r.logits) - 1

@@ -25,89 +25,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from dp_ep_run import (LATE, LATE_STEP, PAGE, PAGES_PER_SEQ, PLAN, STEPS,  # noqa: E402
-                       Request)
+from dp_ep_run import alone, generate, init_dp_cache, make_requests  # noqa: E402
 
 from sglang_tpu_backend.loader import load_model  # noqa: E402
-from sglang_tpu_backend.model_executor.batch_builder import (SeqChunk,  # noqa: E402
-                                                             build_forward_batch)
-from sglang_tpu_backend.model_executor.forward_mode import ForwardMode  # noqa: E402
-from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache  # noqa: E402
 from sglang_tpu_backend.parallel import multihost as mh  # noqa: E402
 from sglang_tpu_backend.parallel.dp_forward import DPForward  # noqa: E402
 from sglang_tpu_backend.parallel.mesh import make_mesh  # noqa: E402
 from sglang_tpu_backend.tiny_model import default_model_path  # noqa: E402
 
 
-def init_dp_cache(dp):
-    return dp.init_cache(num_pages=8 * PAGES_PER_SEQ, page_size=PAGE, num_state_slots=8,
-                         kv_dtype=jnp.float32, state_dtype=jnp.float32)
+def generate_through_protocol(dp, params, cache, cfg):
+    """dp_ep_run.py's plan, scheduled by the leader, each step through the protocol (also in
+    one process, where the broadcast is the identity). Returns the requests and step modes."""
+    cache = [cache]
 
-
-def generate(dp, params, cache, cfg):
-    """dp_ep_run.py's plan, scheduled by the leader, each step through the protocol
-    (also in one process, where the broadcast is the identity). Returns the requests, done,
-    and the requested mode of each step."""
-    rng = np.random.default_rng(0)
-    requests = []
-    for rank, lens in PLAN.items():
-        for slot, n in enumerate(lens):
-            requests.append(Request(rank, slot, rng.integers(3, cfg.vocab_size, n).tolist()))
-    late = Request(LATE[0], 0, rng.integers(3, cfg.vocab_size, LATE[1]).tolist())
-    active, modes = list(requests), []
-    for step in range(STEPS + 1):
-        if step == LATE_STEP:
-            active.append(late)
-        live = [r for r in active if len(r.logits) <= STEPS - (LATE_STEP if r is late else 0)]
-        per_rank = [[r for r in live if r.rank == k] for k in range(dp.dp_size)]
-        decode = all(r.context > 0 for r in live)
-        mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
-        T = max(8, max(sum(len(r.chunk().token_ids) for r in rs) for rs in per_rank))
-        T = 1 << (T - 1).bit_length()
-        R = 8
-        T = R if decode else T
-        batches, rows = [], []
-        for rs in per_rank:
-            fb, rws = build_forward_batch([r.chunk() for r in rs], page_size=PAGE, mode=mode,
-                                          num_tokens=T, num_seqs=R, pages_per_seq=PAGES_PER_SEQ,
-                                          num_logits=R)
-            batches.append(fb)
-            rows.append(rws)
+    def run_step(batches):
         sent = mh.broadcast_step(batches, dp.dp_size)  # what every process runs
         for b, s in zip(batches, sent):  # the protocol round-trips the batch exactly
             assert s.mode == b.mode
             for name in mh._FIELDS:
                 assert np.array_equal(getattr(s, name), getattr(b, name)), name
-        logits, cache = mh.run_step(dp, params, cache, sent)
-        modes.append(int(mode))
-        logits = logits.reshape(dp.dp_size, R, -1)
-        for k, rs in enumerate(per_rank):
-            for r, rw in zip(rs, rows[k]):
-                r.context += len(r.chunk().token_ids)
-                r.logits.append(logits[k, rw[-1]])
-                r.tokens.append(int(np.argmax(r.logits[-1])))
+        logits, cache[0] = mh.run_step(dp, params, cache[0], sent)
+        return logits
+
+    active, modes = generate(dp.dp_size, *make_requests(cfg), run_step)
     mh.broadcast_step(None, dp.dp_size)  # stop the followers
     return active, modes
-
-
-def alone(params, cfg, prompt, steps, prefill_bucket=64):
-    """Greedy tokens and per-step logits of one request on one device (dp_ep_run.alone with
-    the prompt padded to one bucket, so every request shares one prefill compile)."""
-    cache = init_cache(cfg, num_pages=PAGES_PER_SEQ, page_size=PAGE, num_state_slots=1,
-                       kv_dtype=jnp.float32, state_dtype=jnp.float32)
-    pages = list(range(PAGES_PER_SEQ))
-    batch, _ = build_forward_batch([SeqChunk(prompt, 0, pages, 0)], page_size=PAGE,
-                                   num_tokens=prefill_bucket, num_seqs=1,
-                                   pages_per_seq=PAGES_PER_SEQ, num_logits=1)
-    logits, cache = forward_jit(params, cache, batch, cfg, "reference")
-    out_logits, tokens = [np.asarray(logits[0])], []
-    for step in range(steps):
-        tokens.append(int(np.argmax(out_logits[-1])))
-        batch, _ = build_forward_batch([SeqChunk([tokens[-1]], len(prompt) + step, pages, 0)],
-                                       page_size=PAGE, pages_per_seq=PAGES_PER_SEQ)
-        logits, cache = forward_jit(params, cache, batch, cfg, "reference")
-        out_logits.append(np.asarray(logits[0]))
-    return tokens, np.stack(out_logits)
 
 
 def main(coordinator: str | None, num_processes: int, process_id: int, out_path: str) -> None:
@@ -131,7 +74,7 @@ def main(coordinator: str | None, num_processes: int, process_id: int, out_path:
         mh.shutdown()
         return
 
-    active, modes = generate(dp, params, cache, cfg)
+    active, modes = generate_through_protocol(dp, params, cache, cfg)
     results = {}
     for i, r in enumerate(active):
         steps = len(r.logits) - 1
