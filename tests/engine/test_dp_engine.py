@@ -8,12 +8,11 @@ subprocess (XLA_FLAGS=--xla_force_host_platform_device_count=8) and writes JSON.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.cpu_devices import run_on_cpu_devices
 
 from sglang_tpu_backend.server_args import ServerArgs
 
@@ -23,12 +22,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp_engine") / "out.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-               PYTHONPATH=str(HERE.parents[1]))
-    proc = subprocess.run([sys.executable, str(HERE / "dp_engine_run.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_on_cpu_devices(HERE / "dp_engine_run.py", str(out))
     return json.loads(out.read_text())
 
 

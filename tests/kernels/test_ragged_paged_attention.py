@@ -285,6 +285,85 @@ def test_kernel_no_real_requests():
     assert np.all(np.asarray(run(x, "ref", False)) == 0.0)
 
 
+# --- Pallas K/V write (interpret) vs write_new_kv, bit for bit ------------------------------
+
+F8 = jnp.float8_e4m3fn
+WRITE_CASES = {
+    # name: case (dtype is the cache's; the window W is min(page, 8/16/32 rows for 32/16/8 bit))
+    "decode_f32_page16": Case([1, 1, 1, 1], [3, 16, 40, 0]),
+    "decode_bf16_page256_d256": Case([1, 1, 1], [0, 255, 300], head_dim=256, page_size=256,
+                                     dtype=jnp.bfloat16, pad_rows=2),
+    # 40 tokens from position 250: windows 240 (page 0), 256, 272, 288 (page 1).
+    "prefill_bf16_page256_mid_window": Case([40, 3], [250, 7], head_dim=256, page_size=256,
+                                            dtype=jnp.bfloat16, pad_tokens=5),
+    "prefill_bf16_page16_pages": Case([37, 5, 1], [5, 13, 0], head_dim=64, dtype=jnp.bfloat16),
+    "f32_page256_w8_d64": Case([20, 1, 9], [3, 100, 260], head_dim=64, page_size=256),
+    "fp8_page256_w32_d256": Case([45, 1, 2], [20, 31, 63], head_dim=256, page_size=256,
+                                 dtype=F8, pad_rows=1, pad_tokens=2),
+    "fp8_page16_d64": Case([1, 19, 1], [15, 9, 0], head_dim=64, dtype=F8),
+    "layer1_of_3_traced_bf16": Case([1, 6, 1], [17, 9, 0], num_layers=3, layer=1,
+                                    traced_layer=True, dtype=jnp.bfloat16, pad_rows=1,
+                                    pad_tokens=2),
+    "layer2_of_3_static_f32": Case([3, 1], [12, 40], num_layers=3, layer=2),
+    # Every request straddles a page: 2 items per request, more than R + cdiv(T, W).
+    "straddling_pairs": Case([2] * 6, [15, 31, 47, 63, 79, 95], head_dim=64),
+    "padding_only": Case([2], [3], pad_rows=2, pad_tokens=3),
+}
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view(UINT[a.dtype.itemsize])
+
+
+def run_write(x, impl):
+    """write_new_kv ("ref") or the Pallas write ("interpret") of x's new K/V, under jit."""
+    lyr = x["kv_pages"].shape[0]
+
+    def fn(layer, kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs):
+        meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
+        if impl == "ref":
+            return rpa.write_new_kv(kv_pages, new_k, new_v, *meta, layer)
+        return rpa._pallas_write_new_kv(kv_pages, new_k, new_v, rpa._layer_index(layer, lyr),
+                                        *meta, interpret=pltpu.InterpretParams())
+
+    args = [x[n] for n in ("kv_pages", "new_k", "new_v", "kv_lens", "page_indices",
+                           "cu_q_lens", "num_seqs")]
+    if x["traced_layer"]:
+        return jax.jit(fn)(jnp.asarray(x["layer"], jnp.int32), *args)
+    return jax.jit(lambda *a: fn(x["layer"], *a))(*args)
+
+
+@pytest.mark.parametrize("name", list(WRITE_CASES))
+def test_pallas_write_equals_write_new_kv(name):
+    c = WRITE_CASES[name]
+    x = make_inputs(c)
+    real = int(x["cu_q_lens"][len(c.q_lens)])
+    if name == "padding_only":
+        x["num_seqs"] = jnp.asarray([0], jnp.int32)
+    # Signed zeros and infinities of real tokens land exactly; NaNs of padding tokens nowhere.
+    special = -0.0 if c.dtype == F8 else -jnp.inf
+    x["new_k"] = x["new_k"].at[0, 0, :2].set(jnp.asarray([-0.0, special], c.dtype))
+    x["new_v"] = x["new_v"].at[real:].set(jnp.nan)
+    got = run_write(x, "interpret")
+    want = run_write(x, "ref")
+    np.testing.assert_array_equal(bits(got), bits(want))
+    np.testing.assert_array_equal(np.asarray(want, np.float32), numpy_write(x))
+    for layer in range(c.num_layers):  # other layers bit-identical to the input
+        if layer != c.layer:
+            np.testing.assert_array_equal(bits(got[layer]), bits(x["kv_pages"][layer]))
+    if name == "padding_only":
+        np.testing.assert_array_equal(bits(got), bits(x["kv_pages"]))
+
+
+def test_pallas_write_rejects_page_not_multiple_of_tile():
+    x = make_inputs(Case([1], [3], page_size=24, dtype=jnp.bfloat16))  # bf16 tile: 16 rows
+    with pytest.raises(ValueError, match="multiple of the 16-row tile"):
+        rpa.ragged_paged_attention(*(x[n] for n in ARGS), sm_scale=1.0, impl="interpret",
+                                   new_k=x["new_k"], new_v=x["new_v"])
+
+
 # --- invalid input and cost -------------------------------------------------------------------
 
 @pytest.mark.parametrize("impl", ["reference", "interpret"])

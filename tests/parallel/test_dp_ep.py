@@ -7,13 +7,12 @@ assert on it. Every request is compared with the same request run alone on one d
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.cpu_devices import run_on_cpu_devices
 
 HERE = Path(__file__).resolve().parent
 
@@ -21,12 +20,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp_ep") / "out.npz"
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-               PYTHONPATH=str(HERE.parents[1]))
-    proc = subprocess.run([sys.executable, str(HERE / "dp_ep_run.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_on_cpu_devices(HERE / "dp_ep_run.py", str(out))
     return dict(np.load(out))
 
 

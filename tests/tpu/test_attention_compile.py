@@ -9,12 +9,19 @@ bf16 cache), up to 32 pages (8K tokens) per request; decode at T=R=64 and T=R=51
 prefill + decode at T=1024 and T=2048 (R=64). Metadata is data, so "decode" and "mixed" differ
 only in T and R here.
 
-Each program donates the cache; the assertions check that the scatter of the new K/V updates
-it in place (the cache is aliased and no temporary the size of a cache layer appears).
+Each program donates the cache; the assertions check that the Pallas write of the new K/V
+updates it in place (the cache is aliased and no temporary the size of a cache layer appears):
+two Mosaic kernels per call (write, attention). The last case compiles a ``lax.scan`` over the
+15 attention layers of (write + attention), the model's loop, and checks that XLA never copies
+or relays out the stacked cache (before the Pallas write, XLA's scatter made it copy the whole
+cache twice per layer: a temporary of one full cache).
 """
 
 from __future__ import annotations
 
+import re
+
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -62,8 +69,54 @@ def test_ragged_paged_attention_compiles(mesh, record, label, t, r, hq, hkv, d, 
     report = compile_for_tpu(fn, args, mesh, donate_argnums=(1,))
     record(f"ragged_paged_attention {label} T={t} R={r} Hq={hq} Hkv={hkv} D={d} page={s} "
            f"cache [{lyr},{n},{2 * hkv},{s},{d}] q {jnp.dtype(q_dtype).name}", report)
-    assert len(report.kernels) == 1
+    assert len(report.kernels) == 2  # the K/V write and the attention
     cache_bytes = lyr * n * 2 * hkv * s * d * jnp.dtype(dt).itemsize
     layer_bytes = cache_bytes // lyr
     assert report.memory["alias_size_in_bytes"] >= cache_bytes  # cache updated in place
     assert report.memory["temp_size_in_bytes"] < layer_bytes  # no copy of the cache
+
+
+def test_layer_scan_writes_cache_in_place(mesh, record):
+    """15 layers of (write + attention) in a lax.scan at 397B decode shapes (T=R=64): the
+    stacked bf16 cache [15, 2048, 4, 256, 256] (15 GiB) is carried and updated in place."""
+    t = r = 64
+    lyr, n, hkv, hq, s, d, p = 15, 2048, 2, 32, 256, 256, 32
+    dt, i32 = BF16, jnp.int32
+    cache_shape = (lyr, n, 2 * hkv, s, d)
+    args = [
+        abstract(cache_shape, dt, mesh),  # kv_pages (donated)
+        abstract((lyr, t, hq, d), dt, mesh),  # q of every layer
+        abstract((lyr, t, hkv, d), dt, mesh),  # new_k of every layer
+        abstract((lyr, t, hkv, d), dt, mesh),  # new_v of every layer
+        abstract((r,), i32, mesh),  # kv_lens
+        abstract((r, p), i32, mesh),  # page_indices
+        abstract((r + 1,), i32, mesh),  # cu_q_lens
+        abstract((1,), i32, mesh),  # num_seqs
+    ]
+
+    def fn(kv_pages, q, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs):
+        def layer_step(kv, xs):
+            layer, q_l, k_l, v_l = xs
+            o, kv = rpa.ragged_paged_attention(q_l, kv, kv_lens, page_indices, cu_q_lens,
+                                               num_seqs, sm_scale=d ** -0.5, new_k=k_l,
+                                               new_v=v_l, layer=layer, impl="pallas")
+            return kv, o
+
+        return jax.lax.scan(layer_step, kv_pages,
+                            (jnp.arange(lyr, dtype=i32), q, new_k, new_v))
+
+    report = compile_for_tpu(fn, args, mesh, donate_argnums=(0,))
+    record(f"ragged_paged_attention scan over {lyr} layers (write + attention) T={t} R={r} "
+           f"cache [{lyr},{n},{2 * hkv},{s},{d}]", report, min_kernels=2)
+    cache_bytes = lyr * n * 2 * hkv * s * d * jnp.dtype(dt).itemsize
+    assert report.memory["alias_size_in_bytes"] >= cache_bytes  # cache updated in place
+    assert report.memory["temp_size_in_bytes"] < cache_bytes // 8, report.memory
+    # Only the loop plumbing and the two Mosaic kernels produce a value of the cache's shape:
+    # no copy, scatter or relayout (copy / sparse-core data-format call) of it.
+    shape = re.escape(f"bf16[{','.join(map(str, cache_shape))}]")
+    made = re.findall(rf"^\s*(?:ROOT )?%(\S+) = {shape}{{[^}}]*}} ([\w-]+)\((.*)$", report.hlo,
+                      re.MULTILINE)
+    allowed = {"parameter", "get-tuple-element", "tuple", "while", "bitcast"}
+    bad = [f"{name} = {op}" for name, op, rest in made if op not in allowed
+           and not (op == "custom-call" and 'custom_call_target="tpu_custom_call"' in rest)]
+    assert made and not bad, bad

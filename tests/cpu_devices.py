@@ -1,0 +1,25 @@
+"""Run a test script in a fresh process that sees N simulated CPU devices.
+
+The device count must be fixed before jax starts a backend, which in the pytest process has
+already happened, so multi-device checks run as scripts in a subprocess and hand results back
+through a file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_on_cpu_devices(script: Path, *args: str, num_devices: int = 8, timeout: int = 900) -> None:
+    """``python script *args`` with ``num_devices`` CPU devices; fails the test on a non-zero exit."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + f" --xla_force_host_platform_device_count={num_devices}")
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
