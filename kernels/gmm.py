@@ -263,6 +263,7 @@ def make_group_metadata(group_sizes, num_rows: int, tm: int):
 
 def _gmm_kernel(
     # Prefetch (SMEM)
+    layer_ref,  # i32[1] which stacked weight set (a model layer) to read
     tile_ref, group_ref, lo_ref, hi_ref, first_ref,  # i32[V] each
     # Input
     lhs_ref,  # [tm, tk]
@@ -325,54 +326,65 @@ def _gmm_kernel(
             o_ref[...] = acc_refs[0][...].astype(o_ref.dtype)
 
 
-def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, swiglu, blocks, resolved):
+def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype, swiglu, blocks,
+                resolved):
+    """rhs [Lyr, G, K, N] (scale [Lyr, G, Kb, Nb]) read at ``layer`` by the BlockSpecs: the
+    stacked weights enter the kernel whole, so XLA never slices (copies) one layer out."""
     m, k = lhs.shape
-    g, _, n_total = rhs.shape
+    num_layers, g, _, n_total = rhs.shape
     n = n_total // 2 if swiglu else n_total  # output width
     fp8 = rhs_scale is not None
     tm, tk, tn = blocks.tm, blocks.tk, blocks.tn
     mp, kp, np_ = _round_up(m, tm), _round_up(k, tk), _round_up(n, tn)
     num_m, num_k, num_n = mp // tm, kp // tk, np_ // tn
 
-    # Zero padding to tile multiples (a no-op for the model's shapes).
+    # Zero padding to tile multiples (none for the model's shapes). The weights are passed
+    # untouched when they need none: even a no-op reshape of [G, K, 2N] into halves makes XLA
+    # relay out (copy) the whole weight array, which under the layer scan is the whole stack.
     lhs_p = jnp.pad(lhs, ((0, mp - m), (0, kp - k)))  # [Mp, Kp]
     halves = 2 if swiglu else 1
-    rhs_p = rhs.reshape(g, k, halves, n)
-    rhs_p = jnp.pad(rhs_p, ((0, 0), (0, kp - k), (0, 0), (0, np_ - n))).reshape(g, kp, halves * np_)
+    rhs_p = rhs
+    if kp != k or np_ != n:
+        rhs_p = rhs.reshape(num_layers, g, k, halves, n)
+        rhs_p = jnp.pad(rhs_p, ((0, 0), (0, 0), (0, kp - k), (0, 0), (0, np_ - n))).reshape(
+            num_layers, g, kp, halves * np_)
     if fp8:
         kb, nb = kp // WEIGHT_BLOCK, np_ // WEIGHT_BLOCK
-        s = rhs_scale.astype(jnp.float32)
-        s = s.reshape(g, s.shape[1], halves, s.shape[2] // halves) if swiglu else s[:, :, None, :]
-        s = jnp.pad(s, ((0, 0), (0, kb - s.shape[1]), (0, 0), (0, nb - s.shape[3])), constant_values=1.0)
-        scale_p = s.reshape(g, kb, halves * nb)  # f32[G, Kp/128, halves * Np/128]
+        s = rhs_scale.astype(jnp.float32)  # f32[Lyr, G, Kb, Nb]
+        s = (s.reshape(num_layers, g, s.shape[2], halves, s.shape[3] // halves) if swiglu
+             else s[:, :, :, None, :])
+        s = jnp.pad(s, ((0, 0), (0, 0), (0, kb - s.shape[2]), (0, 0), (0, nb - s.shape[4])),
+                    constant_values=1.0)
+        scale_p = s.reshape(num_layers, g, kb, halves * nb)  # f32[Lyr, G, Kp/128, h*Np/128]
 
     meta = make_group_metadata(group_sizes, m, tm)  # i32[5, V]
     num_visits = meta.shape[1]
     compute_dtype = jnp.bfloat16 if quantize_lhs else (
         lhs.dtype if fp8 else jnp.promote_types(lhs.dtype, rhs.dtype))
 
-    def lhs_map(ni, vi, ki, tile, group, lo, hi, first):
+    def lhs_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
         return tile[vi], ki
 
-    def gate_map(ni, vi, ki, tile, group, lo, hi, first):
-        return group[vi], ki, ni
+    def gate_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
+        return lyr[0], group[vi], ki, ni
 
-    def up_map(ni, vi, ki, tile, group, lo, hi, first):
-        return group[vi], ki, ni + num_n
+    def up_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
+        return lyr[0], group[vi], ki, ni + num_n
 
-    def scale_map(ni, vi, ki, tile, group, lo, hi, first):
-        return group[vi], 0, 0
+    def scale_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
+        return lyr[0], group[vi], 0, 0
 
-    def out_map(ni, vi, ki, tile, group, lo, hi, first):
+    def out_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
         return tile[vi], ni
 
-    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((1, tk, tn), gate_map)]
+    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((None, 1, tk, tn), gate_map)]
     operands = [lhs_p, rhs_p]
     if swiglu:
-        in_specs.append(pl.BlockSpec((1, tk, tn), up_map))
+        in_specs.append(pl.BlockSpec((None, 1, tk, tn), up_map))
         operands.append(rhs_p)
     if fp8:  # the whole group's scale table, a few hundred floats, as scalars
-        in_specs.append(pl.BlockSpec((1, kb, halves * nb), scale_map, memory_space=pltpu.SMEM))
+        in_specs.append(pl.BlockSpec((None, 1, kb, halves * nb), scale_map,
+                                     memory_space=pltpu.SMEM))
         operands.append(scale_p)
     scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(halves)]  # fp32 accumulators
     if fp8:
@@ -387,7 +399,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, swigl
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(num_n, num_visits, num_k),
             in_specs=in_specs,
             out_specs=pl.BlockSpec((tm, tn), out_map),
@@ -398,33 +410,41 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, swigl
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         cost_estimate=cost.to_pallas(),
         interpret=dispatch.interpret_params(resolved),
-    )(*meta, *operands)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), *meta, *operands)
     return out[:m, :n]
 
 
 # --------------------------------------------------------------------------- public API
 
 
-def _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, block_sizes, swiglu):
-    _validate(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, swiglu=swiglu)
+def _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, block_sizes, swiglu,
+              layer):
+    if layer is None:  # one weight set: view it as a stack of one
+        rhs, layer = rhs[None], 0
+        rhs_scale = None if rhs_scale is None else rhs_scale[None]
+    elif rhs.ndim != 4:
+        raise ValueError(f"with layer=, rhs must be stacked [Lyr, G, K, N], got {rhs.shape}")
+    one = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
+    _validate(lhs, one(rhs), group_sizes, one(rhs_scale), quantize_lhs, swiglu=swiglu)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     resolved = dispatch.resolve(impl)
     if resolved == "reference":
         ref = ref_gmm_swiglu if swiglu else ref_gmm
-        return ref(lhs, rhs, group_sizes, rhs_scale=rhs_scale, quantize_lhs=quantize_lhs,
-                   out_dtype=out_dtype)
+        return ref(lhs, rhs[layer], group_sizes,
+                   rhs_scale=None if rhs_scale is None else rhs_scale[layer],
+                   quantize_lhs=quantize_lhs, out_dtype=out_dtype)
     m, k = lhs.shape
-    n = rhs.shape[2] // 2 if swiglu else rhs.shape[2]
+    n = rhs.shape[3] // 2 if swiglu else rhs.shape[3]
     blocks = block_sizes or default_block_sizes(m, k, n, quantize_lhs=quantize_lhs)
     _validate_blocks(blocks, k, quantize_lhs)
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    return _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, swiglu,
+    return _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype, swiglu,
                        blocks, resolved)
 
 
 def gmm(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=None, impl=None,
-        block_sizes: GmmBlockSizes | None = None):
+        block_sizes: GmmBlockSizes | None = None, layer=None):
     """Grouped matmul: ``out[r] = lhs[r] @ w[group(r)]``, fp32 accumulation.
 
     Args:
@@ -436,27 +456,30 @@ def gmm(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=
       out_dtype: defaults to lhs.dtype.
       impl: see :mod:`kernels.dispatch` (static under jit).
       block_sizes: tile override for the Pallas path.
+      layer: optional int or traced i32 scalar; then ``rhs`` is a stack [Lyr, G, K, N] (scale
+        [Lyr, G, ...]) of one weight set per model layer and ``rhs[layer]`` is used. The Pallas
+        path reads it in place (no XLA slice of the stack, which under a layer scan copies).
     Returns:
       [M, N] in out_dtype.
     """
     return _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl,
-                     block_sizes, swiglu=False)
+                     block_sizes, swiglu=False, layer=layer)
 
 
 def gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=None,
-               impl=None, block_sizes: GmmBlockSizes | None = None):
+               impl=None, block_sizes: GmmBlockSizes | None = None, layer=None):
     """Grouped ``silu(lhs @ gate) * (lhs @ up)`` with gate and up tiles in one kernel pass.
 
     Args:
       lhs: [M, K], rows sorted by group.
       rhs: [G, K, 2N], columns ``[gate (N) | up (N)]``; FP8 needs N % 128 == 0.
-      group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, block_sizes: as :func:`gmm`
-        (``rhs_scale`` is f32[G, ceil(K/128), 2N/128]).
+      group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, block_sizes, layer: as
+        :func:`gmm` (``rhs_scale`` is f32[G, ceil(K/128), 2N/128]).
     Returns:
       [M, N] in out_dtype; the activation is computed in fp32 inside the kernel.
     """
     return _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl,
-                     block_sizes, swiglu=True)
+                     block_sizes, swiglu=True, layer=layer)
 
 
 # --------------------------------------------------------------------------- cost

@@ -20,30 +20,33 @@ from kernels import collectives, gmm, routing
 from sglang_tpu_backend.parallel.mesh import EPContext
 
 
-def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, impl):
+def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, impl, layer=None):
     """Sum over each token's top-k experts held here: [T, H] (zero for experts elsewhere).
 
-    experts: {gate_up [E, H, 2I], down [E, I, H] (+ FP8 scales)}; top_i i32[T, K] global
-    expert ids; top_w f32[T, K]; expert ``expert_offset + e`` is local expert e.
+    experts: {gate_up [E, H, 2I], down [E, I, H] (+ FP8 scales)}, or with ``layer`` the
+    weights of every layer group stacked ([groups, E, ...]) and read at ``layer`` inside the
+    kernels; top_i i32[T, K] global expert ids; top_w f32[T, K]; expert ``expert_offset + e``
+    is local expert e.
     """
     token_idx, group_sizes, rows = routing.route_metadata(
         top_i.astype(jnp.int32), num_experts, expert_offset=expert_offset)
     xs = routing.gather_rows(x, token_idx, impl=impl)  # [T*K, H] sorted by expert
     h = gmm.gmm_swiglu(xs, experts["gate_up"], group_sizes, rhs_scale=experts.get("gate_up_scale"),
-                       out_dtype=x.dtype, impl=impl)  # [T*K, I]
+                       out_dtype=x.dtype, impl=impl, layer=layer)  # [T*K, I]
     y = gmm.gmm(h, experts["down"], group_sizes, rhs_scale=experts.get("down_scale"),
-                out_dtype=x.dtype, impl=impl)  # [T*K, H]
+                out_dtype=x.dtype, impl=impl, layer=layer)  # [T*K, H]
     return routing.gather_reduce(y, rows, top_w, impl=impl)  # [T, H]
 
 
-def ep_routed_experts(experts, x, top_i, top_w, impl, ep: EPContext):
+def ep_routed_experts(experts, x, top_i, top_w, impl, ep: EPContext, layer=None):
     """Expert-parallel :func:`routed_experts` of this rank's tokens x [T, H] -> [T, H]."""
-    num_local = experts["gate_up"].shape[0]
+    num_local = experts["gate_up"].shape[0 if layer is None else 1]
     ids_all, w_all = collectives.packed_all_gather(
         top_i.astype(jnp.int32), top_w.astype(jnp.float32), axis_name=ep.axes)  # [D*T, K]
     x_all = lax.all_gather(x, ep.axes, axis=0, tiled=True)  # [D*T, H]
     rank = lax.axis_index(ep.axes)
-    y_all = routed_experts(experts, x_all, ids_all, w_all, num_local, rank * num_local, impl)
+    y_all = routed_experts(experts, x_all, ids_all, w_all, num_local, rank * num_local, impl,
+                           layer)
     m = ep.num_microbatches if x.shape[0] % ep.num_microbatches == 0 else 1
     return collectives.hierarchical_reduce_scatter(
         y_all, chip_axis=ep.chip_axis, die_axis=ep.die_axis, num_microbatches=m, impl=impl)

@@ -193,11 +193,14 @@ def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, c
     return o @ p["out_proj"], conv_state, rec_state
 
 
-def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None):
+def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
+              experts: Params | None = None, group=None):
     """Sparse MoE with renormalised top-k and a sigmoid-gated shared expert. x: [T, H].
 
     ``ep`` (inside ``shard_map`` only): experts are split over the DP/EP ranks, see
     ``models/moe.py``; the router and the shared expert run on this rank's tokens either way.
+    ``experts``/``group``: the routed experts of every layer group stacked, read at ``group``
+    by the kernels (the layer scan passes them whole); default ``p["experts"]`` (one layer).
     """
     K = cfg.num_experts_per_tok
     router_logits = x @ p["gate"]  # [T, E]
@@ -207,10 +210,12 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None)
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     top_w = top_w.astype(x.dtype).astype(jnp.float32)
 
+    if experts is None:
+        experts, group = p["experts"], None
     if ep is None:
-        routed = routed_experts(p["experts"], x, top_i, top_w, cfg.num_experts, 0, impl)
+        routed = routed_experts(experts, x, top_i, top_w, cfg.num_experts, 0, impl, group)
     else:
-        routed = ep_routed_experts(p["experts"], x, top_i, top_w, impl, ep)  # [T, H]
+        routed = ep_routed_experts(experts, x, top_i, top_w, impl, ep, group)  # [T, H]
 
     shared = p["shared_expert"]
     shared_out = swiglu_mlp(x, shared["gate_up"], shared["down"])  # [T, H]
@@ -218,10 +223,23 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None)
     return routed + shared_out
 
 
-def mlp_block(p: Params, x, cfg: ModelConfig, layer: int, impl, ep: EPContext | None = None):
+def mlp_block(p: Params, x, cfg: ModelConfig, layer: int, impl, ep: EPContext | None = None,
+              experts: Params | None = None, group=None):
     if cfg.is_moe_layer(layer):
-        return moe_block(p, x, cfg, impl, ep)
+        return moe_block(p, x, cfg, impl, ep, experts, group)
     return swiglu_mlp(x, p["gate_up"], p["down"])
+
+
+def _split_experts(groups: tuple[Params, ...]) -> tuple[tuple[Params, ...], tuple]:
+    """Each group position's params without its routed experts, and those experts (or None)."""
+    scanned, experts = [], []
+    for p in groups:
+        mlp = p.get("mlp", {})
+        experts.append(mlp.get("experts"))
+        if "experts" in mlp:
+            p = {**p, "mlp": {k: v for k, v in mlp.items() if k != "experts"}}
+        scanned.append(p)
+    return tuple(scanned), tuple(experts)
 
 
 def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl,
@@ -231,7 +249,9 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
     The layers run as a ``lax.scan`` over ``num_hidden_layers / layer_period`` groups (the body
     is traced and compiled once, whatever the depth); group g's j-th attention layer is
     attention layer ``g * attn_per_group + j`` of the cache, likewise for GDN layers. The
-    caches travel in the carry and the kernels update them in place.
+    caches travel in the carry and the kernels update them in place. Routed expert weights do
+    not go through the scan's slicing: the grouped matmuls read the stacked weights at g
+    (an XLA slice of them would copy a layer's experts every step).
     """
     period = cfg.layer_period
     kinds = cfg.layer_types[:period]
@@ -239,6 +259,8 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
     lin_per_group = period - attn_per_group
     x = params["embed_tokens"][batch.input_ids]  # [T, H]
     cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta)
+
+    scanned, experts = _split_experts(params["layer_groups"])
 
     def group(carry, xs):
         x, kv_pages, conv_state, rec_state = carry
@@ -258,12 +280,12 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
                 i_lin += 1
             x = x + h
             h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-            x = x + mlp_block(p["mlp"], h, cfg, j, impl, ep)
+            x = x + mlp_block(p["mlp"], h, cfg, j, impl, ep, experts[j], g)
         return (x, kv_pages, conv_state, rec_state), None
 
     num_groups = cfg.num_hidden_layers // period
     carry = (x, cache.kv_pages, cache.conv_state, cache.rec_state)
-    carry, _ = jax.lax.scan(group, carry, (params["layer_groups"], jnp.arange(num_groups)))
+    carry, _ = jax.lax.scan(group, carry, (scanned, jnp.arange(num_groups)))
     x, kv_pages, conv_state, rec_state = carry
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     return x, ModelCache(kv_pages, conv_state, rec_state)

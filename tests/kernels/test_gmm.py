@@ -193,6 +193,30 @@ def test_gmm_fp8_rhs(dtype, swiglu, tol):
     _check(out, _np_swiglu(h) if swiglu else h, tol)
 
 
+@pytest.mark.parametrize("fp8,swiglu,padded", [(False, False, False), (False, True, True),
+                                               (True, True, False), (True, False, False)])
+def test_stacked_weights_read_at_layer(fp8, swiglu, padded):
+    """rhs [Lyr, G, K, N] with a traced layer equals rhs[layer] passed alone (kernel and ref)."""
+    m, k, n, sizes = 96, 256, 192 if padded else 256, [30, 0, 41, 25]
+    width = 2 * n if swiglu else n
+    stack = [_inputs(m, k, width, sizes, jnp.float32, seed=20 + i) for i in range(3)]
+    lhs, gs = stack[0][0], stack[0][2]
+    rhs = jnp.stack([w for _, w, _ in stack])  # [3, G, K, N]
+    scale = None
+    if fp8:
+        qs = [G.quantize_fp8_blockwise(w) for w in rhs]
+        rhs, scale = jnp.stack([q for q, _ in qs]), jnp.stack([sc for _, sc in qs])
+    f = G.gmm_swiglu if swiglu else G.gmm
+    for impl in ("interpret", "reference"):
+        run = jax.jit(lambda l: f(lhs, rhs, gs, rhs_scale=scale, impl=impl, layer=l,
+                                  block_sizes=B(32, 128, 128)))
+        alone = f(lhs, rhs[1], gs, rhs_scale=None if scale is None else scale[1], impl=impl,
+                  block_sizes=B(32, 128, 128))
+        np.testing.assert_array_equal(np.asarray(run(jnp.int32(1))), np.asarray(alone))
+    with pytest.raises(ValueError, match="stacked"):
+        f(lhs, rhs[0], gs, rhs_scale=None if scale is None else scale[0], layer=0)
+
+
 @pytest.mark.parametrize(
     "k,dtype,swiglu", [(256, jnp.bfloat16, False), (640, jnp.float32, False), (256, jnp.float32, True)]
 )
