@@ -68,10 +68,18 @@ def with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
 def test_compile_time_does_not_grow_with_depth(mesh, record):
     spec = tiny_spec(ForwardMode.DECODE, 8, 8, 8)
     compile_step(with_layers(TINY, 4), spec, mesh)  # warm libtpu and the tracing caches
-    r8 = record("tiny step 8 layers", compile_step(with_layers(TINY, 8), spec, mesh))
-    r60 = record("tiny step 60 layers", compile_step(with_layers(TINY, 60), spec, mesh))
+    # Best of two compiles each, so a busy machine does not decide the ratio.
+    r8 = min((compile_step(with_layers(TINY, 8), spec, mesh) for _ in range(2)),
+             key=lambda r: r.seconds)
+    r60 = min((compile_step(with_layers(TINY, 60), spec, mesh) for _ in range(2)),
+              key=lambda r: r.seconds)
+    record("tiny step 8 layers", r8)
+    record("tiny step 60 layers", r60)
     assert r60.seconds < 2 * r8.seconds, (r8.seconds, r60.seconds)
-    assert len(r60.kernels) == len(r8.kernels)  # the layers are not unrolled
+    # The layers are not unrolled: the same kernels and about the same program.
+    assert len(r60.kernels) == len(r8.kernels)
+    code8, code60 = (r.memory["generated_code_size_in_bytes"] for r in (r8, r60))
+    assert code60 < 1.5 * code8, (code8, code60)
 
 
 def slice_397b(num_layers: int = 8) -> ModelConfig:
