@@ -80,6 +80,16 @@ def step_shapes(max_running_requests: int, max_tokens_per_step: int
     return out
 
 
+def _place_on_default_device(params: Any) -> Any:
+    """Params on the default device; on TPU the dense weights in their native tiling."""
+    from jax.sharding import SingleDeviceSharding
+
+    from sglang_tpu_backend.model_executor.weight_layout import place_weights
+
+    where = SingleDeviceSharding(jax.devices()[0])
+    return place_weights(params, jax.tree.map(lambda _: where, params))
+
+
 def _uses_penalties(sp: Any) -> bool:
     return sp.frequency_penalty != 0 or sp.presence_penalty != 0 or sp.repetition_penalty != 1
 
@@ -125,7 +135,7 @@ class ModelRunner:
         self.prompt_mask = jnp.zeros((S, cfg.vocab_size), jnp.bool_)  # bool[S, V]
         self.dp = None
         if dp_size == 1:
-            self.params = params
+            self.params = _place_on_default_device(params)
             self.cache = qwen3_5_moe.init_cache(
                 cfg, num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
                 kv_dtype=kv_dtype, state_dtype=state_dtype,

@@ -12,12 +12,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kernels.tpu_compile import CompileReport, abstract, compile_for_tpu
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.models import qwen3_5_moe
+from sglang_tpu_backend.model_executor.weight_layout import weight_formats
 from sglang_tpu_backend.models.param_shapes import param_shapes
 
 
@@ -51,6 +52,15 @@ def abstract_batch(spec: StepSpec, mesh: Mesh) -> ForwardBatch:
     )
 
 
+def abstract_params(shapes: Any, mesh: Mesh, specs: Any = None) -> Any:
+    """Abstract params placed as the runner places real ones: ``specs`` (default: replicated)
+    and the dense weights in their TPU-native tiling (``weight_layout.py``)."""
+    specs = jax.tree.map(lambda _: PartitionSpec(), shapes) if specs is None else specs
+    shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), specs)
+    return jax.tree.map(lambda s, f: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=f),
+                        shapes, weight_formats(shapes, shardings))
+
+
 def abstract_cache(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, kv_dtype: Any = jnp.bfloat16,
                    state_dtype: Any = jnp.float32) -> qwen3_5_moe.ModelCache:
     shapes = jax.eval_shape(lambda: qwen3_5_moe.init_cache(
@@ -63,8 +73,7 @@ def compile_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = j
                  fp8_experts: bool = False, kv_dtype: Any = jnp.bfloat16,
                  state_dtype: Any = jnp.float32, impl: str = "pallas") -> CompileReport:
     """Compile ``forward(params, cache, batch)`` for one bucket on ``mesh`` (cache donated)."""
-    params = jax.tree.map(lambda s: abstract(s.shape, s.dtype, mesh),
-                          param_shapes(cfg, dtype, fp8_experts=fp8_experts))
+    params = abstract_params(param_shapes(cfg, dtype, fp8_experts=fp8_experts), mesh)
     cache = abstract_cache(cfg, spec, mesh, kv_dtype=kv_dtype, state_dtype=state_dtype)
     batch = abstract_batch(spec, mesh)
 
@@ -89,8 +98,7 @@ def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
     dp = DPForward(cfg, mesh, impl=impl, ep=EPContext(num_microbatches=num_microbatches))
     D = dp.dp_size
     shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
-    params = jax.tree.map(lambda s, p: abstract(s.shape, s.dtype, mesh, p), shapes,
-                          dp.param_specs(shapes))
+    params = abstract_params(shapes, mesh, dp.param_specs(shapes))
     glob = dataclasses.replace(spec, num_pages=spec.num_pages * D,
                                num_state_slots=spec.num_state_slots * D)
     cache = jax.eval_shape(lambda: qwen3_5_moe.init_cache(

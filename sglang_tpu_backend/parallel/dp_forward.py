@@ -31,15 +31,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.parallel.mesh import EPContext, rank_spec
 
 REPLICATED = PartitionSpec()
 
 
-def global_array(x, sharding: NamedSharding) -> jax.Array:
+def global_array(x, sharding) -> jax.Array:
     """A global array from a full host copy ``x`` that every process holds: each process fills
-    only its own devices' shards (one process or several, as on multi-host TPU slices)."""
+    only its own devices' shards (one process or several, as on multi-host TPU slices).
+    ``sharding``: a Sharding, or a Format (sharding + device layout)."""
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
@@ -79,10 +81,13 @@ class DPForward:
         return ForwardBatch(**{n: spec for n in names}, mode=mode)
 
     def shard_params(self, params):
-        """Place params on the mesh (experts split, the rest replicated); every process passes
-        the full params and fills its own devices."""
-        return jax.tree.map(lambda x, s: global_array(x, self._sharding(s)), params,
-                            self.param_specs(params))
+        """Place params on the mesh (experts split, the rest replicated; on TPU the dense
+        weights in their native tiling, ``weight_layout.py``); every process passes the full
+        params and fills its own devices."""
+        shardings = jax.tree.map(self._sharding, self.param_specs(params))
+        if uses_native_layouts(self._sharding(REPLICATED)):
+            shardings = weight_formats(params, shardings)
+        return jax.tree.map(global_array, params, shardings)
 
     def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int,
                    kv_dtype=jnp.bfloat16, state_dtype=jnp.float32) -> qwen3_5_moe.ModelCache:

@@ -1,0 +1,79 @@
+"""How dense weights are laid out in TPU HBM.
+
+XLA:TPU stores a jit argument in its *default* tiled layout unless told otherwise; for a bf16
+matrix that is ``T(8,128)(2,1)``. Its matmuls, however, read a bf16 operand in the MXU's native
+``T(16,128)(2,1)`` tiles (``T(32,128)(4,1)`` for 8-bit, ``T(8,128)`` for 32-bit). Under the
+layer scan a stacked weight ``[groups, K, N]`` in the default layout is therefore copied into
+the native one on every step: the whole stack, for every matmul weight, as a temporary (about
+0.24 GiB per layer for Qwen3.5-397B, enough to push the 60-layer step past a TensorCore's HBM).
+
+Storing the dense weights in the native tiling from the start removes those copies:
+:func:`weight_formats` says, per parameter leaf, which layout it lives in; the runner places
+real weights with it (:func:`place_weights`), and the weight-free compiles
+(``step_compile.py``) declare the same formats on their abstract params, so what is compiled
+here is what runs on a TPU. Routed-expert leaves are left alone: the grouped-matmul kernels
+read them in the default layout. Off TPU everything stays in the backend's default layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental.layout import Format, Layout
+from jax.sharding import Sharding
+
+LANES = 128  # minor-dim tile of every TPU layout
+
+
+def native_tiling(dtype: Any) -> tuple[tuple[int, int], ...]:
+    """The MXU's operand tiling for ``dtype``: (8 * packing, 128) tiles, packed ``packing``
+    elements per 32-bit word."""
+    packing = 4 // np.dtype(dtype).itemsize
+    tiles: tuple[tuple[int, int], ...] = ((8 * packing, LANES),)
+    return tiles + ((packing, 1),) if packing > 1 else tiles
+
+
+def is_matmul_weight(shape: tuple[int, ...], dtype: Any) -> bool:
+    """A dense weight the model multiplies by: rank >= 2 with whole native tiles (rows a multiple
+    of the tile height and at least 128, columns a multiple of 128). Norm scales, biases, conv
+    taps and tiny matrices keep the default layout."""
+    if len(shape) < 2 or np.dtype(dtype).itemsize not in (1, 2, 4):
+        return False
+    rows = native_tiling(dtype)[0][0]
+    return shape[-2] >= LANES and shape[-2] % rows == 0 and shape[-1] % LANES == 0
+
+
+def _is_expert_path(path) -> bool:
+    return any(getattr(k, "key", None) == "experts" for k in path)
+
+
+def weight_format(shape: tuple[int, ...], dtype: Any, sharding: Sharding) -> Format | Sharding:
+    """``Format(native tiling, sharding)`` for a matmul weight, else ``sharding`` unchanged."""
+    if not is_matmul_weight(shape, dtype):
+        return sharding
+    layout = Layout(major_to_minor=tuple(range(len(shape))), tiling=native_tiling(dtype))
+    return Format(layout, sharding)
+
+
+def weight_formats(params: Any, shardings: Any) -> Any:
+    """Per leaf of ``params`` (arrays or ShapeDtypeStructs): its :func:`weight_format`, with
+    routed-expert leaves left at ``shardings``' default layout. ``shardings`` mirrors params."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x, s: s if _is_expert_path(path) else weight_format(x.shape, x.dtype, s),
+        params, shardings)
+
+
+def uses_native_layouts(sharding: Sharding) -> bool:
+    """Only TPU backends take tiled layouts; elsewhere weights keep the default layout."""
+    return next(iter(sharding.device_set)).platform == "tpu"
+
+
+def place_weights(params: Any, shardings: Any) -> Any:
+    """``params`` on their devices (``shardings`` mirrors the tree), matmul weights in the
+    native tiling on TPU. Committed arrays carry their layout into every jit that takes them."""
+    leaves = jax.tree.leaves(shardings)
+    if leaves and uses_native_layouts(leaves[0]):
+        shardings = weight_formats(params, shardings)
+    return jax.device_put(params, shardings)
