@@ -325,36 +325,44 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))
     if a.compile:
-        if p.tp != 1:
-            ap.error("--compile: only the DP x EP step (--tp 1) is compiled")
+        if p.tp != 1 and p.tp != p.devices:
+            ap.error("--compile: the DP x EP step (--tp 1) or tensor-parallel attention over "
+                     f"all {p.devices} devices (--tp {p.devices}) is compiled")
         return compile_and_compare(cfg, p, a)
     return 0
 
 
 def compile_and_compare(cfg: ModelConfig, p: MemoryPlan, a) -> int:
-    """Compile the decode step of the plan (``r`` requests per DP rank) and print the
-    compiler's figures per device beside the planner's estimate."""
+    """Compile the decode step of the plan (``r`` requests per DP rank, or all of them in
+    tensor-parallel mode) and print the compiler's figures per device beside the planner's
+    estimate."""
     import jax.numpy as jnp
 
     from kernels.tpu_compile import topology_devices
     from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
-    from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
+    from sglang_tpu_backend.model_executor.step_compile import (
+        StepSpec,
+        compile_dp_step,
+        compile_tp_step,
+    )
     from sglang_tpu_backend.parallel.mesh import make_mesh
 
     jdt = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16, "fp32": jnp.float32}
     r = p.requests_per_device
     pages = -(-p.context_len // p.page_size)
     spec = StepSpec(ForwardMode.DECODE, r, r, r, pages, r * pages, p.page_size, r)
-    mesh = make_mesh(p.dp, topology_devices(p.topology))
+    mesh = make_mesh(p.devices, topology_devices(p.topology))
+    step = compile_dp_step if p.tp == 1 else compile_tp_step
     try:
-        rep = compile_dp_step(cfg, spec, mesh, fp8_experts=a.expert_dtype == "fp8",
-                              kv_dtype=jdt[a.kv_dtype], state_dtype=jdt[a.state_dtype])
+        rep = step(cfg, spec, mesh, fp8_experts=a.expert_dtype == "fp8",
+                   kv_dtype=jdt[a.kv_dtype], state_dtype=jdt[a.state_dtype])
     except Exception as e:  # XLA:TPU refuses programs that do not fit: report, do not crash
         print(f"compile failed: {str(e).splitlines()[0]}")
         return 1
     gib = 2.0**30
     used = rep.memory["argument_size_in_bytes"] + rep.memory["temp_size_in_bytes"]
-    print(f"compiled decode step, {r} requests per DP rank: {rep.seconds:.1f} s")
+    who = "per DP rank" if p.tp == 1 else f"on each of {p.tp} tensor-parallel devices"
+    print(f"compiled decode step, {r} requests {who}: {rep.seconds:.1f} s")
     print(f"  compiler per device: arguments {rep.memory['argument_size_in_bytes'] / gib:.2f} GiB"
           f" + temp {rep.memory['temp_size_in_bytes'] / gib:.2f} GiB = {used / gib:.2f} GiB")
     print(f"  planner per device:  {p.total / gib:.2f} GiB "

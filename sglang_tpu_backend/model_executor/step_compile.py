@@ -110,3 +110,23 @@ def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
     batch = jax.tree.map(lambda a, p: abstract((a.shape[0] * D, *a.shape[1:]), a.dtype, mesh, p),
                          local, dp.batch_specs(spec.mode))
     return compile_for_tpu(dp._global_step, (params, cache, batch), mesh, donate_argnums=(1,))
+
+
+def compile_tp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = jnp.bfloat16,
+                    fp8_experts: bool = False, kv_dtype: Any = jnp.bfloat16,
+                    state_dtype: Any = jnp.float32, impl: str = "pallas") -> CompileReport:
+    """Compile the tensor-parallel-attention step (``parallel/tp_forward.py``) over every
+    device of ``mesh``. ``spec`` is the whole batch and pool (every device runs every request);
+    memory figures are per device."""
+    from sglang_tpu_backend.parallel.tp_forward import TPForward
+
+    tp = TPForward(cfg, mesh, impl=impl)
+    shapes = jax.eval_shape(tp.tp_params, param_shapes(cfg, dtype, fp8_experts=fp8_experts))
+    params = abstract_params(shapes, mesh, tp.param_specs(shapes))
+    cache = jax.eval_shape(lambda: tp.init_cache(
+        num_pages=spec.num_pages, page_size=spec.page_size, num_state_slots=spec.num_state_slots,
+        kv_dtype=kv_dtype, state_dtype=state_dtype))
+    cache = jax.tree.map(lambda s, p: abstract(s.shape, s.dtype, mesh, p), cache,
+                         tp.cache_specs())
+    return compile_for_tpu(tp._global_step, (params, cache, abstract_batch(spec, mesh)), mesh,
+                           donate_argnums=(1,))

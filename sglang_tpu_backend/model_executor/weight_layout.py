@@ -50,8 +50,11 @@ def _is_expert_path(path) -> bool:
 
 
 def weight_format(shape: tuple[int, ...], dtype: Any, sharding: Sharding) -> Format | Sharding:
-    """``Format(native tiling, sharding)`` for a matmul weight, else ``sharding`` unchanged."""
-    if not is_matmul_weight(shape, dtype):
+    """``Format(native tiling, sharding)`` for a replicated matmul weight, else ``sharding``
+    unchanged. Split weights (tensor-parallel heads) keep the default layout: XLA:TPU does not
+    take a caller's layout for a sharded argument of an SPMD program (it reports a layout
+    override), and a device copies only its 1/tp share of them."""
+    if not is_matmul_weight(shape, dtype) or not sharding.is_fully_replicated:
         return sharding
     layout = Layout(major_to_minor=tuple(range(len(shape))), tiling=native_tiling(dtype))
     return Format(layout, sharding)

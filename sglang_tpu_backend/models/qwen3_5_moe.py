@@ -50,7 +50,7 @@ from sglang_tpu_backend.models.layers import (
     swiglu_mlp,
 )
 from sglang_tpu_backend.models.moe import ep_routed_experts, routed_experts
-from sglang_tpu_backend.parallel.mesh import EPContext
+from sglang_tpu_backend.parallel.mesh import EPContext, TPContext
 
 Params = dict[str, Any]
 
@@ -194,11 +194,13 @@ def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, c
 
 
 def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
-              experts: Params | None = None, group=None):
+              experts: Params | None = None, group=None, tp: TPContext | None = None):
     """Sparse MoE with renormalised top-k and a sigmoid-gated shared expert. x: [T, H].
 
     ``ep`` (inside ``shard_map`` only): experts are split over the DP/EP ranks, see
     ``models/moe.py``; the router and the shared expert run on this rank's tokens either way.
+    ``tp`` (inside ``shard_map`` only): every device has all tokens and a share of the experts;
+    each runs its own experts and one all-reduce sums them.
     ``experts``/``group``: the routed experts of every layer group stacked, read at ``group``
     by the kernels (the layer scan passes them whole); default ``p["experts"]`` (one layer).
     """
@@ -212,7 +214,12 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
 
     if experts is None:
         experts, group = p["experts"], None
-    if ep is None:
+    if tp is not None:
+        num_local = experts["gate_up"].shape[0 if group is None else 1]
+        first = jax.lax.axis_index(tp.axes) * num_local
+        routed = routed_experts(experts, x, top_i, top_w, num_local, first, impl, group)
+        routed = jax.lax.psum(routed, tp.axes)
+    elif ep is None:
         routed = routed_experts(experts, x, top_i, top_w, cfg.num_experts, 0, impl, group)
     else:
         routed = ep_routed_experts(experts, x, top_i, top_w, impl, ep, group)  # [T, H]
@@ -224,9 +231,9 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
 
 
 def mlp_block(p: Params, x, cfg: ModelConfig, layer: int, impl, ep: EPContext | None = None,
-              experts: Params | None = None, group=None):
+              experts: Params | None = None, group=None, tp: TPContext | None = None):
     if cfg.is_moe_layer(layer):
-        return moe_block(p, x, cfg, impl, ep, experts, group)
+        return moe_block(p, x, cfg, impl, ep, experts, group, tp)
     return swiglu_mlp(x, p["gate_up"], p["down"])
 
 
@@ -243,7 +250,7 @@ def _split_experts(groups: tuple[Params, ...]) -> tuple[tuple[Params, ...], tupl
 
 
 def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl,
-                   ep: EPContext | None = None):
+                   ep: EPContext | None = None, tp: TPContext | None = None):
     """All decoder layers and the final norm. Returns (hidden [T, H], cache).
 
     The layers run as a ``lax.scan`` over ``num_hidden_layers / layer_period`` groups (the body
@@ -252,6 +259,8 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
     caches travel in the carry and the kernels update them in place. Routed expert weights do
     not go through the scan's slicing: the grouped matmuls read the stacked weights at g
     (an XLA slice of them would copy a layer's experts every step).
+    With ``tp`` (tensor-parallel attention, ``parallel/tp_forward.py``) ``cfg`` holds this
+    device's head counts and each token mixer's output is all-reduced over ``tp.axes``.
     """
     period = cfg.layer_period
     kinds = cfg.layer_types[:period]
@@ -278,9 +287,11 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
                 h, conv_state, rec_state = gdn_block(p["linear_attn"], h, conv_state, rec_state,
                                                      layer, batch, cfg, impl)
                 i_lin += 1
+            if tp is not None:
+                h = jax.lax.psum(h, tp.axes)  # heads' partial sums of the output projection
             x = x + h
             h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-            x = x + mlp_block(p["mlp"], h, cfg, j, impl, ep, experts[j], g)
+            x = x + mlp_block(p["mlp"], h, cfg, j, impl, ep, experts[j], g, tp)
         return (x, kv_pages, conv_state, rec_state), None
 
     num_groups = cfg.num_hidden_layers // period
@@ -293,19 +304,21 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
 
 def forward(
     params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl: str = "auto",
-    ep: EPContext | None = None,
+    ep: EPContext | None = None, tp: TPContext | None = None,
 ) -> tuple[jax.Array, ModelCache]:
     """One model step over a ragged batch.
 
     Returns f32[L, V] logits for the rows ``batch.logits_indices`` and the updated cache.
     Jit with ``static_argnames=("cfg", "impl", "ep")`` and ``donate_argnames=("cache",)``.
     ``ep`` is set only by the data-parallel step (``parallel/dp_forward.py``), which runs this
-    function per device under ``shard_map``.
+    function per device under ``shard_map``; ``tp`` likewise by the tensor-parallel step
+    (``parallel/tp_forward.py``).
     """
-    hidden, cache = forward_hidden(params, cache, batch, cfg, impl, ep)
+    hidden, cache = forward_hidden(params, cache, batch, cfg, impl, ep, tp)
     h = hidden[batch.logits_indices]  # [L, H]
     logits = (h @ params["lm_head"]).astype(jnp.float32)  # [L, V]
     return logits, cache
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep"), donate_argnames=("cache",))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep", "tp"),
+                      donate_argnames=("cache",))

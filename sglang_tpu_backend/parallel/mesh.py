@@ -36,6 +36,15 @@ class EPContext:
         return (self.chip_axis, self.die_axis)
 
 
+@dataclasses.dataclass(frozen=True)
+class TPContext:
+    """Static description of tensor-parallel attention (``parallel/tp_forward.py``): every
+    device of ``axes`` holds a slice of each layer's heads and a share of the routed experts;
+    partial outputs are all-reduced over ``axes``."""
+
+    axes: tuple[str, ...] = (CHIP_AXIS, DIE_AXIS)
+
+
 def make_mesh(dp_size: int, devices: Sequence | None = None, dies_per_chip: int = 2) -> Mesh:
     """A (dp_size / dies, dies) ("chip", "die") mesh over the first ``dp_size`` devices.
 

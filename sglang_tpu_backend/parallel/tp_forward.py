@@ -1,0 +1,216 @@
+"""The model step with tensor-parallel attention (SGLang's ``--tp-size``), for comparison with
+the DP-attention step (``dp_forward.py``).
+
+All ``tp`` devices of the mesh run every request of the batch. Each device holds a slice of
+every token mixer's heads and computes them for all tokens; the layer's output projection
+(rows split like the heads) gives a partial sum that one all-reduce completes:
+
+  attention  q heads split (N/tp per device); kv heads split when G >= tp, else each device
+             holds the ONE kv head its q heads read (kv heads replicated tp/G times: the KV
+             cache of every request is then stored tp/G times over the devices, which is what
+             caps concurrency compared with DP attention).
+  GDN        value heads split (Hv/tp); key heads split when Hk >= tp, else replicated like kv
+             heads; conv channels and states follow their heads.
+  MoE        routed experts split over the devices (E/tp each) as in the DP step; every device
+             routes all tokens, runs its own experts, one all-reduce sums them. Router, shared
+             expert, norms, embeddings and lm_head are replicated.
+
+So a device runs ``models.qwen3_5_moe.forward`` with a *local* config (its head counts) on its
+weight shards, and the model all-reduces (``TPContext``) after each output projection and the
+routed experts. Global layouts, tp devices, d = device index (``chip * dies + die``):
+  q_proj [.., H, N*2D], in_proj_z/a/b, A_log, dt_bias: split on the head columns as stored.
+  k_proj, v_proj [.., H, tp*g*D]: device d's g kv heads side by side (g = max(1, G/tp)).
+  in_proj_qkv [.., H, tp*c], conv1d [.., tp*c, K]: device d's [q | k | v] channels (c local
+             channels) side by side, so a contiguous split hands each device its own layout.
+  o_proj, out_proj [.., N*D or Hv*Dv, H]: split on rows.
+  kv_pages [La, pages, tp*2g, S, D], conv_state [Lg, slots, rows, tp*c],
+  rec_state [Lg, slots, Hv, Dk, Dv]: split on the head / channel axis; pages and slots are
+  shared by all devices (one pool, as with one device).
+  batch and logits: replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
+from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
+from sglang_tpu_backend.models import qwen3_5_moe
+from sglang_tpu_backend.parallel.dp_forward import global_array
+from sglang_tpu_backend.parallel.mesh import CHIP_AXIS, DIE_AXIS, TPContext
+
+REPLICATED = PartitionSpec()
+
+
+def heads_of_device(num_heads: int, tp: int, d: int) -> list[int]:
+    """The heads device ``d`` of ``tp`` holds: a contiguous num_heads/tp of them, or the one
+    head its share of the q (value) heads reads when num_heads < tp."""
+    if num_heads >= tp:
+        per = num_heads // tp
+        return list(range(d * per, (d + 1) * per))
+    return [d // (tp // num_heads)]
+
+
+def _check_divisible(cfg: ModelConfig, tp: int) -> None:
+    pairs = {"num_attention_heads": cfg.num_attention_heads,
+             "num_key_value_heads": cfg.num_key_value_heads,
+             "linear_num_key_heads": cfg.linear_num_key_heads,
+             "linear_num_value_heads": cfg.linear_num_value_heads}
+    for name, n in pairs.items():
+        if n % tp and tp % n:
+            raise ValueError(f"--tp-size {tp}: {name}={n} must divide it or be divisible by it")
+    for name in ("num_attention_heads", "linear_num_value_heads"):
+        if pairs[name] % tp:
+            raise ValueError(f"--tp-size {tp} must divide {name}={pairs[name]}")
+    if cfg.num_experts % tp:
+        raise ValueError(f"--tp-size {tp} must divide num_experts {cfg.num_experts}")
+
+
+def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config one device of ``tp`` runs: its head counts."""
+    return dataclasses.replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // tp,
+        num_key_value_heads=len(heads_of_device(cfg.num_key_value_heads, tp, 0)),
+        linear_num_key_heads=len(heads_of_device(cfg.linear_num_key_heads, tp, 0)),
+        linear_num_value_heads=cfg.linear_num_value_heads // tp,
+    )
+
+
+def _columns(heads: list[int], width: int, offset: int = 0) -> list[int]:
+    return [offset + h * width + i for h in heads for i in range(width)]
+
+
+def kv_columns(cfg: ModelConfig, tp: int) -> np.ndarray:
+    """Columns of k_proj / v_proj [H, G*D] that make the global [H, tp*g*D] layout."""
+    G, D = cfg.num_key_value_heads, cfg.head_dim
+    return np.array([c for d in range(tp) for c in _columns(heads_of_device(G, tp, d), D)])
+
+
+def conv_channels(cfg: ModelConfig, tp: int) -> np.ndarray:
+    """Channels of in_proj_qkv / conv1d ([q | k | v], C) that make the global [tp*c] layout."""
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    out = []
+    for d in range(tp):
+        keys = heads_of_device(Hk, tp, d)
+        out += _columns(keys, Dk) + _columns(keys, Dk, Hk * Dk)
+        out += _columns(heads_of_device(Hv, tp, d), Dv, 2 * Hk * Dk)
+    return np.array(out)
+
+
+# How each weight is laid out for TP (by its name in the param tree): the axis split over the
+# devices, counted from the end, and the index map applied to that axis first (if any).
+_SPLIT_LAST = {"q_proj", "k_proj", "v_proj", "in_proj_qkv", "in_proj_z", "in_proj_b",
+               "in_proj_a", "A_log", "dt_bias"}
+_SPLIT_ROWS = {"o_proj", "out_proj", "conv1d"}
+
+
+def _leaf_role(path) -> tuple[str | None, bool]:
+    """(weight name, is a routed-expert leaf) from a param-tree path."""
+    keys = [getattr(k, "key", None) for k in path]
+    return keys[-1], "experts" in keys
+
+
+class TPForward:
+    """``forward`` over a (chip, die) mesh of ``tp`` devices with tensor-parallel attention."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, *, impl: str = "auto"):
+        self.tp = mesh.size
+        _check_divisible(cfg, self.tp)
+        self.cfg, self.mesh, self.impl = cfg, mesh, impl
+        self.local_cfg = local_config(cfg, self.tp)
+        self.ctx = TPContext(axes=(CHIP_AXIS, DIE_AXIS))
+        self._kv_cols = kv_columns(cfg, self.tp)
+        self._conv_ch = conv_channels(cfg, self.tp)
+        self._step = jax.jit(self._global_step, donate_argnums=(1,))
+
+    # Layouts ----------------------------------------------------------------------------------
+    def _sharding(self, spec: PartitionSpec) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def _split(self, ndim: int, axis_from_end: int) -> PartitionSpec:
+        dims: list[Any] = [None] * ndim
+        dims[ndim - axis_from_end] = self.ctx.axes
+        return PartitionSpec(*dims)
+
+    def param_specs(self, params) -> Any:
+        def spec(path, x):
+            name, expert = _leaf_role(path)
+            if expert:
+                return self._split(x.ndim, x.ndim - 1)  # [groups, E, ...]: split E
+            if name in _SPLIT_LAST:
+                return self._split(x.ndim, 1)
+            if name in _SPLIT_ROWS:
+                return self._split(x.ndim, 2)
+            return REPLICATED
+        return jax.tree_util.tree_map_with_path(spec, params)
+
+    def tp_params(self, params) -> Any:
+        """Reorder (and replicate) kv-head and GDN channel columns into the global TP layout.
+        Works on host arrays, device arrays and under ``jax.eval_shape``."""
+        def lay(path, x):
+            name, expert = _leaf_role(path)
+            if expert:
+                return x
+            if name in ("k_proj", "v_proj"):
+                return x.take(self._kv_cols, axis=-1)
+            if name == "in_proj_qkv":
+                return x.take(self._conv_ch, axis=-1)
+            if name == "conv1d":
+                return x.take(self._conv_ch, axis=-2)
+            return x
+        return jax.tree_util.tree_map_with_path(lay, params)
+
+    def cache_specs(self) -> qwen3_5_moe.ModelCache:
+        return qwen3_5_moe.ModelCache(kv_pages=self._split(5, 3), conv_state=self._split(4, 1),
+                                      rec_state=self._split(5, 3))
+
+    def shard_params(self, params):
+        """Params in the TP layout, placed on the mesh (every process passes the full params)."""
+        params = self.tp_params(params)
+        shardings = jax.tree.map(self._sharding, self.param_specs(params))
+        if uses_native_layouts(self._sharding(REPLICATED)):
+            shardings = weight_formats(params, shardings)
+        return jax.tree.map(global_array, params, shardings)
+
+    def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int,
+                   kv_dtype, state_dtype) -> qwen3_5_moe.ModelCache:
+        """Zeroed caches (one pool of pages and slots; heads split over the devices)."""
+        glob = dataclasses.replace(
+            self.cfg, num_key_value_heads=self.local_cfg.num_key_value_heads * self.tp,
+            linear_num_key_heads=self.local_cfg.linear_num_key_heads * self.tp)
+        make = functools.partial(qwen3_5_moe.init_cache, glob, num_pages=num_pages,
+                                 page_size=page_size, num_state_slots=num_state_slots,
+                                 kv_dtype=kv_dtype, state_dtype=state_dtype)
+        shardings = jax.tree.map(self._sharding, self.cache_specs())
+        return jax.jit(make, out_shardings=shardings)()
+
+    def put_batch(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch, replicated on every device."""
+        where = self._sharding(REPLICATED)
+        fields = {n: global_array(getattr(batch, n), where)
+                  for n in ForwardBatch.__dataclass_fields__ if n != "mode"}
+        return ForwardBatch(**fields, mode=batch.mode)
+
+    # Step -------------------------------------------------------------------------------------
+    def _global_step(self, params, cache, batch):
+        local = functools.partial(qwen3_5_moe.forward, cfg=self.local_cfg, impl=self.impl,
+                                  tp=self.ctx)
+        batch_specs = jax.tree.map(lambda _: REPLICATED, batch)
+        step = jax.shard_map(
+            lambda p, c, b: local(p, c, b), mesh=self.mesh,
+            in_specs=(self.param_specs(params), self.cache_specs(), batch_specs),
+            out_specs=(REPLICATED, self.cache_specs()), check_vma=False)
+        return step(params, cache, batch)
+
+    def __call__(self, params, cache, batch: ForwardBatch):
+        """f32[L, V] logits (replicated) and the updated cache (donated)."""
+        return self._step(params, cache, batch)
