@@ -88,7 +88,7 @@ class Engine:
             num_state_slots=running, max_running_requests=running,
             max_tokens_per_step=args.max_tokens_per_step, context_length=context_length,
             kv_dtype=DTYPES[args.dtype], impl=args.kernel_impl,
-            max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp,
+            max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp, tp_size=args.tp_size,
         )
         self.grammar_backend = GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
         self._rng = random.Random(args.random_seed)

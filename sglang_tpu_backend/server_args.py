@@ -31,8 +31,13 @@ class ServerArgs:
     meaning), split evenly: each rank gets ``max_total_tokens // (D * page_size)`` KV pages
     and ``max_running_requests // D`` running requests (= its state slots). The step limits
     hold per rank: ``chunked_prefill_size`` prefill tokens and ``max_tokens_per_step`` token
-    rows each. A request must fit in one rank's KV pages. ``--tp-size`` (tensor-parallel
-    attention) is not supported: only 1 is accepted.
+    rows each. A request must fit in one rank's KV pages.
+
+    Tensor-parallel attention (``--tp-size T --ep-size T``, ``--dp-size 1``): every request
+    runs on all T devices, each holding 1/T of every layer's heads (kv heads replicated when
+    the model has fewer than T) and of the routed experts; one KV page pool and one set of
+    state slots, limits as with one device. The comparison point of DP attention: it stores
+    each request's KV cache once per kv-head replica, so fewer requests fit.
     """
 
     model_path: str | None = None
@@ -84,11 +89,18 @@ class ServerArgs:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.tp_size != 1:
-            raise ValueError(
-                f"--tp-size {self.tp_size}: tensor-parallel attention is not supported by the "
-                "engine; use --dp-size N --ep-size N (data-parallel attention ranks, experts "
-                "split over them)")
-        if self.ep_size != self.dp_size:
+            if self.dp_size != 1:
+                raise ValueError(
+                    f"--tp-size {self.tp_size} with --dp-size {self.dp_size}: choose data-parallel "
+                    "attention (--dp-size N --ep-size N) or tensor-parallel attention "
+                    "(--tp-size N --ep-size N), not both")
+            if self.ep_size not in (1, self.tp_size):
+                raise ValueError(
+                    f"--ep-size {self.ep_size} with --tp-size {self.tp_size}: experts are split "
+                    "over the tensor-parallel devices: --ep-size must equal --tp-size")
+            # Experts always split over the TP devices: --ep-size defaults to --tp-size.
+            object.__setattr__(self, "ep_size", self.tp_size)
+        elif self.ep_size != self.dp_size:
             raise ValueError(
                 f"--ep-size {self.ep_size} with --dp-size {self.dp_size}: experts are split over "
                 "the DP ranks: --ep-size must equal --dp-size")
@@ -110,9 +122,9 @@ class ServerArgs:
 
     def check_devices(self, num_devices: int, num_experts: int) -> None:
         """Raise ValueError naming the flag when the DP/EP sizes do not fit the host or model."""
-        if self.dp_size > num_devices:
-            raise ValueError(f"--dp-size {self.dp_size} needs {self.dp_size} devices, "
-                             f"{num_devices} visible")
+        for flag, size in (("--dp-size", self.dp_size), ("--tp-size", self.tp_size)):
+            if size > num_devices:
+                raise ValueError(f"{flag} {size} needs {size} devices, {num_devices} visible")
         if num_experts % self.ep_size:
             raise ValueError(f"--ep-size {self.ep_size} must divide the model's {num_experts} "
                              "routed experts")

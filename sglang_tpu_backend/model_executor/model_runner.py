@@ -17,6 +17,10 @@ bucket (T, R, L) and mode (DECODE only when every chunk is a decode, else MIXED:
 steps run as MIXED). Logits come back as [D*L, V], rank r's rows at r*L .. r*L+L-1; the
 sampler runs on them with the ranks' sampling inputs concatenated ([D*R] rows), and its
 penalty state is indexed by the global slot ``rank * num_state_slots + slot``.
+
+Tensor-parallel attention (``tp_size`` > 1, for comparison with DP): the runner owns a
+``parallel.TPForward``; one pool and one batch as with one device, every device runs every
+request on its share of the heads and experts, logits come back replicated.
 """
 
 from __future__ import annotations
@@ -117,6 +121,7 @@ class ModelRunner:
         impl: str = "auto",
         max_top_logprobs_num: int = 20,
         dp_size: int = 1,
+        tp_size: int = 1,
     ):
         self.cfg = cfg
         self.page_size = page_size
@@ -133,8 +138,11 @@ class ModelRunner:
         S = dp_size * num_state_slots  # penalty-state rows: one per global slot
         self.counts = jnp.zeros((S, cfg.vocab_size), jnp.int32)  # i32[S, V]
         self.prompt_mask = jnp.zeros((S, cfg.vocab_size), jnp.bool_)  # bool[S, V]
-        self.dp = None
-        if dp_size == 1:
+        self.dp = self.tp = None
+        if tp_size > 1:
+            self._init_tp(params, tp_size, num_pages=num_pages, num_state_slots=num_state_slots,
+                          kv_dtype=kv_dtype, state_dtype=state_dtype)
+        elif dp_size == 1:
             self.params = _place_on_default_device(params)
             self.cache = qwen3_5_moe.init_cache(
                 cfg, num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
@@ -165,6 +173,24 @@ class ModelRunner:
         self.counts = jax.device_put(self.counts, by_slot)
         self.prompt_mask = jax.device_put(self.prompt_mask, by_slot)
 
+    def _init_tp(self, params, tp_size: int, *, num_pages: int, num_state_slots: int,
+                 kv_dtype, state_dtype) -> None:
+        """TPForward over the first ``tp_size`` devices (one pool; heads split over devices);
+        the penalty state replicated beside the replicated logits."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from sglang_tpu_backend.parallel.mesh import make_mesh
+        from sglang_tpu_backend.parallel.tp_forward import TPForward
+
+        self.tp = TPForward(self.cfg, make_mesh(tp_size), impl=self.impl)
+        self.params = self.tp.shard_params(params)
+        self.cache = self.tp.init_cache(num_pages=num_pages, page_size=self.page_size,
+                                        num_state_slots=num_state_slots, kv_dtype=kv_dtype,
+                                        state_dtype=state_dtype)
+        everywhere = NamedSharding(self.tp.mesh, PartitionSpec())
+        self.counts = jax.device_put(self.counts, everywhere)
+        self.prompt_mask = jax.device_put(self.prompt_mask, everywhere)
+
     @property
     def dp_size(self) -> int:
         return 1 if self.dp is None else self.dp.dp_size
@@ -189,7 +215,11 @@ class ModelRunner:
 
     # Step -----------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch) -> jax.Array:
-        """The pure jitted forward; updates the cache in place (donated). f32[L, V] logits."""
+        """The pure jitted forward; updates the cache in place (donated). f32[L, V] logits.
+        With tensor-parallel attention the step runs over the TP mesh."""
+        if self.tp is not None:
+            logits, self.cache = self.tp(self.params, self.cache, self.tp.put_batch(fb))
+            return logits
         logits, self.cache = self._forward(self.params, self.cache, fb, cfg=self.cfg, impl=self.impl)
         return logits
 

@@ -1,4 +1,5 @@
-"""An Engine with --dp-size 8 --ep-size 8 on 8 CPU devices vs --dp-size 1 (run as a script).
+"""Engines with --dp-size 8 --ep-size 8 and with --tp-size 4 on 8 CPU devices vs --dp-size 1
+(run as a script).
 
 Run by tests/engine/test_dp_engine.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (fixed before jax starts). Both engines
@@ -79,6 +80,11 @@ def main(out_path: str) -> None:
     result["dp_warm_shapes"] = [(m.name, T, R, L) for m, T, R, L in dp.runner.all_shapes()]
     result["dp_warmup_seconds"] = dp.warmup_seconds
     dp.shutdown()
+
+    tp = Engine(ServerArgs(tp_size=4, skip_warmup=True, **ARGS))  # tensor-parallel attention
+    result["tp_outputs"] = serve(tp)
+    result["tp_stats"] = wait_idle(tp)
+    tp.shutdown()
 
     single = Engine(ServerArgs(skip_warmup=True, **ARGS))
     result["ref_outputs"] = serve(single)

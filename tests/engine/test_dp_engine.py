@@ -33,6 +33,16 @@ def test_dp8_outputs_equal_dp1(results):
         assert a == b, (i, a, b)
 
 
+def test_tp4_outputs_equal_dp1_and_pools_are_empty(results):
+    tp, ref = results["tp_outputs"], results["ref_outputs"]
+    assert len(tp) == 24
+    for i, (a, b) in enumerate(zip(tp, ref)):
+        assert a == b, (i, a, b)
+    stats = results["tp_stats"]
+    assert (stats["kv_pages_used"], stats["state_slots_used"], stats["num_running"]) == (0, 0, 0)
+    assert stats["num_finished_total"] == 24
+
+
 def test_every_rank_got_work_and_pools_are_empty(results):
     stats = results["dp_stats"]
     ranks = stats["dp_ranks"]
@@ -59,7 +69,8 @@ def test_dp_steps_use_warmed_up_shapes(results):
 @pytest.mark.parametrize("kwargs,flag", [
     (dict(dp_size=8, ep_size=4), "--ep-size must equal --dp-size"),
     (dict(dp_size=1, ep_size=2), "--ep-size must equal --dp-size"),
-    (dict(tp_size=8), "tensor-parallel attention is not supported"),
+    (dict(tp_size=8, dp_size=8, ep_size=8), "not both"),
+    (dict(tp_size=4, ep_size=2), "--ep-size must equal --tp-size"),
     (dict(dp_size=0, ep_size=0), "--dp-size"),
     (dict(dp_size=8, ep_size=8, max_running_requests=4), "--max-running-requests"),
     (dict(dp_size=8, ep_size=8, max_total_tokens=64, page_size=16), "--max-total-tokens"),
@@ -76,3 +87,7 @@ def test_parallel_sizes_checked_against_devices_and_experts():
         args.check_devices(num_devices=1, num_experts=16)
     with pytest.raises(ValueError, match="--ep-size 8 must divide"):
         args.check_devices(num_devices=8, num_experts=12)
+    tp = ServerArgs(tp_size=4)
+    assert tp.ep_size == 4  # experts split over the tensor-parallel devices
+    with pytest.raises(ValueError, match="--tp-size 4 needs 4 devices, 2 visible"):
+        tp.check_devices(num_devices=2, num_experts=16)
