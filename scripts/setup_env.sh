@@ -3,7 +3,9 @@
 #   scripts/setup_env.sh          runtime env .venv (Python 3.11, jax 0.10.2)
 #   scripts/setup_env.sh --test   + test extras: CPU torch (the transformers reference), the
 #                                 sglang frontend package, libtpu (compile-only TPU7x target for
-#                                 tests/tpu), and .venv312 (Python 3.12, jax 0.12)
+#                                 tests/tpu), the bench extra (matplotlib, aiohttp), Debian's
+#                                 prometheus package (tests/monitoring), and .venv312
+#                                 (Python 3.12, jax 0.12)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -14,7 +16,13 @@ if [ "${1:-}" != "--test" ]; then
   exit 0
 fi
 # torch 2.13.0 is the CPU build that installs offline on Python 3.11.
-.venv/bin/pip install -q -e ".[test,tpu]" "torch==2.13.0"
+.venv/bin/pip install -q -e ".[test,tpu,bench]" "torch==2.13.0"
+# A real Prometheus and promtool for tests/monitoring (Debian's package), only if missing.
+if ! [ -x /usr/bin/prometheus ] || ! [ -x /usr/bin/promtool ]; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >/dev/null
+fi
 # The SGLang frontend (sgl.RuntimeEndpoint) for the compatibility tests. Its server-side
 # dependency pins (a CUDA torch among them) are not wanted, so: --no-deps plus what
 # `import sglang` needs.

@@ -29,6 +29,7 @@ from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidReque
 from sglang_tpu_backend.managers.schedule_batch import Req
 from sglang_tpu_backend.managers.scheduler import Scheduler
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
+from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
@@ -48,8 +49,9 @@ class Engine:
     ``get_server_info``, ``health_generate``, ``pool_stats``, ``shutdown``.
     """
 
-    def __init__(self, args: ServerArgs, *, start_loop: bool = True):
-        """``start_loop=False`` leaves stepping to the caller (``step()``; benchmarks, tests)."""
+    def __init__(self, args: ServerArgs, *, start_loop: bool = True, role: str = "colocated"):
+        """``start_loop=False`` leaves stepping to the caller (``step()``; benchmarks, tests).
+        ``role`` labels the metrics: colocated (standalone server), prefill or decode."""
         from sglang_tpu_backend.config import load_model_config
         from sglang_tpu_backend.loader import load_params
         from sglang_tpu_backend.tokenizer import load_tokenizer
@@ -95,6 +97,8 @@ class Engine:
         self.warmup_seconds = 0.0 if args.skip_warmup else self.runner.warmup()
         self.stats = {"num_requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                       "num_steps": 0, "num_errors": 0}
+        self.metrics = EngineMetrics(args.served_model_name, role=role, dp_size=dp,
+                                     num_moe_layers=cfg.num_hidden_layers)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._consumers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -282,6 +286,10 @@ class Engine:
                 "dp_ranks": ranks,
             }
 
+    def metrics_text(self) -> bytes:
+        """Prometheus text exposition of this engine's metrics (``GET /metrics``)."""
+        return self.metrics.render(self.pool_stats())
+
     def shutdown(self) -> None:
         with self._lock:
             self._stop = True
@@ -323,6 +331,9 @@ class Engine:
             touched = self.scheduler.process_result(batch, results)
             self.stats["num_steps"] += 1
             self.stats["generation_tokens_total"] += sum(1 for c in batch.chunks if c.sample)
+            self.metrics.on_step(batch.chunks, touched)
+            if self.runner.last_router_stats is not None:
+                self.metrics.on_router_stats(self.runner.last_router_stats)
             self._deliver(touched)
         return batch
 
@@ -330,6 +341,8 @@ class Engine:
         """Push outputs to consumers (caller holds the lock)."""
         interval = self.args.stream_interval
         for req in reqs:
+            if req.finished:
+                self.metrics.on_finish(req)
             target = self._consumers.get(req.rid)
             if target is None:
                 continue

@@ -31,7 +31,7 @@ from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidReque
 
 log = logging.getLogger(__name__)
 
-UNAUTHENTICATED_PATHS = ("/health", "/health_generate")
+UNAUTHENTICATED_PATHS = ("/health", "/health_generate", "/metrics")
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -135,6 +135,17 @@ async def health() -> Response:
 async def health_generate(request: Request) -> Response:
     ok = await _engine(request).health_generate()
     return Response(status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition (``sglang:*`` families); open like the health checks."""
+    from sglang_tpu_backend.metrics.collector import CONTENT_TYPE
+
+    engine = _engine(request)
+    if not hasattr(engine, "metrics_text"):
+        raise APIError("This engine exports no metrics", "path", 404)
+    return Response(engine.metrics_text(), media_type=CONTENT_TYPE)
 
 
 @router.get("/get_model_info")

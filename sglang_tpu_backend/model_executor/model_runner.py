@@ -122,8 +122,14 @@ class ModelRunner:
         max_top_logprobs_num: int = 20,
         dp_size: int = 1,
         tp_size: int = 1,
+        router_stats: bool = True,
     ):
+        """``router_stats``: each step also reduces the MoE routers' health (expert load,
+        entropy, top-1 probability per layer; ``metrics/router_stats.py``) into
+        ``last_router_stats`` f32[dp_size, layers, 3]."""
         self.cfg = cfg
+        self.router_stats = router_stats
+        self.last_router_stats = None
         self.page_size = page_size
         self.impl = impl
         self.vocab_size = cfg.vocab_size
@@ -164,7 +170,8 @@ class ModelRunner:
         from sglang_tpu_backend.parallel.dp_forward import DPForward
         from sglang_tpu_backend.parallel.mesh import make_mesh, rank_spec
 
-        self.dp = DPForward(self.cfg, make_mesh(dp_size), impl=self.impl)
+        self.dp = DPForward(self.cfg, make_mesh(dp_size), impl=self.impl,
+                            with_stats=self.router_stats)
         self.params = self.dp.shard_params(params)
         self.cache = self.dp.init_cache(num_pages=num_pages, page_size=self.page_size,
                                         num_state_slots=num_state_slots, kv_dtype=kv_dtype,
@@ -182,7 +189,8 @@ class ModelRunner:
         from sglang_tpu_backend.parallel.mesh import make_mesh
         from sglang_tpu_backend.parallel.tp_forward import TPForward
 
-        self.tp = TPForward(self.cfg, make_mesh(tp_size), impl=self.impl)
+        self.tp = TPForward(self.cfg, make_mesh(tp_size), impl=self.impl,
+                            with_stats=self.router_stats)
         self.params = self.tp.shard_params(params)
         self.cache = self.tp.init_cache(num_pages=num_pages, page_size=self.page_size,
                                         num_state_slots=num_state_slots, kv_dtype=kv_dtype,
@@ -218,14 +226,19 @@ class ModelRunner:
         """The pure jitted forward; updates the cache in place (donated). f32[L, V] logits.
         With tensor-parallel attention the step runs over the TP mesh."""
         if self.tp is not None:
-            logits, self.cache = self.tp(self.params, self.cache, self.tp.put_batch(fb))
-            return logits
-        logits, self.cache = self._forward(self.params, self.cache, fb, cfg=self.cfg, impl=self.impl)
+            out = self.tp(self.params, self.cache, self.tp.put_batch(fb))
+        else:
+            out = self._forward(self.params, self.cache, fb, cfg=self.cfg, impl=self.impl,
+                                with_stats=self.router_stats)
+        logits, self.cache = out[:2]
+        self._stats = out[2] if self.router_stats else None
         return logits
 
     def forward_dp(self, fbs: list[ForwardBatch]) -> jax.Array:
         """The DP step over one batch per rank; updates the cache (donated). f32[D*L, V]."""
-        logits, self.cache = self.dp(self.params, self.cache, self.dp.put_batch(fbs))
+        out = self.dp(self.params, self.cache, self.dp.put_batch(fbs))
+        logits, self.cache = out[:2]
+        self._stats = out[2] if self.router_stats else None
         return logits
 
     def _rank_batch(self, chunks: list[ScheduledChunk], mode: ForwardMode, T: int, R: int, L: int
@@ -361,6 +374,8 @@ class ModelRunner:
             fbs, inp, rows, sample_idx, K = self.prepare_dp(batch)
             logits = self.forward_dp(fbs)
         out = self.sample(logits, inp, K)
+        if self._stats is not None:  # f32[D*layers, 3], a few hundred bytes
+            self.last_router_stats = np.asarray(self._stats).reshape(self.dp_size, -1, 3)
         results = []
         for i, c, r in zip(sample_idx, batch.chunks, rows):
             req = c.req

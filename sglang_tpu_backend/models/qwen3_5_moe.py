@@ -49,6 +49,7 @@ from sglang_tpu_backend.models.layers import (
     rope_cos_sin,
     swiglu_mlp,
 )
+from sglang_tpu_backend.metrics.router_stats import NUM_STATS, router_stats
 from sglang_tpu_backend.models.moe import ep_routed_experts, routed_experts
 from sglang_tpu_backend.parallel.mesh import EPContext, TPContext
 
@@ -194,7 +195,8 @@ def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, c
 
 
 def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
-              experts: Params | None = None, group=None, tp: TPContext | None = None):
+              experts: Params | None = None, group=None, tp: TPContext | None = None,
+              num_valid=None):
     """Sparse MoE with renormalised top-k and a sigmoid-gated shared expert. x: [T, H].
 
     ``ep`` (inside ``shard_map`` only): experts are split over the DP/EP ranks, see
@@ -203,6 +205,8 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
     each runs its own experts and one all-reduce sums them.
     ``experts``/``group``: the routed experts of every layer group stacked, read at ``group``
     by the kernels (the layer scan passes them whole); default ``p["experts"]`` (one layer).
+    ``num_valid`` (i32[], real token rows): also return the router's health summary f32[3]
+    (``metrics/router_stats.py``).
     """
     K = cfg.num_experts_per_tok
     router_logits = x @ p["gate"]  # [T, E]
@@ -227,14 +231,19 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
     shared = p["shared_expert"]
     shared_out = swiglu_mlp(x, shared["gate_up"], shared["down"])  # [T, H]
     shared_out = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared_out
-    return routed + shared_out
+    if num_valid is None:
+        return routed + shared_out
+    return routed + shared_out, router_stats(router_logits, top_i, num_valid)
 
 
 def mlp_block(p: Params, x, cfg: ModelConfig, layer: int, impl, ep: EPContext | None = None,
-              experts: Params | None = None, group=None, tp: TPContext | None = None):
+              experts: Params | None = None, group=None, tp: TPContext | None = None,
+              num_valid=None):
+    """The layer's MLP; with ``num_valid`` also its router stats f32[3] (NaN: dense layer)."""
     if cfg.is_moe_layer(layer):
-        return moe_block(p, x, cfg, impl, ep, experts, group, tp)
-    return swiglu_mlp(x, p["gate_up"], p["down"])
+        return moe_block(p, x, cfg, impl, ep, experts, group, tp, num_valid)
+    out = swiglu_mlp(x, p["gate_up"], p["down"])
+    return out if num_valid is None else (out, jnp.full((NUM_STATS,), jnp.nan, jnp.float32))
 
 
 def _split_experts(groups: tuple[Params, ...]) -> tuple[tuple[Params, ...], tuple]:
@@ -250,8 +259,10 @@ def _split_experts(groups: tuple[Params, ...]) -> tuple[tuple[Params, ...], tupl
 
 
 def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl,
-                   ep: EPContext | None = None, tp: TPContext | None = None):
-    """All decoder layers and the final norm. Returns (hidden [T, H], cache).
+                   ep: EPContext | None = None, tp: TPContext | None = None,
+                   with_stats: bool = False):
+    """All decoder layers and the final norm. Returns (hidden [T, H], cache), and with
+    ``with_stats`` also the router health f32[num_layers, 3] (``metrics/router_stats.py``).
 
     The layers run as a ``lax.scan`` over ``num_hidden_layers / layer_period`` groups (the body
     is traced and compiled once, whatever the depth); group g's j-th attention layer is
@@ -270,11 +281,13 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
     cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta)
 
     scanned, experts = _split_experts(params["layer_groups"])
+    num_valid = batch.cu_q_lens[batch.num_seqs[0]] if with_stats else None  # real token rows
 
     def group(carry, xs):
         x, kv_pages, conv_state, rec_state = carry
         group_params, g = xs
         i_attn = i_lin = 0
+        stats = []
         for j, (p, kind) in enumerate(zip(group_params, kinds)):
             h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
             if kind == FULL_ATTENTION:
@@ -291,20 +304,26 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
                 h = jax.lax.psum(h, tp.axes)  # heads' partial sums of the output projection
             x = x + h
             h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-            x = x + mlp_block(p["mlp"], h, cfg, j, impl, ep, experts[j], g, tp)
-        return (x, kv_pages, conv_state, rec_state), None
+            out = mlp_block(p["mlp"], h, cfg, j, impl, ep, experts[j], g, tp, num_valid)
+            if with_stats:
+                out, st = out
+                stats.append(st)
+            x = x + out
+        return (x, kv_pages, conv_state, rec_state), (jnp.stack(stats) if with_stats else None)
 
     num_groups = cfg.num_hidden_layers // period
     carry = (x, cache.kv_pages, cache.conv_state, cache.rec_state)
-    carry, _ = jax.lax.scan(group, carry, (scanned, jnp.arange(num_groups)))
+    carry, stats = jax.lax.scan(group, carry, (scanned, jnp.arange(num_groups)))
     x, kv_pages, conv_state, rec_state = carry
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    if with_stats:  # [groups, period, 3] -> [layers, 3] (layer g * period + j)
+        return x, ModelCache(kv_pages, conv_state, rec_state), stats.reshape(-1, NUM_STATS)
     return x, ModelCache(kv_pages, conv_state, rec_state)
 
 
 def forward(
     params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl: str = "auto",
-    ep: EPContext | None = None, tp: TPContext | None = None,
+    ep: EPContext | None = None, tp: TPContext | None = None, with_stats: bool = False,
 ) -> tuple[jax.Array, ModelCache]:
     """One model step over a ragged batch.
 
@@ -312,13 +331,15 @@ def forward(
     Jit with ``static_argnames=("cfg", "impl", "ep")`` and ``donate_argnames=("cache",)``.
     ``ep`` is set only by the data-parallel step (``parallel/dp_forward.py``), which runs this
     function per device under ``shard_map``; ``tp`` likewise by the tensor-parallel step
-    (``parallel/tp_forward.py``).
+    (``parallel/tp_forward.py``). ``with_stats``: also return the router health
+    f32[num_layers, 3] (``metrics/router_stats.py``) as a third output.
     """
-    hidden, cache = forward_hidden(params, cache, batch, cfg, impl, ep, tp)
+    out = forward_hidden(params, cache, batch, cfg, impl, ep, tp, with_stats)
+    hidden, cache = out[:2]
     h = hidden[batch.logits_indices]  # [L, H]
     logits = (h @ params["lm_head"]).astype(jnp.float32)  # [L, V]
-    return logits, cache
+    return (logits, cache, out[2]) if with_stats else (logits, cache)
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep", "tp"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep", "tp", "with_stats"),
                       donate_argnames=("cache",))

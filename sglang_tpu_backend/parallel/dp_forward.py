@@ -54,10 +54,12 @@ class DPForward:
     """``forward`` over a (chip, die) mesh: one DP rank per device, experts split over them."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, *, impl: str = "auto",
-                 ep: EPContext = EPContext()):
+                 ep: EPContext = EPContext(), with_stats: bool = False):
+        """``with_stats``: the step also returns each rank's router health f32[D*layers, 3]."""
         if cfg.num_experts % mesh.size:
             raise ValueError(f"--ep-size {mesh.size} must divide num_experts {cfg.num_experts}")
         self.cfg, self.mesh, self.impl, self.ep = cfg, mesh, impl, ep
+        self.with_stats = with_stats
         self.dp_size = mesh.size
         self._step = jax.jit(self._global_step, donate_argnums=(1,))
 
@@ -126,14 +128,18 @@ class DPForward:
 
     # Step -------------------------------------------------------------------------------------
     def _global_step(self, params, cache, batch):
-        local = functools.partial(qwen3_5_moe.forward, cfg=self.cfg, impl=self.impl, ep=self.ep)
+        local = functools.partial(qwen3_5_moe.forward, cfg=self.cfg, impl=self.impl, ep=self.ep,
+                                  with_stats=self.with_stats)
+        out_specs = (rank_spec(self.ep, 0), self.cache_specs())
+        if self.with_stats:
+            out_specs += (rank_spec(self.ep, 0),)
         step = jax.shard_map(
             lambda p, c, b: local(p, c, b), mesh=self.mesh,
             in_specs=(self.param_specs(params), self.cache_specs(), self.batch_specs(batch.mode)),
-            out_specs=(rank_spec(self.ep, 0), self.cache_specs()),
+            out_specs=out_specs,
             check_vma=False)
         return step(params, cache, batch)
 
     def __call__(self, params, cache, batch: ForwardBatch):
-        """f32[D*L, V] logits and the updated cache (donated)."""
+        """f32[D*L, V] logits and the updated cache (donated) (+ router stats, see __init__)."""
         return self._step(params, cache, batch)

@@ -122,8 +122,11 @@ def _leaf_role(path) -> tuple[str | None, bool]:
 class TPForward:
     """``forward`` over a (chip, die) mesh of ``tp`` devices with tensor-parallel attention."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, *, impl: str = "auto"):
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, *, impl: str = "auto",
+                 with_stats: bool = False):
+        """``with_stats``: the step also returns the router health f32[layers, 3]."""
         self.tp = mesh.size
+        self.with_stats = with_stats
         _check_divisible(cfg, self.tp)
         self.cfg, self.mesh, self.impl = cfg, mesh, impl
         self.local_cfg = local_config(cfg, self.tp)
@@ -203,14 +206,15 @@ class TPForward:
     # Step -------------------------------------------------------------------------------------
     def _global_step(self, params, cache, batch):
         local = functools.partial(qwen3_5_moe.forward, cfg=self.local_cfg, impl=self.impl,
-                                  tp=self.ctx)
+                                  tp=self.ctx, with_stats=self.with_stats)
         batch_specs = jax.tree.map(lambda _: REPLICATED, batch)
+        out_specs = (REPLICATED, self.cache_specs()) + ((REPLICATED,) if self.with_stats else ())
         step = jax.shard_map(
             lambda p, c, b: local(p, c, b), mesh=self.mesh,
             in_specs=(self.param_specs(params), self.cache_specs(), batch_specs),
-            out_specs=(REPLICATED, self.cache_specs()), check_vma=False)
+            out_specs=out_specs, check_vma=False)
         return step(params, cache, batch)
 
     def __call__(self, params, cache, batch: ForwardBatch):
-        """f32[L, V] logits (replicated) and the updated cache (donated)."""
+        """f32[L, V] logits (replicated) and the updated cache (donated) (+ router stats)."""
         return self._step(params, cache, batch)

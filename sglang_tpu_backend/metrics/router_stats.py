@@ -1,0 +1,38 @@
+"""In-step router health: a few reductions per MoE layer, cheap enough to leave on.
+
+Dimension letters: T token rows of the step (bucketed; rows past the real token count are
+padding and masked out), E routed experts, K experts per token.
+
+``router_stats(router_logits, top_i, num_valid)`` returns f32[3] per layer:
+  0. max / mean tokens per expert (1 = perfectly balanced; E / K when every token picks the
+     same K experts); NaN when the step has no real tokens;
+  1. mean router softmax entropy over real tokens (nats; ln E = uniform router);
+  2. mean top-1 router probability over real tokens.
+It costs one [T, E] softmax-entropy pass and a scatter-add of T*K ones into [E] counters; the
+router's logits and top-k ids are already computed by the MoE block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NUM_STATS = 3  # (load max/mean, entropy, top-1 probability)
+
+
+def router_stats(router_logits, top_i, num_valid):
+    """router_logits f32[T, E], top_i i32[T, K], num_valid i32[] -> f32[3]."""
+    T, E = router_logits.shape
+    K = top_i.shape[1]
+    valid = jnp.arange(T) < num_valid  # bool[T]
+    logp = jax.nn.log_softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, E]
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(p * logp, axis=-1)  # [T]
+    top1 = jnp.max(p, axis=-1)  # [T]
+    ids = jnp.where(valid[:, None], top_i, E).reshape(-1)  # padding rows -> dropped bin E
+    counts = jnp.zeros((E + 1,), jnp.float32).at[ids].add(1.0)[:E]  # [E]
+    n = num_valid.astype(jnp.float32)
+    mean_load = n * K / E
+    ratio = jnp.where(n > 0, jnp.max(counts) / jnp.maximum(mean_load, 1e-9), jnp.nan)
+    mean = lambda v: jnp.sum(jnp.where(valid, v, 0.0)) / jnp.maximum(n, 1.0)  # noqa: E731
+    return jnp.stack([ratio, mean(entropy), mean(top1)])  # f32[3]

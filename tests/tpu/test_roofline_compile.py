@@ -1,0 +1,62 @@
+"""The roofline's per-step FLOPs and HBM bytes against XLA's cost_analysis() of the compiled
+397B DP x EP step (tpu7x:2x2x1, DP8 x EP8, FP8 experts, bf16 GDN state, 64 requests per rank
+at 9K-token contexts, page 256: every request's page row is full, so the attention kernel's
+static cost, which assumes full rows, and the roofline describe the same batch).
+
+How the two are compared consistently:
+- FLOPs on a 4-layer slice (one group of 3 GDN + 1 attention layers: the layer scan runs its
+  body once, and XLA's cost analysis counts a loop body once). The roofline is asked for
+  ``gathered_rows=True``: this step's grouped matmul multiplies all gathered token rows on
+  every device (non-local rows masked to zero), which is what the kernel's cost estimate
+  charges.
+- Bytes as the slope per layer group: (8-layer - 4-layer) compile versus the roofline's
+  per-group bytes (dense weights, touched experts, KV pages, GDN state). The fixed part
+  outside the scan differs by construction: XLA charges the embedding gather and the logits
+  with whole operands, while the roofline counts only what a step must move.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import pytest
+
+from kernels.tpu_compile import topology_devices
+from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
+from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
+from sglang_tpu_backend.parallel.mesh import make_mesh
+from sglang_tpu_backend.roofline import step_terms, totals
+
+from .test_dp_compile import PAGES, slice_397b
+
+D, R, PAGE = 8, 64, 256
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_cost(num_layers: int, mode: ForwardMode, T: int) -> dict:
+    mesh = make_mesh(D, topology_devices("tpu7x:2x2x1"))
+    spec = StepSpec(mode, T, R, R, PAGES, R * PAGES, PAGE, R)
+    return compile_dp_step(slice_397b(num_layers), spec, mesh, fp8_experts=True,
+                           state_dtype=jnp.bfloat16).cost
+
+
+def roofline(num_layers: int, mode: ForwardMode, T: int) -> dict:
+    return step_terms(slice_397b(num_layers), tokens=T, seqs=R, kv_len=PAGES * PAGE, devices=D,
+                      logits_rows=R, decode=mode == ForwardMode.DECODE, expert_dtype="fp8",
+                      state_dtype="bf16", gathered_rows=True)
+
+
+@pytest.mark.parametrize("mode,T", [(ForwardMode.DECODE, 64), (ForwardMode.MIXED, 256)],
+                         ids=["decode64", "mixed256"])
+def test_flops_agree_with_xla_cost_analysis(mode, T):
+    xla = compiled_cost(4, mode, T)["flops"]
+    bf16, expert, _ = totals(roofline(4, mode, T))
+    assert abs((bf16 + expert) / xla - 1) < 0.2, (bf16 + expert, xla)
+
+
+def test_bytes_per_layer_group_agree_with_xla_cost_analysis():
+    mode, T = ForwardMode.DECODE, 64
+    xla = compiled_cost(8, mode, T)["bytes accessed"] - compiled_cost(4, mode, T)["bytes accessed"]
+    ours = totals(roofline(8, mode, T))[2] - totals(roofline(4, mode, T))[2]
+    assert abs(ours / xla - 1) < 0.2, (ours, xla)
