@@ -288,13 +288,14 @@ class Engine:
                      for k, p in enumerate(sched.pools)]
             for k, r in enumerate(ranks):
                 cache = (sched.prefix.stats(k) if sched.prefix is not None else
-                         dict(kv_pages_cached=0, kv_pages_evictable=0, gdn_snapshots_used=0,
-                              gdn_snapshots_total=0))
+                         dict(kv_pages_cached=0, kv_pages_evictable=0, kv_pages_evicted_total=0,
+                              gdn_snapshots_used=0, gdn_snapshots_total=0))
                 r.update(cache)
                 r["kv_pages_used"] -= cache["kv_pages_evictable"]  # SGLang: evictable is free
             totals = {key: sum(r[key] for r in ranks) for key in
                       ("kv_pages_used", "kv_pages_total", "state_slots_used", "state_slots_total",
-                       "kv_pages_cached", "kv_pages_evictable", "gdn_snapshots_used",
+                       "kv_pages_cached", "kv_pages_evictable", "kv_pages_evicted_total",
+                       "gdn_snapshots_used",
                        "gdn_snapshots_total")}
             return {
                 **totals,

@@ -166,6 +166,7 @@ class PrefixCache:
         return {
             "kv_pages_cached": cache.num_cached_pages,
             "kv_pages_evictable": cache.num_evictable_pages,
+            "kv_pages_evicted_total": cache.num_evicted_pages,
             "gdn_snapshots_used": cache.snapshot_pool.num_used,
             "gdn_snapshots_total": cache.snapshot_pool.num_snapshots,
         }

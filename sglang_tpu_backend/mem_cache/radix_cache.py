@@ -98,6 +98,7 @@ class RadixCache:
         self.root = TreeNode((), [], None)
         self.num_evictable_pages = 0  # pages of unlocked nodes
         self.num_cached_pages = 0  # pages owned by the tree, doomed nodes included
+        self.num_evicted_pages = 0  # pages freed by eviction (memory pressure or flush), total
         self._clock = itertools.count(1)
 
     # Matching ----------------------------------------------------------------------------
@@ -239,6 +240,7 @@ class RadixCache:
             *_, node = heapq.heappop(heap)
             parent = node.parent
             self.num_evictable_pages -= len(node.pages)
+            self.num_evicted_pages += len(node.pages)
             self._free_node(node)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.snapshot is not None, parent.last_access, id(parent), parent))
