@@ -50,7 +50,8 @@ def main() -> None:
     common = dict(model_path=args.model_path, max_running_requests=8, page_size=args.page_size,
                   chunked_prefill_size=args.chunked_prefill_size, dtype=args.dtype,
                   context_length=max(2048, args.prompt_len + 64), skip_warmup=True)
-    ids = [random.Random(0).randrange(3, 1000) for _ in range(args.prompt_len)]
+    rng = random.Random(0)
+    ids = [rng.randrange(3, 1000) for _ in range(args.prompt_len)]
     results = {}
     for name, extra in (("radix cache", {}), ("no cache", {"disable_radix_cache": True})):
         engine = Engine(ServerArgs(**common, **extra))

@@ -24,6 +24,12 @@ ARGS = dict(max_running_requests=16, chunked_prefill_size=64, context_length=128
 LOGPROB_ATOL = 1e-4  # fp32; the cache changes where prefill chunks start (float rounding only)
 
 
+def random_ids(seed: int, n: int, lo: int, hi: int) -> list[int]:
+    """``n`` token ids drawn uniformly from ``[lo, hi)`` by one seeded generator."""
+    rng = random.Random(seed)
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
 @pytest.fixture(scope="module")
 def engines():
     on = Engine(ServerArgs(**ARGS))
@@ -133,7 +139,7 @@ def test_small_pool_evicts_and_retracts_and_stays_exact(engines):
 
 def test_repeated_1000_token_prompt_prefills_only_the_tail(engines):
     on, _ = engines
-    ids = [random.Random(7).randrange(3, 1200) for _ in range(1000)]
+    ids = random_ids(7, 1000, 3, 1200)
     outs, prefilled = [], []
     for _ in range(2):
         before = on.pool_stats()["num_prefill_tokens_total"]
@@ -159,7 +165,7 @@ def test_repeated_1000_token_prompt_prefills_only_the_tail(engines):
 
 def test_flush_while_running_frees_in_use_entries_on_release(engines):
     on, _ = engines
-    ids = [random.Random(8).randrange(3, 1200) for _ in range(100)]
+    ids = random_ids(8, 100, 3, 1200)
     serve(on, [[greedy(ids, 1)]])
 
     async def run():

@@ -22,6 +22,12 @@ from tests.engine.test_scheduler import make_req, next_token, reference
 PAGE = 4
 
 
+def random_ids(seed: int, n: int, lo: int, hi: int) -> list[int]:
+    """``n`` token ids drawn uniformly from ``[lo, hi)`` by one seeded generator."""
+    rng = random.Random(seed)
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
 class CheckingModel:
     def __init__(self):
         self.kv: dict[tuple[int, int], list] = {}  # (rank, page) -> token per position
@@ -144,7 +150,7 @@ def test_small_pools_evict_and_retract_and_stay_exact():
 
 
 def test_same_prompt_eight_times_is_prefilled_once():
-    prompt = [random.Random(3).randrange(10, 90) for _ in range(50)]
+    prompt = random_ids(3, 50, 10, 90)
     sched, model = make_sched(num_pages=200, step_tokens=16), CheckingModel()
     reqs = [make_req(f"s{i}", prompt, 3) for i in range(8)]
     for r in reqs:
@@ -183,7 +189,7 @@ def test_abort_and_flush_while_running_free_everything():
 
 
 def test_prompt_logprob_rows_are_never_taken_from_the_cache():
-    prompt = [random.Random(5).randrange(10, 90) for _ in range(40)]
+    prompt = random_ids(5, 40, 10, 90)
     sched, model = make_sched(num_pages=100), CheckingModel()
     sched.add_request(make_req("warm", prompt, 1))
     drive(sched, model)  # chunks 0-32, 32-36, 36-40: snapshots at 32 and 36
@@ -199,7 +205,7 @@ def test_prompt_logprob_rows_are_never_taken_from_the_cache():
 
 
 def test_dp_ranks_have_separate_caches():
-    prompt = [random.Random(6).randrange(10, 90) for _ in range(20)]
+    prompt = random_ids(6, 20, 10, 90)
     sched, model = make_sched(num_pages=50, dp_size=2), CheckingModel()
     a = make_req("a", prompt, 2)
     sched.add_request(a)

@@ -9,6 +9,12 @@ import random
 import requests
 
 
+def random_ids(seed: int, n: int, lo: int, hi: int) -> list[int]:
+    """``n`` token ids drawn uniformly from ``[lo, hi)`` by one seeded generator."""
+    rng = random.Random(seed)
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
 def info(server) -> dict:
     return requests.get(server.url + "/get_server_info", timeout=30).json()
 
@@ -23,7 +29,7 @@ def flushed(server) -> dict:
 
 def test_n8_prefills_the_prompt_once(live_server):
     before = flushed(live_server)["num_prefill_tokens_total"]
-    ids = [random.Random(11).randrange(3, 1200) for _ in range(1000)]
+    ids = random_ids(11, 1000, 3, 1200)
     r = requests.post(live_server.url + "/generate", timeout=300, json={
         "input_ids": ids, "sampling_params": {"max_new_tokens": 3, "n": 8, "temperature": 1.0,
                                               "ignore_eos": True}})
@@ -38,7 +44,7 @@ def test_n8_prefills_the_prompt_once(live_server):
 
 def test_openai_usage_reports_cached_tokens(live_server):
     flushed(live_server)
-    ids = [random.Random(12).randrange(3, 1200) for _ in range(100)]
+    ids = random_ids(12, 100, 3, 1200)
     body = {"model": "default", "prompt": ids, "max_tokens": 2, "temperature": 0}
     usages = []
     for _ in range(2):
