@@ -343,6 +343,8 @@ class Engine:
             logger.exception("model step failed")
             with self._lock:
                 self.stats["num_errors"] += 1
+                if self.scheduler.prefix is not None:
+                    self.scheduler.prefix.discard(batch.state_saves)
                 for c in batch.chunks:
                     if self.scheduler.abort(c.req.rid, f"internal error: {type(e).__name__}: {e}"):
                         self._deliver([c.req])

@@ -137,6 +137,11 @@ class PrefixCache:
             if unused:
                 cache.page_pool.free(unused)
 
+    def discard(self, saves: list[SnapshotSave]) -> None:
+        """A step that failed: its snapshots were never written; give their ids back."""
+        for s in saves:
+            self.caches[s.rank].snapshot_pool.free(s.snapshot)
+
     # Release / memory ------------------------------------------------------------------
     def release(self, req: Req) -> None:
         """Drop the request's lock and free the pages it owns (those after its cached prefix)."""

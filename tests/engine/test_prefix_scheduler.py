@@ -229,3 +229,14 @@ def test_disabled_cache_keeps_old_behaviour():
     drive(sched, model)
     assert model.prefill_tokens == 60 and all(r.cached_tokens == 0 for r in reqs)
     assert all(p.page_pool.num_used == 0 for p in sched.pools)
+
+
+def test_failed_step_gives_its_snapshot_ids_back():
+    sched = make_sched(num_pages=50, step_tokens=8)
+    sched.add_request(make_req("a", random_ids(7, 20, 10, 90), 2))
+    batch = sched.schedule()
+    assert [s.num_tokens for s in batch.state_saves] == [8]
+    sched.prefix.discard(batch.state_saves)  # what the engine does when the step raises
+    sched.abort("a")
+    assert sched.prefix.caches[0].snapshot_pool.num_used == 0
+    assert_idle_pools(sched)
