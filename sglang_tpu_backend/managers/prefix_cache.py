@@ -109,7 +109,9 @@ class PrefixCache:
         if cache.has_snapshot_at(req.prompt_ids, end):
             return
         if cache.snapshot_pool.num_free == 0:
-            cache.evict(num_snapshots=1)
+            cache.evict(num_snapshots=1)  # unlocked leaves first
+        if cache.snapshot_pool.num_free == 0:
+            cache.drop_snapshot()  # else the oldest snapshot, so the prompt's last point gets one
         snapshot = cache.snapshot_pool.allocate()
         if snapshot is not None:
             saves.append(SnapshotSave(req=req, rank=req.dp_rank, slot=req.state_slot,

@@ -245,6 +245,23 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.snapshot is not None, parent.last_access, id(parent), parent))
 
+    def drop_snapshot(self) -> bool:
+        """Free the least recently used snapshot of any node, locked ones included (a lock
+        protects pages; a snapshot is only read when a request is admitted, and the step copies
+        it into the request's slot before any snapshot written in that step). The node keeps
+        its pages. False when no node has a snapshot."""
+        best, stack = None, list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.snapshot is not None and (best is None or n.last_access < best.last_access):
+                best = n
+        if best is None:
+            return False
+        self.snapshot_pool.free(best.snapshot)
+        best.snapshot = None
+        return True
+
     def flush(self) -> None:
         """Free every unlocked node; detach locked ones (freed when released)."""
         self.evict(num_pages=self.page_pool.num_pages, num_snapshots=self.snapshot_pool.num_snapshots)

@@ -240,3 +240,14 @@ def test_failed_step_gives_its_snapshot_ids_back():
     sched.abort("a")
     assert sched.prefix.caches[0].snapshot_pool.num_used == 0
     assert_idle_pools(sched)
+
+
+def test_few_snapshots_still_cover_the_prompts_last_point():
+    prompt = random_ids(8, 60, 10, 90)
+    sched, model = make_sched(num_pages=100, num_snapshots=2, step_tokens=8), CheckingModel()
+    reqs = [make_req(f"s{i}", prompt, 2) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    drive(sched, model)  # 7 chunk ends inside the prompt, 2 snapshots
+    assert sorted(r.cached_tokens for r in reqs) == [0, 56, 56]
+    assert_idle_pools(sched)

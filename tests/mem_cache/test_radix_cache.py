@@ -161,3 +161,15 @@ def test_snapshot_pool_allocates_until_empty():
     with pytest.raises(ValueError):
         pool.free(1)
     assert pool.allocate() == 1
+
+
+def test_drop_snapshot_takes_the_oldest_even_when_locked():
+    c = make()
+    a = list(range(100, 116))
+    n8, _, _ = put(c, a[:8])
+    n16, _, _ = put(c, a)
+    c.lock(n16)  # locks n8 too; n8 is the older one
+    assert c.drop_snapshot() and n8.snapshot is None and n16.snapshot is not None
+    assert c.page_pool.num_used == 4 and c.match_prefix(a, 16).length == 16
+    c.unlock(n16)
+    check_accounting(c)
