@@ -8,6 +8,12 @@ the request and frees its KV pages and state slot at once.
 With ``--dp-size D`` the engine serves D data-parallel attention ranks: per-rank pools and
 limits (``ServerArgs`` says how the host totals split), the scheduler places each request on
 one rank, and the runner steps all ranks at once (``parallel/dp_forward.py``).
+
+Prefix cache (unless ``--disable-radix-cache``): one radix tree per DP rank
+(``mem_cache/radix_cache.py``, used by the scheduler through ``managers/prefix_cache.py``)
+shares the KV pages of cached prompt prefixes and restores the GDN state from snapshots;
+``meta_info.cached_tokens`` reports the prompt tokens a request reused. Pool stats count the
+tree's unlocked (evictable) pages as free, as SGLang's token usage does.
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ import jax.numpy as jnp
 
 from sglang_tpu_backend.constrained.grammar import GrammarBackend
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
+from sglang_tpu_backend.managers.prefix_cache import PrefixCache
 from sglang_tpu_backend.managers.schedule_batch import Req
 from sglang_tpu_backend.managers.scheduler import Scheduler
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.metrics import EngineMetrics
+from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
@@ -83,14 +91,20 @@ class Engine:
         running = args.max_running_requests_per_rank
         self.pools = RankPools.per_rank(dp, num_pages=self.num_pages_per_rank,
                                         page_size=args.page_size, num_slots=running)
+        num_snapshots = args.num_gdn_snapshots_per_rank
+        prefix = None
+        if num_snapshots > 0:
+            prefix = PrefixCache([RadixCache(p.page_pool, SnapshotPool(num_snapshots))
+                                  for p in self.pools])
         self.scheduler = Scheduler(self.pools, max_running_requests=running,
-                                   max_tokens_per_step=args.max_tokens_per_step)
+                                   max_tokens_per_step=args.max_tokens_per_step, prefix=prefix)
         self.runner = ModelRunner(
             cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
             num_state_slots=running, max_running_requests=running,
             max_tokens_per_step=args.max_tokens_per_step, context_length=context_length,
             kv_dtype=DTYPES[args.dtype], impl=args.kernel_impl,
             max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp, tp_size=args.tp_size,
+            num_gdn_snapshots=num_snapshots,
         )
         self.grammar_backend = GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
         self._rng = random.Random(args.random_seed)
@@ -220,9 +234,12 @@ class Engine:
             return req is not None
 
     def flush_cache(self) -> bool:
-        """No prefix cache is kept; succeeds (True) only when no request is in flight."""
+        """Empty the prefix cache (any time): unlocked entries are freed now, entries running
+        requests use are detached and freed when those requests release them. True."""
         with self._lock:
-            return self.scheduler.is_idle()
+            if self.scheduler.prefix is not None:
+                self.scheduler.prefix.flush()
+            return True
 
     def get_model_info(self) -> dict:
         return {
@@ -273,8 +290,17 @@ class Engine:
             ranks = [dict(p.stats(), num_running=len(sched.running_on(k)),
                           num_admitted_total=sched.num_admitted_per_rank[k])
                      for k, p in enumerate(sched.pools)]
+            for k, r in enumerate(ranks):
+                cache = (sched.prefix.stats(k) if sched.prefix is not None else
+                         dict(kv_pages_cached=0, kv_pages_evictable=0, kv_pages_evicted_total=0,
+                              gdn_snapshots_used=0, gdn_snapshots_total=0))
+                r.update(cache)
+                r["kv_pages_used"] -= cache["kv_pages_evictable"]  # SGLang: evictable is free
             totals = {key: sum(r[key] for r in ranks) for key in
-                      ("kv_pages_used", "kv_pages_total", "state_slots_used", "state_slots_total")}
+                      ("kv_pages_used", "kv_pages_total", "state_slots_used", "state_slots_total",
+                       "kv_pages_cached", "kv_pages_evictable", "kv_pages_evicted_total",
+                       "gdn_snapshots_used",
+                       "gdn_snapshots_total")}
             return {
                 **totals,
                 "num_running": sched.num_running,
@@ -282,6 +308,8 @@ class Engine:
                 "num_retracted_total": sched.num_retracted_total,
                 "num_aborted_total": sched.num_aborted_total,
                 "num_finished_total": sched.num_finished_total,
+                "num_prefill_tokens_total": sched.num_prefill_tokens_total,
+                "num_cached_tokens_total": sched.num_cached_tokens_total,
                 "token_usage": totals["kv_pages_used"] / totals["kv_pages_total"],
                 "dp_ranks": ranks,
             }
@@ -323,6 +351,8 @@ class Engine:
             logger.exception("model step failed")
             with self._lock:
                 self.stats["num_errors"] += 1
+                if self.scheduler.prefix is not None:
+                    self.scheduler.prefix.discard(batch.state_saves)
                 for c in batch.chunks:
                     if self.scheduler.abort(c.req.rid, f"internal error: {type(e).__name__}: {e}"):
                         self._deliver([c.req])
@@ -368,7 +398,7 @@ class Engine:
             "finish_reason": dict(req.finish_reason) if req.finish_reason else None,
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": req.cached_tokens,
         }
         if req.finished:
             meta["e2e_latency"] = time.monotonic() - req.arrival_time

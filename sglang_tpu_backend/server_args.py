@@ -38,6 +38,12 @@ class ServerArgs:
     the model has fewer than T) and of the routed experts; one KV page pool and one set of
     state slots, limits as with one device. The comparison point of DP attention: it stores
     each request's KV cache once per kv-head replica, so fewer requests fit.
+
+    Prefix cache (on unless ``disable_radix_cache``): a radix tree per DP rank keeps the KV
+    pages of computed prompt prefixes and, at page boundaries, snapshots of every GDN layer's
+    conv + recurrent state. ``max_gdn_snapshots`` is the number of snapshots (host total,
+    split evenly over the DP ranks like the state slots; ``None`` -> ``max_running_requests``,
+    i.e. as much device memory again as the running requests' GDN state).
     """
 
     model_path: str | None = None
@@ -63,6 +69,8 @@ class ServerArgs:
     max_request_body_bytes: int = 16 * 1024 * 1024
     max_top_logprobs_num: int = 20
     log_level: str = "info"
+    disable_radix_cache: bool = False
+    max_gdn_snapshots: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -86,6 +94,7 @@ class ServerArgs:
         positive("tp_size", self.tp_size)
         positive("dp_size", self.dp_size)
         positive("ep_size", self.ep_size)
+        positive("max_gdn_snapshots", self.max_gdn_snapshots, allow_none=True)
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.tp_size != 1:
@@ -114,6 +123,10 @@ class ServerArgs:
             raise ValueError(f"--kernel-impl must be one of {KERNEL_IMPLS}, got {self.kernel_impl!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.max_gdn_snapshots is not None and self.max_gdn_snapshots < self.dp_size:
+            raise ValueError(
+                f"--max-gdn-snapshots {self.max_gdn_snapshots} is split over --dp-size "
+                f"{self.dp_size} ranks: it must be at least {self.dp_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * self.dp_size:
             raise ValueError(
                 f"--max-total-tokens {self.max_total_tokens} is smaller than one page "
@@ -132,6 +145,14 @@ class ServerArgs:
     @property
     def max_running_requests_per_rank(self) -> int:
         return self.max_running_requests // self.dp_size
+
+    @property
+    def num_gdn_snapshots_per_rank(self) -> int:
+        """GDN state snapshots of each DP rank's prefix cache (0 when it is disabled)."""
+        if self.disable_radix_cache:
+            return 0
+        total = self.max_running_requests if self.max_gdn_snapshots is None else self.max_gdn_snapshots
+        return total // self.dp_size
 
     @property
     def max_tokens_per_step(self) -> int:
@@ -172,6 +193,11 @@ class ServerArgs:
         a("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
         a("--max-top-logprobs-num", type=int, default=d.max_top_logprobs_num)
         a("--log-level", type=str, default=d.log_level, choices=LOG_LEVELS)
+        a("--disable-radix-cache", action="store_true", default=d.disable_radix_cache,
+          help="turn the prefix cache (shared KV pages + GDN state snapshots) off")
+        a("--max-gdn-snapshots", type=int, default=d.max_gdn_snapshots,
+          help="GDN state snapshots the prefix cache may keep (host total; default: "
+               "--max-running-requests)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

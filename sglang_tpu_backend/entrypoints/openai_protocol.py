@@ -197,10 +197,14 @@ def finish_reason(meta: dict) -> str | None:
     return fr.get("type") if isinstance(fr, dict) else str(fr)
 
 
-def usage(outputs: list[dict], n: int) -> dict[str, int]:
+def usage(outputs: list[dict], n: int) -> dict:
+    """OpenAI usage; ``prompt_tokens_details.cached_tokens`` sums the prompt tokens every
+    sample reused from the prefix cache (the n samples of a prompt may each reuse it)."""
     prompt = sum(o["meta_info"].get("prompt_tokens", 0) for o in outputs[::n])
     completion = sum(o["meta_info"].get("completion_tokens", 0) for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o["meta_info"].get("cached_tokens", 0) or 0 for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _token_text(entry: list) -> str:

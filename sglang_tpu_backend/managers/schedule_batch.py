@@ -92,6 +92,12 @@ class Req:
         self.pages: list[int] = []
         self.state_slot: int | None = None
         self.dp_rank: int | None = None  # DP rank whose pools hold pages and state_slot
+        # Prefix cache: the radix-tree node (mem_cache/radix_cache.py) this request locks, the
+        # leading entries of ``pages`` that the tree owns, and the prompt tokens reused at the
+        # latest admission (reported as ``cached_tokens``).
+        self.cache_node: Any = None
+        self.num_shared_pages = 0
+        self.cached_tokens = 0
         self.finish_reason: dict | None = None
         self.num_retractions = 0
         self.detok = IncrementalDetokenizer(decode or (lambda ids: ""))
@@ -219,10 +225,35 @@ class ScheduledChunk:
     dp_rank: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class SnapshotLoad:
+    """Before the step: copy GDN snapshot ``snapshot`` into state slot ``slot`` (rank-local ids)."""
+
+    rank: int
+    snapshot: int
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotSave:
+    """After the step: copy state slot ``slot`` into snapshot ``snapshot``; it then holds the GDN
+    state of ``req.prompt_ids[:num_tokens]`` (rank-local ids)."""
+
+    req: Req
+    rank: int
+    slot: int
+    snapshot: int
+    num_tokens: int
+
+
 @dataclasses.dataclass
 class ScheduledBatch:
+    """One step: the chunks, and the GDN snapshot copies to do before / after the forward."""
+
     chunks: list[ScheduledChunk]
     kind: ForwardMode
+    state_loads: list[SnapshotLoad] = dataclasses.field(default_factory=list)
+    state_saves: list[SnapshotSave] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

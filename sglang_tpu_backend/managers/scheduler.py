@@ -9,6 +9,10 @@ slot, ``max_running_requests`` and KV pages allow, each on the least-loaded rank
 it (``managers/dp_placement.py``), where it stays. When decodes cannot get a KV page, the
 newest running requests of that rank are retracted: pages and slot freed, requeued at the
 front, re-prefilled later (possibly on another rank).
+
+With a prefix cache (``managers/prefix_cache.py``, one radix tree per rank) admission starts
+a request after its longest cached prefix, prefill chunks end at GDN snapshot points, and the
+tree's unlocked pages count as free: they are evicted (LRU) when an allocation needs them.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import time
 from typing import Iterable
 
 from sglang_tpu_backend.managers.dp_placement import RankStep, pick_rank, rank_load
+from sglang_tpu_backend.managers.prefix_cache import PrefixCache
 from sglang_tpu_backend.managers.schedule_batch import (
     ChunkResult,
     Req,
     ScheduledBatch,
     ScheduledChunk,
+    SnapshotLoad,
+    SnapshotSave,
 )
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
@@ -46,8 +53,10 @@ class Scheduler:
         max_running_requests: int,
         max_tokens_per_step: int,
         max_logits_rows: int | None = None,
+        prefix: PrefixCache | None = None,
     ):
         self.pools = pools
+        self.prefix = prefix  # None: no prefix cache (--disable-radix-cache)
         self.dp_size = len(pools)
         self.max_running_requests = min(max_running_requests,
                                         *(p.state_pool.num_slots for p in pools))
@@ -59,6 +68,10 @@ class Scheduler:
         self.num_finished_total = 0
         self.num_aborted_total = 0
         self.num_admitted_per_rank = [0] * self.dp_size  # admissions (re-admissions count again)
+        self.num_prefill_tokens_total = 0  # prompt (and re-prefilled) tokens put in prefill chunks
+        self.num_cached_tokens_total = 0  # prompt tokens reused from the prefix cache at admission
+        self._loads: list[SnapshotLoad] = []  # the step being scheduled
+        self._saves: list[SnapshotSave] = []
 
     # Queue ---------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -100,22 +113,34 @@ class Scheduler:
         need = pages_for(num_tokens, pool.page_size) - len(req.pages)
         if need <= 0:
             return True
+        if not pool.can_allocate(need) and self.prefix is not None:
+            self.prefix.evict_pages(req.dp_rank, need)
         if not pool.can_allocate(need):
             return False
         req.pages.extend(pool.allocate(need))
         return True
 
-    def _tokens_that_fit(self, req: Req, rank: int, n: int, reserve_pages: int = 0) -> int:
-        """Largest ``m <= n`` new tokens whose pages rank ``rank`` can give, keeping
-        ``reserve_pages`` free."""
-        pool = self.pools[rank].page_pool
-        spare = max(0, pool.num_free - reserve_pages)
-        capacity = (len(req.pages) + spare) * pool.page_size - req.num_computed
+    def _num_spare_pages(self, rank: int) -> int:
+        """Free pages of the rank, counting the prefix cache's evictable ones."""
+        spare = self.pools[rank].page_pool.num_free
+        return spare + (self.prefix.num_evictable_pages(rank) if self.prefix is not None else 0)
+
+    def _tokens_that_fit(self, req: Req, rank: int, n: int, reserve_pages: int = 0,
+                         start: int | None = None, num_pages: int | None = None) -> int:
+        """Largest ``m <= n`` new tokens after ``start`` (default ``req.num_computed``) whose
+        pages rank ``rank`` can give, keeping ``reserve_pages`` free; the request holds
+        ``num_pages`` pages (default ``len(req.pages)``)."""
+        start = req.num_computed if start is None else start
+        num_pages = len(req.pages) if num_pages is None else num_pages
+        spare = max(0, self._num_spare_pages(rank) - reserve_pages)
+        capacity = (num_pages + spare) * self.pools[rank].page_pool.page_size - start
         return max(0, min(n, capacity))
 
     def _release(self, req: Req) -> None:
         pools = self.pools[req.dp_rank] if req.dp_rank is not None else None
-        if req.pages:
+        if self.prefix is not None and pools is not None:
+            self.prefix.release(req)
+        elif req.pages:
             pools.page_pool.free(req.pages)
             req.pages = []
         if req.state_slot is not None:
@@ -149,15 +174,21 @@ class Scheduler:
                               pages=list(req.pages), state_slot=req.state_slot,
                               dp_rank=req.dp_rank)
 
-    @staticmethod
-    def _limit_rows(req: Req, n: int, rows_left: int) -> int:
-        """Shrink a prefill chunk that needs a logits row per token to the rows left."""
-        if n > 0 and req.input_logprob_rows(req.num_computed, n):
-            return min(n, rows_left)
+    def _limit_chunk(self, req: Req, n: int, rows_left: int, start: int | None = None) -> int:
+        """Shrink a prefill chunk after ``start`` (default ``req.num_computed``): to the logits
+        rows left when it needs one per token, and to end at a GDN snapshot point."""
+        start = req.num_computed if start is None else start
+        if n > 0 and req.input_logprob_rows(start, n):
+            n = min(n, rows_left)
+        if n > 0 and self.prefix is not None:
+            n = self.prefix.limit_chunk(req, start, n)
         return n
 
     def _prefill_chunk(self, req: Req, n: int, step: RankStep) -> ScheduledChunk:
         chunk = self._chunk(req, n)
+        self.num_prefill_tokens_total += n
+        if self.prefix is not None:
+            self.prefix.plan_save(req, chunk.start, n, self._saves)
         step.budget -= n
         step.rows_left -= {"all": n, "last": 1, "none": 0}[chunk.logits]
         return chunk
@@ -176,6 +207,7 @@ class Scheduler:
 
     def _try_schedule(self) -> ScheduledBatch | None:
         chunks: list[ScheduledChunk] = []
+        self._loads, self._saves = [], []
         retracted_before = self.num_retracted_total
         # 1. Decodes, oldest first; retract the newest requests of the same rank when its
         #    pages run out.
@@ -204,30 +236,42 @@ class Scheduler:
             if step.budget <= 0 or step.rows_left <= 0 or req.is_decode_ready or req.num_pending <= 0:
                 continue
             n = self._tokens_that_fit(req, req.dp_rank, min(req.num_pending, step.budget))
-            n = self._limit_rows(req, n, step.rows_left)
+            n = self._limit_chunk(req, n, step.rows_left)
             if n > 0 and self._ensure_pages(req, req.num_computed + n):
                 chunks.append(self._prefill_chunk(req, n, step))
-        # 3. Admit waiting requests (FIFO), each on the least-loaded rank that can take it.
-        while self.waiting and self.num_retracted_total == retracted_before:  # no thrash
-            req = self.waiting[0]
-            fits = {}  # rank -> tokens of the first chunk there
+        # 3. Admit waiting requests (FIFO), each on the least-loaded rank that can take it
+        #    (with a prefix cache: on the rank with the longest cached prefix).
+        i = 0
+        while i < len(self.waiting) and self.num_retracted_total == retracted_before:  # no thrash
+            req = self.waiting[i]
+            if self.prefix is not None and self.prefix.should_wait(req, self.running):
+                i += 1  # a running request is prefilling its prompt's prefix: reuse it later
+                continue
+            fits = {}  # rank -> (tokens of the first chunk there, prefix match or None)
             for k, step in enumerate(steps):
                 if (step.budget <= 0 or step.rows_left <= 0
                         or step.running >= self.max_running_requests
                         or not self.pools[k].state_pool.can_allocate()):
                     continue
-                n = self._tokens_that_fit(req, k, min(req.num_pending, step.budget), step.reserve)
-                n = self._limit_rows(req, n, step.rows_left)
+                m = self.prefix.match(req, k) if self.prefix is not None else None
+                start = m.length if m else req.num_computed
+                n = self._tokens_that_fit(
+                    req, k, min(req.num_fill - start, step.budget),
+                    step.reserve + (m.num_unlocked_pages if m else 0), start=start,
+                    num_pages=len(m.pages) if m else None)
+                n = self._limit_chunk(req, n, step.rows_left, start=start)
                 if n > 0:
-                    fits[k] = n
+                    fits[k] = (n, m)
             if not fits:
                 break
-            if len(fits) == 1:
-                k = next(iter(fits))
+            best = max(m.length if m else 0 for _, m in fits.values())
+            cands = [k for k, (_, m) in fits.items() if (m.length if m else 0) == best]
+            if len(cands) == 1:
+                k = cands[0]
             else:
-                k = pick_rank(list(fits), [rank_load(p, self.running_on(r))
-                                           for r, p in enumerate(self.pools)])
-            self.waiting.popleft()
+                k = pick_rank(cands, [rank_load(p, self.running_on(r))
+                                      for r, p in enumerate(self.pools)])
+            del self.waiting[i]
             req.dp_rank = k
             req.state_slot = self.pools[k].state_pool.allocate()
             if req.admit_time is None:
@@ -235,9 +279,13 @@ class Scheduler:
             self.running.append(req)
             self.num_admitted_per_rank[k] += 1
             steps[k].running += 1
-            if not self._ensure_pages(req, req.num_computed + fits[k]):  # checked above
+            n, m = fits[k]
+            if m is not None:
+                self.prefix.admit(req, k, m, self._loads)
+                self.num_cached_tokens_total += m.length
+            if not self._ensure_pages(req, req.num_computed + n):  # checked above
                 raise RuntimeError("page accounting error")
-            chunks.append(self._prefill_chunk(req, fits[k], steps[k]))
+            chunks.append(self._prefill_chunk(req, n, steps[k]))
         if not chunks:
             return None
         if num_decodes == len(chunks):
@@ -246,7 +294,8 @@ class Scheduler:
             kind = ForwardMode.EXTEND
         else:
             kind = ForwardMode.MIXED
-        return ScheduledBatch(chunks=chunks, kind=kind)
+        return ScheduledBatch(chunks=chunks, kind=kind, state_loads=self._loads,
+                              state_saves=self._saves)
 
     # Results -------------------------------------------------------------------------
     def process_result(self, batch: ScheduledBatch, results: list[ChunkResult]) -> list[Req]:
@@ -256,6 +305,8 @@ class Scheduler:
         """
         touched: list[Req] = []
         now = time.monotonic()
+        if self.prefix is not None and batch.state_saves:
+            self.prefix.commit(batch.state_saves, self.running)
         for chunk, res in zip(batch.chunks, results):
             req = chunk.req
             if req.finished or req not in self.running:

@@ -135,7 +135,7 @@ class EngineMetrics:
         self.queue_time = hist("sglang:queue_time_seconds", "Arrival to first admission (s)", TTFT_BUCKETS)
         self.gen_throughput = gauge("sglang:gen_throughput", "Generated tokens per second").labels(*self._lv)
         self.cache_hit_rate = gauge("sglang:cache_hit_rate",
-                                    "Prefix-cache hit rate (cached / prompt tokens)").labels(*self._lv)
+                                    "Prefix-cache hit rate: prompt tokens reused / (reused + prefilled)").labels(*self._lv)
         # Prefill -> decode handover (fed by the disaggregated mode; zero when colocated).
         self.handover_latency = hist("sglang:kv_transfer_latency_seconds",
                                      "Prefill-to-decode handover (KV pages + GDN state) latency (s)",
@@ -238,5 +238,8 @@ class EngineMetrics:
         """The text exposition format; ``pool_stats`` is the engine's ``pool_stats()`` now."""
         if pool_stats is not None:
             self._pool_stats = pool_stats
+            cached = pool_stats.get("num_cached_tokens_total", 0)
+            computed = cached + pool_stats.get("num_prefill_tokens_total", 0)
+            self.cache_hit_rate.set(cached / computed if computed else 0.0)
         self._apply_router_stats()
         return generate_latest(self.registry)

@@ -21,6 +21,10 @@ penalty state is indexed by the global slot ``rank * num_state_slots + slot``.
 Tensor-parallel attention (``tp_size`` > 1, for comparison with DP): the runner owns a
 ``parallel.TPForward``; one pool and one batch as with one device, every device runs every
 request on its share of the heads and experts, logits come back replicated.
+
+Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
+(``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
+slots and, after the forward, its ``state_saves`` out of them.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ class ModelRunner:
         dp_size: int = 1,
         tp_size: int = 1,
         router_stats: bool = True,
+        num_gdn_snapshots: int = 0,
     ):
         """``router_stats``: each step also reduces the MoE routers' health (expert load,
         entropy, top-1 probability per layer; ``metrics/router_stats.py``) into
@@ -160,6 +165,11 @@ class ModelRunner:
         # One module-level jit (static cfg/impl, cache donated): runners of equal shapes share
         # compilations.
         self._forward = qwen3_5_moe.forward_jit
+        self.snapshots = None
+        if num_gdn_snapshots > 0:
+            from sglang_tpu_backend.model_executor.state_snapshots import GDNSnapshots
+
+            self.snapshots = GDNSnapshots(self.cache, num_gdn_snapshots, max_running_requests, self.dp)
 
     def _init_dp(self, params, dp_size: int, *, num_pages: int, num_state_slots: int,
                  kv_dtype, state_dtype) -> None:
@@ -344,7 +354,7 @@ class ModelRunner:
 
     def _reset_penalties(self, batch: ScheduledBatch) -> None:
         for c in batch.chunks:
-            if c.start != 0 or not _uses_penalties(c.req.sampling):
+            if c.start != c.req.cached_tokens or not _uses_penalties(c.req.sampling):  # first chunk
                 continue
             req = c.req
             a = pick_bucket(bucket_ladder(1 << 30, 16), len(req.prompt_ids))
@@ -366,6 +376,9 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[ChunkResult]:
         """Run one step: forward, sample, and split the outputs per chunk."""
         self._reset_penalties(batch)
+        if batch.state_loads:
+            self.cache = self.snapshots.load(
+                self.cache, [(x.rank, x.snapshot, x.slot) for x in batch.state_loads])
         if self.dp is None:
             fb, inp, rows, K = self.prepare(batch)
             sample_idx = range(len(batch.chunks))
@@ -373,6 +386,8 @@ class ModelRunner:
         else:
             fbs, inp, rows, sample_idx, K = self.prepare_dp(batch)
             logits = self.forward_dp(fbs)
+        if batch.state_saves:
+            self.snapshots.save(self.cache, [(x.rank, x.slot, x.snapshot) for x in batch.state_saves])
         out = self.sample(logits, inp, K)
         if self._stats is not None:  # f32[D*layers, 3], a few hundred bytes
             self.last_router_stats = np.asarray(self._stats).reshape(self.dp_size, -1, 3)
@@ -434,6 +449,8 @@ class ModelRunner:
             inp = self.dummy_sampling_inputs(D * R, D * L)
             self.sample(logits, inp, 0)
             self.sample(logits, inp, self.max_top_logprobs_num)
+        if self.snapshots is not None:
+            self.cache = self.snapshots.warmup(self.cache)
         jax.block_until_ready(self.cache)
         dt = time.perf_counter() - t0
         logger.info("warmup compiled %d step shapes in %.1f s", len(shapes), dt)

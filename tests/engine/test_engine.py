@@ -75,14 +75,22 @@ def test_retraction_with_small_kv_pool_keeps_outputs(clean_engine):
     big_pool = pools.page_pool
     small = PagePool(14, eng.args.page_size)
     before = eng.pool_stats()["num_retracted_total"]
-    with eng._lock:
-        pools.page_pool = small
+    cache = eng.scheduler.prefix.caches[0] if eng.scheduler.prefix else None
+    eng.flush_cache()  # the prefix cache's pages come from the pool swapped out below
+
+    def use_pool(pool):
+        with eng._lock:
+            pools.page_pool = pool
+            if cache is not None:
+                cache.page_pool = pool
+
+    use_pool(small)
     try:
         batched = asyncio.run(run_all(eng, [greedy(p, 24, ignore_eos=True) for p in prompts]))
+        eng.flush_cache()
         assert small.num_used == 0
     finally:
-        with eng._lock:
-            pools.page_pool = big_pool
+        use_pool(big_pool)
     assert eng.pool_stats()["num_retracted_total"] > before
     assert [b["output_ids"] for b in batched] == alone
 

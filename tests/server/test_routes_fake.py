@@ -202,7 +202,8 @@ def test_chat_usage_and_template(engine):
     out = r.json()
     templated = engine.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     n_prompt = len(engine.tokenizer.encode(templated, add_special_tokens=False))
-    assert out["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 3, "total_tokens": n_prompt + 3}
+    assert out["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 3, "total_tokens": n_prompt + 3,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     assert out["choices"][0]["message"]["role"] == "assistant"
     assert out["choices"][0]["finish_reason"] == "length"
     assert engine.requests_seen[-1].input_ids == engine.tokenizer.encode(templated, add_special_tokens=False)
