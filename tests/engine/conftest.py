@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -39,3 +40,33 @@ def clean_engine(engine):
     yield engine
     s = wait_pools_empty(engine)
     assert s["kv_pages_used"] == 0 and s["state_slots_used"] == 0, s
+
+
+@contextlib.contextmanager
+def small_page_pool(engine, num_pages: int):
+    """Serve from a ``num_pages`` KV page pool (rank 0) inside the block, to force retractions.
+
+    The prefix cache's tree owns pages of the pool in use, so it is flushed before the swap and
+    pointed at the small pool; on exit the small pool is flushed and must be empty (nothing
+    leaked), then the engine's own pool comes back. Yields the small pool.
+    """
+    from sglang_tpu_backend.mem_cache.page_pool import PagePool
+
+    pools = engine.scheduler.pools[0]
+    big, small = pools.page_pool, PagePool(num_pages, engine.args.page_size)
+    cache = engine.scheduler.prefix.caches[0] if engine.scheduler.prefix else None
+
+    def use(pool):
+        with engine._lock:
+            pools.page_pool = pool
+            if cache is not None:
+                cache.page_pool = pool
+
+    engine.flush_cache()
+    use(small)
+    try:
+        yield small
+        engine.flush_cache()
+        assert small.num_used == 0
+    finally:
+        use(big)

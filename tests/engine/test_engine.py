@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
-from sglang_tpu_backend.mem_cache.page_pool import PagePool
+from tests.engine.conftest import small_page_pool, wait_pools_empty
 
 
 def collect(engine, obj):
@@ -23,16 +23,6 @@ def collect(engine, obj):
     async def go():
         return [o async for o in engine.generate(obj)]
     return asyncio.run(go())
-
-
-def wait_pools_empty(engine, timeout=10.0) -> dict:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        s = engine.pool_stats()
-        if s["kv_pages_used"] == 0 and s["num_running"] == 0 or time.monotonic() > deadline:
-            return s
 
 
 def greedy(ids, n, **kw):
@@ -71,26 +61,9 @@ def test_retraction_with_small_kv_pool_keeps_outputs(clean_engine):
     objs = [greedy(p, 24, ignore_eos=True) for p in prompts]
     alone = [collect(eng, o)[-1]["output_ids"] for o in objs]
     # Serve from a 14-page (224-token) subset of the KV cache: 12 requests need ~36 pages.
-    pools = eng.scheduler.pools[0]
-    big_pool = pools.page_pool
-    small = PagePool(14, eng.args.page_size)
     before = eng.pool_stats()["num_retracted_total"]
-    cache = eng.scheduler.prefix.caches[0] if eng.scheduler.prefix else None
-    eng.flush_cache()  # the prefix cache's pages come from the pool swapped out below
-
-    def use_pool(pool):
-        with eng._lock:
-            pools.page_pool = pool
-            if cache is not None:
-                cache.page_pool = pool
-
-    use_pool(small)
-    try:
+    with small_page_pool(eng, 14):
         batched = asyncio.run(run_all(eng, [greedy(p, 24, ignore_eos=True) for p in prompts]))
-        eng.flush_cache()
-        assert small.num_used == 0
-    finally:
-        use_pool(big_pool)
     assert eng.pool_stats()["num_retracted_total"] > before
     assert [b["output_ids"] for b in batched] == alone
 

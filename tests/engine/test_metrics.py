@@ -14,7 +14,7 @@ import random
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
-from sglang_tpu_backend.mem_cache.page_pool import PagePool
+from tests.engine.conftest import small_page_pool
 
 
 def scrape(engine) -> dict[tuple[str, tuple], float]:
@@ -94,17 +94,10 @@ def test_aborted_requests_are_counted(clean_engine):
 def test_retracted_requests_are_counted_once_per_retraction(clean_engine):
     eng = clean_engine
     ps = prompts(5, 12, 10, 20)
-    pools = eng.scheduler.pools[0]
-    big_pool = pools.page_pool
     before = scrape(eng)
     retracted_before = eng.pool_stats()["num_retracted_total"]
-    with eng._lock:  # a 14-page (224-token) pool: 12 requests need ~36 pages
-        pools.page_pool = PagePool(14, eng.args.page_size)
-    try:
+    with small_page_pool(eng, 14):  # a 14-page (224-token) pool: 12 requests need ~36 pages
         asyncio.run(run_all(eng, [req(p, 24) for p in ps]))
-    finally:
-        with eng._lock:
-            pools.page_pool = big_pool
     after = scrape(eng)
     retractions = eng.pool_stats()["num_retracted_total"] - retracted_before
     assert retractions > 0
