@@ -8,7 +8,8 @@ Keys (values arrive as strings from the command line, typed from a Serve config 
   (fixed count, default 1) or ``<d>_min_replicas`` + ``<d>_max_replicas`` (autoscaling);
   ``target_ongoing_requests`` (autoscaling target, default 2), ``max_ongoing_requests``
   (per replica, default ``max_running_requests``), ``ingress_replicas`` (default 1),
-  ``tpu_chips`` (``{"TPU": n}`` per engine replica, default 0: none), ``num_cpus`` per engine
+  ``tpu_chips`` (``{"TPU": n}`` per engine replica, default 0: none), ``accelerator_type``
+  (Ray's name, e.g. ``TPU-V7X``: only nodes of that type), ``num_cpus`` per engine
   replica (default 1), ``health_check_period_s`` (10), ``health_check_timeout_s`` (30),
   ``stall_timeout_s`` (a replica whose engine loop has work but finished no step for this
   long is unhealthy; default 600: first compiles are slow), ``graceful_shutdown_timeout_s``
@@ -31,7 +32,7 @@ APP_KEYS = {
     "mode": str, "target_ongoing_requests": float, "max_ongoing_requests": int,
     "ingress_replicas": int, "tpu_chips": int, "num_cpus": float, "health_check_period_s": float,
     "health_check_timeout_s": float, "stall_timeout_s": float, "graceful_shutdown_timeout_s": float,
-    "transport": str,
+    "transport": str, "accelerator_type": str,
 }
 for _d in ("engine", "prefill", "decode"):
     APP_KEYS.update({f"{_d}_replicas": int, f"{_d}_min_replicas": int, f"{_d}_max_replicas": int})
@@ -86,6 +87,8 @@ class AppConfig:
         }
         if self.opt("tpu_chips", 0):
             out["ray_actor_options"]["resources"] = {"TPU": self.opt("tpu_chips")}
+        if self.opt("accelerator_type"):
+            out["ray_actor_options"]["accelerator_type"] = self.opt("accelerator_type")
         if lo is not None or hi is not None:
             lo = 1 if lo is None else lo
             out["autoscaling_config"] = {
