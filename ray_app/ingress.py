@@ -62,6 +62,7 @@ class RemoteEngine:
         self.engine, self.prefill, self.decode = engine, prefill, decode
         self.engines = [h for h in (engine, prefill, decode) if h is not None]
         self._inflight: dict[str, Any] = {}  # rid -> the replica call in progress
+        self._aborted: set[str] = set()  # rids cancelled by abort_request, not yet ended
 
     async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
         last = None
@@ -83,10 +84,11 @@ class RemoteEngine:
                 last = out
                 yield out
         except (asyncio.CancelledError, serve.exceptions.RequestCancelledError) as e:
-            if isinstance(e, asyncio.CancelledError) and obj.rid not in self._inflight:
-                raise
+            if isinstance(e, asyncio.CancelledError) and obj.rid not in self._aborted:
+                raise  # this task itself is being cancelled
             yield _aborted(obj, "Aborted by the client or the server", last)
         finally:
+            self._aborted.discard(obj.rid)
             call = self._inflight.pop(obj.rid, None)
             if call is not None:
                 call.cancel()  # the client left: stop the replica's work
@@ -100,6 +102,7 @@ class RemoteEngine:
         call = self._inflight.pop(rid, None)
         if call is None:
             return False
+        self._aborted.add(rid)
         call.cancel()
         return True
 

@@ -5,7 +5,8 @@ One Ray session for the module: the colocated app under ``/colo`` and the disagg
 both answer native ``/generate`` (plain and streaming) and OpenAI ``/v1/completions``; greedy
 outputs of disaggregated == colocated == an in-process standalone engine for prompts of
 several KV pages (16 tokens) and GDN chunks (64 tokens); handover bytes and latency on
-``/pd/metrics`` with ``role="decode"``.
+``/pd/metrics`` with ``role="decode"``; abort_request and client disconnect end a request
+that is decoding on the decode replica and free its pages and slot.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import asyncio
 import json
 import os
 import socket
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -142,3 +145,52 @@ def test_handover_metrics(base_url):
     assert decode_value("sglang:kv_transfer_latency_seconds_sum") > 0
     assert any('role="prefill"' in x for x in lines)  # both engines' families, merged
     assert text.count("# TYPE sglang:kv_transfer_bytes_total") <= 1
+
+
+def _decode_pool(base_url: str) -> dict:
+    return requests.get(f"{base_url}/pd/get_server_info", timeout=60).json()["pool_stats"]
+
+
+def _wait_decode_idle(base_url: str, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _decode_pool(base_url)
+        if s["num_running"] == 0 or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
+
+
+def test_abort_request_ends_a_disaggregated_request(base_url):
+    body = {"input_ids": _prompt(30), "rid": "abort-me",
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=requests.post(f"{base_url}/pd/generate", json=body, timeout=300)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while _decode_pool(base_url)["num_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)  # wait until it decodes on the decode replica
+    r = requests.post(f"{base_url}/pd/abort_request", json={"rid": "abort-me"}, timeout=60)
+    assert r.json() == {"success": True}
+    t.join(60)
+    out = result["r"].json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < 200
+    s = _wait_decode_idle(base_url)
+    assert s["num_running"] == 0 and s["state_slots_used"] == 0
+
+
+def test_client_disconnect_frees_the_decode_replica(base_url):
+    r = requests.post(f"{base_url}/pd/generate", timeout=300, stream=True, json={
+        "input_ids": _prompt(30), "stream": True,
+        "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}})
+    lines = r.iter_lines(decode_unicode=True)
+    got = 0
+    for line in lines:
+        if line.startswith("data: "):
+            got += 1
+            if got == 3:
+                break
+    r.close()  # the client leaves mid-stream
+    s = _wait_decode_idle(base_url)
+    assert s["num_running"] == 0 and s["kv_pages_used"] == 0
