@@ -17,14 +17,18 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator
 
+import ray
 from fastapi import FastAPI
 from ray import serve
 
 from sglang_tpu_backend.entrypoints.http_server import create_app
-from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
 from sglang_tpu_backend.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
+RAY_TASK_ERROR = ray.exceptions.RayTaskError  # an exception raised inside a replica call
+REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                serve.exceptions.ReplicaUnavailableError, serve.exceptions.DeploymentUnavailableError)
 
 def merge_exposition(texts: list[bytes]) -> bytes:
     """Prometheus text expositions of several engines as one: each family's HELP / TYPE once,
@@ -65,6 +69,9 @@ class RemoteEngine:
         self._aborted: set[str] = set()  # rids cancelled by abort_request, not yet ended
 
     async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        """The engine's outputs for ``obj``. A request whose replica dies ends with
+        ``finish_reason`` abort and a message (a prefill is retried once first); a request
+        the engine refuses raises its ``InvalidRequestError`` (400 at the routes)."""
         last = None
         try:
             if self.engine is not None:
@@ -72,9 +79,7 @@ class RemoteEngine:
                     last = out
                     yield out
                 return
-            call = self.prefill.prefill.remote(obj)
-            self._inflight[obj.rid] = call
-            res = await call
+            res = await self._prefill(obj)
             last = res["first"]
             if res["ticket"] is None or obj.stream:
                 yield last
@@ -87,11 +92,32 @@ class RemoteEngine:
             if isinstance(e, asyncio.CancelledError) and obj.rid not in self._aborted:
                 raise  # this task itself is being cancelled
             yield _aborted(obj, "Aborted by the client or the server", last)
+        except RAY_TASK_ERROR as e:
+            if isinstance(e.cause, InvalidRequestError):
+                raise e.cause from None
+            raise
+        except REPLICA_GONE as e:
+            log.warning("request %s: replica failed: %s", obj.rid, e)
+            yield _aborted(obj, f"the serving replica failed: {type(e).__name__}", last)
         finally:
             self._aborted.discard(obj.rid)
             call = self._inflight.pop(obj.rid, None)
             if call is not None:
                 call.cancel()  # the client left: stop the replica's work
+
+    async def _prefill(self, obj: GenerateReqInput, attempts: int = 2) -> dict[str, Any]:
+        """A prefill replica's ``{"first", "ticket"}``; retried on another replica when the
+        one serving it dies (nothing was streamed to the client yet)."""
+        for attempt in range(attempts):
+            call = self.prefill.prefill.remote(obj)
+            self._inflight[obj.rid] = call
+            try:
+                return await call
+            except REPLICA_GONE as e:
+                if attempt + 1 == attempts:
+                    raise
+                log.warning("request %s: prefill replica failed (%s), retrying", obj.rid, e)
+        raise AssertionError("unreachable")
 
     async def _stream(self, obj: GenerateReqInput, gen) -> AsyncIterator[dict]:
         self._inflight[obj.rid] = gen

@@ -44,3 +44,13 @@ def test_command_line_strings_are_typed_like_server_args():
 def test_bad_arguments_name_the_key(args, match):
     with pytest.raises(ValueError, match=match):
         parse_app_args(args)
+
+
+def test_invalid_request_error_survives_pickling():
+    """Replicas raise it; the ingress must get it back (400 with the field), not a 500."""
+    import pickle
+
+    from sglang_tpu_backend.managers.io_struct import InvalidRequestError
+
+    e = pickle.loads(pickle.dumps(InvalidRequestError("input_ids", "token 5 is bad")))
+    assert (e.field, e.message) == ("input_ids", "input_ids: token 5 is bad")

@@ -6,7 +6,9 @@ both answer native ``/generate`` (plain and streaming) and OpenAI ``/v1/completi
 outputs of disaggregated == colocated == an in-process standalone engine for prompts of
 several KV pages (16 tokens) and GDN chunks (64 tokens); handover bytes and latency on
 ``/pd/metrics`` with ``role="decode"``; abort_request and client disconnect end a request
-that is decoding on the decode replica and free its pages and slot.
+that is decoding on the decode replica and free its pages and slot; killing the decode
+replica ends its in-flight request with finish_reason abort and a message, and Serve's
+replacement serves the next request (last test: it leaves a fresh decode replica).
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ def test_routes_answer_in_both_modes(base_url):
         assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 4
         assert requests.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"] == info["served_model_name"]
         assert requests.get(f"{url}/no_such_route", timeout=60).status_code == 404
+        bad = requests.post(f"{url}/generate", json={"input_ids": [10**6]}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "input_ids", bad.text
 
 
 def test_disaggregated_equals_colocated_and_standalone(base_url, standalone):
@@ -194,3 +198,27 @@ def test_client_disconnect_frees_the_decode_replica(base_url):
     r.close()  # the client leaves mid-stream
     s = _wait_decode_idle(base_url)
     assert s["num_running"] == 0 and s["kv_pages_used"] == 0
+
+
+def test_decode_replica_death_aborts_in_flight_then_recovers(base_url):
+    body = {"input_ids": _prompt(30),
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=requests.post(f"{base_url}/pd/generate", json=body, timeout=300)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while _decode_pool(base_url)["num_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if "pd#DecodeServer#" in a["name"]]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    t.join(120)
+    assert not t.is_alive(), "the in-flight request hung"
+    out = result["r"].json()
+    assert result["r"].status_code == 200, out
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "replica failed" in out["meta_info"]["finish_reason"]["message"]
+    # Serve replaces the replica; a new request waits for it and succeeds.
+    again = _generate(base_url + "/pd", _prompt(7))
+    assert again["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
