@@ -6,7 +6,8 @@ Keys (values arrive as strings from the command line, typed from a Serve config 
   decode deployments, KV pages + GDN state handed over per request);
   per engine deployment ``<d>`` in ``engine`` / ``prefill`` / ``decode``: ``<d>_replicas``
   (fixed count, default 1) or ``<d>_min_replicas`` + ``<d>_max_replicas`` (autoscaling);
-  ``target_ongoing_requests`` (autoscaling target, default 2), ``max_ongoing_requests``
+  ``target_ongoing_requests`` (autoscaling target, default 2), ``upscale_delay_s`` /
+  ``downscale_delay_s`` / ``look_back_period_s`` (Serve's defaults), ``max_ongoing_requests``
   (per replica, default ``max_running_requests``), ``ingress_replicas`` (default 1),
   ``tpu_chips`` (``{"TPU": n}`` per engine replica, default 0: none), ``accelerator_type``
   (Ray's name, e.g. ``TPU-V7X``: only nodes of that type), ``num_cpus`` per engine
@@ -33,7 +34,9 @@ APP_KEYS = {
     "ingress_replicas": int, "tpu_chips": int, "num_cpus": float, "health_check_period_s": float,
     "health_check_timeout_s": float, "stall_timeout_s": float, "graceful_shutdown_timeout_s": float,
     "transport": str, "accelerator_type": str,
+    "upscale_delay_s": float, "downscale_delay_s": float, "look_back_period_s": float,
 }
+AUTOSCALING_KEYS = ("upscale_delay_s", "downscale_delay_s", "look_back_period_s")
 for _d in ("engine", "prefill", "decode"):
     APP_KEYS.update({f"{_d}_replicas": int, f"{_d}_min_replicas": int, f"{_d}_max_replicas": int})
 
@@ -94,7 +97,8 @@ class AppConfig:
             out["autoscaling_config"] = {
                 "min_replicas": lo, "max_replicas": max(lo, hi if hi is not None else lo),
                 "initial_replicas": lo,
-                "target_ongoing_requests": self.opt("target_ongoing_requests", 2.0)}
+                "target_ongoing_requests": self.opt("target_ongoing_requests", 2.0),
+                **{k: self.options[k] for k in AUTOSCALING_KEYS if k in self.options}}
         else:
             out["num_replicas"] = self.opt(f"{name}_replicas", 1)
         return out

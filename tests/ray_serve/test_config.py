@@ -22,12 +22,12 @@ def test_command_line_strings_are_typed_like_server_args():
                           "context_length": "none", "mode": "disaggregated",
                           "decode_min_replicas": "1", "decode_max_replicas": "3",
                           "target_ongoing_requests": "4", "max_ongoing_requests": "16",
-                          "tpu_chips": "4"})
+                          "tpu_chips": "4", "downscale_delay_s": "3"})
     sa = cfg.server_args
     assert (sa.dtype, sa.page_size, sa.skip_warmup, sa.context_length) == ("float32", 32, True, None)
     dec = cfg.engine_deployment_options("decode")
     assert dec["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "initial_replicas": 1,
-                                         "target_ongoing_requests": 4.0}
+                                         "target_ongoing_requests": 4.0, "downscale_delay_s": 3.0}
     assert dec["max_ongoing_requests"] == 16
     assert dec["ray_actor_options"]["resources"] == {"TPU": 4}
     assert cfg.engine_deployment_options("prefill")["num_replicas"] == 1

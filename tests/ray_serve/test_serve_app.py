@@ -8,7 +8,9 @@ several KV pages (16 tokens) and GDN chunks (64 tokens); handover bytes and late
 ``/pd/metrics`` with ``role="decode"``; abort_request and client disconnect end a request
 that is decoding on the decode replica and free its pages and slot; killing the decode
 replica ends its in-flight request with finish_reason abort and a message, and Serve's
-replacement serves the next request (last test: it leaves a fresh decode replica).
+replacement serves the next request; under a burst of concurrent requests the decode
+deployment scales from 1 to 2 replicas and back to 1 after the load ends (last: it leaves
+two decode replicas for a while).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ ARGS = dict(dtype="float32", page_size="16", max_running_requests="4", chunked_p
             context_length="256", skip_warmup="true", random_seed="0", log_level="warning")
 PROMPT_LENS = (7, 150)  # 150: 10 pages, 3 GDN chunks, 3 prefill chunks
 MAX_NEW = 8
+# The disaggregated app's decode deployment autoscales 1..2 (the last test bursts it).
+PD_ARGS = dict(ARGS, mode="disaggregated", decode_min_replicas="1", decode_max_replicas="2",
+               target_ongoing_requests="2", upscale_delay_s="0.5", downscale_delay_s="3",
+               look_back_period_s="2")
+FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 
 
 def _free_port() -> int:
@@ -45,15 +53,15 @@ def _free_port() -> int:
 def base_url():
     from ray_app import app
 
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["PYTHONPATH"] = f"{REPO}:{os.environ.get('PYTHONPATH', '')}"  # replicas import this tree
+    env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **FAST_METRICS}  # replicas import this tree
+    os.environ.update(env)
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}})
+             runtime_env={"env_vars": env})
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app(dict(ARGS)), name="colo", route_prefix="/colo", blocking=False)
-        serve.run(app(dict(ARGS, mode="disaggregated")), name="pd", route_prefix="/pd")
+        serve.run(app(PD_ARGS), name="pd", route_prefix="/pd")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -222,3 +230,43 @@ def test_decode_replica_death_aborts_in_flight_then_recovers(base_url):
     # Serve replaces the replica; a new request waits for it and succeeds.
     again = _generate(base_url + "/pd", _prompt(7))
     assert again["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+
+
+def _num_decode_replicas(states=("RUNNING",)) -> int:
+    dep = serve.status().applications["pd"].deployments["DecodeServer"]
+    return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) in states)
+
+
+def test_decode_scales_up_under_burst_and_back_down(base_url):
+    deadline = time.monotonic() + 60
+    while _num_decode_replicas() != 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _num_decode_replicas() == 1
+    body = {"input_ids": _prompt(30),
+            "sampling_params": {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True}}
+    codes, stop = [], threading.Event()
+
+    def client():  # keeps one request in flight until told to stop
+        while not stop.is_set():
+            codes.append(requests.post(f"{base_url}/pd/generate", json=body, timeout=600).status_code)
+
+    threads = [threading.Thread(target=client) for _ in range(8)]  # 2x max_running_requests
+    for t in threads:
+        t.start()
+    t0, timeline = time.monotonic(), []
+    try:
+        while time.monotonic() - t0 < 120:
+            timeline.append((round(time.monotonic() - t0, 1), _num_decode_replicas()))
+            if timeline[-1][1] == 2:
+                break
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    assert timeline[-1][1] == 2, timeline  # scaled up under load
+    assert codes and set(codes) == {200}  # every request of the burst answered
+    deadline = time.monotonic() + 120
+    while _num_decode_replicas(("RUNNING", "STOPPING")) != 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _num_decode_replicas() == 1  # and back down once the load ended
