@@ -62,7 +62,9 @@ class Engine:
 
     The API the HTTP routes (and later the Ray ingress) use: ``generate`` (async iterator of
     SGLang-format output dicts), ``abort_request``, ``flush_cache``, ``get_model_info``,
-    ``get_server_info``, ``health_generate``, ``pool_stats``, ``shutdown``.
+    ``get_server_info``, ``health_generate``, ``pool_stats``, ``shutdown``; the Ray app's
+    replicas add ``prefill_for_handover`` / ``generate_from_handover`` and
+    ``loop_stalled_for`` (health checks).
     """
 
     def __init__(self, args: ServerArgs, *, start_loop: bool = True, role: str = "colocated"):
@@ -203,8 +205,12 @@ class Engine:
     async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
         req = self._make_req(obj)
         req.return_text_in_logprobs = bool(obj.return_text_in_logprobs)
-        async for out in self._serve(req, lambda: self.scheduler.add_request(req)):
-            yield out
+        outs = self._serve(req, lambda: self.scheduler.add_request(req))
+        try:
+            async for out in outs:
+                yield out
+        finally:  # a consumer leaving early aborts at once, not when ``outs`` is collected
+            await outs.aclose()
 
     async def _serve(self, req: Req, submit) -> AsyncIterator[dict]:
         """Register ``req``'s consumer, ``submit()`` it (under the lock) and yield its outputs
@@ -278,8 +284,12 @@ class Engine:
                 req.grammar.accept(tok)
         req.first_token_time = req.last_token_time = time.monotonic()
         req.update_text()
-        async for out in self._serve(req, lambda: self._installs.append((req, h))):
-            yield out
+        outs = self._serve(req, lambda: self._installs.append((req, h)))
+        try:
+            async for out in outs:
+                yield out
+        finally:  # as in ``generate``
+            await outs.aclose()
 
     def _install_pending(self) -> None:
         """Loop thread: admit waiting handovers while pages and slots allow, install them."""

@@ -100,3 +100,21 @@ def test_handover_rejects_other_page_size(engine, decode_engine):
     h = dataclasses.replace(h, page_size=32)
     with pytest.raises(InvalidRequestError, match="page_size"):
         asyncio.run(_collect(decode_engine.generate_from_handover(h)))
+
+
+def test_decode_consumer_exit_frees_installed_request_at_once(engine, decode_engine):
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=_prompt(40, 4), stream=True,
+                           sampling_params={"max_new_tokens": 60, "temperature": 0, "ignore_eos": True})
+
+    async def go():
+        _, h = await engine.prefill_for_handover(obj)
+        gen = decode_engine.generate_from_handover(h)
+        first = await gen.__anext__()
+        assert first["meta_info"]["finish_reason"] is None
+        await gen.aclose()
+        return decode_engine.pool_stats()
+
+    stats = asyncio.run(go())
+    assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0
