@@ -1,5 +1,10 @@
-"""Ray Serve application (``serve run ray_app:app``): ingress, prefill and decode replicas.
+"""Ray Serve application: ``serve run ray_app:app [key=value ...]``.
 
-The deployments arrive with their own issue; they will reuse the HTTP routes of
-``sglang_tpu_backend.entrypoints.http_server`` and the engine API unchanged.
+An ingress with the standalone server's HTTP routes over engine replicas: colocated (one
+engine deployment) or disaggregated (prefill replicas hand each request's KV pages and GDN
+states to decode replicas). ``app`` is the application builder (``ray_app/app.py``).
 """
+
+from ray_app.app import build_app as app
+
+__all__ = ["app"]

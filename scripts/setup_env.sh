@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environments.
 #   scripts/setup_env.sh          runtime env .venv (Python 3.11, jax 0.10.2)
-#   scripts/setup_env.sh --test   + test extras: CPU torch (the transformers reference), the
+#   scripts/setup_env.sh --test   + test extras, the ray extra (Ray Serve, ray_app/), CPU torch (the transformers reference), the
 #                                 sglang frontend package, libtpu (compile-only TPU7x target for
 #                                 tests/tpu), the bench extra (matplotlib, aiohttp), Debian's
 #                                 prometheus package (tests/monitoring), and .venv312
@@ -16,7 +16,7 @@ if [ "${1:-}" != "--test" ]; then
   exit 0
 fi
 # torch 2.13.0 is the CPU build that installs offline on Python 3.11.
-.venv/bin/pip install -q -e ".[test,tpu,bench]" "torch==2.13.0"
+.venv/bin/pip install -q -e ".[test,tpu,bench,ray]" "torch==2.13.0"
 # A real Prometheus and promtool for tests/monitoring (Debian's package), only if missing.
 if ! [ -x /usr/bin/prometheus ] || ! [ -x /usr/bin/promtool ]; then
   SUDO=""

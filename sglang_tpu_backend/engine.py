@@ -14,6 +14,13 @@ Prefix cache (unless ``--disable-radix-cache``): one radix tree per DP rank
 shares the KV pages of cached prompt prefixes and restores the GDN state from snapshots;
 ``meta_info.cached_tokens`` reports the prompt tokens a request reused. Pool stats count the
 tree's unlocked (evictable) pages as free, as SGLang's token usage does.
+
+Disaggregated prefill / decode (one device per engine): ``prefill_for_handover`` runs a
+request up to its first token and returns its KV pages + GDN states as a
+``managers/handover.RequestHandover`` (copied out in the loop thread right after that step,
+then the pages and slot are freed; with a prefix cache the prompt stays cached there);
+``generate_from_handover`` installs one into this engine's pools (new pages + a slot, owned
+by the request alone: never shared with the prefix cache) and decodes it to the end.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_backend.constrained.grammar import GrammarBackend
+from sglang_tpu_backend.managers.handover import RequestHandover
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
 from sglang_tpu_backend.managers.prefix_cache import PrefixCache
 from sglang_tpu_backend.managers.schedule_batch import Req
@@ -54,7 +62,9 @@ class Engine:
 
     The API the HTTP routes (and later the Ray ingress) use: ``generate`` (async iterator of
     SGLang-format output dicts), ``abort_request``, ``flush_cache``, ``get_model_info``,
-    ``get_server_info``, ``health_generate``, ``pool_stats``, ``shutdown``.
+    ``get_server_info``, ``health_generate``, ``pool_stats``, ``shutdown``; the Ray app's
+    replicas add ``prefill_for_handover`` / ``generate_from_handover`` and
+    ``loop_stalled_for`` (health checks).
     """
 
     def __init__(self, args: ServerArgs, *, start_loop: bool = True, role: str = "colocated"):
@@ -116,6 +126,8 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._consumers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._installs: list[tuple[Req, RequestHandover]] = []  # handovers waiting for room
+        self.last_step_end = time.monotonic()  # the loop's progress mark (health checks)
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         if start_loop:
@@ -193,6 +205,16 @@ class Engine:
     async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
         req = self._make_req(obj)
         req.return_text_in_logprobs = bool(obj.return_text_in_logprobs)
+        outs = self._serve(req, lambda: self.scheduler.add_request(req))
+        try:
+            async for out in outs:
+                yield out
+        finally:  # a consumer leaving early aborts at once, not when ``outs`` is collected
+            await outs.aclose()
+
+    async def _serve(self, req: Req, submit) -> AsyncIterator[dict]:
+        """Register ``req``'s consumer, ``submit()`` it (under the lock) and yield its outputs
+        until one is final (finish_reason set, or a handover); leaving early aborts it."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -201,13 +223,13 @@ class Engine:
             self._consumers[req.rid] = (loop, queue)
             self.stats["num_requests_total"] += 1
             self.stats["prompt_tokens_total"] += len(req.prompt_ids)
-            self.scheduler.add_request(req)
+            submit()
             self._wake.notify()
         done = False
         try:
             while True:
                 out = await queue.get()
-                done = out["meta_info"]["finish_reason"] is not None
+                done = out["meta_info"]["finish_reason"] is not None or "handover" in out
                 yield out
                 if done:
                     return
@@ -216,6 +238,115 @@ class Engine:
                 self._consumers.pop(req.rid, None)
             if not done:
                 self.abort_request(req.rid)
+
+    # Disaggregated prefill / decode ----------------------------------------------------------
+    def _check_handover(self) -> None:
+        if self.args.dp_size != 1 or self.args.tp_size != 1:
+            raise NotImplementedError("prefill/decode handover needs --dp-size 1 --tp-size 1")
+
+    async def prefill_for_handover(self, obj: GenerateReqInput) -> tuple[dict, RequestHandover | None]:
+        """Prefill ``obj`` and sample its first token. Returns the output so far and the
+        request's state to continue elsewhere, or (final output, None) when the request
+        already finished here (EOS, a stop, ``max_new_tokens`` <= 1)."""
+        self._check_handover()
+        req = self._make_req(obj)
+        req.return_text_in_logprobs = bool(obj.return_text_in_logprobs)
+        req.export_after_prefill = True
+        req.request = dataclasses.replace(obj, rid=req.rid)
+        last = None
+        async for out in self._serve(req, lambda: self.scheduler.add_request(req)):
+            last = out
+        if "handover" in last:
+            return last["output"], last["handover"]
+        return last, None
+
+    async def generate_from_handover(self, h: RequestHandover) -> AsyncIterator[dict]:
+        """Install ``h`` (pages + a slot here, its arrays scattered into them) and decode it
+        to the end, yielding outputs as ``generate`` does (the first one when the next
+        token is sampled). Records the handover latency (export start -> installed) and
+        bytes on this engine's metrics."""
+        self._check_handover()
+        if h.page_size != self.args.page_size:
+            raise InvalidRequestError("page_size", f"handover pages of {h.page_size} tokens, "
+                                      f"this engine's page_size is {self.args.page_size}")
+        req = self._make_req(h.request)
+        req.return_text_in_logprobs = bool(h.request.return_text_in_logprobs)
+        if list(h.prompt_ids) != req.prompt_ids:
+            raise InvalidRequestError("input_ids", "handover prompt differs from the request's")
+        req.seed = h.seed
+        req.output_ids = list(h.output_ids)
+        req.num_computed = h.num_computed
+        req.num_sent_tokens = len(req.output_ids)  # the prefill side delivered those
+        req.input_logprobs, req.input_top_logprobs = list(h.input_logprobs), list(h.input_top_logprobs)
+        req.output_logprobs, req.output_top_logprobs = list(h.output_logprobs), list(h.output_top_logprobs)
+        if req.grammar is not None:
+            for tok in req.output_ids:
+                req.grammar.accept(tok)
+        req.first_token_time = req.last_token_time = time.monotonic()
+        req.update_text()
+        outs = self._serve(req, lambda: self._installs.append((req, h)))
+        try:
+            async for out in outs:
+                yield out
+        finally:  # as in ``generate``
+            await outs.aclose()
+
+    def _install_pending(self) -> None:
+        """Loop thread: admit waiting handovers while pages and slots allow, install them."""
+        with self._lock:
+            admitted = []
+            while self._installs and self.scheduler.admit_installed(self._installs[0][0]):
+                admitted.append(self._installs.pop(0))
+        for req, h in admitted:
+            try:
+                self.runner.install_request_state(h.kv, h.conv, h.rec, req.pages, req.state_slot, req)
+            except Exception as e:
+                logger.exception("handover install failed")
+                with self._lock:
+                    self.metrics.observe_handover(0.0, 0, ok=False)
+                    if self.scheduler.abort(req.rid, f"handover install failed: {type(e).__name__}: {e}"):
+                        self._deliver([req])
+                continue
+            with self._lock:
+                self.metrics.observe_handover(max(0.0, time.time() - h.export_time), h.nbytes)
+
+    def _export_finished_prefills(self) -> None:
+        """Loop thread, right after a step: copy out the state of requests that stopped after
+        their first token and hand it to their consumers; then free their pages and slot."""
+        with self._lock:
+            reqs = list(self.scheduler.exported)
+        for req in reqs:
+            t0 = time.time()
+            try:
+                kv, conv, rec = self.runner.export_request_state(req.pages, req.state_slot)
+                err = None
+            except Exception as e:
+                logger.exception("handover export failed")
+                err = e
+            with self._lock:
+                self.scheduler.release_exported(req)
+                if err is not None:
+                    self.metrics.observe_handover(0.0, 0, ok=False)
+                    req.abort(f"handover export failed: {type(err).__name__}: {err}")
+                    self._deliver([req])
+                    continue
+                h = RequestHandover(
+                    request=req.request, prompt_ids=list(req.prompt_ids),
+                    output_ids=list(req.output_ids), seed=req.seed, num_computed=req.num_computed,
+                    page_size=self.args.page_size, kv=kv, conv=conv, rec=rec,
+                    input_logprobs=list(req.input_logprobs),
+                    input_top_logprobs=list(req.input_top_logprobs),
+                    output_logprobs=list(req.output_logprobs),
+                    output_top_logprobs=list(req.output_top_logprobs), export_time=t0)
+                target = self._consumers.get(req.rid)
+                if target is not None:
+                    loop, queue = target
+                    item = {"handover": h, "output": self._output(req),
+                            "meta_info": {"finish_reason": None}}
+                    try:
+                        loop.call_soon_threadsafe(queue.put_nowait, item)
+                    except RuntimeError:
+                        pass
 
     def add_request(self, obj: GenerateReqInput) -> Req:
         """Validate and queue a request with no consumer (its outputs are not delivered)."""
@@ -228,6 +359,12 @@ class Engine:
     def abort_request(self, rid: str) -> bool:
         """Abort a queued or running request; its pages and slot are free on return."""
         with self._lock:
+            for i, (pending, _) in enumerate(self._installs):
+                if pending.rid == rid:
+                    del self._installs[i]
+                    pending.abort("Aborted by the client or the server")
+                    self._deliver([pending])
+                    return True
             req = self.scheduler.abort(rid, "Aborted by the client or the server")
             if req is not None:
                 self._deliver([req])
@@ -324,6 +461,10 @@ class Engine:
             for req in list(self.scheduler.all_requests()):
                 self.scheduler.abort(req.rid, "server shutting down")
                 self._deliver([req])
+            for req, _ in self._installs:
+                req.abort("server shutting down")
+                self._deliver([req])
+            self._installs.clear()
             self._wake.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
@@ -332,18 +473,32 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and self.scheduler.is_idle():
+                while not self._stop and self.scheduler.is_idle() and not self._installs:
                     self._wake.wait()
+                    self.last_step_end = time.monotonic()  # idle is progress
                 if self._stop:
                     return
             if self.step() is None:
                 time.sleep(0.001)
 
+    def loop_stalled_for(self) -> float:
+        """Seconds the loop has had work without finishing a step (0 when idle or dead-free).
+        A health check compares it with its own limit; a dead loop thread reports inf."""
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stop:
+            return float("inf")
+        with self._lock:
+            if self.scheduler.is_idle() and not self._installs:
+                return 0.0
+        return max(0.0, time.monotonic() - self.last_step_end)
+
     def step(self):
         """One scheduling + model step (the loop thread's body); returns the batch or None."""
+        if self._installs:
+            self._install_pending()
         with self._lock:
             batch = self.scheduler.schedule()
         if batch is None:
+            self.last_step_end = time.monotonic()
             return None
         try:
             results = self.runner.run(batch)
@@ -365,6 +520,9 @@ class Engine:
             if self.runner.last_router_stats is not None:
                 self.metrics.on_router_stats(self.runner.last_router_stats)
             self._deliver(touched)
+        if self.scheduler.exported:
+            self._export_finished_prefills()
+        self.last_step_end = time.monotonic()
         return batch
 
     def _deliver(self, reqs: list[Req]) -> None:

@@ -2,7 +2,8 @@
 
 ``create_app(engine)`` mounts :data:`router` on a FastAPI app; the Ray Serve ingress reuses
 the same router and :func:`install` (``app.state.engine`` may be any object with the Engine
-API). Every client mistake is a 4xx JSON body
+API; its methods may also return awaitables, as the Ray ingress's remote engine does).
+Every client mistake is a 4xx JSON body
 ``{"error": {"message", "type": "invalid_request_error", "param": <field>, "code"}}``:
 malformed JSON, bad fields, engine ``InvalidRequestError`` (400), missing/wrong API key
 (401), unknown route (404), wrong method (405), body over ``max_request_body_bytes`` (413).
@@ -12,6 +13,7 @@ A client that disconnects stops its engine generators, which aborts the requests
 from __future__ import annotations
 
 import hmac
+import inspect
 import json
 import logging
 import random
@@ -39,6 +41,11 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Plumbing -------------------------------------------------------------------------------
 def _engine(request: Request):
     return request.app.state.engine
+
+
+async def _call(value: Any) -> Any:
+    """An Engine API result, awaited when it is an awaitable (a remote engine's call)."""
+    return await value if inspect.isawaitable(value) else value
 
 
 def _arg(engine, name: str, default: Any = None) -> Any:
@@ -145,28 +152,28 @@ async def metrics(request: Request) -> Response:
     engine = _engine(request)
     if not hasattr(engine, "metrics_text"):
         raise APIError("This engine exports no metrics", "path", 404)
-    return Response(engine.metrics_text(), media_type=CONTENT_TYPE)
+    return Response(await _call(engine.metrics_text()), media_type=CONTENT_TYPE)
 
 
 @router.get("/get_model_info")
 @router.get("/model_info")
 async def get_model_info(request: Request) -> dict:
-    return _engine(request).get_model_info()
+    return await _call(_engine(request).get_model_info())
 
 
 @router.get("/get_server_info")
 @router.get("/server_info")
 async def get_server_info(request: Request) -> dict:
     engine = _engine(request)
-    info = dict(engine.get_server_info())
-    info["pool_stats"] = engine.pool_stats()
+    info = dict(await _call(engine.get_server_info()))
+    info["pool_stats"] = await _call(engine.pool_stats())
     return info
 
 
 @router.post("/flush_cache")
 @router.get("/flush_cache")
 async def flush_cache(request: Request) -> JSONResponse:
-    ok = _engine(request).flush_cache()
+    ok = await _call(_engine(request).flush_cache())
     msg = "Cache flushed." if ok else "Cache not flushed: requests are running."
     return JSONResponse({"success": bool(ok), "message": msg}, status_code=200 if ok else 400)
 
@@ -177,11 +184,11 @@ async def abort_request(request: Request) -> dict:
     engine = _engine(request)
     if opt_field(body, "abort_all", "bool", False):
         rids = sorted(request.app.state.inflight)
-        return {"success": True, "aborted": sum(bool(engine.abort_request(r)) for r in rids)}
+        return {"success": True, "aborted": sum([bool(await _call(engine.abort_request(r))) for r in rids])}
     rid = opt_field(body, "rid", "str")
     if rid is None:
         raise APIError("'rid' (string) is required unless 'abort_all' is true", "rid")
-    return {"success": bool(engine.abort_request(rid))}
+    return {"success": bool(await _call(engine.abort_request(rid)))}
 
 
 @router.post("/generate")
@@ -213,25 +220,25 @@ async def generate(request: Request) -> Response:
 
 
 # OpenAI ----------------------------------------------------------------------------------
-def _model_name(engine) -> str:
-    info = engine.get_model_info()
+async def _model_name(engine) -> str:
+    info = await _call(engine.get_model_info())
     return _arg(engine, "served_model_name") or info.get("served_model_name") or info.get("model_path") or "default"
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     engine = _engine(request)
-    info = engine.get_model_info()
+    info = await _call(engine.get_model_info())
     max_len = _arg(engine, "context_length") or info.get("context_length")
     return {"object": "list", "data": [{
-        "id": _model_name(engine), "object": "model", "created": int(time.time()), "owned_by": "sglang",
+        "id": await _model_name(engine), "object": "model", "created": int(time.time()), "owned_by": "sglang",
         "root": info.get("model_path"), "max_model_len": max_len}]}
 
 
 async def _openai(request: Request, parse, build) -> Response:
     body = await read_json(request)
     engine = _engine(request)
-    req = parse(body, _model_name(engine), engine.tokenizer, request.app.state.seed_rng)
+    req = parse(body, await _model_name(engine), engine.tokenizer, request.app.state.seed_rng)
     rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + new_rid()
     fan = _fanout(request, req.reqs)
     try:

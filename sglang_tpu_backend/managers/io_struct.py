@@ -19,6 +19,9 @@ class InvalidRequestError(ValueError):
         self.message = message if field in message else f"{field}: {message}"
         super().__init__(self.message)
 
+    def __reduce__(self):  # picklable (raised inside a Ray replica, re-raised at the ingress)
+        return type(self), (self.field, self.message)
+
 
 @dataclasses.dataclass
 class GenerateReqInput:

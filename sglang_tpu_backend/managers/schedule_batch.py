@@ -100,6 +100,7 @@ class Req:
         self.cached_tokens = 0
         self.finish_reason: dict | None = None
         self.num_retractions = 0
+        self.export_after_prefill = False  # prefill side of a handover: stop after the first token
         self.detok = IncrementalDetokenizer(decode or (lambda ids: ""))
         self.max_stop_len = max((len(s) for s in sampling.stop), default=0)
         self.text = ""  # visible cumulative text (stop strings trimmed / held back)

@@ -70,6 +70,10 @@ class Scheduler:
         self.num_admitted_per_rank = [0] * self.dp_size  # admissions (re-admissions count again)
         self.num_prefill_tokens_total = 0  # prompt (and re-prefilled) tokens put in prefill chunks
         self.num_cached_tokens_total = 0  # prompt tokens reused from the prefix cache at admission
+        # Prefill side of a disaggregated handover: requests with ``export_after_prefill``
+        # leave ``running`` once their first token is sampled, still holding pages and slot,
+        # until the engine has copied their state out (``release_exported``).
+        self.exported: list[Req] = []
         self._loads: list[SnapshotLoad] = []  # the step being scheduled
         self._saves: list[SnapshotSave] = []
 
@@ -336,7 +340,37 @@ class Scheduler:
             if req.finished:
                 self._release(req)
                 self.num_finished_total += 1
+            elif chunk.sample and req.export_after_prefill:
+                self.running.remove(req)
+                self.exported.append(req)
         return touched
+
+    # Handover (disaggregated prefill / decode) -------------------------------------------
+    def release_exported(self, req: Req) -> None:
+        """Free an exported request's pages and slot (its state has been copied out)."""
+        self.exported.remove(req)
+        self.running.append(req)  # _release expects it there
+        self._release(req)
+
+    def admit_installed(self, req: Req) -> bool:
+        """Admit a request whose first ``req.num_computed`` tokens were computed elsewhere
+        (decode side of a handover) on rank 0: a state slot and ``pages_for(num_computed)``
+        pages, or False (nothing taken) when they are not free now. The request owns all its
+        pages (the prefix cache never shares them); it is decode-ready on return."""
+        pools = self.pools[0]
+        if (self.num_running >= self.max_running_requests or not pools.state_pool.can_allocate()
+                or self._tokens_that_fit(req, 0, req.num_computed, start=0, num_pages=0)
+                < req.num_computed):
+            return False
+        req.dp_rank = 0
+        if not self._ensure_pages(req, req.num_computed):
+            req.dp_rank = None
+            return False
+        req.state_slot = pools.state_pool.allocate()
+        req.admit_time = req.admit_time or time.monotonic()
+        self.running.append(req)
+        self.num_admitted_per_rank[0] += 1
+        return True
 
     def all_requests(self) -> Iterable[Req]:
         yield from self.running

@@ -41,6 +41,7 @@ from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledBatch, ScheduledChunk
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
+from sglang_tpu_backend.model_executor import state_transfer
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.sampling import sampler
@@ -356,17 +357,36 @@ class ModelRunner:
         for c in batch.chunks:
             if c.start != c.req.cached_tokens or not _uses_penalties(c.req.sampling):  # first chunk
                 continue
-            req = c.req
-            a = pick_bucket(bucket_ladder(1 << 30, 16), len(req.prompt_ids))
-            b = pick_bucket(bucket_ladder(1 << 30, 16), max(1, len(req.output_ids)))
-            p = np.full(a, self.vocab_size, np.int32)
-            p[: len(req.prompt_ids)] = req.prompt_ids
-            o = np.full(b, self.vocab_size, np.int32)
-            o[: len(req.output_ids)] = req.output_ids
-            slot = c.dp_rank * self.num_state_slots + c.state_slot  # global slot
-            self.counts, self.prompt_mask = sampler.reset_penalty_rows_jit(
-                self.counts, self.prompt_mask, np.int32(slot), p, o
-            )
+            self.reset_penalty_row(c.dp_rank * self.num_state_slots + c.state_slot, c.req)
+
+    def reset_penalty_row(self, slot: int, req: Any) -> None:
+        """Penalty state of global slot ``slot`` := the counts of ``req``'s prompt and outputs."""
+        a = pick_bucket(bucket_ladder(1 << 30, 16), len(req.prompt_ids))
+        b = pick_bucket(bucket_ladder(1 << 30, 16), max(1, len(req.output_ids)))
+        p = np.full(a, self.vocab_size, np.int32)
+        p[: len(req.prompt_ids)] = req.prompt_ids
+        o = np.full(b, self.vocab_size, np.int32)
+        o[: len(req.output_ids)] = req.output_ids
+        self.counts, self.prompt_mask = sampler.reset_penalty_rows_jit(
+            self.counts, self.prompt_mask, np.int32(slot), p, o
+        )
+
+    def export_request_state(self, pages: list[int], slot: int):
+        """Host copies (kv, conv, rec) of a request's pages and state slot (one device only)."""
+        self._check_single_device("export")
+        return state_transfer.gather_state(self.cache, pages, slot)
+
+    def install_request_state(self, kv, conv, rec, pages: list[int], slot: int, req: Any) -> None:
+        """Write handed-over state into ``pages`` / ``slot`` and set the slot's penalty row."""
+        self._check_single_device("install")
+        self.cache = state_transfer.scatter_state(self.cache, kv, conv, rec, pages, slot)
+        if _uses_penalties(req.sampling):
+            self.reset_penalty_row(slot, req)
+        jax.block_until_ready(self.cache.rec_state)
+
+    def _check_single_device(self, what: str) -> None:
+        if self.dp is not None or self.tp is not None:
+            raise NotImplementedError(f"state {what} for a handover needs dp_size == tp_size == 1")
 
     def sample(self, logits: jax.Array, inp: sampler.SamplingInputs, K: int) -> dict[str, np.ndarray]:
         out = sampler.sample_jit(logits, self.counts, self.prompt_mask, inp, num_top_logprobs=K)

@@ -1,0 +1,92 @@
+"""Engine replicas: one ``Engine`` per replica, in role colocated, prefill or decode.
+
+Methods the ingress calls through its deployment handles:
+  ``generate(obj)`` (streaming, colocated), ``prefill(obj) -> {"first", "ticket"}`` (prefill
+  role: prompt + first token, state handed over through the transport), ``decode(ticket)``
+  (streaming, decode role), and the engine's info / stats / cache / abort calls.
+Serve calls ``check_health`` every ``health_check_period_s``: it raises when the engine loop
+thread died or has had work without finishing a step for ``stall_timeout_s``. On shutdown
+Serve first drains (stops routing, waits up to ``graceful_shutdown_timeout_s`` for running
+requests), then ``__del__`` stops the engine loop (aborting anything left).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from ray_app.handover import make_transport
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.server_args import ServerArgs
+
+log = logging.getLogger(__name__)
+
+
+@serve.deployment
+class EngineServer:
+    def __init__(self, server_args: ServerArgs, role: str = "colocated",
+                 transport: str = "object_store", stall_timeout_s: float = 600.0):
+        from sglang_tpu_backend.engine import Engine
+
+        self.role = role
+        self.engine = Engine(server_args, role=role)
+        self.transport = make_transport(transport)
+        self.stall_timeout_s = stall_timeout_s
+
+    # Requests ------------------------------------------------------------------------------
+    async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        async for out in self.engine.generate(obj):
+            yield out
+
+    async def prefill(self, obj: GenerateReqInput) -> dict[str, Any]:
+        """Prefill + first token; ``ticket`` is None when the request already finished."""
+        first, h = await self.engine.prefill_for_handover(obj)
+        return {"first": first, "ticket": None if h is None else self.transport.send(h)}
+
+    async def decode(self, ticket: dict[str, Any]) -> AsyncIterator[dict]:
+        try:
+            h = await self.transport.receive(ticket)
+        except Exception:
+            self.engine.metrics.observe_handover(0.0, 0, ok=False)
+            raise
+        async for out in self.engine.generate_from_handover(h):
+            yield out
+
+    # Engine API ----------------------------------------------------------------------------
+    def get_model_info(self) -> dict:
+        return self.engine.get_model_info()
+
+    def get_server_info(self) -> dict:
+        return {**self.engine.get_server_info(), "role": self.role}
+
+    def pool_stats(self) -> dict:
+        return self.engine.pool_stats()
+
+    def flush_cache(self) -> bool:
+        return self.engine.flush_cache()
+
+    def abort_request(self, rid: str) -> bool:
+        return self.engine.abort_request(rid)
+
+    def metrics_text(self) -> bytes:
+        return self.engine.metrics_text()
+
+    async def health_generate(self) -> bool:
+        return await self.engine.health_generate()
+
+    # Serve lifecycle -----------------------------------------------------------------------
+    def check_health(self) -> None:
+        stalled = self.engine.loop_stalled_for()
+        if stalled > self.stall_timeout_s:
+            raise RuntimeError(f"{self.role} engine loop made no progress for {stalled:.0f} s "
+                               f"(limit {self.stall_timeout_s:.0f} s)")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            t0 = time.monotonic()
+            engine.shutdown()
+            log.info("%s engine stopped in %.1f s", self.role, time.monotonic() - t0)

@@ -1,0 +1,41 @@
+"""What a prefill engine hands to a decode engine: one request after its first token.
+
+Plain numpy + metadata (picklable; no JAX): the request as it arrived, what the prefill
+produced (first token(s), logprobs, the resolved seed) and the cache state computed for the
+prompt (``model_executor/state_transfer.py`` layouts):
+  kv:   [La, n, 2*G, page_size, D]  KV pages of every attention layer, n = pages_for(P)
+  conv: [Lg, rows, C]               conv state of every GDN layer after the P prompt tokens
+  rec:  [Lg, Hv, Dk, Dv]            recurrent state of every GDN layer after them
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+
+@dataclasses.dataclass
+class RequestHandover:
+    request: GenerateReqInput  # as the client sent it (rid resolved)
+    prompt_ids: list[int]
+    output_ids: list[int]  # sampled by the prefill engine (the first token)
+    seed: int  # resolved sampling seed (sampling is keyed on seed + output position)
+    num_computed: int  # tokens whose KV / GDN state is in the arrays (= len(prompt_ids))
+    page_size: int
+    kv: np.ndarray
+    conv: np.ndarray
+    rec: np.ndarray
+    input_logprobs: list[float] = dataclasses.field(default_factory=list)
+    input_top_logprobs: list[Any] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_top_logprobs: list[Any] = dataclasses.field(default_factory=list)
+    export_time: float = 0.0  # time.time() when the prefill engine started the export (s)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of cache state handed over (KV pages + both GDN states)."""
+        return int(self.kv.nbytes + self.conv.nbytes + self.rec.nbytes)

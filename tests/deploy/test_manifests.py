@@ -1,0 +1,75 @@
+"""deploy/: the Serve config validates against Ray's own schema and builds with our
+application builder; the RayService embeds it verbatim and asks for the TPU host it fits.
+
+Kubernetes' own OpenAPI schemas are not available offline here: the RayService's core fields
+are checked structurally (names, nodeSelector, TPU requests = limits = the app's chips,
+hosts per slice = the topology's chips / 4, Ray version = the pinned one).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+pytest.importorskip("ray.serve")
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+PYPROJECT = DEPLOY.parent / "pyproject.toml"
+CHIPS_PER_HOST = 4  # Ironwood VM
+
+
+def _serve_config() -> dict:
+    return yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())
+
+
+def test_serve_config_validates_against_rays_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(_serve_config())
+    (app,) = schema.applications
+    assert app.import_path == "ray_app:app" and app.route_prefix == "/"
+
+
+def test_serve_config_args_and_deployments_match_the_builder():
+    from ray_app.config import parse_app_args
+
+    (app,) = _serve_config()["applications"]
+    cfg = parse_app_args(app["args"])  # every key known, values valid ServerArgs
+    names = {cfg.engine_deployment_options(d)["name"] for d in
+             {"colocated": ["engine"], "disaggregated": ["prefill", "decode"]}[cfg.mode]}
+    assert {d["name"] for d in app["deployments"]} <= names | {"Ingress"}
+    assert cfg.opt("tpu_chips") == CHIPS_PER_HOST and cfg.opt("accelerator_type") == "TPU-V7X"
+    assert cfg.server_args.dp_size == cfg.server_args.ep_size == 2 * CHIPS_PER_HOST  # 2 cores/chip
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.glob("rayservice-*.yaml")), ids=lambda p: p.name)
+def test_rayservice(path):
+    svc = yaml.safe_load(path.read_text())
+    assert svc["apiVersion"] == "ray.io/v1" and svc["kind"] == "RayService"
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", svc["metadata"]["name"])
+    spec = svc["spec"]
+    assert yaml.safe_load(spec["serveConfigV2"]) == _serve_config()  # the same file, verbatim
+    ray_pin = re.search(r'"ray\[serve\]==([0-9.]+)"', PYPROJECT.read_text()).group(1)
+    cluster = spec["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray_pin
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    assert all(c["name"] and c["image"] for c in head)
+    (app,) = _serve_config()["applications"]
+    for group in cluster["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        sel = pod["nodeSelector"]
+        assert sel["cloud.google.com/gke-tpu-accelerator"] == "tpu7x"
+        topo = sel["cloud.google.com/gke-tpu-topology"]
+        chips = math.prod(int(x) for x in topo.split("x"))
+        assert group["numOfHosts"] == chips // CHIPS_PER_HOST
+        (container,) = pod["containers"]
+        res = container["resources"]
+        assert res["requests"]["google.com/tpu"] == res["limits"]["google.com/tpu"] == str(CHIPS_PER_HOST)
+        assert str(app["args"]["tpu_chips"]) == res["limits"]["google.com/tpu"]
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        for m in container.get("volumeMounts", []):
+            assert m["name"] in {v["name"] for v in pod["volumes"]}

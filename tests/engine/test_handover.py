@@ -1,0 +1,120 @@
+"""Prefill -> decode handover between two engines: same greedy output as one engine.
+
+The shared tiny engine prefills (``prefill_for_handover``: prompt + first token, KV pages and
+GDN states copied out); a second engine installs the state (``generate_from_handover``) and
+decodes. Prompts span several KV pages (16 tokens) and several GDN chunks (64 tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.engine.conftest import ENGINE_ARGS, wait_pools_empty
+
+PROMPT_LENS = (5, 16, 110)  # 110: 7 pages, 2 GDN chunks (context 128)
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def decode_engine():
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    eng = Engine(ServerArgs(**ENGINE_ARGS), role="decode")
+    yield eng
+    eng.shutdown()
+
+
+def _prompt(n: int, salt: int = 0) -> list[int]:
+    return [int(x) for x in np.random.default_rng(n + salt).integers(3, 1000, size=n)]
+
+
+async def _collect(agen) -> list[dict]:
+    return [out async for out in agen]
+
+
+async def _disaggregated(prefill, decode, obj):
+    first, h = await prefill.prefill_for_handover(obj)
+    if h is None:
+        return [first], None
+    return [first] + await _collect(decode.generate_from_handover(h)), h
+
+
+@pytest.mark.parametrize("n", PROMPT_LENS)
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0, "repetition_penalty": 1.3}])
+def test_handover_matches_one_engine(engine, decode_engine, n, params):
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=_prompt(n), sampling_params=dict(params, max_new_tokens=MAX_NEW,
+                                                                      ignore_eos=True))
+    ref = asyncio.run(_collect(engine.generate(dataclasses.replace(obj))))[-1]
+    engine.flush_cache()  # the handover prefill must compute the prompt, not reuse it
+    outs, h = asyncio.run(_disaggregated(engine, decode_engine, obj))
+    assert h is not None and h.num_computed == n and len(h.output_ids) == 1
+    cfg = engine.model_config
+    assert h.kv.shape[:2] == (len(cfg.attention_layers), -(-n // 16))
+    assert h.conv.shape[0] == h.rec.shape[0] == len(cfg.linear_layers)
+    assert h.nbytes == h.kv.nbytes + h.conv.nbytes + h.rec.nbytes
+    last = outs[-1]
+    assert last["output_ids"] == ref["output_ids"]
+    assert last["text"] == ref["text"]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+    assert last["meta_info"]["completion_tokens"] == MAX_NEW
+    for eng in (engine, decode_engine):
+        s = wait_pools_empty(eng)
+        assert s["state_slots_used"] == 0 and s["num_running"] == 0
+
+
+def test_handover_streams_and_reports_metrics(engine, decode_engine):
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=_prompt(40, 1), stream=True,
+                           sampling_params={"max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+    outs, h = asyncio.run(_disaggregated(engine, decode_engine, obj))
+    assert [len(o["output_ids"]) for o in outs] == [1, 2, 3, 4, 5]
+    text = decode_engine.metrics_text().decode()
+    assert 'sglang:kv_transfer_bytes_total{model_name=' in text and 'role="decode"' in text
+    line = next(x for x in text.splitlines() if x.startswith("sglang:kv_transfer_bytes_total"))
+    assert float(line.split()[-1]) >= h.nbytes
+    assert "sglang:kv_transfer_latency_seconds_count" in text
+
+
+def test_first_token_finish_needs_no_handover(engine):
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=_prompt(20, 2), sampling_params={"max_new_tokens": 1, "temperature": 0})
+    first, h = asyncio.run(engine.prefill_for_handover(obj))
+    assert h is None and first["meta_info"]["finish_reason"]["type"] == "length"
+    assert wait_pools_empty(engine)["state_slots_used"] == 0
+
+
+def test_handover_rejects_other_page_size(engine, decode_engine):
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
+
+    obj = GenerateReqInput(input_ids=_prompt(20, 3), sampling_params={"max_new_tokens": 4, "temperature": 0})
+    _, h = asyncio.run(engine.prefill_for_handover(obj))
+    h = dataclasses.replace(h, page_size=32)
+    with pytest.raises(InvalidRequestError, match="page_size"):
+        asyncio.run(_collect(decode_engine.generate_from_handover(h)))
+
+
+def test_decode_consumer_exit_frees_installed_request_at_once(engine, decode_engine):
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=_prompt(40, 4), stream=True,
+                           sampling_params={"max_new_tokens": 60, "temperature": 0, "ignore_eos": True})
+
+    async def go():
+        _, h = await engine.prefill_for_handover(obj)
+        gen = decode_engine.generate_from_handover(h)
+        first = await gen.__anext__()
+        assert first["meta_info"]["finish_reason"] is None
+        await gen.aclose()
+        return decode_engine.pool_stats()
+
+    stats = asyncio.run(go())
+    assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0

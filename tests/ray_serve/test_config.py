@@ -1,0 +1,56 @@
+"""Builder arguments -> ServerArgs and deployment options (no Ray cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray_app.config import parse_app_args  # noqa: E402
+
+
+def test_no_args_is_the_colocated_tiny_default():
+    cfg = parse_app_args({})
+    assert cfg.mode == "colocated" and cfg.server_args.model_path is None
+    opts = cfg.engine_deployment_options("engine")
+    assert opts["num_replicas"] == 1 and "autoscaling_config" not in opts
+    assert opts["max_ongoing_requests"] == cfg.server_args.max_running_requests
+
+
+def test_command_line_strings_are_typed_like_server_args():
+    cfg = parse_app_args({"dtype": "float32", "page_size": "32", "skip_warmup": "true",
+                          "context_length": "none", "mode": "disaggregated",
+                          "decode_min_replicas": "1", "decode_max_replicas": "3",
+                          "target_ongoing_requests": "4", "max_ongoing_requests": "16",
+                          "tpu_chips": "4", "downscale_delay_s": "3"})
+    sa = cfg.server_args
+    assert (sa.dtype, sa.page_size, sa.skip_warmup, sa.context_length) == ("float32", 32, True, None)
+    dec = cfg.engine_deployment_options("decode")
+    assert dec["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "initial_replicas": 1,
+                                         "target_ongoing_requests": 4.0, "downscale_delay_s": 3.0}
+    assert dec["max_ongoing_requests"] == 16
+    assert dec["ray_actor_options"]["resources"] == {"TPU": 4}
+    assert cfg.engine_deployment_options("prefill")["num_replicas"] == 1
+
+
+@pytest.mark.parametrize("args, match", [
+    ({"no_such_flag": "1"}, "unknown argument 'no_such_flag'"),
+    ({"mode": "split"}, "mode must be one of"),
+    ({"page_size": "big"}, "page_size: expected int"),
+    ({"skip_warmup": "maybe"}, "skip_warmup: expected a boolean"),
+    ({"page_size": "0"}, "--page-size must be a positive integer"),
+    ({"mode": "disaggregated", "dp_size": "2", "ep_size": "2"}, "dp_size == tp_size == 1"),
+])
+def test_bad_arguments_name_the_key(args, match):
+    with pytest.raises(ValueError, match=match):
+        parse_app_args(args)
+
+
+def test_invalid_request_error_survives_pickling():
+    """Replicas raise it; the ingress must get it back (400 with the field), not a 500."""
+    import pickle
+
+    from sglang_tpu_backend.managers.io_struct import InvalidRequestError
+
+    e = pickle.loads(pickle.dumps(InvalidRequestError("input_ids", "token 5 is bad")))
+    assert (e.field, e.message) == ("input_ids", "input_ids: token 5 is bad")

@@ -1,0 +1,272 @@
+"""The Ray Serve app on a local Ray cluster (127.0.0.1, started and stopped here).
+
+One Ray session for the module: the colocated app under ``/colo`` and the disaggregated app
+(1 prefill + 1 decode replica) under ``/pd``, tiny float32 engines without warm-up. Asserts:
+both answer native ``/generate`` (plain and streaming) and OpenAI ``/v1/completions``; greedy
+outputs of disaggregated == colocated == an in-process standalone engine for prompts of
+several KV pages (16 tokens) and GDN chunks (64 tokens); handover bytes and latency on
+``/pd/metrics`` with ``role="decode"``; abort_request and client disconnect end a request
+that is decoding on the decode replica and free its pages and slot; killing the decode
+replica ends its in-flight request with finish_reason abort and a message, and Serve's
+replacement serves the next request; under a burst of concurrent requests the decode
+deployment scales from 1 to 2 replicas and back to 1 after the load ends (last: it leaves
+two decode replicas for a while).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+requests = pytest.importorskip("requests")
+
+REPO = Path(__file__).resolve().parents[2]
+ARGS = dict(dtype="float32", page_size="16", max_running_requests="4", chunked_prefill_size="64",
+            context_length="256", skip_warmup="true", random_seed="0", log_level="warning")
+PROMPT_LENS = (7, 150)  # 150: 10 pages, 3 GDN chunks, 3 prefill chunks
+MAX_NEW = 8
+# The disaggregated app's decode deployment autoscales 1..2 (the last test bursts it).
+PD_ARGS = dict(ARGS, mode="disaggregated", decode_min_replicas="1", decode_max_replicas="2",
+               target_ongoing_requests="2", upscale_delay_s="0.5", downscale_delay_s="3",
+               look_back_period_s="2")
+FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+                "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    from ray_app import app
+
+    env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **FAST_METRICS}  # replicas import this tree
+    os.environ.update(env)
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": env})
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app(dict(ARGS)), name="colo", route_prefix="/colo", blocking=False)
+        serve.run(app(PD_ARGS), name="pd", route_prefix="/pd")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _prompt(n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(n).integers(3, 1000, size=n)]
+
+
+def _generate(url: str, ids: list[int], **extra) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0,
+                                                  "ignore_eos": True}, **extra}
+    r = requests.post(f"{url}/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def standalone():
+    """Greedy outputs of an in-process engine with the same settings."""
+    from ray_app.config import parse_app_args
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    eng = Engine(parse_app_args(ARGS).server_args)
+
+    async def run(ids):
+        obj = GenerateReqInput(input_ids=ids, sampling_params={
+            "max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+        return [o async for o in eng.generate(obj)][-1]["output_ids"]
+
+    try:
+        yield {n: asyncio.run(run(_prompt(n))) for n in PROMPT_LENS}
+    finally:
+        eng.shutdown()
+
+
+def test_routes_answer_in_both_modes(base_url):
+    for prefix in ("/colo", "/pd"):
+        url = base_url + prefix
+        assert requests.get(f"{url}/health", timeout=60).status_code == 200
+        info = requests.get(f"{url}/get_model_info", timeout=60).json()
+        assert info["is_generation"] is True
+        out = _generate(url, _prompt(7))
+        assert len(out["output_ids"]) == MAX_NEW
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+        r = requests.post(f"{url}/v1/completions", timeout=300, json={
+            "model": info["served_model_name"], "prompt": "The capital of France is",
+            "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 4
+        assert requests.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"] == info["served_model_name"]
+        assert requests.get(f"{url}/no_such_route", timeout=60).status_code == 404
+        bad = requests.post(f"{url}/generate", json={"input_ids": [10**6]}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "input_ids", bad.text
+
+
+def test_disaggregated_equals_colocated_and_standalone(base_url, standalone):
+    for n in PROMPT_LENS:
+        ids = _prompt(n)
+        colo = _generate(base_url + "/colo", ids)
+        pd = _generate(base_url + "/pd", ids)
+        assert pd["output_ids"] == colo["output_ids"] == standalone[n], n
+        assert pd["text"] == colo["text"]
+        assert pd["meta_info"]["prompt_tokens"] == n
+
+
+def test_disaggregated_streams(base_url):
+    ids = _prompt(150)
+    r = requests.post(f"{base_url}/pd/generate", timeout=300, stream=True, json={
+        "input_ids": ids, "stream": True,
+        "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200
+    chunks = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    outs = [json.loads(c) for c in chunks[:-1]]
+    assert [len(o["output_ids"]) for o in outs] == list(range(1, MAX_NEW + 1))
+    assert outs[-1]["output_ids"] == _generate(base_url + "/colo", ids)["output_ids"]
+
+
+def test_handover_metrics(base_url):
+    _generate(base_url + "/pd", _prompt(40))
+    text = requests.get(f"{base_url}/pd/metrics", timeout=60).text
+    lines = [x for x in text.splitlines() if not x.startswith("#")]
+    def decode_value(family: str) -> float:
+        (line,) = [x for x in lines if x.startswith(family) and 'role="decode"' in x]
+        return float(line.split()[-1])
+
+    assert decode_value("sglang:kv_transfer_bytes_total") > 0  # KV pages + GDN states
+    assert decode_value("sglang:kv_transfer_latency_seconds_count") >= 1
+    assert decode_value("sglang:kv_transfer_latency_seconds_sum") > 0
+    assert any('role="prefill"' in x for x in lines)  # both engines' families, merged
+    assert text.count("# TYPE sglang:kv_transfer_bytes_total") <= 1
+
+
+def _decode_pool(base_url: str) -> dict:
+    return requests.get(f"{base_url}/pd/get_server_info", timeout=60).json()["pool_stats"]
+
+
+def _wait_decode_idle(base_url: str, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _decode_pool(base_url)
+        if s["num_running"] == 0 or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
+
+
+def test_abort_request_ends_a_disaggregated_request(base_url):
+    body = {"input_ids": _prompt(30), "rid": "abort-me",
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=requests.post(f"{base_url}/pd/generate", json=body, timeout=300)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while _decode_pool(base_url)["num_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)  # wait until it decodes on the decode replica
+    r = requests.post(f"{base_url}/pd/abort_request", json={"rid": "abort-me"}, timeout=60)
+    assert r.json() == {"success": True}
+    t.join(60)
+    out = result["r"].json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < 200
+    s = _wait_decode_idle(base_url)
+    assert s["num_running"] == 0 and s["state_slots_used"] == 0
+
+
+def test_client_disconnect_frees_the_decode_replica(base_url):
+    r = requests.post(f"{base_url}/pd/generate", timeout=300, stream=True, json={
+        "input_ids": _prompt(30), "stream": True,
+        "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}})
+    lines = r.iter_lines(decode_unicode=True)
+    got = 0
+    for line in lines:
+        if line.startswith("data: "):
+            got += 1
+            if got == 3:
+                break
+    r.close()  # the client leaves mid-stream
+    s = _wait_decode_idle(base_url)
+    assert s["num_running"] == 0 and s["kv_pages_used"] == 0
+
+
+def test_decode_replica_death_aborts_in_flight_then_recovers(base_url):
+    body = {"input_ids": _prompt(30),
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(
+        r=requests.post(f"{base_url}/pd/generate", json=body, timeout=300)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while _decode_pool(base_url)["num_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if "pd#DecodeServer#" in a["name"]]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    t.join(120)
+    assert not t.is_alive(), "the in-flight request hung"
+    out = result["r"].json()
+    assert result["r"].status_code == 200, out
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "replica failed" in out["meta_info"]["finish_reason"]["message"]
+    # Serve replaces the replica; a new request waits for it and succeeds.
+    again = _generate(base_url + "/pd", _prompt(7))
+    assert again["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+
+
+def _num_decode_replicas(states=("RUNNING",)) -> int:
+    dep = serve.status().applications["pd"].deployments["DecodeServer"]
+    return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) in states)
+
+
+def test_decode_scales_up_under_burst_and_back_down(base_url):
+    deadline = time.monotonic() + 60
+    while _num_decode_replicas() != 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _num_decode_replicas() == 1
+    body = {"input_ids": _prompt(30),
+            "sampling_params": {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True}}
+    codes, stop = [], threading.Event()
+
+    def client():  # keeps one request in flight until told to stop
+        while not stop.is_set():
+            codes.append(requests.post(f"{base_url}/pd/generate", json=body, timeout=600).status_code)
+
+    threads = [threading.Thread(target=client) for _ in range(8)]  # 2x max_running_requests
+    for t in threads:
+        t.start()
+    t0, timeline = time.monotonic(), []
+    try:
+        while time.monotonic() - t0 < 120:
+            timeline.append((round(time.monotonic() - t0, 1), _num_decode_replicas()))
+            if timeline[-1][1] == 2:
+                break
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    assert timeline[-1][1] == 2, timeline  # scaled up under load
+    assert codes and set(codes) == {200}  # every request of the burst answered
+    deadline = time.monotonic() + 120
+    while _num_decode_replicas(("RUNNING", "STOPPING")) != 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _num_decode_replicas() == 1  # and back down once the load ended
