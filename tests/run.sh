@@ -1,12 +1,35 @@
 #!/usr/bin/env bash
 # Set up the test environments and run the whole suite (what CI runs).
+#   bash tests/run.sh                 every test directory, each in its own pytest process
+#   bash tests/run.sh tests/engine -k x   only what is named, in one process
+# One process per directory: a single process accumulating every compiled program of the suite
+# (hundreds of XLA:CPU executables, several engines, torch, Ray) crashed inside an XLA:CPU compile
+# late in the run; separate processes keep each one's state bounded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh --test
 export JAX_PLATFORMS=cpu
-.venv/bin/python -m pytest -q -ra tests "$@"
+
+run_dirs() {  # python, then test directories: one pytest process each; fails if any fails
+  local py=$1 status=0
+  shift
+  for d in "$@"; do
+    compgen -G "$d/test_*.py" >/dev/null || continue  # e.g. __pycache__/
+    echo "== $d ($py)"
+    "$py" -m pytest -q -ra "$d" || status=1
+  done
+  return $status
+}
+
+if [ $# -gt 0 ]; then
+  .venv/bin/python -m pytest -q -ra "$@"
+  exit
+fi
+status=0
+run_dirs .venv/bin/python tests/*/ || status=1
 # The kernels, the model and the multi-device step on jax 0.12 / Python 3.12 as well (no torch: the
 # transformers-parity tests skip themselves).
 if [ -x .venv312/bin/python ]; then
-  .venv312/bin/python -m pytest -q -ra tests/kernels tests/model tests/parallel "$@"
+  run_dirs .venv312/bin/python tests/kernels tests/model tests/parallel || status=1
 fi
+exit $status
