@@ -3,12 +3,19 @@
 #   bash tests/run.sh                 every test directory, each in its own pytest process
 #   bash tests/run.sh tests/engine -k x   only what is named, in one process
 # One process per directory: a single process accumulating every compiled program of the suite
-# (hundreds of XLA:CPU executables, several engines, torch, Ray) crashed inside an XLA:CPU compile
-# late in the run; separate processes keep each one's state bounded.
+# crashed inside an XLA:CPU compile late in the run (see max_map_count below); separate
+# processes keep each one's state bounded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh --test
 export JAX_PLATFORMS=cpu
+# XLA:CPU maps every compiled program's code into its own memory mappings: one engine test
+# process compiles thousands of programs and passes 20,000 mappings within minutes, on the way to
+# Linux's default limit of 65,530 (a whole-suite process crossed it and an XLA:CPU compile
+# segfaulted). Raise it where allowed (root).
+if [ -w /proc/sys/vm/max_map_count ] && [ "$(cat /proc/sys/vm/max_map_count)" -lt 1048576 ]; then
+  echo 1048576 > /proc/sys/vm/max_map_count || true
+fi
 
 run_dirs() {  # python, then test directories: one pytest process each; fails if any fails
   local py=$1 status=0
