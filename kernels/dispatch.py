@@ -9,7 +9,10 @@ Values of ``impl``:
   ``"auto"``       Pallas on a TPU backend, the reference everywhere else (the default).
   ``"pallas"``     always the Pallas kernel, compiled for the TPU.
   ``"interpret"``  the Pallas kernel in TPU interpret mode (runs on CPU; used by tests).
-  ``"reference"``  always the pure-JAX reference.
+  ``"reference"``  always the pure-JAX reference (the oracle the tests compare against).
+  ``"xla"``        the fast pure-XLA path of kernels that have one (CPU/GPU serving: work
+                   proportional to the step, e.g. attention reads only the pages the batch
+                   holds); kernels without one run their reference. ``"auto"`` picks it off TPU.
 """
 
 from __future__ import annotations
@@ -19,21 +22,24 @@ from typing import Literal
 
 import jax
 
-Impl = Literal["auto", "pallas", "interpret", "reference"]
-IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "reference")
+Impl = Literal["auto", "pallas", "interpret", "reference", "xla"]
+IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "reference", "xla")
 
 # Process-wide default, so a whole server can be forced onto one path without plumbing:
 # STB_KERNEL_IMPL=interpret python -m ...
 DEFAULT_IMPL: str = os.environ.get("STB_KERNEL_IMPL", "auto")
 
 
-def resolve(impl: str | None) -> str:
-    """Return ``"pallas"``, ``"interpret"`` or ``"reference"`` for a requested ``impl``."""
+def resolve(impl: str | None, *, has_xla: bool = False) -> str:
+    """Return ``"pallas"``, ``"interpret"``, ``"reference"`` or (for a kernel with a fast XLA
+    path, ``has_xla``) ``"xla"`` for a requested ``impl``."""
     impl = DEFAULT_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "tpu" else "reference"
+        impl = "pallas" if jax.default_backend() == "tpu" else "xla"
+    if impl == "xla" and not has_xla:
+        return "reference"
     return impl
 
 

@@ -671,6 +671,77 @@ def _pallas_write_new_kv(kv_pages, new_k, new_v, layer, kv_lens, page_indices, c
     )(jnp.reshape(layer, (1,)), *items, new_kv, kv_pages)
 
 
+# ----------------------------------------------------------------------------- XLA path
+
+
+def _xla_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
+                   pages_per_block):
+    """Online-softmax attention over blocks of ``pages_per_block`` pages, for CPU/GPU serving.
+
+    The loop runs ``cdiv(longest real request's pages, pages_per_block)`` times (a traced trip
+    count, no recompile): a step reads the pages its requests hold, not the page table's width.
+    Per block each token gathers its request's pages ``[T, Bp, 2*Hkv, S, D]`` and updates a
+    running max / sum / accumulator in fp32 (the Pallas kernel's recurrence).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, two_hkv, page_size, _ = kv_pages.shape
+    num_kv_heads = two_hkv // 2
+    group = num_q_heads // num_kv_heads
+    num_rows, pages_per_seq = page_indices.shape
+    bp = min(pages_per_block, pages_per_seq)
+    width = -(-pages_per_seq // bp) * bp
+    req, pos, valid = _token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens)
+    tok_pages = jnp.pad(page_indices, ((0, 0), (0, width - pages_per_seq)))[req]  # i32[T, W]
+    real = jnp.arange(num_rows) < jnp.clip(num_seqs[0], 0, num_rows)
+    longest = jnp.max(jnp.where(real, kv_lens, 0))
+    num_blocks = -(-longest // (bp * page_size))  # traced
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
+    block_pos = jnp.arange(bp * page_size, dtype=jnp.int32)  # i32[Bp*S]
+
+    def block(j, carry):
+        m, l, acc = carry  # f32[T, Hkv, G], f32[T, Hkv, G], f32[T, Hkv, G, D]
+        pages = lax.dynamic_slice_in_dim(tok_pages, j * bp, bp, axis=1)  # i32[T, Bp]
+        kv = kv_pages.at[layer, pages].get(mode="clip")  # [T, Bp, 2*Hkv, S, D]
+        kv = kv.reshape(num_tokens, bp, num_kv_heads, 2, page_size, head_dim)
+        kv = kv.transpose(3, 0, 2, 1, 4, 5).reshape(2, num_tokens, num_kv_heads, bp * page_size,
+                                                    head_dim)
+        k, v = kv[0].astype(jnp.float32), kv[1].astype(jnp.float32)  # f32[T, Hkv, Bp*S, D]
+        s = jnp.einsum("thgd,thsd->thgs", qg, k, precision=lax.Precision.HIGHEST)
+        visible = (j * bp * page_size + block_pos)[None, :] <= pos[:, None]  # bool[T, Bp*S]
+        s = jnp.where(visible[:, None, None, :], s, MASK_VALUE)  # f32[T, Hkv, G, Bp*S]
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        l_new = alpha * l + p.sum(axis=-1)
+        acc_new = alpha[..., None] * acc + jnp.einsum("thgs,thsd->thgd", p, v,
+                                                      precision=lax.Precision.HIGHEST)
+        return m_new, l_new, acc_new
+
+    shape = (num_tokens, num_kv_heads, group)
+    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (head_dim,), jnp.float32))
+    _, l, acc = lax.fori_loop(0, num_blocks, block, init)
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    o = jnp.where(valid[:, None, None, None], o, 0.0)
+    return o.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def xla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                               sm_scale: float, new_k=None, new_v=None, layer=0,
+                               pages_per_block: int | None = None):
+    """The serving path off TPU; same contract as :func:`ragged_paged_attention`.
+
+    ``pages_per_block`` defaults to ``KV_BLOCK_TOKENS // S`` (at least 1)."""
+    _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer)
+    if new_k is not None:
+        kv_pages = write_new_kv(kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
+                                num_seqs, layer)
+    bp = pages_per_block or max(1, KV_BLOCK_TOKENS // kv_pages.shape[3])
+    o = _xla_attention(q, kv_pages, _layer_index(layer, kv_pages.shape[0]), kv_lens,
+                       page_indices, cu_q_lens, num_seqs, sm_scale, bp)
+    return o if new_k is None else (o, kv_pages)
+
+
 # ----------------------------------------------------------------------------- public
 
 
@@ -700,7 +771,11 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
       o [T, Hq, D] in q.dtype (zeros for padding tokens), or (o, kv_pages) when new_k / new_v
       are given.
     """
-    resolved = dispatch.resolve(impl)
+    resolved = dispatch.resolve(impl, has_xla=True)
+    if resolved == "xla":
+        return xla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                                          num_seqs, sm_scale=sm_scale, new_k=new_k, new_v=new_v,
+                                          layer=layer)
     if resolved == "reference":
         return ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
                                           num_seqs, sm_scale=sm_scale, new_k=new_k, new_v=new_v,

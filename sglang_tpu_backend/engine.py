@@ -118,6 +118,12 @@ class Engine:
         )
         self.grammar_backend = GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
         self._rng = random.Random(args.random_seed)
+        if args.compilation_cache_dir != "":
+            from sglang_tpu_backend.model_executor.compile_cache import enable_persistent_cache
+            from sglang_tpu_backend.tiny_model import cache_root
+
+            enable_persistent_cache(args.compilation_cache_dir
+                                    or cache_root() / "jax-compilation-cache")
         self.warmup_seconds = 0.0 if args.skip_warmup else self.runner.warmup()
         self.stats = {"num_requests_total": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
                       "num_steps": 0, "num_errors": 0}

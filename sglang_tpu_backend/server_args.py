@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 DTYPES = ("bfloat16", "float32", "float16")
-KERNEL_IMPLS = ("auto", "pallas", "interpret", "reference")
+KERNEL_IMPLS = ("auto", "pallas", "interpret", "reference", "xla")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -44,6 +44,11 @@ class ServerArgs:
     conv + recurrent state. ``max_gdn_snapshots`` is the number of snapshots (host total,
     split evenly over the DP ranks like the state slots; ``None`` -> ``max_running_requests``,
     i.e. as much device memory again as the running requests' GDN state).
+
+    Compilation cache: XLA executables of the step programs are kept under
+    ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
+    directory being ``$STB_CACHE_DIR`` or ``~/.cache/sglang_tpu_backend``; ``""`` turns it
+    off), so a restart with the same model and flags loads its warm-up instead of compiling.
     """
 
     model_path: str | None = None
@@ -71,6 +76,7 @@ class ServerArgs:
     log_level: str = "info"
     disable_radix_cache: bool = False
     max_gdn_snapshots: int | None = None
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self):
         self.validate()
@@ -198,6 +204,9 @@ class ServerArgs:
         a("--max-gdn-snapshots", type=int, default=d.max_gdn_snapshots,
           help="GDN state snapshots the prefix cache may keep (host total; default: "
                "--max-running-requests)")
+        a("--compilation-cache-dir", type=str, default=d.compilation_cache_dir,
+          help="persistent XLA compilation cache (default: <cache dir>/jax-compilation-cache; "
+               "'' turns it off)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

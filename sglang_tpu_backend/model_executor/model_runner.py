@@ -1,12 +1,18 @@
 """ModelRunner: owns params, the KV/state cache, the jitted forward and the jitted sampler;
 turns a ScheduledBatch into bucketed device arrays and hands back per-chunk results.
 
-Buckets (so steady-state serving never recompiles):
-  DECODE:        T = R = L in ``req_buckets`` (powers of two up to max_running_requests).
-  EXTEND/MIXED:  T in ``token_buckets`` (powers of two up to max_tokens_per_step),
-                 R = L in ``extend_req_buckets`` (factors of four up to max_running_requests),
-                 covering both the requests and the logits rows (the scheduler keeps logits
-                 rows per step <= max_running_requests, chunking prompt-logprob prefills).
+Buckets (so steady-state serving never recompiles; warm-up compiles every one):
+  DECODE:  T = R = L in ``req_buckets`` (powers of two from 8 up to max_running_requests).
+  MIXED:   every other step (prefill chunks, with or without decodes: EXTEND steps run as
+           MIXED, one program for both); T in ``token_buckets`` (powers of four from 16 up
+           to max_tokens_per_step), R = L in ``extend_req_buckets`` (powers of four from 8 up
+           to max_running_requests), covering both the requests and the logits rows (the
+           scheduler keeps logits rows per step <= max_running_requests, chunking
+           prompt-logprob prefills).
+The page table is always ``pages_per_seq`` wide (context length / page size): the attention
+kernels read only the pages a request holds (the Pallas kernel by its kv lengths, the XLA path
+by a loop over page blocks up to the batch's longest request), so the width costs an upload
+of the table, not work, and needs no bucket of its own.
 The sampler compiles per R and per static top-logprob count (0 or max_top_logprobs_num).
 
 Data-parallel attention (``dp_size`` D > 1): the runner owns a ``parallel.DPForward``; params
@@ -71,22 +77,27 @@ def step_shapes(max_running_requests: int, max_tokens_per_step: int
                 ) -> list[tuple[ForwardMode, int, int, int]]:
     """Every bucketed (mode, T, R, L) a runner with these limits can step with.
 
-    DECODE: T = R = L in powers of two up to max_running_requests. EXTEND/MIXED: T in powers
-    of two up to max(max_tokens_per_step, max_running_requests), R = L in powers of four up
-    to max_running_requests, only where some request count n <= T picks that R.
+    DECODE: T = R = L in powers of two from 8 up to max_running_requests. MIXED: T in powers
+    of four from 16 up to max(max_tokens_per_step, max_running_requests), R = L in powers of
+    four from 8 up to max_running_requests, only where some request count n <= T picks that R.
     """
-    req_buckets = bucket_ladder(max_running_requests)
-    extend_req_buckets = bucket_ladder(max_running_requests, factor=4)
-    token_buckets = bucket_ladder(max(max_tokens_per_step, max_running_requests))
+    req_buckets, extend_req_buckets, token_buckets = _ladders(max_running_requests,
+                                                              max_tokens_per_step)
     out = [(ForwardMode.DECODE, r, r, r) for r in req_buckets]
-    for kind in (ForwardMode.EXTEND, ForwardMode.MIXED):
-        for t in token_buckets:
-            prev = 0
-            for r in extend_req_buckets:
-                if prev < t:  # some count n in (prev, r] with n <= t picks r
-                    out.append((kind, t, r, r))
-                prev = r
+    for t in token_buckets:
+        prev = 0
+        for r in extend_req_buckets:
+            if prev < t:  # some count n in (prev, r] with n <= t picks r
+                out.append((ForwardMode.MIXED, t, r, r))
+            prev = r
     return out
+
+
+def _ladders(max_running_requests: int, max_tokens_per_step: int):
+    """(decode request buckets, prefill request buckets, prefill token buckets)."""
+    return (bucket_ladder(max_running_requests),
+            bucket_ladder(max_running_requests, factor=4),
+            bucket_ladder(max(max_tokens_per_step, max_running_requests), smallest=16, factor=4))
 
 
 def _place_on_default_device(params: Any) -> Any:
@@ -142,9 +153,8 @@ class ModelRunner:
         self.num_words = (cfg.vocab_size + 31) // 32
         self.max_top_logprobs_num = min(max_top_logprobs_num, cfg.vocab_size)
         self.pages_per_seq = pages_for(context_length, page_size)
-        self.req_buckets = bucket_ladder(max_running_requests)
-        self.extend_req_buckets = bucket_ladder(max_running_requests, factor=4)
-        self.token_buckets = bucket_ladder(max(max_tokens_per_step, max_running_requests))
+        self.req_buckets, self.extend_req_buckets, self.token_buckets = _ladders(
+            max_running_requests, max_tokens_per_step)
         self.step_limits = (max_running_requests, max_tokens_per_step)
         self.num_state_slots = num_state_slots  # per rank
         S = dp_size * num_state_slots  # penalty-state rows: one per global slot
@@ -155,11 +165,17 @@ class ModelRunner:
             self._init_tp(params, tp_size, num_pages=num_pages, num_state_slots=num_state_slots,
                           kv_dtype=kv_dtype, state_dtype=state_dtype)
         elif dp_size == 1:
+            # Everything committed to the device, as step outputs are: a jit's cache key
+            # includes whether an argument is committed, so warm-up (fresh arrays) and serving
+            # (step outputs) must agree or the first real steps compile again.
+            device = jax.devices()[0]
             self.params = _place_on_default_device(params)
-            self.cache = qwen3_5_moe.init_cache(
+            self.cache = jax.device_put(qwen3_5_moe.init_cache(
                 cfg, num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
                 kv_dtype=kv_dtype, state_dtype=state_dtype,
-            )
+            ), device)
+            self.counts = jax.device_put(self.counts, device)
+            self.prompt_mask = jax.device_put(self.prompt_mask, device)
         else:
             self._init_dp(params, dp_size, num_pages=num_pages, num_state_slots=num_state_slots,
                           kv_dtype=kv_dtype, state_dtype=state_dtype)
@@ -215,22 +231,21 @@ class ModelRunner:
         return 1 if self.dp is None else self.dp.dp_size
 
     # Shapes ---------------------------------------------------------------------------
-    def shapes_for(self, kind: ForwardMode, num_tokens: int, num_reqs: int, num_rows: int) -> tuple[int, int, int]:
-        """Bucketed (T, R, L) for a step."""
+    def shapes_for(self, kind: ForwardMode, num_tokens: int, num_reqs: int, num_rows: int
+                   ) -> tuple[ForwardMode, int, int, int]:
+        """Bucketed (mode, T, R, L) of a step: DECODE stays DECODE, anything else runs as
+        MIXED."""
         if kind == ForwardMode.DECODE:
             r = pick_bucket(self.req_buckets, num_reqs)
-            return r, r, r
+            return ForwardMode.DECODE, r, r, r
         t = pick_bucket(self.token_buckets, num_tokens)
         r = pick_bucket(self.extend_req_buckets, max(num_reqs, num_rows, 1))
-        return t, r, r
+        return ForwardMode.MIXED, t, r, r
 
     def all_shapes(self) -> list[tuple[ForwardMode, int, int, int]]:
-        """Every (kind, T, R, L) variant serving can produce (what warmup compiles); with DP
-        ranks (T, R, L) are per rank and EXTEND steps run as MIXED."""
-        shapes = step_shapes(*self.step_limits)
-        if self.dp is None:
-            return shapes
-        return [s for s in shapes if s[0] != ForwardMode.EXTEND]
+        """Every (mode, T, R, L) serving can produce (what warm-up compiles); with DP ranks
+        (T, R, L) are per rank."""
+        return step_shapes(*self.step_limits)
 
     # Step -----------------------------------------------------------------------------
     def forward(self, fb: ForwardBatch) -> jax.Array:
@@ -276,8 +291,8 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, sampler.SamplingInputs, list[np.ndarray], int]:
         """Numpy ForwardBatch + SamplingInputs for a step, the logits rows of each chunk, and K."""
         num_rows = self._num_rows(batch.chunks)
-        T, R, L = self.shapes_for(batch.kind, batch.num_tokens, len(batch.chunks), num_rows)
-        fb, rows = self._rank_batch(batch.chunks, batch.kind, T, R, L)
+        mode, T, R, L = self.shapes_for(batch.kind, batch.num_tokens, len(batch.chunks), num_rows)
+        fb, rows = self._rank_batch(batch.chunks, mode, T, R, L)
         inp = self._sampling_inputs(batch.chunks, rows, R, L)
         return fb, inp, rows, self._top_k(batch)
 
@@ -291,9 +306,8 @@ class ModelRunner:
         for c in batch.chunks:
             where.append((c.dp_rank, len(per_rank[c.dp_rank])))
             per_rank[c.dp_rank].append(c)
-        mode = ForwardMode.DECODE if batch.kind == ForwardMode.DECODE else ForwardMode.MIXED
-        T, R, L = self.shapes_for(
-            mode, max(sum(c.num_tokens for c in cs) for cs in per_rank),
+        mode, T, R, L = self.shapes_for(
+            batch.kind, max(sum(c.num_tokens for c in cs) for cs in per_rank),
             max(len(cs) for cs in per_rank), max(self._num_rows(cs) for cs in per_rank))
         fbs, rank_rows, inps = [], [], []
         for k, chunks in enumerate(per_rank):
@@ -360,16 +374,14 @@ class ModelRunner:
             self.reset_penalty_row(c.dp_rank * self.num_state_slots + c.state_slot, c.req)
 
     def reset_penalty_row(self, slot: int, req: Any) -> None:
-        """Penalty state of global slot ``slot`` := the counts of ``req``'s prompt and outputs."""
-        a = pick_bucket(bucket_ladder(1 << 30, 16), len(req.prompt_ids))
-        b = pick_bucket(bucket_ladder(1 << 30, 16), max(1, len(req.output_ids)))
-        p = np.full(a, self.vocab_size, np.int32)
-        p[: len(req.prompt_ids)] = req.prompt_ids
-        o = np.full(b, self.vocab_size, np.int32)
-        o[: len(req.output_ids)] = req.output_ids
-        self.counts, self.prompt_mask = sampler.reset_penalty_rows_jit(
-            self.counts, self.prompt_mask, np.int32(slot), p, o
-        )
+        """Penalty state of global slot ``slot`` := the counts of ``req``'s prompt and outputs
+        (built here with numpy, set on the device by one fixed-shape program)."""
+        count_row = np.bincount(np.asarray(req.output_ids, np.int64),
+                                minlength=self.vocab_size)[: self.vocab_size].astype(np.int32)
+        mask_row = np.zeros(self.vocab_size, np.bool_)
+        mask_row[np.asarray(req.prompt_ids, np.int64)] = True
+        self.counts, self.prompt_mask = sampler.set_penalty_row_jit(
+            self.counts, self.prompt_mask, np.int32(slot), count_row, mask_row)
 
     def export_request_state(self, pages: list[int], slot: int):
         """Host copies (kv, conv, rec) of a request's pages and state slot (one device only)."""
@@ -469,6 +481,9 @@ class ModelRunner:
             inp = self.dummy_sampling_inputs(D * R, D * L)
             self.sample(logits, inp, 0)
             self.sample(logits, inp, self.max_top_logprobs_num)
+        self.counts, self.prompt_mask = sampler.set_penalty_row_jit(
+            self.counts, self.prompt_mask, np.int32(0), np.zeros(self.vocab_size, np.int32),
+            np.zeros(self.vocab_size, np.bool_))  # slot 0 is free at warm-up
         if self.snapshots is not None:
             self.cache = self.snapshots.warmup(self.cache)
         jax.block_until_ready(self.cache)

@@ -166,3 +166,12 @@ def reset_penalty_rows(counts, prompt_mask, slot, prompt_ids, output_ids):
 
 sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs",), donate_argnames=("counts",))
 reset_penalty_rows_jit = jax.jit(reset_penalty_rows, donate_argnames=("counts", "prompt_mask"))
+
+
+def set_penalty_row(counts, prompt_mask, slot, count_row, mask_row):
+    """counts[slot] := count_row i32[V], prompt_mask[slot] := mask_row bool[V] (rows built on
+    the host: one program whatever the prompt's length)."""
+    return counts.at[slot].set(count_row), prompt_mask.at[slot].set(mask_row)
+
+
+set_penalty_row_jit = jax.jit(set_penalty_row, donate_argnames=("counts", "prompt_mask"))

@@ -1,5 +1,6 @@
-"""Steady-state serving never recompiles: every step the engine runs has one of the bucketed
-shapes that warm-up compiles (``ModelRunner.all_shapes``), whatever the traffic looks like."""
+"""Steady-state serving never recompiles: after warm-up, varied traffic lowers no program at all
+(counted with ``jax.monitoring``), and every step has one of the bucketed shapes warm-up
+compiles (``ModelRunner.all_shapes``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import asyncio
 import random
 
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
-from sglang_tpu_backend.model_executor.model_runner import bucket_ladder, pick_bucket
+from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
+from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
+from sglang_tpu_backend.model_executor.model_runner import bucket_ladder, pick_bucket, step_shapes
 
 
 def test_bucket_ladder_and_pick():
@@ -18,8 +21,22 @@ def test_bucket_ladder_and_pick():
     assert [pick_bucket((8, 16, 32), n) for n in (1, 8, 9, 32)] == [8, 8, 16, 32]
 
 
-def test_every_step_shape_is_a_warmup_shape(clean_engine):
+def test_step_shapes_of_the_default_limits():
+    """64 running requests, 256-token steps: 4 decode shapes, 8 mixed ones (EXTEND steps
+    run as MIXED: one program for both)."""
+    shapes = step_shapes(64, 256)
+    D, M = ForwardMode.DECODE, ForwardMode.MIXED
+    assert shapes == [(D, 8, 8, 8), (D, 16, 16, 16), (D, 32, 32, 32), (D, 64, 64, 64),
+                      (M, 16, 8, 8), (M, 16, 32, 32), (M, 64, 8, 8), (M, 64, 32, 32),
+                      (M, 64, 64, 64), (M, 256, 8, 8), (M, 256, 32, 32), (M, 256, 64, 64)]
+
+
+def test_no_compilation_after_warmup(clean_engine):
+    """Prompts of 1-90 tokens, 1-20 outputs, greedy and sampled, penalties, prompt and top
+    logprobs, stop strings, a regex, repeated prompts (prefix-cache hits): after warm-up not
+    one program is lowered, and every step has a warm-up shape."""
     runner = clean_engine.runner
+    runner.warmup(progress=False)
     seen: list[tuple] = []
     real_forward = runner.forward
 
@@ -30,12 +47,23 @@ def test_every_step_shape_is_a_warmup_shape(clean_engine):
 
     rng = random.Random(7)
     objs = []
-    for i in range(40):  # mixed prompt lengths, output lengths, prompt logprobs, sampling
+    for i in range(40):
         ids = [rng.randrange(3, 1000) for _ in range(rng.randint(1, 90))]
+        sp = {"max_new_tokens": rng.randint(1, 20), "temperature": (i % 3) * 0.5,
+              "ignore_eos": True}
+        if i % 4 == 1:
+            sp.update(top_k=5, top_p=0.9, min_p=0.05)
+        if i % 6 == 2:
+            sp.update(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2)
+        if i % 7 == 3:
+            sp.update(stop=["ab"], min_new_tokens=2)
+        if i == 5:
+            sp = {"max_new_tokens": 8, "regex": "[0-9]{3,8}"}
         objs.append(GenerateReqInput(
             input_ids=ids, return_logprob=(i % 5 == 0), logprob_start_len=0 if i % 5 == 0 else -1,
-            sampling_params={"max_new_tokens": rng.randint(1, 20), "temperature": (i % 3) * 0.5,
-                             "ignore_eos": True}))
+            top_logprobs_num=3 if i % 10 == 0 else 0, sampling_params=sp))
+    objs += [GenerateReqInput(input_ids=list(o.input_ids), sampling_params={"max_new_tokens": 3})
+             for o in objs[:8]]  # prefix-cache hits
 
     async def run_all():
         async def one(o):
@@ -43,11 +71,13 @@ def test_every_step_shape_is_a_warmup_shape(clean_engine):
         return await asyncio.gather(*(one(o) for o in objs))
 
     runner.forward = recording_forward
+    counter = CompileCounter()
     try:
         outs = asyncio.run(run_all())
     finally:
         runner.forward = real_forward
-    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    assert all(o["meta_info"]["finish_reason"]["type"] in ("length", "stop") for o in outs)
+    assert counter.lowerings == 0, f"{counter.lowerings} programs lowered after warm-up"
     warm = set(runner.all_shapes())
     assert seen, "no step ran"
     for mode, T, R, L, P in seen:

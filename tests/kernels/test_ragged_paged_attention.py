@@ -415,3 +415,41 @@ def test_cost_counts_scale_with_shapes():
     assert c3.bytes_accessed == c2.bytes_accessed + 16 * 4 * 128 * 2  # new K/V rows, bf16
     # the number of layers in the cache does not change one call's cost
     assert rpa.ragged_paged_attention_cost((8, 4, 128), (7, 10, 4, 16, 128), (2, 4)) == c1
+
+
+# --- the XLA serving path (CPU/GPU) vs the reference ----------------------------------------
+
+XLA_CASES = {
+    **REF_CASES,
+    # Requests of very different lengths: the short ones' blocks past their pages are masked.
+    "many_blocks_ragged": Case([1, 1, 5, 1], [3, 130, 60, 0], num_q_heads=4, num_kv_heads=2,
+                               head_dim=64, pad_rows=2, pad_tokens=3, num_layers=2, layer=1),
+}
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 3, 64])
+@pytest.mark.parametrize("name", list(XLA_CASES))
+def test_xla_path_matches_reference(name, pages_per_block):
+    """Blocks of 1 and 3 pages split requests into many blocks (3 does not divide the page
+    table); 64 covers it in one block. Written K/V bit-identical, padding tokens zero."""
+    c = XLA_CASES[name]
+    x = make_inputs(c)
+    sm_scale = c.head_dim ** -0.5
+    kw = dict(sm_scale=sm_scale, new_k=x["new_k"], new_v=x["new_v"], layer=c.layer)
+    got, got_kv = jax.jit(lambda *a: rpa.xla_ragged_paged_attention(
+        *a, pages_per_block=pages_per_block, **kw))(*(x[n] for n in ARGS))
+    want, want_kv = jax.jit(lambda *a: rpa.ref_ragged_paged_attention(*a, **kw))(
+        *(x[n] for n in ARGS))
+    np.testing.assert_array_equal(np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32))
+    close(got, want, c.dtype)
+    real = int(x["cu_q_lens"][len(c.q_lens)])
+    assert np.all(np.asarray(got[real:], np.float32) == 0.0)
+
+
+def test_auto_picks_the_xla_path_off_tpu():
+    from kernels import dispatch
+
+    assert dispatch.resolve("auto", has_xla=True) == "xla"
+    assert dispatch.resolve("auto") == "reference"  # kernels without an XLA path
+    assert dispatch.resolve("xla") == "reference"
+    assert dispatch.resolve("reference", has_xla=True) == "reference"
