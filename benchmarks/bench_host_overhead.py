@@ -51,7 +51,7 @@ def main() -> None:
         step_times.append(time.perf_counter() - t0)
         assert batch.kind == ForwardMode.DECODE and len(batch.chunks) == n
     # Pure forward on the same shapes (same bucket, a real decode batch of this step).
-    fb, _, _, _ = eng.runner.prepare(eng.scheduler.schedule())
+    fb, _, _, _, _ = eng.runner.prepare(eng.scheduler.schedule())
     fwd_times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()

@@ -118,6 +118,8 @@ class Engine:
         )
         self.grammar_backend = GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
         self._rng = random.Random(args.random_seed)
+        # Overlap scheduling needs decode inputs read on the device (one device, no DP / TP).
+        self.overlap = not args.disable_overlap_schedule and dp == 1 and args.tp_size == 1
         if args.compilation_cache_dir != "":
             from sglang_tpu_backend.model_executor.compile_cache import enable_persistent_cache
             from sglang_tpu_backend.tiny_model import cache_root
@@ -477,14 +479,25 @@ class Engine:
 
     # Scheduler loop --------------------------------------------------------------------------
     def _loop(self) -> None:
+        """Launch step i+1, then complete step i (overlap: the host builds the next step and
+        processes the last one's outputs while the device runs), or one step at a time."""
+        launched = None  # the step on the device whose outputs are not processed yet
         while True:
             with self._lock:
-                while not self._stop and self.scheduler.is_idle() and not self._installs:
+                while (not self._stop and launched is None and self.scheduler.is_idle()
+                       and not self._installs):
                     self._wake.wait()
                     self.last_step_end = time.monotonic()  # idle is progress
                 if self._stop:
                     return
-            if self.step() is None:
+            nxt = self._launch()
+            if launched is not None:
+                self._complete(launched)
+            launched = nxt
+            if launched is not None and not self.overlap:
+                self._complete(launched)
+                launched = None
+            if nxt is None and launched is None:
                 time.sleep(0.001)
 
     def loop_stalled_for(self) -> float:
@@ -498,26 +511,40 @@ class Engine:
         return max(0.0, time.monotonic() - self.last_step_end)
 
     def step(self):
-        """One scheduling + model step (the loop thread's body); returns the batch or None."""
+        """One scheduling + model step, completed before returning (for callers that drive
+        the engine themselves: ``start_loop=False``); returns the batch or None."""
+        launched = self._launch()
+        if launched is None:
+            self.last_step_end = time.monotonic()
+            return None
+        self._complete(launched)
+        return launched.batch
+
+    def _launch(self):
+        """Schedule a step and dispatch it to the device; None when nothing can run now."""
         if self._installs:
             self._install_pending()
         with self._lock:
             batch = self.scheduler.schedule()
         if batch is None:
-            self.last_step_end = time.monotonic()
             return None
         try:
-            results = self.runner.run(batch)
+            launched = self.runner.launch(batch)
         except Exception as e:  # a failed step must not kill the server: fail its requests
-            logger.exception("model step failed")
-            with self._lock:
-                self.stats["num_errors"] += 1
-                if self.scheduler.prefix is not None:
-                    self.scheduler.prefix.discard(batch.state_saves)
-                for c in batch.chunks:
-                    if self.scheduler.abort(c.req.rid, f"internal error: {type(e).__name__}: {e}"):
-                        self._deliver([c.req])
-            return batch
+            self._fail_step(batch, e)
+            return None
+        with self._lock:
+            self.scheduler.on_launch(batch)
+        return launched
+
+    def _complete(self, launched) -> None:
+        """Fetch a launched step's outputs, advance its requests and deliver their outputs."""
+        batch = launched.batch
+        try:
+            results = self.runner.complete(launched)
+        except Exception as e:
+            self._fail_step(batch, e)
+            return
         with self._lock:
             touched = self.scheduler.process_result(batch, results)
             self.stats["num_steps"] += 1
@@ -529,7 +556,20 @@ class Engine:
         if self.scheduler.exported:
             self._export_finished_prefills()
         self.last_step_end = time.monotonic()
-        return batch
+
+    def _fail_step(self, batch, e: Exception) -> None:
+        """Abort the step's requests with a message naming the cause (pages and slots freed)."""
+        logger.exception("model step failed")
+        with self._lock:
+            self.stats["num_errors"] += 1
+            if self.scheduler.prefix is not None:
+                self.scheduler.prefix.discard(batch.state_saves)
+            for c in batch.chunks:
+                if c.sample:
+                    c.req.num_inflight = max(0, c.req.num_inflight - 1)
+                if self.scheduler.abort(c.req.rid, f"internal error: {type(e).__name__}: {e}"):
+                    self._deliver([c.req])
+        self.last_step_end = time.monotonic()
 
     def _deliver(self, reqs: list[Req]) -> None:
         """Push outputs to consumers (caller holds the lock)."""

@@ -77,6 +77,7 @@ class ServerArgs:
     disable_radix_cache: bool = False
     max_gdn_snapshots: int | None = None
     compilation_cache_dir: str | None = None
+    disable_overlap_schedule: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -204,6 +205,9 @@ class ServerArgs:
         a("--max-gdn-snapshots", type=int, default=d.max_gdn_snapshots,
           help="GDN state snapshots the prefix cache may keep (host total; default: "
                "--max-running-requests)")
+        a("--disable-overlap-schedule", action="store_true", default=d.disable_overlap_schedule,
+          help="complete each step before scheduling the next (default: the host prepares "
+               "step i+1 while the device runs step i; needs one device, off with DP / TP)")
         a("--compilation-cache-dir", type=str, default=d.compilation_cache_dir,
           help="persistent XLA compilation cache (default: <cache dir>/jax-compilation-cache; "
                "'' turns it off)")

@@ -88,7 +88,11 @@ class Req:
         self.grammar = grammar
 
         self.output_ids: list[int] = []
-        self.num_computed = 0
+        # Tokens sampled by launched steps whose values are not back yet (overlap scheduling:
+        # the next step is launched before the previous one's tokens reach the host). They
+        # count in the sequence (``num_fill``) but not in ``output_ids``/``fill_ids``.
+        self.num_inflight = 0
+        self.num_computed = 0  # tokens whose KV / GDN state a launched step computes
         self.pages: list[int] = []
         self.state_slot: int | None = None
         self.dp_rank: int | None = None  # DP rank whose pools hold pages and state_slot
@@ -123,7 +127,13 @@ class Req:
 
     @property
     def num_fill(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens of the sequence so far, in-flight sampled tokens included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
+
+    @property
+    def num_sampled(self) -> int:
+        """Output tokens sampled so far, in flight included."""
+        return len(self.output_ids) + self.num_inflight
 
     @property
     def num_pending(self) -> int:
@@ -132,8 +142,14 @@ class Req:
 
     @property
     def is_decode_ready(self) -> bool:
-        """Only the last sampled token is missing from the cache: a one-token decode step."""
-        return self.num_computed > 0 and self.num_pending == 1 and len(self.output_ids) > 0
+        """Only the last sampled token is missing from the cache, and another token may be
+        sampled (length and context limits counted with the tokens in flight): a one-token
+        decode step. A request with a grammar also needs its last token back (the next
+        token's mask depends on it); a handover's prefill side never decodes."""
+        return (self.num_computed > 0 and self.num_pending == 1 and self.num_sampled > 0
+                and self.num_sampled < self.max_new_tokens and self.num_fill < self.context_length
+                and not (self.num_inflight and self.grammar is not None)
+                and not self.export_after_prefill)
 
     @property
     def finished(self) -> bool:
@@ -168,7 +184,7 @@ class Req:
             self.finish_reason = {"type": "stop", "matched": None}
         elif n_out >= self.max_new_tokens:
             self.finish_reason = {"type": "length", "length": self.max_new_tokens}
-        elif self.num_fill >= self.context_length:
+        elif len(self.prompt_ids) + n_out >= self.context_length:
             self.finish_reason = {"type": "length", "length": n_out}
 
     def update_text(self) -> None:
@@ -224,6 +240,12 @@ class ScheduledChunk:
     pages: list[int] = dataclasses.field(default_factory=list)
     state_slot: int = 0
     dp_rank: int = 0
+
+    @property
+    def input_in_flight(self) -> bool:
+        """A decode whose input token is the one the previous (still running) step samples
+        for this request: its id is on the device (``ModelRunner.last_tokens``), not here."""
+        return self.start >= len(self.req.prompt_ids) + len(self.req.output_ids)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,10 @@ from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 logger = logging.getLogger(__name__)
 
 
+class _InFlight(Exception):
+    """Scheduling would retract a request whose last sampled token is still in flight."""
+
+
 class Scheduler:
     """Owns the waiting queue, the running list (all ranks, oldest first) and each rank's pools.
 
@@ -155,7 +159,10 @@ class Scheduler:
         req.dp_rank = None
 
     def _retract(self, req: Req) -> None:
-        """Free everything the request holds and requeue it at the front to re-prefill."""
+        """Free everything the request holds and requeue it at the front to re-prefill.
+        Raises _InFlight instead for a request whose sampled token is not back yet."""
+        if req.num_inflight:
+            raise _InFlight(req.rid)
         self._release(req)
         req.num_computed = 0
         req.num_retractions += 1
@@ -167,7 +174,7 @@ class Scheduler:
     def _chunk(self, req: Req, n: int) -> ScheduledChunk:
         start = req.num_computed
         final = start + n == req.num_fill
-        sample = final and len(req.output_ids) < req.max_new_tokens
+        sample = final and req.num_sampled < req.max_new_tokens
         if req.input_logprob_rows(start, n):
             logits = "all"
         elif sample:
@@ -198,16 +205,32 @@ class Scheduler:
         return chunk
 
     def schedule(self) -> ScheduledBatch | None:
-        """Pick the next step's chunks (allocating their pages), or None when idle."""
-        while True:
-            batch = self._try_schedule()
-            if batch is not None or not (self.running or self.waiting):
-                return batch
-            if not self.running:
-                # Only possible right after retracting everything: now admission may proceed.
-                return self._try_schedule()
-            # Running requests exist but none could get pages: make room (newest request).
-            self._retract(self.running[-1])
+        """Pick the next step's chunks (allocating their pages), or None when idle.
+
+        Also None when making room would retract a request with a token in flight (overlap
+        scheduling): the caller first completes the running step, then schedules again."""
+        try:
+            while True:
+                batch = self._try_schedule()
+                if batch is not None or not (self.running or self.waiting):
+                    return batch
+                if not self.running:
+                    # Only possible right after retracting everything: now admission may proceed.
+                    return self._try_schedule()
+                # Running requests exist but none could get pages: make room (newest request).
+                self._retract(self.running[-1])
+        except _InFlight:
+            return None
+
+    def on_launch(self, batch: ScheduledBatch) -> None:
+        """The step is on its way: its tokens count as computed and each sampling chunk's
+        token as in flight until :meth:`process_result` brings it back."""
+        for c in batch.chunks:
+            if c.req.finished or c.req not in self.running:
+                continue  # aborted since it was scheduled
+            c.req.num_computed = c.start + c.num_tokens
+            if c.sample:
+                c.req.num_inflight += 1
 
     def _try_schedule(self) -> ScheduledBatch | None:
         chunks: list[ScheduledChunk] = []
@@ -237,8 +260,9 @@ class Scheduler:
             step.running += 1
             if req.is_decode_ready:
                 step.reserve += 1  # admission keeps a page per running decode in reserve
-            if step.budget <= 0 or step.rows_left <= 0 or req.is_decode_ready or req.num_pending <= 0:
-                continue
+            if (step.budget <= 0 or step.rows_left <= 0 or req.is_decode_ready
+                    or req.num_inflight or req.num_pending <= 0):
+                continue  # (a request with a token in flight only ever decodes)
             n = self._tokens_that_fit(req, req.dp_rank, min(req.num_pending, step.budget))
             n = self._limit_chunk(req, n, step.rows_left)
             if n > 0 and self._ensure_pages(req, req.num_computed + n):
@@ -313,9 +337,11 @@ class Scheduler:
             self.prefix.commit(batch.state_saves, self.running)
         for chunk, res in zip(batch.chunks, results):
             req = chunk.req
+            if chunk.sample:
+                req.num_inflight = max(0, req.num_inflight - 1)
             if req.finished or req not in self.running:
                 continue
-            req.num_computed = chunk.start + chunk.num_tokens
+            req.num_computed = max(req.num_computed, chunk.start + chunk.num_tokens)  # no on_launch
             if res.input_logprobs:
                 req.input_logprobs.extend(res.input_logprobs)
                 req.input_top_logprobs.extend(res.input_top_logprobs or [[] for _ in res.input_logprobs])

@@ -35,6 +35,7 @@ slots and, after the forward, its ``state_saves`` out of them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -100,6 +101,34 @@ def _ladders(max_running_requests: int, max_tokens_per_step: int):
             bucket_ladder(max(max_tokens_per_step, max_running_requests), smallest=16, factor=4))
 
 
+def _resolve_input_ids(input_ids, from_slot, last_tokens):
+    """i32[T]: ``last_tokens[from_slot[t]]`` where ``from_slot[t] >= 0`` (a decode whose input
+    is the token its request's previous step sampled), else ``input_ids[t]``."""
+    picked = last_tokens[jnp.clip(from_slot, 0, last_tokens.shape[0] - 1)]
+    return jnp.where(from_slot >= 0, picked, input_ids)
+
+
+def _record_tokens(last_tokens, slot, tokens, valid):
+    """last_tokens[slot[r]] := tokens[r] for the rows that sampled (i32[S], i32[R] x2, bool[R])."""
+    where = jnp.where(valid, slot, last_tokens.shape[0])
+    return last_tokens.at[where].set(tokens.astype(last_tokens.dtype), mode="drop")
+
+
+_resolve_input_ids_jit = jax.jit(_resolve_input_ids)
+_record_tokens_jit = jax.jit(_record_tokens, donate_argnums=(0,))
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step dispatched to the device (``ModelRunner.launch``), its outputs not yet fetched."""
+
+    batch: ScheduledBatch
+    out: dict  # the sampler's device arrays
+    rows: list  # each chunk's logits rows
+    sample_idx: Any  # each chunk's sampling row
+    stats: Any  # router stats device array or None
+
+
 def _place_on_default_device(params: Any) -> Any:
     """Params on the default device; on TPU the dense weights in their native tiling."""
     from jax.sharding import SingleDeviceSharding
@@ -160,6 +189,9 @@ class ModelRunner:
         S = dp_size * num_state_slots  # penalty-state rows: one per global slot
         self.counts = jnp.zeros((S, cfg.vocab_size), jnp.int32)  # i32[S, V]
         self.prompt_mask = jnp.zeros((S, cfg.vocab_size), jnp.bool_)  # bool[S, V]
+        # The token each global slot's request sampled last (overlap scheduling: a decode
+        # launched before that token reaches the host reads its input here).
+        self.last_tokens = jnp.zeros((S,), jnp.int32)  # i32[S]
         self.dp = self.tp = None
         if tp_size > 1:
             self._init_tp(params, tp_size, num_pages=num_pages, num_state_slots=num_state_slots,
@@ -176,6 +208,7 @@ class ModelRunner:
             ), device)
             self.counts = jax.device_put(self.counts, device)
             self.prompt_mask = jax.device_put(self.prompt_mask, device)
+            self.last_tokens = jax.device_put(self.last_tokens, device)
         else:
             self._init_dp(params, dp_size, num_pages=num_pages, num_state_slots=num_state_slots,
                           kv_dtype=kv_dtype, state_dtype=state_dtype)
@@ -248,12 +281,18 @@ class ModelRunner:
         return step_shapes(*self.step_limits)
 
     # Step -----------------------------------------------------------------------------
-    def forward(self, fb: ForwardBatch) -> jax.Array:
+    def forward(self, fb: ForwardBatch, from_slot: np.ndarray | None = None) -> jax.Array:
         """The pure jitted forward; updates the cache in place (donated). f32[L, V] logits.
-        With tensor-parallel attention the step runs over the TP mesh."""
+        With tensor-parallel attention the step runs over the TP mesh. ``from_slot`` i32[T]
+        (one device only): rows >= 0 take their input id from ``last_tokens``."""
         if self.tp is not None:
+            assert from_slot is None, "in-flight inputs need one device"
             out = self.tp(self.params, self.cache, self.tp.put_batch(fb))
         else:
+            if from_slot is None:
+                from_slot = np.full(fb.input_ids.shape, -1, np.int32)
+            fb = dataclasses.replace(fb, input_ids=_resolve_input_ids_jit(
+                fb.input_ids, from_slot, self.last_tokens))
             out = self._forward(self.params, self.cache, fb, cfg=self.cfg, impl=self.impl,
                                 with_stats=self.router_stats)
         logits, self.cache = out[:2]
@@ -268,17 +307,25 @@ class ModelRunner:
         return logits
 
     def _rank_batch(self, chunks: list[ScheduledChunk], mode: ForwardMode, T: int, R: int, L: int
-                    ) -> tuple[ForwardBatch, list[np.ndarray]]:
-        """Numpy ForwardBatch of one rank's chunks in bucket (T, R, L), and each chunk's
-        logits rows."""
-        seq_chunks = []
+                    ) -> tuple[ForwardBatch, list[np.ndarray], np.ndarray | None]:
+        """Numpy ForwardBatch of one rank's chunks in bucket (T, R, L), each chunk's logits
+        rows, and ``from_slot`` i32[T] for decodes whose input is in flight (None if none)."""
+        seq_chunks, from_slot, offset = [], None, 0
         for c in chunks:
-            ids = c.req.fill_ids[c.start:c.start + c.num_tokens]
+            if c.input_in_flight:
+                if from_slot is None:
+                    from_slot = np.full(T, -1, np.int32)
+                from_slot[offset] = c.state_slot
+                ids = [0]
+            else:
+                ids = c.req.fill_ids[c.start:c.start + c.num_tokens]
             seq_chunks.append(SeqChunk(ids, c.start, c.pages, c.state_slot, c.logits))
-        return build_forward_batch(
+            offset += c.num_tokens
+        fb, rows = build_forward_batch(
             seq_chunks, page_size=self.page_size, mode=mode, num_tokens=T,
             num_seqs=R, pages_per_seq=self.pages_per_seq, num_logits=L,
         )
+        return fb, rows, from_slot
 
     @staticmethod
     def _num_rows(chunks: list[ScheduledChunk]) -> int:
@@ -288,13 +335,15 @@ class ModelRunner:
         want_lp = any(c.req.return_logprob for c in batch.chunks)
         return self.max_top_logprobs_num if want_lp else 0
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, sampler.SamplingInputs, list[np.ndarray], int]:
-        """Numpy ForwardBatch + SamplingInputs for a step, the logits rows of each chunk, and K."""
+    def prepare(self, batch: ScheduledBatch
+                ) -> tuple[ForwardBatch, np.ndarray | None, sampler.SamplingInputs, list[np.ndarray], int]:
+        """Numpy ForwardBatch, ``from_slot`` (see ``_rank_batch``) and SamplingInputs for a
+        step, the logits rows of each chunk, and K."""
         num_rows = self._num_rows(batch.chunks)
         mode, T, R, L = self.shapes_for(batch.kind, batch.num_tokens, len(batch.chunks), num_rows)
-        fb, rows = self._rank_batch(batch.chunks, mode, T, R, L)
+        fb, rows, from_slot = self._rank_batch(batch.chunks, mode, T, R, L)
         inp = self._sampling_inputs(batch.chunks, rows, R, L)
-        return fb, inp, rows, self._top_k(batch)
+        return fb, from_slot, inp, rows, self._top_k(batch)
 
     def prepare_dp(self, batch: ScheduledBatch
                    ) -> tuple[list[ForwardBatch], sampler.SamplingInputs, list[np.ndarray], list[int], int]:
@@ -311,7 +360,8 @@ class ModelRunner:
             max(len(cs) for cs in per_rank), max(self._num_rows(cs) for cs in per_rank))
         fbs, rank_rows, inps = [], [], []
         for k, chunks in enumerate(per_rank):
-            fb, rows = self._rank_batch(chunks, mode, T, R, L)
+            fb, rows, from_slot = self._rank_batch(chunks, mode, T, R, L)
+            assert from_slot is None, "in-flight inputs need one device"
             fbs.append(fb)
             rank_rows.append(rows)
             inps.append(self._sampling_inputs(chunks, rows, R, L, row_offset=k * L,
@@ -352,10 +402,10 @@ class ModelRunner:
             top_p[i], top_k[i], min_p[i] = sp.top_p, sp.top_k_or_off, sp.min_p
             freq[i], pres[i], rep[i] = sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty
             seed_lo[i], seed_hi[i] = req.seed & 0xFFFFFFFF, (req.seed >> 32) & 0xFFFFFFFF
-            step[i] = len(req.output_ids)
+            step[i] = req.num_sampled  # this token's index (earlier ones may be in flight)
             if req.grammar is not None:
                 req.grammar.fill_bitmask(bitmask[i])
-            if len(req.output_ids) < sp.min_new_tokens:
+            if req.num_sampled < sp.min_new_tokens:
                 banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_ids))
                 words = bitmask.view(np.uint32)
                 for t in banned:
@@ -400,31 +450,46 @@ class ModelRunner:
         if self.dp is not None or self.tp is not None:
             raise NotImplementedError(f"state {what} for a handover needs dp_size == tp_size == 1")
 
-    def sample(self, logits: jax.Array, inp: sampler.SamplingInputs, K: int) -> dict[str, np.ndarray]:
+    def sample(self, logits: jax.Array, inp: sampler.SamplingInputs, K: int) -> dict[str, jax.Array]:
+        """Dispatch the sampler (updating the penalty counts and ``last_tokens``); returns its
+        outputs as device arrays."""
         out = sampler.sample_jit(logits, self.counts, self.prompt_mask, inp, num_top_logprobs=K)
         self.counts = out.pop("counts")
-        return jax.device_get(out)
+        self.last_tokens = _record_tokens_jit(self.last_tokens, inp.slot, out["tokens"], inp.valid)
+        return out
 
     def run(self, batch: ScheduledBatch) -> list[ChunkResult]:
         """Run one step: forward, sample, and split the outputs per chunk."""
+        return self.complete(self.launch(batch))
+
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Build the step's inputs and dispatch it (snapshot loads, forward, snapshot saves,
+        sampler) without waiting for the device: JAX runs it asynchronously while the host
+        goes on (overlap scheduling prepares the next step meanwhile)."""
         self._reset_penalties(batch)
         if batch.state_loads:
             self.cache = self.snapshots.load(
                 self.cache, [(x.rank, x.snapshot, x.slot) for x in batch.state_loads])
         if self.dp is None:
-            fb, inp, rows, K = self.prepare(batch)
+            fb, from_slot, inp, rows, K = self.prepare(batch)
             sample_idx = range(len(batch.chunks))
-            logits = self.forward(fb)
+            logits = self.forward(fb, from_slot)
         else:
             fbs, inp, rows, sample_idx, K = self.prepare_dp(batch)
             logits = self.forward_dp(fbs)
         if batch.state_saves:
             self.snapshots.save(self.cache, [(x.rank, x.slot, x.snapshot) for x in batch.state_saves])
         out = self.sample(logits, inp, K)
-        if self._stats is not None:  # f32[D*layers, 3], a few hundred bytes
-            self.last_router_stats = np.asarray(self._stats).reshape(self.dp_size, -1, 3)
+        return LaunchedStep(batch, out, rows, sample_idx, self._stats)
+
+    def complete(self, step: LaunchedStep) -> list[ChunkResult]:
+        """Wait for a launched step's outputs (one device-to-host transfer) and split them
+        per chunk."""
+        out, stats = jax.device_get((step.out, step.stats))
+        if stats is not None:  # f32[D*layers, 3], a few hundred bytes
+            self.last_router_stats = np.asarray(stats).reshape(self.dp_size, -1, 3)
         results = []
-        for i, c, r in zip(sample_idx, batch.chunks, rows):
+        for i, c, r in zip(step.sample_idx, step.batch.chunks, step.rows):
             req = c.req
             res = ChunkResult()
             n_top = req.top_logprobs_num
@@ -439,7 +504,7 @@ class ModelRunner:
             if c.sample:
                 res.next_token = int(out["tokens"][i])
                 res.logprob = float(out["logprobs"][i])
-                if K and n_top:
+                if step.out.get("top_ids") is not None and n_top:
                     res.top_logprobs = list(zip(out["top_logprobs"][i, :n_top].tolist(),
                                                 out["top_ids"][i, :n_top].tolist()))
             results.append(res)

@@ -40,10 +40,10 @@ def test_no_compilation_after_warmup(clean_engine):
     seen: list[tuple] = []
     real_forward = runner.forward
 
-    def recording_forward(fb):
+    def recording_forward(fb, from_slot=None):
         seen.append((fb.mode, fb.input_ids.shape[0], fb.kv_lens.shape[0],
                      fb.logits_indices.shape[0], fb.page_table.shape[1]))
-        return real_forward(fb)
+        return real_forward(fb, from_slot)
 
     rng = random.Random(7)
     objs = []

@@ -28,7 +28,7 @@ def test_stuck_engine_loop_fails_the_health_check():
         release.wait(30)
         raise RuntimeError("stub step")
 
-    engine.runner.run = stuck_step
+    engine.runner.launch = stuck_step
     server = object.__new__(EngineServer.func_or_class)  # the class Serve instantiates
     server.engine, server.role, server.stall_timeout_s = engine, "decode", 0.3
     try:
