@@ -39,6 +39,8 @@ class PrefixCache:
     def __init__(self, caches: list[RadixCache]):
         self.caches = caches
         self.page_size = caches[0].page_size
+        # rid -> {snapshot point: chunk start} of snapshot saves launched but not committed.
+        self._saving: dict[str, dict[int, int]] = {}
 
     # Snapshot points -------------------------------------------------------------------
     def last_point(self, req: Req) -> int:
@@ -78,14 +80,21 @@ class PrefixCache:
         prompt = req.prompt_ids
         for other in running:
             shared = min(limit, self.last_point(other))
-            if other.num_computed >= shared or other.prompt_ids[:P] != prompt[:P]:
+            done = self._committed(other)
+            if done >= shared or other.prompt_ids[:P] != prompt[:P]:
                 continue
             k = P
             while k + P <= shared and other.prompt_ids[k:k + P] == prompt[k:k + P]:
                 k += P
-            if k > other.num_computed and k > self.match(req, other.dp_rank).length:
+            if k > done and k > self.match(req, other.dp_rank).length:
                 return True
         return False
+
+    def _committed(self, req: Req) -> int:
+        """Prompt tokens of ``req`` that the tree may already hold: its computed tokens, less
+        those of steps whose snapshot is still on its way (launched, not yet committed)."""
+        pending = self._saving.get(req.rid)
+        return min(req.num_computed, *pending.values()) if pending else req.num_computed
 
     # Chunking and saving ---------------------------------------------------------------
     def limit_chunk(self, req: Req, start: int, n: int) -> int:
@@ -116,9 +125,11 @@ class PrefixCache:
         if snapshot is not None:
             saves.append(SnapshotSave(req=req, rank=req.dp_rank, slot=req.state_slot,
                                       snapshot=snapshot, num_tokens=end))
+            self._saving.setdefault(req.rid, {})[end] = start
 
     def commit(self, saves: list[SnapshotSave], running: list[Req]) -> None:
         """After the step: insert each saved prefix into its rank's tree."""
+        self._settle(saves)
         for s in saves:
             req, cache = s.req, self.caches[s.rank]
             if (req.finished or req not in running or req.dp_rank != s.rank
@@ -141,8 +152,16 @@ class PrefixCache:
 
     def discard(self, saves: list[SnapshotSave]) -> None:
         """A step that failed: its snapshots were never written; give their ids back."""
+        self._settle(saves)
         for s in saves:
             self.caches[s.rank].snapshot_pool.free(s.snapshot)
+
+    def _settle(self, saves: list[SnapshotSave]) -> None:
+        for s in saves:
+            pending = self._saving.get(s.req.rid, {})
+            pending.pop(s.num_tokens, None)
+            if not pending:
+                self._saving.pop(s.req.rid, None)
 
     # Release / memory ------------------------------------------------------------------
     def release(self, req: Req) -> None:

@@ -358,7 +358,8 @@ class Scheduler:
                 req.check_token_finish()
                 req.update_text()
                 touched.append(req)
-            elif req.num_pending == 0 and len(req.output_ids) >= req.max_new_tokens:
+            elif (chunk.start + chunk.num_tokens == req.num_fill
+                  and len(req.output_ids) >= req.max_new_tokens):  # its last chunk, not just any
                 # Prompt-only request (max_new_tokens == 0): done after the prefill.
                 req.finish_reason = {"type": "length", "length": req.max_new_tokens}
                 req.update_text()

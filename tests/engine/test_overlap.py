@@ -106,3 +106,20 @@ def test_same_outputs_under_retraction(clean_engine, sequential_engine):
         got = _run(clean_engine, objs())
         assert clean_engine.scheduler.num_retracted_total > retracted
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+
+
+def test_prompt_only_request_over_several_chunks(clean_engine, sequential_engine):
+    """max_new_tokens=0 with prompt logprobs over two chunks: the request finishes after its
+    last chunk, not when the first one completes (by then every chunk is launched)."""
+    def objs():
+        return [GenerateReqInput(input_ids=[3 + (7 * j + i) % 900 for j in range(120)],
+                                 return_logprob=True, logprob_start_len=i * 20,
+                                 sampling_params={"max_new_tokens": 0}) for i in range(3)]
+
+    want, got = _run(sequential_engine, objs()), _run(clean_engine, objs())
+    for g, w, i in zip(got, want, range(3)):
+        assert len(g["meta_info"]["input_token_logprobs"]) == 120 - i * 20
+        _same(g, w)
+        np.testing.assert_allclose([x[0] for x in g["meta_info"]["input_token_logprobs"][1:]],
+                                   [x[0] for x in w["meta_info"]["input_token_logprobs"][1:]],
+                                   atol=1e-4)

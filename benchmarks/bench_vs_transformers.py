@@ -1,0 +1,138 @@
+"""Serving throughput against transformers' own ``generate`` on the same model and prompts.
+
+A random fp32 Qwen3.5-MoE checkpoint is made with transformers (``--config tiny``: the
+embedded default's shapes; ``--config mid``: hidden 1024, 16 layers, 64 experts top-8) and
+saved; both sides then run 64 random-token prompts of 64 tokens with 32 greedy output
+tokens each (EOS ignored): transformers in static batches of 32, this engine with 32
+concurrent clients (the engine's own loop, in process; no HTTP). Both are timed warm (one
+untimed round first) and the ratio of output tokens/s is printed.
+
+    JAX_PLATFORMS=cpu python benchmarks/bench_vs_transformers.py --config tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import tempfile
+import time
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parents[1] / "sglang_tpu_backend" / "assets" / "tiny-qwen3.5-moe"
+LAYERS = lambda n: ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]  # noqa: E731
+CONFIGS = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                 linear_value_head_dim=32, num_experts=16, num_experts_per_tok=4,
+                 moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    "mid": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                linear_value_head_dim=64, num_experts=64, num_experts_per_tok=8,
+                moe_intermediate_size=256, shared_expert_intermediate_size=1024),
+}
+
+
+def make_checkpoint(name: str, path: Path, vocab_size: int) -> None:
+    """Random fp32 transformers model (every weight drawn, routers decisive) saved at ``path``."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    c = CONFIGS[name]
+    cfg = Qwen3_5MoeTextConfig(
+        **c, vocab_size=vocab_size, layer_types=LAYERS(c["num_hidden_layers"]),
+        max_position_embeddings=4096, rms_norm_eps=1e-6, eos_token_id=2, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("A_log"):
+                p.copy_(torch.rand(p.shape) * math.log(16.0))
+            elif p.ndim == 1:
+                p.copy_(torch.randn(p.shape) * 0.1)
+            else:
+                p.copy_(torch.randn(p.shape) / math.sqrt(p.shape[-1]))
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def transformers_tok_s(path: Path, ps: list[list[int]], out_len: int, batch: int) -> float:
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM
+
+    torch.set_num_threads(torch.get_num_threads())
+    model = Qwen3_5MoeForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+    def round_():
+        for i in range(0, len(ps), batch):
+            ids = torch.tensor(ps[i:i + batch])
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                               min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+
+    round_()  # warm
+    t0 = time.perf_counter()
+    round_()
+    return len(ps) * out_len / (time.perf_counter() - t0)
+
+
+def engine_tok_s(path: Path, ps: list[list[int]], out_len: int, clients: int) -> float:
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    eng = Engine(ServerArgs(model_path=str(path), tokenizer_path=str(ASSETS), dtype="float32",
+                            max_running_requests=clients, context_length=256, chunked_prefill_size=256,
+                            disable_radix_cache=True))
+
+    async def round_():
+        sem = asyncio.Semaphore(clients)
+
+        async def one(ids):
+            async with sem:
+                obj = GenerateReqInput(input_ids=ids, sampling_params={
+                    "max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})
+                return [o async for o in eng.generate(obj)][-1]
+
+        outs = await asyncio.gather(*(one(p) for p in ps))
+        assert all(len(o["output_ids"]) == out_len for o in outs)
+
+    asyncio.run(round_())  # warm
+    t0 = time.perf_counter()
+    asyncio.run(round_())
+    dt = time.perf_counter() - t0
+    eng.shutdown()
+    return len(ps) * out_len / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=32)
+    args = ap.parse_args()
+    vocab = json.loads((ASSETS / "config.json").read_text())["text_config"]["vocab_size"]
+    with tempfile.TemporaryDirectory(prefix="stb-bench-") as tmp:
+        path = Path(tmp)
+        make_checkpoint(args.config, path, vocab)
+        ps = prompts(args.num_prompts, args.input_len, vocab)
+        hf = transformers_tok_s(path, ps, args.output_len, args.concurrency)
+        ours = engine_tok_s(path, ps, args.output_len, args.concurrency)
+    print(f"config={args.config} prompts={args.num_prompts} in={args.input_len} out={args.output_len} "
+          f"clients/batch={args.concurrency} fp32 greedy")
+    print(f"transformers generate: {hf:8.1f} output tok/s")
+    print(f"this engine:           {ours:8.1f} output tok/s")
+    print(f"engine / transformers: {ours / hf:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
