@@ -109,6 +109,7 @@ class Req:
         self.input_top_logprobs: list[list[tuple[float, int]]] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.logprob_entries: Any = None  # the engine's already-built output entries (engine.LogprobEntries)
         # Timing (seconds, time.monotonic()).
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
