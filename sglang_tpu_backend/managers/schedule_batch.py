@@ -122,6 +122,13 @@ class Req:
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def fill_slice(self, start: int, n: int) -> list[int]:
+        """``fill_ids[start:start + n]`` without building the whole sequence."""
+        P = len(self.prompt_ids)
+        if start >= P:
+            return self.output_ids[start - P:start - P + n]
+        return self.prompt_ids[start:start + n] + self.output_ids[:max(0, start + n - P)]
+
     @property
     def num_fill(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

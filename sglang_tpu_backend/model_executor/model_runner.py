@@ -260,7 +260,7 @@ class ModelRunner:
         logits rows."""
         seq_chunks = []
         for c in chunks:
-            ids = c.req.fill_ids[c.start:c.start + c.num_tokens]
+            ids = c.req.fill_slice(c.start, c.num_tokens)
             seq_chunks.append(SeqChunk(ids, c.start, c.pages, c.state_slot, c.logits))
         return build_forward_batch(
             seq_chunks, page_size=self.page_size, mode=mode, num_tokens=T,
