@@ -38,11 +38,10 @@ def test_every_step_shape_is_a_warmup_shape(clean_engine):
     objs = []
     for i in range(40):  # mixed prompt lengths, output lengths, prompt logprobs, sampling
         ids = [rng.randrange(3, 1000) for _ in range(rng.randint(1, 90))]
-        extra = {"top_p": 0.9} if i % 13 == 0 else {"presence_penalty": 0.5} if i % 17 == 0 else {}
         objs.append(GenerateReqInput(
             input_ids=ids, return_logprob=(i % 5 == 0), logprob_start_len=0 if i % 5 == 0 else -1,
             sampling_params={"max_new_tokens": rng.randint(1, 20), "temperature": (i % 3) * 0.5,
-                             "ignore_eos": True, **extra}))
+                             "ignore_eos": True}))
 
     async def run_all():
         async def one(o):
