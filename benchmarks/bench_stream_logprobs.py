@@ -71,7 +71,7 @@ def per_step_times(eng: Engine, build, num_tokens: int, window: int, seed: int) 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", default=None)
-    ap.add_argument("--window", type=int, default=20, help="steps per median")
+    ap.add_argument("--window", type=int, default=50, help="steps per median")
     args = ap.parse_args()
     eng = Engine(ServerArgs(model_path=args.model_path, max_running_requests=4, context_length=4096,
                             max_total_tokens=8192, dtype="float32", skip_warmup=True), start_loop=False)
