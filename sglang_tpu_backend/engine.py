@@ -596,7 +596,37 @@ class Engine:
     def _top_entries(self, req: Req, tops: list[tuple[float, int]]) -> list[list]:
         return [[lp, tid, self._token_text(req, tid)] for lp, tid in tops]
 
+    def _logprob_entries(self, req: Req) -> LogprobEntries:
+        """``req``'s built logprob entries, extended by what it computed since the last call
+        (each entry is built once: cost proportional to the new tokens, not the total)."""
+        e = req.logprob_entries
+        if e is None:
+            e = req.logprob_entries = LogprobEntries()
+        s = req.logprob_start_len
+        num_in = len(req.prompt_ids) - s  # prompt positions reported: s .. P-1
+        # input_token_logprobs[i] = [input_logprobs[i-1] (None for i = 0), prompt_ids[s+i], text]
+        for i in range(len(e.input_tokens), min(num_in, 1 + len(req.input_logprobs))):
+            t = req.prompt_ids[s + i]
+            e.input_tokens.append([req.input_logprobs[i - 1] if i else None, t, self._token_text(req, t)])
+        for i in range(len(e.output_tokens), min(len(req.output_logprobs), len(req.output_ids))):
+            t = req.output_ids[i]
+            e.output_tokens.append([req.output_logprobs[i], t, self._token_text(req, t)])
+        if req.top_logprobs_num > 0:
+            # input_top_logprobs = [None] + one list per reported input logprob
+            for i in range(len(e.input_tops) - 1, min(num_in - 1, len(req.input_top_logprobs))):
+                e.input_tops.append(self._top_entries(req, req.input_top_logprobs[i]))
+            for i in range(len(e.output_tops), len(req.output_top_logprobs)):
+                e.output_tops.append(self._top_entries(req, req.output_top_logprobs[i]))
+        e.input_complete = len(e.input_tokens) == num_in and (
+            req.top_logprobs_num == 0 or len(e.input_tops) == num_in)
+        return e
+
     def _output(self, req: Req) -> dict:
+        """SGLang output dict of ``req`` so far: cumulative text, ids and logprob lists.
+
+        Logprob entries come from ``_logprob_entries`` (new ones built, old ones reused); the
+        lists handed out are fresh copies (an earlier output never changes), except the input
+        lists once complete, which never change again and are shared."""
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": dict(req.finish_reason) if req.finish_reason else None,
@@ -607,18 +637,30 @@ class Engine:
         if req.finished:
             meta["e2e_latency"] = time.monotonic() - req.arrival_time
         if req.return_logprob:
-            s = req.logprob_start_len
-            in_toks = req.prompt_ids[s:]
-            in_vals = [None] + req.input_logprobs[: len(in_toks) - 1]
-            meta["input_token_logprobs"] = [
-                [lp, t, self._token_text(req, t)] for lp, t in zip(in_vals, in_toks)
-            ]
-            meta["output_token_logprobs"] = [
-                [lp, t, self._token_text(req, t)] for lp, t in zip(req.output_logprobs, req.output_ids)
-            ]
+            e = self._logprob_entries(req)
+            inputs = (lambda x: x) if e.input_complete else list
+            meta["input_token_logprobs"] = inputs(e.input_tokens)
+            meta["output_token_logprobs"] = list(e.output_tokens)
             if req.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = [None] + [
-                    self._top_entries(req, tops) for tops in req.input_top_logprobs[: len(in_toks) - 1]
-                ]
-                meta["output_top_logprobs"] = [self._top_entries(req, tops) for tops in req.output_top_logprobs]
+                meta["input_top_logprobs"] = inputs(e.input_tops)
+                meta["output_top_logprobs"] = list(e.output_tops)
         return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+class LogprobEntries:
+    """One request's SGLang logprob entries built so far (``Engine._logprob_entries``).
+
+    input_tokens / output_tokens: ``[logprob | None, token_id, text | None]`` per position;
+    input_tops / output_tops: per position a list of such entries (input_tops starts with
+    SGLang's ``None`` for the first prompt position). Append-only; input_complete says the
+    input lists reached their final length.
+    """
+
+    __slots__ = ("input_tokens", "input_tops", "output_tokens", "output_tops", "input_complete")
+
+    def __init__(self):
+        self.input_tokens: list[list] = []
+        self.input_tops: list[list[list] | None] = [None]
+        self.output_tokens: list[list] = []
+        self.output_tops: list[list[list]] = []
+        self.input_complete = False

@@ -113,6 +113,7 @@ class Req:
         self.input_top_logprobs: list[list[tuple[float, int]]] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.logprob_entries: Any = None  # the engine's already-built output entries (engine.LogprobEntries)
         # Timing (seconds, time.monotonic()).
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -124,6 +125,13 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def fill_slice(self, start: int, n: int) -> list[int]:
+        """``fill_ids[start:start + n]`` without building the whole sequence."""
+        P = len(self.prompt_ids)
+        if start >= P:
+            return self.output_ids[start - P:start - P + n]
+        return self.prompt_ids[start:start + n] + self.output_ids[:max(0, start + n - P)]
 
     @property
     def num_fill(self) -> int:

@@ -13,7 +13,9 @@ The page table is always ``pages_per_seq`` wide (context length / page size): th
 kernels read only the pages a request holds (the Pallas kernel by its kv lengths, the XLA path
 by a loop over page blocks up to the batch's longest request), so the width costs an upload
 of the table, not work, and needs no bucket of its own.
-The sampler compiles per R and per static top-logprob count (0 or max_top_logprobs_num).
+The sampler compiles per R, per static top-logprob count (0 or max_top_logprobs_num) and per
+``sampler_variants()`` entry (greedy / plain draws / full: filters, penalties or a grammar
+bitmask), the variant chosen per step from what its rows ask for.
 
 Data-parallel attention (``dp_size`` D > 1): the runner owns a ``parallel.DPForward``; params
 are sharded (experts split over the ranks), the caches hold ``num_pages`` pages and
@@ -318,7 +320,7 @@ class ModelRunner:
                 from_slot[offset] = c.state_slot
                 ids = [0]
             else:
-                ids = c.req.fill_ids[c.start:c.start + c.num_tokens]
+                ids = c.req.fill_slice(c.start, c.num_tokens)
             seq_chunks.append(SeqChunk(ids, c.start, c.pages, c.state_slot, c.logits))
             offset += c.num_tokens
         fb, rows = build_forward_batch(
@@ -335,20 +337,41 @@ class ModelRunner:
         want_lp = any(c.req.return_logprob for c in batch.chunks)
         return self.max_top_logprobs_num if want_lp else 0
 
-    def prepare(self, batch: ScheduledBatch
+    def sampler_variant(self, chunks: list[ScheduledChunk]) -> sampler.SamplerVariant:
+        """The sampler variant of a step: the stages its sampling rows need (host-side)."""
+        draw = filt = pen = mask = False
+        for c in chunks:
+            if not c.sample:
+                continue
+            req, sp = c.req, c.req.sampling
+            if sp.temperature > 0:
+                draw = True
+                filt |= sp.top_k_or_off > 0 or sp.top_p < 1 or sp.min_p > 0
+            pen |= _uses_penalties(sp)
+            mask |= req.grammar is not None or req.num_sampled < sp.min_new_tokens
+        return sampler.variant_for(sampler.SamplerVariant(draw=draw, filter=filt, penalties=pen, mask=mask))
+
+    def sampler_variants(self) -> tuple[sampler.SamplerVariant, ...]:
+        """Every sampler variant ``sampler_variant`` can pick (what warm-up compiles)."""
+        return sampler.VARIANTS
+
+    def prepare(self, batch: ScheduledBatch, variant: sampler.SamplerVariant | None = None
                 ) -> tuple[ForwardBatch, np.ndarray | None, sampler.SamplingInputs, list[np.ndarray], int]:
         """Numpy ForwardBatch, ``from_slot`` (see ``_rank_batch``) and SamplingInputs for a
-        step, the logits rows of each chunk, and K."""
+        step, the logits rows of each chunk, and K. ``variant`` (default: ``sampler_variant``
+        of the chunks) says whether to build a bitmask."""
+        variant = variant or self.sampler_variant(batch.chunks)
         num_rows = self._num_rows(batch.chunks)
         mode, T, R, L = self.shapes_for(batch.kind, batch.num_tokens, len(batch.chunks), num_rows)
         fb, rows, from_slot = self._rank_batch(batch.chunks, mode, T, R, L)
-        inp = self._sampling_inputs(batch.chunks, rows, R, L)
+        inp = self._sampling_inputs(batch.chunks, rows, R, L, mask=variant.mask)
         return fb, from_slot, inp, rows, self._top_k(batch)
 
-    def prepare_dp(self, batch: ScheduledBatch
+    def prepare_dp(self, batch: ScheduledBatch, variant: sampler.SamplerVariant | None = None
                    ) -> tuple[list[ForwardBatch], sampler.SamplingInputs, list[np.ndarray], list[int], int]:
         """One rank-local ForwardBatch per DP rank (common bucket and mode), the concatenated
         SamplingInputs ([D*R] rows), each chunk's global logits rows and sampling row, and K."""
+        variant = variant or self.sampler_variant(batch.chunks)
         D = self.dp.dp_size
         per_rank: list[list[ScheduledChunk]] = [[] for _ in range(D)]
         where = []  # (rank, index within the rank) of each chunk
@@ -365,16 +388,17 @@ class ModelRunner:
             fbs.append(fb)
             rank_rows.append(rows)
             inps.append(self._sampling_inputs(chunks, rows, R, L, row_offset=k * L,
-                                              slot_offset=k * self.num_state_slots))
+                                              slot_offset=k * self.num_state_slots, mask=variant.mask))
         inp = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *inps)
         rows = [rank_rows[k][j] + k * L for k, j in where]
         sample_idx = [k * R + j for k, j in where]
         return fbs, inp, rows, sample_idx, self._top_k(batch)
 
     def _sampling_inputs(self, chunks: list[ScheduledChunk], rows: list[np.ndarray], R: int, L: int,
-                         row_offset: int = 0, slot_offset: int = 0) -> sampler.SamplingInputs:
+                         row_offset: int = 0, slot_offset: int = 0, mask: bool = True) -> sampler.SamplingInputs:
         """Sampling inputs of one rank's chunks; ``row_offset`` / ``slot_offset`` place the
-        rank's logits rows and penalty-state rows in the global [D*L] / [D*S] layout."""
+        rank's logits rows and penalty-state rows in the global [D*L] / [D*S] layout.
+        ``mask=False`` (no row has a grammar or a min_new_tokens ban) builds no bitmask."""
         f32 = lambda v: np.full(R, v, np.float32)  # noqa: E731
         sample_rows = np.zeros(R, np.int32)
         valid = np.zeros(R, np.bool_)
@@ -385,7 +409,7 @@ class ModelRunner:
         seed_hi = np.zeros(R, np.uint32)
         step = np.zeros(R, np.int32)
         slot = np.zeros(R, np.int32)
-        bitmask = np.full((R, self.num_words), -1, np.int32)
+        bitmask = np.full((R, self.num_words), -1, np.int32) if mask else None
         target_ids = np.zeros(L, np.int32)
         for i, (c, r) in enumerate(zip(chunks, rows)):
             req, sp = c.req, c.req.sampling
@@ -403,6 +427,8 @@ class ModelRunner:
             freq[i], pres[i], rep[i] = sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty
             seed_lo[i], seed_hi[i] = req.seed & 0xFFFFFFFF, (req.seed >> 32) & 0xFFFFFFFF
             step[i] = req.num_sampled  # this token's index (earlier ones may be in flight)
+            if bitmask is None:
+                continue
             if req.grammar is not None:
                 req.grammar.fill_bitmask(bitmask[i])
             if req.num_sampled < sp.min_new_tokens:
@@ -450,10 +476,12 @@ class ModelRunner:
         if self.dp is not None or self.tp is not None:
             raise NotImplementedError(f"state {what} for a handover needs dp_size == tp_size == 1")
 
-    def sample(self, logits: jax.Array, inp: sampler.SamplingInputs, K: int) -> dict[str, jax.Array]:
+    def sample(self, logits: jax.Array, inp: sampler.SamplingInputs, K: int,
+               variant: sampler.SamplerVariant = sampler.FULL) -> dict[str, jax.Array]:
         """Dispatch the sampler (updating the penalty counts and ``last_tokens``); returns its
         outputs as device arrays."""
-        out = sampler.sample_jit(logits, self.counts, self.prompt_mask, inp, num_top_logprobs=K)
+        out = sampler.sample_jit(logits, self.counts, self.prompt_mask, inp, num_top_logprobs=K,
+                                 variant=variant)
         self.counts = out.pop("counts")
         self.last_tokens = _record_tokens_jit(self.last_tokens, inp.slot, out["tokens"], inp.valid)
         return out
@@ -470,16 +498,17 @@ class ModelRunner:
         if batch.state_loads:
             self.cache = self.snapshots.load(
                 self.cache, [(x.rank, x.snapshot, x.slot) for x in batch.state_loads])
+        variant = self.sampler_variant(batch.chunks)
         if self.dp is None:
-            fb, from_slot, inp, rows, K = self.prepare(batch)
+            fb, from_slot, inp, rows, K = self.prepare(batch, variant)
             sample_idx = range(len(batch.chunks))
             logits = self.forward(fb, from_slot)
         else:
-            fbs, inp, rows, sample_idx, K = self.prepare_dp(batch)
+            fbs, inp, rows, sample_idx, K = self.prepare_dp(batch, variant)
             logits = self.forward_dp(fbs)
         if batch.state_saves:
             self.snapshots.save(self.cache, [(x.rank, x.slot, x.snapshot) for x in batch.state_saves])
-        out = self.sample(logits, inp, K)
+        out = self.sample(logits, inp, K, variant)
         return LaunchedStep(batch, out, rows, sample_idx, self._stats)
 
     def complete(self, step: LaunchedStep) -> list[ChunkResult]:
@@ -521,14 +550,17 @@ class ModelRunner:
             mode=kind,
         )
 
-    def dummy_sampling_inputs(self, R: int, L: int) -> sampler.SamplingInputs:
+    def dummy_sampling_inputs(self, R: int, L: int, variant: sampler.SamplerVariant = sampler.FULL
+                              ) -> sampler.SamplingInputs:
+        """All-padding sampling inputs of R rows / L logits rows, shaped for ``variant``."""
         z = np.zeros(R, np.int32)
         f = np.zeros(R, np.float32)
         return sampler.SamplingInputs(
             sample_rows=z, valid=np.zeros(R, np.bool_), temperature=f, top_p=f + 1, top_k=z, min_p=f,
             frequency_penalty=f, presence_penalty=f, repetition_penalty=f + 1,
             seed_lo=z.astype(np.uint32), seed_hi=z.astype(np.uint32), step=z, slot=z,
-            bitmask=np.full((R, self.num_words), -1, np.int32), target_ids=np.zeros(L, np.int32),
+            bitmask=np.full((R, self.num_words), -1, np.int32) if variant.mask else None,
+            target_ids=np.zeros(L, np.int32),
         )
 
     def warmup(self, progress: bool = True) -> float:
@@ -543,9 +575,10 @@ class ModelRunner:
                 logits = self.forward(self.dummy_batch(kind, T, R, L))
             else:
                 logits = self.forward_dp([self.dummy_batch(kind, T, R, L)] * D)
-            inp = self.dummy_sampling_inputs(D * R, D * L)
-            self.sample(logits, inp, 0)
-            self.sample(logits, inp, self.max_top_logprobs_num)
+            for variant in self.sampler_variants():
+                inp = self.dummy_sampling_inputs(D * R, D * L, variant)
+                for K in (0, self.max_top_logprobs_num):
+                    self.sample(logits, inp, K, variant)
         self.counts, self.prompt_mask = sampler.set_penalty_row_jit(
             self.counts, self.prompt_mask, np.int32(0), np.zeros(self.vocab_size, np.int32),
             np.zeros(self.vocab_size, np.bool_))  # slot 0 is free at warm-up

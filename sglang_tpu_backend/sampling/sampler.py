@@ -10,6 +10,13 @@ output tokens, ``prompt_mask bool[S, V]`` marks its prompt tokens. ``reset_penal
 fills a slot's rows when a request (re)starts; ``sample`` adds each sampled token.
 SGLang semantics: frequency/presence penalties see output tokens only; repetition
 penalty sees prompt and output tokens (positive logits divided, negative multiplied).
+
+A ``SamplerVariant`` (static) leaves out the stages no row of the step needs: the draw (an
+all-greedy step takes an argmax), the top-k/top-p/min-p filter (its full-vocabulary sort),
+the penalties and the grammar bitmask (then not even built on the host). A stage left out is
+an identity for every row of that step, so each variant's outputs equal the full sampler's
+bit for bit. ``variant_for`` collapses a step's needs into three levels (GREEDY, PLAIN, FULL),
+the compilations warm-up makes.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ class SamplingInputs:
     seed_lo, seed_hi: u32[R] halves of the per-request seed.
     step:         i32[R] index of the output token being sampled (key = f(seed, step)).
     slot:         i32[R] penalty-state row.
-    bitmask:      i32[R, W] allowed tokens, bit ``t % 32`` of word ``t // 32`` (-1 = all).
+    bitmask:      i32[R, W] allowed tokens, bit ``t % 32`` of word ``t // 32`` (-1 = all);
+                  None when the step's variant has ``mask=False``.
     target_ids:   i32[L] token whose logprob each logits row reports (prompt logprobs).
     """
 
@@ -53,8 +61,38 @@ class SamplingInputs:
     seed_hi: jax.Array
     step: jax.Array
     slot: jax.Array
-    bitmask: jax.Array
+    bitmask: jax.Array | None
     target_ids: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerVariant:
+    """Which optional stages one jitted sample runs (a static argument: one compilation each).
+
+    draw:      some row samples at temperature > 0 (without it every token is the argmax).
+    filter:    some drawn row uses top_k, top_p < 1 or min_p > 0 (sorts the vocabulary).
+    penalties: some row has a frequency, presence or repetition penalty.
+    mask:      some row has a grammar or a min_new_tokens ban (``bitmask`` is i32[R, W]).
+    """
+
+    draw: bool = True
+    filter: bool = True
+    penalties: bool = True
+    mask: bool = True
+
+
+FULL = SamplerVariant()
+PLAIN = SamplerVariant(draw=True, filter=False, penalties=False, mask=False)
+GREEDY = SamplerVariant(draw=False, filter=False, penalties=False, mask=False)
+VARIANTS = (GREEDY, PLAIN, FULL)  # what serving uses (``variant_for``): warm-up compiles each
+
+
+def variant_for(needs: SamplerVariant) -> SamplerVariant:
+    """The served variant covering a step's ``needs`` (each flag: some row needs the stage):
+    FULL if it needs a filter, penalties or a mask, else PLAIN if it draws, else GREEDY."""
+    if needs.filter or needs.penalties or needs.mask:
+        return FULL
+    return PLAIN if needs.draw else GREEDY
 
 
 def apply_penalties(logits, counts, prompt_mask, freq, pres, rep):
@@ -80,8 +118,9 @@ def top_k_top_p_min_p_mask(probs, top_k, top_p, min_p):
     """Which tokens survive, judged on the unfiltered probs (SGLang's order-free rule).
 
     probs f32[R, V]; top_k i32[R] (0 = off); top_p, min_p f32[R]. Returns bool[R, V].
-    Keeps rank < k, tokens whose preceding cumulative mass is <= top_p, and probs >= min_p
-    times the largest; the most likely token always survives.
+    Keeps rank < k, tokens whose preceding cumulative mass is <= top_p (top_p >= 1 keeps
+    all, whatever the rounding of the cumulative sum), and probs >= min_p times the largest;
+    the most likely token always survives.
     """
     R, V = probs.shape
     order = jnp.argsort(-probs, axis=-1)  # i32[R, V] descending
@@ -89,7 +128,7 @@ def top_k_top_p_min_p_mask(probs, top_k, top_p, min_p):
     rank = jnp.arange(V, dtype=jnp.int32)[None, :]
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
     cum_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-    keep &= cum_before <= top_p[:, None]
+    keep &= (cum_before <= top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
     keep |= rank == 0
     rows = jnp.arange(R)[:, None]
@@ -109,7 +148,8 @@ def _top(logprobs, k):
     return vals, ids.astype(jnp.int32)
 
 
-def sample(logits, counts, prompt_mask, inp: SamplingInputs, *, num_top_logprobs: int = 0):
+def sample(logits, counts, prompt_mask, inp: SamplingInputs, *, num_top_logprobs: int = 0,
+           variant: SamplerVariant = FULL):
     """Sample one token per request row.
 
     Args:
@@ -118,6 +158,8 @@ def sample(logits, counts, prompt_mask, inp: SamplingInputs, *, num_top_logprobs
       prompt_mask: bool[S, V] prompt tokens per penalty slot.
       inp:         SamplingInputs with R rows.
       num_top_logprobs: static K; 0 skips every logprob output but the chosen token's.
+      variant:     static SamplerVariant; its stages left out must be identities for every
+                   row (``variant_for`` of the rows' needs): the outputs are then FULL's.
 
     Returns:
       dict with ``tokens`` i32[R], ``logprobs`` f32[R] (of the chosen token, after penalties,
@@ -126,21 +168,25 @@ def sample(logits, counts, prompt_mask, inp: SamplingInputs, *, num_top_logprobs
       f32[L, K], ``row_top_ids`` i32[L, K]; and the updated ``counts``.
     """
     x = logits[inp.sample_rows]  # f32[R, V]
-    slot_counts = counts[inp.slot]  # i32[R, V]
-    x = apply_penalties(
-        x, slot_counts, prompt_mask[inp.slot],
-        inp.frequency_penalty, inp.presence_penalty, inp.repetition_penalty,
-    )
-    x = apply_bitmask(x, inp.bitmask)
+    if variant.penalties:
+        x = apply_penalties(
+            x, counts[inp.slot], prompt_mask[inp.slot],
+            inp.frequency_penalty, inp.presence_penalty, inp.repetition_penalty,
+        )
+    if variant.mask:
+        x = apply_bitmask(x, inp.bitmask)
     greedy = inp.temperature <= 0.0
     temp = jnp.where(greedy, 1.0, inp.temperature)
     scaled = x / temp[:, None]
     logprobs = jax.nn.log_softmax(scaled, axis=-1)  # f32[R, V]
-    keep = top_k_top_p_min_p_mask(jnp.exp(logprobs), inp.top_k, inp.top_p, inp.min_p)
-    filtered = jnp.where(keep, scaled, NEG_INF)
-    keys = _row_keys(inp.seed_lo, inp.seed_hi, inp.step)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-    tokens = jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), drawn)  # i32[R]
+    tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)  # i32[R] greedy
+    if variant.draw:
+        if variant.filter:
+            keep = top_k_top_p_min_p_mask(jnp.exp(logprobs), inp.top_k, inp.top_p, inp.min_p)
+            scaled = jnp.where(keep, scaled, NEG_INF)
+        keys = _row_keys(inp.seed_lo, inp.seed_hi, inp.step)
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        tokens = jnp.where(greedy, tokens, drawn)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     counts = counts.at[inp.slot, tokens].add(inp.valid.astype(counts.dtype))
     out = {"tokens": tokens, "logprobs": chosen, "counts": counts}
@@ -164,7 +210,7 @@ def reset_penalty_rows(counts, prompt_mask, slot, prompt_ids, output_ids):
     return counts.at[slot].set(c), prompt_mask.at[slot].set(m)
 
 
-sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs",), donate_argnames=("counts",))
+sample_jit = jax.jit(sample, static_argnames=("num_top_logprobs", "variant"), donate_argnames=("counts",))
 reset_penalty_rows_jit = jax.jit(reset_penalty_rows, donate_argnames=("counts", "prompt_mask"))
 
 

@@ -129,6 +129,32 @@ def test_streaming_is_cumulative_and_matches_non_stream(clean_engine):
     assert chunks[-1]["output_ids"] == full[0]["output_ids"] and chunks[-1]["text"] == full[0]["text"]
 
 
+def test_streamed_logprobs_are_prefixes_of_the_final_output(clean_engine):
+    """Outputs are built incrementally: every streamed output keeps its own lengths (none is
+    changed by later steps), is a prefix of the final one, and the final equals non-stream."""
+    eng = clean_engine
+    kw = dict(input_ids=[5, 9, 17, 33, 65], return_logprob=True, logprob_start_len=1, top_logprobs_num=2,
+              return_text_in_logprobs=True,
+              sampling_params={"max_new_tokens": 8, "temperature": 0.8, "seed": 7, "ignore_eos": True})
+    chunks = collect(eng, GenerateReqInput(stream=True, **kw))
+    full = collect(eng, GenerateReqInput(**kw))[-1]
+    last = chunks[-1]["meta_info"]
+    assert len(chunks) >= 2 and len(last["output_token_logprobs"]) == 8
+    for c in chunks:
+        meta, n = c["meta_info"], len(c["output_ids"])
+        assert meta["completion_tokens"] == n
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            assert len(meta[key]) == n and meta[key] == last[key][:n]
+        for key in ("input_token_logprobs", "input_top_logprobs"):
+            assert meta[key] == last[key]
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
+        assert last[key] == full["meta_info"][key]
+    assert chunks[-1]["output_ids"] == full["output_ids"] and chunks[-1]["text"] == full["text"]
+    assert [[lp, t, eng.tokenizer.decode([t])] for lp, t, _ in last["output_token_logprobs"]] == \
+        last["output_token_logprobs"]
+    assert len(last["input_token_logprobs"]) == 4 and last["input_top_logprobs"][0] is None
+
+
 def test_stop_string_trims_text(clean_engine):
     eng = clean_engine
     ids = random_prompts(4, 1, 6, 6)[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -26,11 +28,12 @@ def inputs(R, L, V, **kw) -> sampler.SamplingInputs:
     return sampler.SamplingInputs(**base)
 
 
-def run(logits, inp, S=1, K=0, counts=None, prompt_mask=None):
+def run(logits, inp, S=1, K=0, counts=None, prompt_mask=None, variant=sampler.FULL):
     V = logits.shape[1]
     counts = jnp.zeros((S, V), jnp.int32) if counts is None else jnp.array(counts, copy=True)  # donated
     prompt_mask = jnp.zeros((S, V), bool) if prompt_mask is None else jnp.asarray(prompt_mask)
-    return jax.device_get(sampler.sample_jit(jnp.asarray(logits), counts, prompt_mask, inp, num_top_logprobs=K))
+    return jax.device_get(sampler.sample_jit(jnp.asarray(logits), counts, prompt_mask, inp, num_top_logprobs=K,
+                                             variant=variant))
 
 
 def test_top_k_top_p_min_p_mask_hand_checked():
@@ -141,3 +144,87 @@ def test_repetition_penalty_changes_greedy_choice_via_penalty_state():
     out = run(logits, inputs(1, 1, V, temperature=0.0, slot=1, presence_penalty=0.0), S=2,
               counts=counts, prompt_mask=pmask)
     assert out["tokens"][0] == 4
+
+
+# One row of each kind (per-row sampling values) for the variant comparisons below.
+ROW_KINDS = {
+    "greedy": dict(temperature=0.0),
+    "plain": dict(temperature=0.7),
+    "top_k": dict(temperature=0.9, top_k=5),
+    "top_p": dict(temperature=1.3, top_p=0.8),
+    "min_p": dict(temperature=1.0, min_p=0.05),
+    "penalty": dict(temperature=0.6, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.3),
+    "greedy_penalty": dict(temperature=0.0, repetition_penalty=0.7),
+    "mask": dict(temperature=0.8),
+    "greedy_mask": dict(temperature=0.0),
+}
+
+
+def mixed_inputs(kinds, V, rng, L=8):
+    """SamplingInputs with row r of kind ``kinds[r]`` (R = len(kinds), one slot per row); the
+    *mask rows allow a random half of the vocabulary, the others all of it."""
+    R = len(kinds)
+    inp = inputs(R, L, V, seed_lo=rng.integers(0, 2**32, R), seed_hi=rng.integers(0, 2**32, R),
+                 step=rng.integers(0, 100, R), slot=np.arange(R), valid=np.arange(R) < R - 1,
+                 target_ids=rng.integers(0, V, L))
+    fields = {k: np.array(getattr(inp, k)) for k in ROW_KINDS["penalty"]} | {
+        k: np.array(getattr(inp, k)) for k in ("top_k", "top_p", "min_p", "bitmask")}
+    for r, kind in enumerate(kinds):
+        for k, v in ROW_KINDS[kind].items():
+            fields[k][r] = v
+        if "mask" in kind:
+            fields["bitmask"][r] = rng.integers(-2**31, 2**31, fields["bitmask"].shape[1])
+    return dataclasses.replace(inp, **fields)
+
+
+def needs_of(kinds) -> sampler.SamplerVariant:
+    """The stages rows of these kinds need (what ModelRunner.sampler_variant reports)."""
+    return sampler.SamplerVariant(
+        draw=any(ROW_KINDS[k]["temperature"] > 0 for k in kinds),
+        filter=any(k in ("top_k", "top_p", "min_p") for k in kinds),
+        penalties=any("penalty" in k for k in kinds), mask=any("mask" in k for k in kinds))
+
+
+@pytest.mark.parametrize("kinds", [
+    ["greedy"] * 4, ["greedy", "plain", "plain", "greedy"], ["plain", "top_k", "greedy", "plain"],
+    ["plain", "top_p", "min_p", "greedy"], ["greedy", "greedy_penalty", "plain", "penalty"],
+    ["greedy_mask", "plain", "mask", "greedy"], ["greedy_penalty", "greedy_mask", "greedy", "greedy"],
+])
+@pytest.mark.parametrize("K", [0, 5])
+def test_fast_variants_equal_the_full_sampler_bit_for_bit(kinds, K):
+    """Leaving out the stages no row needs (the exact needs, and the served collapsed level)
+    changes nothing: tokens, logprobs, top logprobs, prompt-row logprobs and penalty counts."""
+    rng = np.random.default_rng(len(kinds) * 7 + K + sum(map(len, kinds)))
+    V, L = 300, 8
+    for trial in range(2):
+        logits = (rng.normal(size=(L, V)) * 3).astype(np.float32)
+        counts = rng.integers(0, 3, (len(kinds), V)).astype(np.int32)
+        pmask = rng.random((len(kinds), V)) < 0.2
+        inp = mixed_inputs(kinds, V, rng, L)
+        full = run(logits, inp, S=len(kinds), K=K, counts=counts, prompt_mask=pmask)
+        needs = needs_of(kinds)
+        for variant in {needs, sampler.variant_for(needs)}:
+            fast_inp = inp if variant.mask else dataclasses.replace(inp, bitmask=None)
+            fast = run(logits, fast_inp, S=len(kinds), K=K, counts=counts, prompt_mask=pmask, variant=variant)
+            assert fast.keys() == full.keys()
+            for key in full:
+                np.testing.assert_array_equal(fast[key], full[key], err_msg=f"{variant} {key}")
+    assert sampler.variant_for(needs) in sampler.VARIANTS
+
+
+def test_variant_for_collapses_to_three_levels():
+    V = sampler.SamplerVariant
+    assert sampler.variant_for(V(False, False, False, False)) == sampler.GREEDY
+    assert sampler.variant_for(V(True, False, False, False)) == sampler.PLAIN
+    for needs in (V(True, True, False, False), V(False, False, True, False), V(False, False, False, True)):
+        assert sampler.variant_for(needs) == sampler.FULL
+
+
+def test_top_p_one_keeps_every_token_despite_rounding():
+    """Ten probabilities of 0.1 sum to more than 1 in float32: top_p = 1 must still keep the
+    tail (it is off), so skipping the filter for top_p = 1 rows changes nothing."""
+    probs = jnp.asarray(np.array([[0.1] * 10 + [1e-9] * 4], np.float32))
+    assert float(jnp.cumsum(probs[0])[-1] - probs[0, -1]) > 1.0
+    keep = sampler.top_k_top_p_min_p_mask(probs, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32),
+                                          jnp.zeros(1, jnp.float32))
+    assert bool(jnp.all(keep))

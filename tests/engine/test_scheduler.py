@@ -105,6 +105,14 @@ def used(sched, rank=0) -> tuple[int, int]:
     return p.page_pool.num_used, p.state_pool.num_used
 
 
+def test_fill_slice_equals_slicing_fill_ids():
+    req = Req("r", [1, 2, 3, 4], SamplingParams(), max_new_tokens=8, seed=0)
+    req.output_ids = [5, 6, 7]
+    for start in range(8):
+        for n in range(9):
+            assert req.fill_slice(start, n) == req.fill_ids[start:start + n], (start, n)
+
+
 def test_page_pool_accounting():
     pool = PagePool(8, 16)
     assert pages_for(0, 16) == 0 and pages_for(16, 16) == 1 and pages_for(17, 16) == 2

@@ -1,6 +1,7 @@
 """Steady-state serving never recompiles: after warm-up, varied traffic lowers no program at all
-(counted with ``jax.monitoring``), and every step has one of the bucketed shapes warm-up
-compiles (``ModelRunner.all_shapes``)."""
+(counted with ``jax.monitoring``), every step has one of the bucketed shapes warm-up compiles
+(``ModelRunner.all_shapes``) and samples with one of its sampler variants
+(``ModelRunner.sampler_variants``)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,17 @@ def test_no_compilation_after_warmup(clean_engine):
     runner = clean_engine.runner
     runner.warmup(progress=False)
     seen: list[tuple] = []
-    real_forward = runner.forward
+    sampled: list[tuple] = []
+    real_forward, real_sample = runner.forward, runner.sample
 
     def recording_forward(fb, from_slot=None):
         seen.append((fb.mode, fb.input_ids.shape[0], fb.kv_lens.shape[0],
                      fb.logits_indices.shape[0], fb.page_table.shape[1]))
         return real_forward(fb, from_slot)
+
+    def recording_sample(logits, inp, K, variant):
+        sampled.append((K, variant, inp.bitmask is None))
+        return real_sample(logits, inp, K, variant)
 
     rng = random.Random(7)
     objs = []
@@ -70,12 +76,12 @@ def test_no_compilation_after_warmup(clean_engine):
             return [x async for x in clean_engine.generate(o)][-1]
         return await asyncio.gather(*(one(o) for o in objs))
 
-    runner.forward = recording_forward
+    runner.forward, runner.sample = recording_forward, recording_sample
     counter = CompileCounter()
     try:
         outs = asyncio.run(run_all())
     finally:
-        runner.forward = real_forward
+        runner.forward, runner.sample = real_forward, real_sample
     assert all(o["meta_info"]["finish_reason"]["type"] in ("length", "stop") for o in outs)
     assert counter.lowerings == 0, f"{counter.lowerings} programs lowered after warm-up"
     warm = set(runner.all_shapes())
@@ -83,3 +89,7 @@ def test_no_compilation_after_warmup(clean_engine):
     for mode, T, R, L, P in seen:
         assert (mode, T, R, L) in warm, f"step shape {(mode.name, T, R, L)} is not warmed up"
         assert P == runner.pages_per_seq
+    variants = runner.sampler_variants()
+    for K, variant, no_mask in sampled:
+        assert variant in variants and K in (0, runner.max_top_logprobs_num)
+        assert no_mask == (not variant.mask)
