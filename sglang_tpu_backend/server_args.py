@@ -71,6 +71,8 @@ class ServerArgs:
     log_level: str = "info"
     disable_radix_cache: bool = False
     max_gdn_snapshots: int | None = None
+    max_queued_requests: int | None = None  # None: unlimited waiting queue
+    watchdog_timeout: float = 300.0  # seconds a loop with work may go without finishing a step
 
     def __post_init__(self):
         self.validate()
@@ -95,6 +97,11 @@ class ServerArgs:
         positive("dp_size", self.dp_size)
         positive("ep_size", self.ep_size)
         positive("max_gdn_snapshots", self.max_gdn_snapshots, allow_none=True)
+        positive("max_queued_requests", self.max_queued_requests, allow_none=True)
+        if (not isinstance(self.watchdog_timeout, (int, float)) or isinstance(self.watchdog_timeout, bool)
+                or not self.watchdog_timeout > 0):
+            raise ValueError(f"--watchdog-timeout must be a positive number of seconds, "
+                             f"got {self.watchdog_timeout!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.tp_size != 1:
@@ -198,6 +205,11 @@ class ServerArgs:
         a("--max-gdn-snapshots", type=int, default=d.max_gdn_snapshots,
           help="GDN state snapshots the prefix cache may keep (host total; default: "
                "--max-running-requests)")
+        a("--max-queued-requests", type=int, default=d.max_queued_requests,
+          help="waiting-queue bound: a new request beyond it gets HTTP 503 (default: unlimited)")
+        a("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+          help="seconds the scheduler loop may have work without finishing a step before "
+               "/health and /health_generate answer 503 (a dead loop: at once)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

@@ -118,8 +118,10 @@ class PrefixCache:
                                       snapshot=snapshot, num_tokens=end))
 
     def commit(self, saves: list[SnapshotSave], running: list[Req]) -> None:
-        """After the step: insert each saved prefix into its rank's tree."""
-        for s in saves:
+        """After the step: insert each saved prefix into its rank's tree. Consumes ``saves``
+        (after an exception the ones left were never committed: ``discard`` them)."""
+        while saves:
+            s = saves.pop(0)
             req, cache = s.req, self.caches[s.rank]
             if (req.finished or req not in running or req.dp_rank != s.rank
                     or (req.cache_node is not None and req.cache_node.doomed)):
@@ -140,8 +142,10 @@ class PrefixCache:
                 cache.page_pool.free(unused)
 
     def discard(self, saves: list[SnapshotSave]) -> None:
-        """A step that failed: its snapshots were never written; give their ids back."""
-        for s in saves:
+        """A step that failed: its snapshots were never written; give their ids back.
+        Consumes ``saves`` (a second call frees nothing twice)."""
+        while saves:
+            s = saves.pop()
             self.caches[s.rank].snapshot_pool.free(s.snapshot)
 
     # Release / memory ------------------------------------------------------------------
