@@ -574,7 +574,13 @@ class Engine:
     def step(self):
         """One scheduling + model step (the loop thread's body); returns the batch or None.
 
-        Each phase (``PHASES``) that raises fails only its step's requests (``_fail_step``)."""
+        Each phase (``PHASES``) that raises fails only its step's requests (``_fail_step``);
+        a failed step is progress too (its requests got their answer)."""
+        batch = self._step()
+        self.last_step_end = time.monotonic()
+        return batch
+
+    def _step(self):
         if self._installs:
             self._install_pending()
         with self._lock:
@@ -587,7 +593,6 @@ class Engine:
                     self._deliver_final(req)
                 batch = None
         if batch is None:
-            self.last_step_end = time.monotonic()
             return None
         try:
             self._inject("model")
@@ -616,7 +621,6 @@ class Engine:
                 return batch
         if self.scheduler.exported:
             self._export_finished_prefills()
-        self.last_step_end = time.monotonic()
         return batch
 
     def _count_error(self, phase: str, e: Exception) -> str:
