@@ -90,7 +90,7 @@ def test_fault_in_each_phase_fails_only_that_step(clean_engine, phase):
     assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0, stats
     eng.flush_cache()  # nothing leaked into the prefix cache: its snapshots all come back
     assert eng.pool_stats()["gdn_snapshots_used"] == 0
-    # Later requests succeed, and equal running the same prompt on an untouched step.
+    # Later requests succeed (one with a failed request's prompt).
     again = asyncio.run(finals(eng, [req(10 * k, f"after-{phase}")]))[0]
     assert again["meta_info"]["finish_reason"]["type"] == "length" and len(again["output_ids"]) == 4
 
