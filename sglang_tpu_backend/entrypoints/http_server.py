@@ -12,7 +12,7 @@ missing/wrong API key (401), unknown route (404), wrong method (405), body over
 ``service_unavailable``): a full waiting queue (``--max-queued-requests``), and on
 ``/health`` / ``/health_generate`` a dead or stalled scheduler loop (``Engine.health_error``;
 ``/health_generate`` also when its one-token request does not finish within
-``HEALTH_CHECK_TIMEOUT_S``). A client that disconnects stops its engine generators, which
+``HEALTH_CHECK_TIMEOUT_S``, default ``--watchdog-timeout``). A client that disconnects stops its engine generators, which
 aborts the requests.
 """
 
@@ -45,8 +45,13 @@ log = logging.getLogger(__name__)
 UNAUTHENTICATED_PATHS = ("/health", "/health_generate", "/metrics")
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# /health_generate's bound on its one-token request (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT).
-HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+# /health_generate's bound on its one-token request (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT);
+# unset: --watchdog-timeout. Meanwhile the engine's health is polled every HEALTH_POLL_S, so a
+# loop that dies or stalls past the watchdog answers 503 at once, while a slow first step (a
+# compile without warm-up) does not.
+HEALTH_CHECK_TIMEOUT_S: float | None = (float(os.environ["SGLANG_HEALTH_CHECK_TIMEOUT"])
+                                        if os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") else None)
+HEALTH_POLL_S = 0.5
 
 
 # Plumbing -------------------------------------------------------------------------------
@@ -167,18 +172,30 @@ async def health(request: Request) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """200 once a one-token request finishes; 503 at once on an unhealthy loop, or when the
-    request fails or takes longer than ``HEALTH_CHECK_TIMEOUT_S``."""
+    """200 once a one-token request finishes; 503 as soon as the engine is unhealthy (before or
+    while waiting), or when the request fails or takes longer than ``HEALTH_CHECK_TIMEOUT_S``."""
     engine = _engine(request)
     err = await _health_error(engine)
     if err is not None:
         return _unavailable(f"Unhealthy: {err}")
+    limit = HEALTH_CHECK_TIMEOUT_S or _arg(engine, "watchdog_timeout", 300.0)
+    deadline = time.monotonic() + limit
+    task = asyncio.ensure_future(_call(engine.health_generate()))
     try:
-        ok = await asyncio.wait_for(_call(engine.health_generate()), HEALTH_CHECK_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        return _unavailable(f"Unhealthy: no token generated within {HEALTH_CHECK_TIMEOUT_S:g} s")
+        while not task.done():
+            await asyncio.wait({task}, timeout=min(HEALTH_POLL_S, max(0.0, deadline - time.monotonic())))
+            if task.done():
+                break
+            if (err := await _health_error(engine)) is not None:
+                return _unavailable(f"Unhealthy: {err}")
+            if time.monotonic() >= deadline:
+                return _unavailable(f"Unhealthy: no token generated within {limit:g} s")
+        ok = task.result()
     except ServiceUnavailableError as e:
         return _unavailable(f"Unhealthy: {e}")
+    finally:
+        if not task.done():
+            task.cancel()  # its generator aborts the health request
     return Response(status_code=200) if ok else _unavailable("Unhealthy: the health request was aborted")
 
 
