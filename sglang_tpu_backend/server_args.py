@@ -78,6 +78,8 @@ class ServerArgs:
     max_gdn_snapshots: int | None = None
     compilation_cache_dir: str | None = None
     disable_overlap_schedule: bool = False
+    max_queued_requests: int | None = None  # None: unlimited waiting queue
+    watchdog_timeout: float = 300.0  # seconds a loop with work may go without finishing a step
 
     def __post_init__(self):
         self.validate()
@@ -102,6 +104,11 @@ class ServerArgs:
         positive("dp_size", self.dp_size)
         positive("ep_size", self.ep_size)
         positive("max_gdn_snapshots", self.max_gdn_snapshots, allow_none=True)
+        positive("max_queued_requests", self.max_queued_requests, allow_none=True)
+        if (not isinstance(self.watchdog_timeout, (int, float)) or isinstance(self.watchdog_timeout, bool)
+                or not self.watchdog_timeout > 0):
+            raise ValueError(f"--watchdog-timeout must be a positive number of seconds, "
+                             f"got {self.watchdog_timeout!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.tp_size != 1:
@@ -211,6 +218,11 @@ class ServerArgs:
         a("--compilation-cache-dir", type=str, default=d.compilation_cache_dir,
           help="persistent XLA compilation cache (default: <cache dir>/jax-compilation-cache; "
                "'' turns it off)")
+        a("--max-queued-requests", type=int, default=d.max_queued_requests,
+          help="waiting-queue bound: a new request beyond it gets HTTP 503 (default: unlimited)")
+        a("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+          help="seconds the scheduler loop may have work without finishing a step before "
+               "/health and /health_generate answer 503 (a dead loop: at once)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

@@ -5,17 +5,25 @@ the same router and :func:`install` (``app.state.engine`` may be any object with
 API; its methods may also return awaitables, as the Ray ingress's remote engine does).
 Every client mistake is a 4xx JSON body
 ``{"error": {"message", "type": "invalid_request_error", "param": <field>, "code"}}``:
-malformed JSON, bad fields, engine ``InvalidRequestError`` (400), missing/wrong API key
-(401), unknown route (404), wrong method (405), body over ``max_request_body_bytes`` (413).
-A client that disconnects stops its engine generators, which aborts the requests.
+malformed JSON or JSON nested deeper than ``MAX_JSON_DEPTH``, bad fields, ``n`` or a
+prompt batch over the limits in ``request_fields`` , engine ``InvalidRequestError`` (400),
+missing/wrong API key (401), unknown route (404), wrong method (405), body over
+``max_request_body_bytes`` (413). The server's own state answers 503 (``type``
+``service_unavailable``): a full waiting queue (``--max-queued-requests``), and on
+``/health`` / ``/health_generate`` a dead or stalled scheduler loop (``Engine.health_error``;
+``/health_generate`` also when its one-token request does not finish within
+``HEALTH_CHECK_TIMEOUT_S``, default ``--watchdog-timeout``). A client that disconnects stops its engine generators, which
+aborts the requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import inspect
 import json
 import logging
+import os
 import random
 import time
 from typing import Any, AsyncIterator
@@ -28,14 +36,22 @@ from sglang_tpu_backend.entrypoints import openai_protocol as oai
 from sglang_tpu_backend.entrypoints.fanout import ClientDisconnected, Fanout, run_until_disconnect
 from sglang_tpu_backend.entrypoints.native_protocol import (
     LogprobAccumulator, StreamState, new_rid, parse_generate)
-from sglang_tpu_backend.entrypoints.request_fields import APIError, opt_field
-from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
+from sglang_tpu_backend.entrypoints.request_fields import MAX_JSON_DEPTH, APIError, json_depth, opt_field
+from sglang_tpu_backend.managers.io_struct import (
+    GenerateReqInput, InvalidRequestError, ServiceUnavailableError)
 
 log = logging.getLogger(__name__)
 
 UNAUTHENTICATED_PATHS = ("/health", "/health_generate", "/metrics")
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# /health_generate's bound on its one-token request (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT);
+# unset: --watchdog-timeout. Meanwhile the engine's health is polled every HEALTH_POLL_S, so a
+# loop that dies or stalls past the watchdog answers 503 at once, while a slow first step (a
+# compile without warm-up) does not.
+HEALTH_CHECK_TIMEOUT_S: float | None = (float(os.environ["SGLANG_HEALTH_CHECK_TIMEOUT"])
+                                        if os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") else None)
+HEALTH_POLL_S = 0.5
 
 
 # Plumbing -------------------------------------------------------------------------------
@@ -82,10 +98,14 @@ async def read_json(request: Request) -> dict:
     raw = b"".join(chunks)
     if not raw.strip():
         raise APIError("Request body is empty; expected a JSON object", "body")
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise APIError(f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", "body")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"Malformed JSON body: {e}", "body") from e
+    except RecursionError as e:  # backstop: json_depth should have refused it
+        raise APIError("JSON body nested too deeply", "body") from e
     if not isinstance(body, dict):
         raise APIError("Request body must be a JSON object", "body")
     return body
@@ -133,15 +153,50 @@ router = APIRouter(dependencies=[Depends(verify_api_key)])
 
 
 # SGLang native ---------------------------------------------------------------------------
+def _unavailable(message: str) -> JSONResponse:
+    return _error_response(503, message, None, "service_unavailable")
+
+
+async def _health_error(engine) -> str | None:
+    """The engine's reason not to serve (``health_error``; engines without one: None)."""
+    check = getattr(engine, "health_error", None)
+    return None if check is None else await _call(check())
+
+
 @router.get("/health")
-async def health() -> Response:
-    return Response(status_code=200)
+async def health(request: Request) -> Response:
+    """200 while the scheduler loop is alive and progressing; else 503 with the reason."""
+    err = await _health_error(_engine(request))
+    return Response(status_code=200) if err is None else _unavailable(f"Unhealthy: {err}")
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    ok = await _engine(request).health_generate()
-    return Response(status_code=200 if ok else 503)
+    """200 once a one-token request finishes; 503 as soon as the engine is unhealthy (before or
+    while waiting), or when the request fails or takes longer than ``HEALTH_CHECK_TIMEOUT_S``."""
+    engine = _engine(request)
+    err = await _health_error(engine)
+    if err is not None:
+        return _unavailable(f"Unhealthy: {err}")
+    limit = HEALTH_CHECK_TIMEOUT_S or _arg(engine, "watchdog_timeout", 300.0)
+    deadline = time.monotonic() + limit
+    task = asyncio.ensure_future(_call(engine.health_generate()))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=min(HEALTH_POLL_S, max(0.0, deadline - time.monotonic())))
+            if task.done():
+                break
+            if (err := await _health_error(engine)) is not None:
+                return _unavailable(f"Unhealthy: {err}")
+            if time.monotonic() >= deadline:
+                return _unavailable(f"Unhealthy: no token generated within {limit:g} s")
+        ok = task.result()
+    except ServiceUnavailableError as e:
+        return _unavailable(f"Unhealthy: {e}")
+    finally:
+        if not task.done():
+            task.cancel()  # its generator aborts the health request
+    return Response(status_code=200) if ok else _unavailable("Unhealthy: the health request was aborted")
 
 
 @router.get("/metrics")
@@ -291,6 +346,10 @@ def install(app: FastAPI, engine) -> None:
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, e: InvalidRequestError):
         return _error_response(400, e.message, e.field)
+
+    @app.exception_handler(ServiceUnavailableError)
+    async def _unavailable_error(request: Request, e: ServiceUnavailableError):
+        return _unavailable(str(e))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, e: ClientDisconnected):

@@ -14,7 +14,8 @@ import random
 import uuid
 from typing import Any
 
-from sglang_tpu_backend.entrypoints.request_fields import APIError, is_int, is_int_list, opt_field
+from sglang_tpu_backend.entrypoints.request_fields import (
+    MAX_REQUESTS_PER_BODY, APIError, check_fanout, is_int, is_int_list, opt_field)
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 
 # Sampling params whose empty value means "unset" (dropped, so engines without them accept it).
@@ -76,6 +77,7 @@ def parse_generate(body: dict, seed_rng: random.Random) -> ParsedGenerate:
     """
     prompts, is_batch = _prompts(body)
     num = len(prompts)
+    check_fanout(num, 1, prompts[0][0], "sampling_params.n")
     sps = body.get("sampling_params")
     if isinstance(sps, list):
         if len(sps) != num:
@@ -113,6 +115,10 @@ def parse_generate(body: dict, seed_rng: random.Random) -> ParsedGenerate:
         n = 1 if n is None else n
         if not is_int(n) or n < 1:
             raise APIError(f"'sampling_params.n' must be an integer >= 1, got {n!r}", "sampling_params.n")
+        check_fanout(1, n, kind, "sampling_params.n")
+        if len(reqs) + n > MAX_REQUESTS_PER_BODY:
+            raise APIError(f"{num} prompts with 'sampling_params.n' up to {n}: more than "
+                           f"{MAX_REQUESTS_PER_BODY} samples per request", "sampling_params.n")
         any_n |= n > 1
         if sp.get("seed") is None and sp.get("sampling_seed") is not None:
             sp["seed"] = sp["sampling_seed"]

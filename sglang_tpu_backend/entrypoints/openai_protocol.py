@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from sglang_tpu_backend.entrypoints.native_protocol import new_rid
-from sglang_tpu_backend.entrypoints.request_fields import APIError, is_int_list, opt_field
+from sglang_tpu_backend.entrypoints.request_fields import APIError, check_fanout, is_int_list, opt_field
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -102,6 +102,7 @@ def _sampling_params(body: dict, max_tokens_default: int | None) -> dict[str, An
 def _common(body: dict, kind: str, model_name: str, sp: dict, prompts: list[dict],
             top_logprobs: int | None, echo_texts: list[str] | None, seed_rng: random.Random) -> OpenAIRequest:
     n = opt_field(body, "n", "int", 1, minimum=1)
+    check_fanout(len(prompts), n, "prompt", "n")
     stream = opt_field(body, "stream", "bool", False)
     options = opt_field(body, "stream_options", "dict", {})
     include_usage = opt_field(options, "include_usage", "bool", False, param="stream_options.include_usage")

@@ -23,6 +23,13 @@ class InvalidRequestError(ValueError):
         return type(self), (self.field, self.message)
 
 
+class ServiceUnavailableError(RuntimeError):
+    """The engine cannot take the request now (queue full, scheduler loop dead); HTTP 503."""
+
+    def __reduce__(self):
+        return type(self), (str(self),)
+
+
 @dataclasses.dataclass
 class GenerateReqInput:
     """ONE prompt with n == 1 (the HTTP side expands batches and ``n > 1``).

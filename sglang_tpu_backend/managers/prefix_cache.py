@@ -128,9 +128,11 @@ class PrefixCache:
             self._saving.setdefault(req.rid, {})[end] = start
 
     def commit(self, saves: list[SnapshotSave], running: list[Req]) -> None:
-        """After the step: insert each saved prefix into its rank's tree."""
+        """After the step: insert each saved prefix into its rank's tree. Consumes ``saves``
+        (after an exception the ones left were never committed: ``discard`` them)."""
         self._settle(saves)
-        for s in saves:
+        while saves:
+            s = saves.pop(0)
             req, cache = s.req, self.caches[s.rank]
             if (req.finished or req not in running or req.dp_rank != s.rank
                     or (req.cache_node is not None and req.cache_node.doomed)):
@@ -151,9 +153,11 @@ class PrefixCache:
                 cache.page_pool.free(unused)
 
     def discard(self, saves: list[SnapshotSave]) -> None:
-        """A step that failed: its snapshots were never written; give their ids back."""
+        """A step that failed: its snapshots were never written; give their ids back.
+        Consumes ``saves`` (a second call frees nothing twice)."""
         self._settle(saves)
-        for s in saves:
+        while saves:
+            s = saves.pop()
             self.caches[s.rank].snapshot_pool.free(s.snapshot)
 
     def _settle(self, saves: list[SnapshotSave]) -> None:

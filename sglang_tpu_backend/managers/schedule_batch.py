@@ -120,6 +120,7 @@ class Req:
         self.last_token_time: float | None = None
         self.admit_time: float | None = None
         self.num_sent_tokens = 0  # output tokens already delivered to the consumer
+        self.final_delivered = False  # the final output went to the consumer (engine._deliver)
 
     # Sequence bookkeeping -----------------------------------------------------------
     @property

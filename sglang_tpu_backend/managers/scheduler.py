@@ -115,6 +115,24 @@ class Scheduler:
                 return req
         return None
 
+    def fail_all(self, message: str) -> list[Req]:
+        """After ``schedule()`` raised: abort every running and waiting request and give back
+        the snapshots the unfinished step had planned. Returns the aborted requests.
+
+        ``schedule()`` walks all running requests and the waiting queue, allocating pages,
+        slots and prefix-cache locks as it goes; after an exception midway none of those
+        requests' bookkeeping can be trusted, and a fault caused by one of them would recur
+        on every step. Failing them all leaves the scheduler empty and consistent (requests
+        already handed to the handover export path are not the scheduler's to fail)."""
+        if self.prefix is not None:
+            self.prefix.discard(self._saves)
+        self._loads, self._saves = [], []
+        failed = []
+        for req in list(self.all_requests()):
+            if self.abort(req.rid, message) is not None:
+                failed.append(req)
+        return failed
+
     # Resources (in the pools of the request's rank) -----------------------------------
     def _ensure_pages(self, req: Req, num_tokens: int) -> bool:
         pool = self.pools[req.dp_rank].page_pool

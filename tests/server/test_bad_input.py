@@ -100,6 +100,30 @@ def test_bad_item_in_batch_frees_the_good_ones(live_server):
     check_error(post(live_server, "/generate", json=body), 400, "temperature")
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/generate", {"text": "a", "sampling_params": {"n": 100000}}, "sampling_params.n"),
+    ("/generate", {"text": "a", "sampling_params": {"n": 129}}, "sampling_params.n"),
+    ("/generate", {"text": ["a"] * 1025}, "text"),
+    ("/generate", {"input_ids": [[5, 6]] * 1025}, "input_ids"),
+    ("/generate", {"text": ["a"] * 10, "sampling_params": {"n": 128}}, "sampling_params.n"),  # 1280 samples
+    ("/v1/completions", {"model": "m", "prompt": "a", "n": 129}, "n"),
+    ("/v1/completions", {"model": "m", "prompt": ["a"] * 1025}, "prompt"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 100000}, "n"),
+])
+def test_fanout_limits(live_server, path, body, param):
+    check_error(post(live_server, path, json=body), 400, param)
+
+
+def test_deeply_nested_json_is_400(live_server):
+    deep = b"[" * 5000 + b"]" * 5000
+    err = check_error(post(live_server, "/generate", data=deep, headers={"Content-Type": "application/json"}),
+                      400, "body")
+    assert "nested" in err["message"]
+    nested = b'{"text": "hi", "sampling_params": {"stop": ' + b"[" * 100 + b'"x"' + b"]" * 100 + b"}}"
+    check_error(post(live_server, "/v1/completions", data=nested, headers={"Content-Type": "application/json"}),
+                400, "body")
+
+
 def test_unknown_route_and_wrong_method(live_server):
     check_error(requests.get(live_server.url + "/no/such/route", timeout=30), 404, "path")
     check_error(post(live_server, "/v1/nothing", json={}), 404, "path")

@@ -293,3 +293,42 @@ def test_stream_disconnect_aborts_engine_request():
     assert eng.pool_stats()["kv_pages_used"] == 0 and eng.pool_stats()["num_running"] == 0
     streamed = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     assert b"[DONE]" not in streamed  # cut short, not completed
+
+
+def test_json_depth_counts_brackets_outside_strings_only(engine):
+    from sglang_tpu_backend.entrypoints.request_fields import MAX_JSON_DEPTH, json_depth
+
+    assert json_depth(b"[" * 5000 + b"]" * 5000) == 5000
+    in_strings = json.dumps({"text": "[{" * 5000, "stop": ['\\"[[' * 100]}).encode()
+    assert json_depth(in_strings) == 2
+    assert json_depth(json.dumps({"a": [[1]] * 1000}).encode()) == 3
+    r = run(_post(engine, "/generate", content=json.dumps(
+        {"text": "[" * (MAX_JSON_DEPTH + 5), "sampling_params": {"max_new_tokens": 1}})))
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    (dict(max_queued_requests=0), "--max-queued-requests"),
+    (dict(watchdog_timeout=0), "--watchdog-timeout"),
+    (dict(watchdog_timeout="5"), "--watchdog-timeout"),
+])
+def test_limit_flags_are_validated(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        ServerArgs(**kwargs)
+
+
+def test_unhealthy_engine_health_is_503_json():
+    class Dead(FakeEngine):
+        def health_error(self):
+            return "the scheduler loop died (test)"
+
+    dead = Dead(ServerArgs(context_length=256))
+
+    async def go():
+        async with _client(dead) as c:
+            return await c.get("/health"), await c.get("/health_generate")
+
+    for r in run(go()):
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["type"] == "service_unavailable" and "scheduler loop died" in err["message"]
