@@ -44,15 +44,26 @@ class FaultOnce:
 
     def __init__(self, engine, phase: str):
         self.engine, self.phase, self.fired, self.rids = engine, phase, False, None
-        self.batch = None
+        self.batch = self.completing = None
         schedule = engine.scheduler.schedule
 
         def recording_schedule():  # remembers the step's batch (the model phase has no lock)
             self.batch = schedule()
             return self.batch
 
-        self.restore = lambda: setattr(engine.scheduler, "schedule", schedule)
+        complete = engine.runner.complete
+
+        def recording_complete(launched):  # with overlap, the step completing is an older one
+            self.completing = launched.batch
+            return complete(launched)
+
+        def restore():
+            engine.scheduler.schedule = schedule
+            engine.runner.complete = complete
+
+        self.restore = restore
         engine.scheduler.schedule = recording_schedule
+        engine.runner.complete = recording_complete
 
     def __call__(self, phase: str) -> None:
         if phase != self.phase or self.fired:
@@ -60,8 +71,10 @@ class FaultOnce:
         self.fired = True
         if phase == "schedule":  # schedule() fails every request the scheduler holds
             self.rids = {r.rid for r in self.engine.scheduler.all_requests()}
-        else:
+        elif phase == "model":  # launching the step just scheduled
             self.rids = {c.req.rid for c in self.batch.chunks}
+        else:  # processing / delivering the step being completed
+            self.rids = {c.req.rid for c in self.completing.chunks}
         raise RuntimeError(f"injected {phase} fault")
 
 
