@@ -45,7 +45,8 @@ def is_matmul_weight(shape: tuple[int, ...], dtype: Any) -> bool:
     return shape[-2] >= LANES and shape[-2] % rows == 0 and shape[-1] % LANES == 0
 
 
-def _is_expert_path(path) -> bool:
+def is_routed_expert(path) -> bool:
+    """Whether a param-tree path (``tree_map_with_path``) is a routed-expert leaf."""
     return any(getattr(k, "key", None) == "experts" for k in path)
 
 
@@ -64,7 +65,7 @@ def weight_formats(params: Any, shardings: Any) -> Any:
     """Per leaf of ``params`` (arrays or ShapeDtypeStructs): its :func:`weight_format`, with
     routed-expert leaves left at ``shardings``' default layout. ``shardings`` mirrors params."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x, s: s if _is_expert_path(path) else weight_format(x.shape, x.dtype, s),
+        lambda path, x, s: s if is_routed_expert(path) else weight_format(x.shape, x.dtype, s),
         params, shardings)
 
 

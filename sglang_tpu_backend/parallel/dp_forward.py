@@ -31,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
-from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
+from sglang_tpu_backend.model_executor.weight_layout import (is_routed_expert, uses_native_layouts,
+                                                             weight_formats)
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.parallel.mesh import EPContext, rank_spec
 
@@ -46,8 +47,14 @@ def global_array(x, sharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
-def _is_expert_leaf(path) -> bool:
-    return any(getattr(k, "key", None) == "experts" for k in path)
+def place_params(params, shardings):
+    """``params`` placed by ``shardings`` (a mirror tree) on a mesh: every process passes the
+    full params and fills its own devices; on TPU the dense weights in their native tiling
+    (``weight_layout.py``)."""
+    leaves = jax.tree.leaves(shardings)
+    if leaves and uses_native_layouts(leaves[0]):
+        shardings = weight_formats(params, shardings)
+    return jax.tree.map(global_array, params, shardings)
 
 
 class DPForward:
@@ -70,7 +77,7 @@ class DPForward:
     def param_specs(self, params) -> Any:
         """Expert leaves [groups, E, ...] split on E over the ranks; the rest replicated."""
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: rank_spec(self.ep, 1) if _is_expert_leaf(path) else REPLICATED,
+            lambda path, _: rank_spec(self.ep, 1) if is_routed_expert(path) else REPLICATED,
             params)
 
     def cache_specs(self) -> qwen3_5_moe.ModelCache:
@@ -86,10 +93,7 @@ class DPForward:
         """Place params on the mesh (experts split, the rest replicated; on TPU the dense
         weights in their native tiling, ``weight_layout.py``); every process passes the full
         params and fills its own devices."""
-        shardings = jax.tree.map(self._sharding, self.param_specs(params))
-        if uses_native_layouts(self._sharding(REPLICATED)):
-            shardings = weight_formats(params, shardings)
-        return jax.tree.map(global_array, params, shardings)
+        return place_params(params, jax.tree.map(self._sharding, self.param_specs(params)))
 
     def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int,
                    kv_dtype=jnp.bfloat16, state_dtype=jnp.float32) -> qwen3_5_moe.ModelCache:

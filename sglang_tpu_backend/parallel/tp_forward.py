@@ -41,9 +41,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
-from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
+from sglang_tpu_backend.model_executor.weight_layout import is_routed_expert
 from sglang_tpu_backend.models import qwen3_5_moe
-from sglang_tpu_backend.parallel.dp_forward import global_array
+from sglang_tpu_backend.parallel.dp_forward import global_array, place_params
 from sglang_tpu_backend.parallel.mesh import CHIP_AXIS, DIE_AXIS, TPContext
 
 REPLICATED = PartitionSpec()
@@ -115,8 +115,7 @@ _SPLIT_ROWS = {"o_proj", "out_proj", "conv1d"}
 
 def _leaf_role(path) -> tuple[str | None, bool]:
     """(weight name, is a routed-expert leaf) from a param-tree path."""
-    keys = [getattr(k, "key", None) for k in path]
-    return keys[-1], "experts" in keys
+    return getattr(path[-1], "key", None), is_routed_expert(path)
 
 
 class TPForward:
@@ -139,20 +138,21 @@ class TPForward:
     def _sharding(self, spec: PartitionSpec) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
-    def _split(self, ndim: int, axis_from_end: int) -> PartitionSpec:
+    def _split(self, ndim: int, axis: int) -> PartitionSpec:
+        """Split dim ``axis`` (Python indexing: negative counts from the end) over the devices."""
         dims: list[Any] = [None] * ndim
-        dims[ndim - axis_from_end] = self.ctx.axes
+        dims[axis] = self.ctx.axes
         return PartitionSpec(*dims)
 
     def param_specs(self, params) -> Any:
         def spec(path, x):
             name, expert = _leaf_role(path)
             if expert:
-                return self._split(x.ndim, x.ndim - 1)  # [groups, E, ...]: split E
+                return self._split(x.ndim, 1)  # [groups, E, ...]: split E
             if name in _SPLIT_LAST:
-                return self._split(x.ndim, 1)
+                return self._split(x.ndim, -1)
             if name in _SPLIT_ROWS:
-                return self._split(x.ndim, 2)
+                return self._split(x.ndim, -2)
             return REPLICATED
         return jax.tree_util.tree_map_with_path(spec, params)
 
@@ -173,16 +173,14 @@ class TPForward:
         return jax.tree_util.tree_map_with_path(lay, params)
 
     def cache_specs(self) -> qwen3_5_moe.ModelCache:
-        return qwen3_5_moe.ModelCache(kv_pages=self._split(5, 3), conv_state=self._split(4, 1),
-                                      rec_state=self._split(5, 3))
+        # kv_pages [Lyr, N, 2*Hkv, S, D], conv [Lyr, slots, K-1, C], rec [Lyr, slots, Hv, Dk, Dv]
+        return qwen3_5_moe.ModelCache(kv_pages=self._split(5, 2), conv_state=self._split(4, -1),
+                                      rec_state=self._split(5, 2))
 
     def shard_params(self, params):
         """Params in the TP layout, placed on the mesh (every process passes the full params)."""
         params = self.tp_params(params)
-        shardings = jax.tree.map(self._sharding, self.param_specs(params))
-        if uses_native_layouts(self._sharding(REPLICATED)):
-            shardings = weight_formats(params, shardings)
-        return jax.tree.map(global_array, params, shardings)
+        return place_params(params, jax.tree.map(self._sharding, self.param_specs(params)))
 
     def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int,
                    kv_dtype, state_dtype) -> qwen3_5_moe.ModelCache:

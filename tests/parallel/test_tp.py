@@ -66,7 +66,12 @@ def test_logits_within_tolerance(results, width):
 
 
 def test_runs_covered_replication_and_mixed_steps(results):
-    assert int(results["tp2_local_kv_heads"]) == 1 and int(results["tp4_local_kv_heads"]) == 1
+    # The tiny model has 2 kv heads: TP2 splits them (each stored once), TP4 replicates them
+    # (each stored on 2 devices, the ones whose q heads read it).
+    kv_heads = load_model_config(ASSET_DIR).num_key_value_heads
+    stored = {w: w * int(results[f"tp{w}_local_kv_heads"]) for w in WIDTHS}
+    assert stored == {2: kv_heads, 4: 2 * kv_heads}
+    assert [heads_of_device(kv_heads, 4, d) for d in range(4)] == [[0], [0], [1], [1]]
     for width in WIDTHS:
         modes = results[f"tp{width}_modes"].tolist()
         assert modes.count(modes[-1]) < len(modes)  # prefill/mixed steps as well as decode

@@ -172,8 +172,10 @@ def _wait_decode_idle(base_url: str, timeout: float = 30.0) -> dict:
         time.sleep(0.2)
 
 
-def test_abort_request_ends_a_disaggregated_request(base_url):
-    body = {"input_ids": _prompt(30), "rid": "abort-me",
+def _start_decoding(base_url: str, **fields) -> tuple[threading.Thread, dict]:
+    """POST a 200-token request in a thread; return once it decodes on the decode replica.
+    The thread puts the response under ``result["r"]``."""
+    body = {"input_ids": _prompt(30), **fields,
             "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
     result = {}
     t = threading.Thread(target=lambda: result.update(
@@ -181,7 +183,12 @@ def test_abort_request_ends_a_disaggregated_request(base_url):
     t.start()
     deadline = time.monotonic() + 60
     while _decode_pool(base_url)["num_running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.1)  # wait until it decodes on the decode replica
+        time.sleep(0.1)
+    return t, result
+
+
+def test_abort_request_ends_a_disaggregated_request(base_url):
+    t, result = _start_decoding(base_url, rid="abort-me")
     r = requests.post(f"{base_url}/pd/abort_request", json={"rid": "abort-me"}, timeout=60)
     assert r.json() == {"success": True}
     t.join(60)
@@ -209,15 +216,7 @@ def test_client_disconnect_frees_the_decode_replica(base_url):
 
 
 def test_decode_replica_death_aborts_in_flight_then_recovers(base_url):
-    body = {"input_ids": _prompt(30),
-            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
-    result = {}
-    t = threading.Thread(target=lambda: result.update(
-        r=requests.post(f"{base_url}/pd/generate", json=body, timeout=300)))
-    t.start()
-    deadline = time.monotonic() + 60
-    while _decode_pool(base_url)["num_running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    t, result = _start_decoding(base_url)
     (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                if "pd#DecodeServer#" in a["name"]]
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
