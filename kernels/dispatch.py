@@ -1,4 +1,4 @@
-"""Choose between a kernel's Pallas TPU implementation and its pure-JAX reference.
+"""Choose between a kernel's Pallas TPU implementation, a fast XLA one and the reference.
 
 Every op in ``kernels`` takes a keyword ``impl`` and calls :func:`resolve` at trace time.
 ``impl`` must be a *static* value of whatever jitted function passes it down (the model
@@ -6,10 +6,14 @@ forward takes it as a static argument), so switching implementations retraces in
 silently reusing a stale compilation.
 
 Values of ``impl``:
-  ``"auto"``       Pallas on a TPU backend, the reference everywhere else (the default).
+  ``"auto"``       Pallas on a TPU backend; elsewhere the op's fast XLA implementation where
+                   it has one (the grouped matmuls), else its reference (the default).
   ``"pallas"``     always the Pallas kernel, compiled for the TPU.
   ``"interpret"``  the Pallas kernel in TPU interpret mode (runs on CPU; used by tests).
-  ``"reference"``  always the pure-JAX reference.
+  ``"xla"``        the op's fast pure-XLA implementation; ops without a separate one (their
+                   reference already is efficient XLA: routing, attention, GDN, collectives)
+                   run their reference.
+  ``"reference"``  always the pure-JAX reference: the slow, obvious oracle of every op.
 """
 
 from __future__ import annotations
@@ -19,21 +23,28 @@ from typing import Literal
 
 import jax
 
-Impl = Literal["auto", "pallas", "interpret", "reference"]
-IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "reference")
+Impl = Literal["auto", "pallas", "interpret", "xla", "reference"]
+IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "xla", "reference")
 
 # Process-wide default, so a whole server can be forced onto one path without plumbing:
 # STB_KERNEL_IMPL=interpret python -m ...
 DEFAULT_IMPL: str = os.environ.get("STB_KERNEL_IMPL", "auto")
 
 
-def resolve(impl: str | None) -> str:
-    """Return ``"pallas"``, ``"interpret"`` or ``"reference"`` for a requested ``impl``."""
+def resolve(impl: str | None, *, has_xla: bool = False) -> str:
+    """Return ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"`` for ``impl``.
+
+    ``has_xla``: the calling op has a fast XLA implementation distinct from its reference
+    (then ``"auto"`` off-TPU and ``"xla"`` resolve to ``"xla"``); without one both resolve to
+    ``"reference"``.
+    """
     impl = DEFAULT_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "tpu" else "reference"
+        impl = "pallas" if jax.default_backend() == "tpu" else "xla"
+    if impl == "xla" and not has_xla:
+        return "reference"
     return impl
 
 
