@@ -180,12 +180,14 @@ def ref_gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False,
 
 # --------------------------------------------------------------------------- XLA (off-TPU)
 
-# Rows per tile of the XLA path. Every tile pays for a [K, N] weight gather, and the tile
-# count is bounded by ceil(M/tm) + G, so small tiles waste few rows on partial tiles (a
-# decode step has ~M/G rows per expert: 8 for 64 rows x top-8 over 64 experts) while 8 rows
-# still give XLA:CPU's matmul a usable row block. 8 measured faster than 16 and 32 on the
-# benchmark's decode shapes (benchmarks/bench_cpu_moe.py).
-XLA_TILE_ROWS = 8
+# Rows per tile of the XLA path. Every tile gathers its group's [K, N] weights, and on
+# XLA:CPU that gather (an elementwise copy, ~1 GB/s here against ~10 GB/s for a streaming
+# read) is most of the cost; the tile count is bounded by ceil(M/tm) + G, so for a decode
+# step (~M/G rows per expert: 8 for 64 rows x top-8 over 64 experts) larger tiles barely
+# reduce the gathers while multiplying the wasted rows of partial tiles. On
+# benchmarks/bench_cpu_moe.py's decode shapes tm = 8, 16 and 32 were within run-to-run noise
+# of each other (a shared 2-core machine); 16 also keeps prefill's tile count at M/16 + G.
+XLA_TILE_ROWS = 16
 
 
 def xla_tile_plan(group_sizes, num_rows: int, tm: int = XLA_TILE_ROWS):
@@ -228,21 +230,24 @@ def xla_tile_plan(group_sizes, num_rows: int, tm: int = XLA_TILE_ROWS):
 def _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm):
     """f32[M, N]: the tiled grouped matmul (``silu(gate) * up`` per tile for SwiGLU).
 
-    x f32[M, K]; rhs [Lyr, G, K, N'] (N' = 2N for SwiGLU) and rhs_scale f32[Lyr, G, Kb, Nb']
-    or None, read at ``layer``. Gathers each tile's rows f32[S, tm, K] and its group's
-    weights [S, K, N'] (FP8 tiles dequantised after the gather, so only the weights the
-    tiles use are converted), one batched matmul, then each row picks its tile slot back.
+    x [M, K] (f32, or bf16 when lhs and weights are bf16); rhs [Lyr, G, K, N'] (N' = 2N for
+    SwiGLU) and rhs_scale f32[Lyr, G, Kb, Nb'] or None, read at ``layer``. Gathers each
+    tile's rows [S, tm, K] and its group's weights [S, K, N'] in their stored dtype (FP8 tiles
+    dequantised to f32 after the gather, so only the weights the tiles use are converted),
+    one batched matmul with fp32 accumulation, then each row picks its tile slot back.
+    Products of bf16 values are exact in fp32, so bf16 operands give the reference's fp32 math.
     """
     m, k = x.shape
     tile_group, tile_rows, row_slot = xla_tile_plan(group_sizes, m, tm)
     num_tiles = tile_group.shape[0]
-    xt = jnp.take(x, tile_rows, axis=0, mode="fill", fill_value=0)  # f32[S, tm, K]
-    wt = rhs[layer, tile_group]  # [S, K, N']
+    xt = jnp.take(x, tile_rows, axis=0, mode="fill", fill_value=0)  # [S, tm, K]
+    wt = rhs[layer, tile_group]  # [S, K, N'] stored dtype
     if rhs_scale is not None:
         st = rhs_scale[layer, tile_group]  # f32[S, Kb, Nb']
         st = jnp.repeat(jnp.repeat(st, WEIGHT_BLOCK, axis=1), WEIGHT_BLOCK, axis=2)
         wt = wt.astype(jnp.float32) * st[:, :k, : wt.shape[2]]  # as dequantize_fp8_blockwise
-    y = jnp.einsum("smk,skn->smn", xt, wt.astype(jnp.float32),
+    wt = wt.astype(x.dtype)  # no-op unless f32 activations meet bf16 weights
+    y = jnp.einsum("smk,skn->smn", xt, wt, preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST)  # f32[S, tm, N']
     if swiglu:
         n = y.shape[2] // 2
@@ -252,7 +257,7 @@ def _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm):
 
 
 def xla_gmm_impl(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype, swiglu,
-                 tm: int = XLA_TILE_ROWS):
+                 tm: int | None = None):
     """The XLA path of :func:`gmm` / :func:`gmm_swiglu` with stacked ``rhs`` [Lyr, G, K, N].
 
     Same fp32 math as the reference (activations quantised the same way with
@@ -263,7 +268,12 @@ def xla_gmm_impl(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtyp
     n = rhs.shape[3] // 2 if swiglu else rhs.shape[3]
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    x = quantize_lhs_reference(lhs) if quantize_lhs else lhs.astype(jnp.float32)
+    tm = tm or XLA_TILE_ROWS  # read at trace time, so a benchmark can sweep it
+    if quantize_lhs or rhs_scale is not None:
+        x = quantize_lhs_reference(lhs) if quantize_lhs else lhs.astype(jnp.float32)
+    else:  # bf16 x bf16 stays bf16 (exact products, fp32 sums); anything else in fp32
+        both_bf16 = lhs.dtype == rhs.dtype == jnp.bfloat16
+        x = lhs if both_bf16 else lhs.astype(jnp.float32)
     return _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm).astype(out_dtype)
 
 
