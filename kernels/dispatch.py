@@ -1,4 +1,4 @@
-"""Choose between a kernel's Pallas TPU implementation and its pure-JAX reference.
+"""Choose between a kernel's Pallas TPU implementation, a fast XLA one and the reference.
 
 Every op in ``kernels`` takes a keyword ``impl`` and calls :func:`resolve` at trace time.
 ``impl`` must be a *static* value of whatever jitted function passes it down (the model
@@ -6,13 +6,15 @@ forward takes it as a static argument), so switching implementations retraces in
 silently reusing a stale compilation.
 
 Values of ``impl``:
-  ``"auto"``       Pallas on a TPU backend, the reference everywhere else (the default).
+  ``"auto"``       Pallas on a TPU backend; elsewhere the op's fast XLA implementation where
+                   it has one (grouped matmuls, attention), else its reference (the default).
   ``"pallas"``     always the Pallas kernel, compiled for the TPU.
   ``"interpret"``  the Pallas kernel in TPU interpret mode (runs on CPU; used by tests).
-  ``"reference"``  always the pure-JAX reference (the oracle the tests compare against).
-  ``"xla"``        the fast pure-XLA path of kernels that have one (CPU/GPU serving: work
-                   proportional to the step, e.g. attention reads only the pages the batch
-                   holds); kernels without one run their reference. ``"auto"`` picks it off TPU.
+  ``"xla"``        the op's fast pure-XLA implementation (grouped matmuls: only the routed
+                   rows; attention: only the pages the batch holds); ops without a separate
+                   one (their reference already is efficient XLA: routing, GDN, collectives)
+                   run their reference.
+  ``"reference"``  always the pure-JAX reference: the slow, obvious oracle of every op.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from typing import Literal
 
 import jax
 
-Impl = Literal["auto", "pallas", "interpret", "reference", "xla"]
-IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "reference", "xla")
+Impl = Literal["auto", "pallas", "interpret", "xla", "reference"]
+IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "xla", "reference")
 
 # Process-wide default, so a whole server can be forced onto one path without plumbing:
 # STB_KERNEL_IMPL=interpret python -m ...
@@ -31,8 +33,12 @@ DEFAULT_IMPL: str = os.environ.get("STB_KERNEL_IMPL", "auto")
 
 
 def resolve(impl: str | None, *, has_xla: bool = False) -> str:
-    """Return ``"pallas"``, ``"interpret"``, ``"reference"`` or (for a kernel with a fast XLA
-    path, ``has_xla``) ``"xla"`` for a requested ``impl``."""
+    """Return ``"pallas"``, ``"interpret"``, ``"xla"`` or ``"reference"`` for ``impl``.
+
+    ``has_xla``: the calling op has a fast XLA implementation distinct from its reference
+    (then ``"auto"`` off-TPU and ``"xla"`` resolve to ``"xla"``); without one both resolve to
+    ``"reference"``.
+    """
     impl = DEFAULT_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

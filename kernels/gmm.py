@@ -17,6 +17,12 @@ and scalar-prefetched, so an M tile is visited once per group it overlaps (at le
 so tiles past the last group still write zeros). Rows of other groups are masked to zero
 in the lhs tile. One fp32 accumulator per M tile lives in VMEM across its visits.
 
+XLA path (``impl="xla"``, what ``"auto"`` picks off-TPU): the same visit idea in plain XLA.
+The sorted rows are cut into tiles of ``XLA_TILE_ROWS`` rows that each belong to one group
+(a static upper bound of ceil(M/tm) + G tiles); each tile's rows and its group's weights are
+gathered, one batched matmul computes every tile, and each row reads its result back. The
+reference (one masked dense matmul per group over all M rows) stays the obvious oracle.
+
 TPU assumptions: tiles tm x tk x tn with tm a multiple of 16 and tk, tn multiples of 128
 (defaults 128 x 512 x 512: for the model's K=4096, N=1024 the weight tiles are 512 KiB in
 bf16, 256 KiB in fp8, well inside the default scoped VMEM). Shapes that are not tile
@@ -170,6 +176,105 @@ def ref_gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False,
     h = _ref_grouped(x, w, group_sizes)  # f32[M, 2N]
     n = rhs.shape[2] // 2
     return (jax.nn.silu(h[:, :n]) * h[:, n:]).astype(out_dtype or lhs.dtype)
+
+
+# --------------------------------------------------------------------------- XLA (off-TPU)
+
+# Rows per tile of the XLA path. Every tile gathers its group's [K, N] weights, and on
+# XLA:CPU that gather (an elementwise copy, ~1 GB/s here against ~10 GB/s for a streaming
+# read) is most of the cost; the tile count is bounded by ceil(M/tm) + G, so for a decode
+# step (~M/G rows per expert: 8 for 64 rows x top-8 over 64 experts) larger tiles barely
+# reduce the gathers while multiplying the wasted rows of partial tiles. On
+# benchmarks/bench_cpu_moe.py's decode shapes tm = 8, 16 and 32 were within run-to-run noise
+# of each other (a shared 2-core machine); 16 also keeps prefill's tile count at M/16 + G.
+XLA_TILE_ROWS = 16
+
+
+def xla_tile_plan(group_sizes, num_rows: int, tm: int = XLA_TILE_ROWS):
+    """Split the sorted rows into tiles of ``tm`` rows that each belong to one group.
+
+    Args:
+      group_sizes: i32[G]; groups past ``num_rows`` rows are cut there.
+      num_rows: M.
+      tm: rows per tile.
+    Returns:
+      (tile_group i32[S], tile_rows i32[S, tm], row_slot i32[M]) with the static tile count
+      S = min(ceil(M/tm) + G, (M + min(G, M) * (tm - 1)) // tm), an upper bound of
+      sum_g ceil(size_g / tm). Tile s holds rows ``tile_rows[s]`` of group ``tile_group[s]``;
+      slots past the group's end and unused tiles hold row index M (out of range). Row r sits
+      at flat slot ``row_slot[r]`` (tile * tm + offset) of the tiles, or -1 outside the groups.
+    """
+    num_groups = group_sizes.shape[0]
+    num_tiles = max(1, min(-(-num_rows // tm) + num_groups,
+                           (num_rows + min(num_groups, num_rows) * (tm - 1)) // tm))
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), num_rows)  # i32[G]
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])  # i32[G]
+    count = (ends - starts + tm - 1) // tm  # i32[G] tiles per group
+    tiles_end = jnp.cumsum(count)  # i32[G]
+    s = jnp.arange(num_tiles, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tiles_end, s, side="right"), num_groups - 1)
+    group = group.astype(jnp.int32)  # unused tiles (s >= total) land on the last group
+    first_row = starts[group] + (s - (tiles_end[group] - count[group])) * tm  # i32[S]
+    rows = first_row[:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]  # i32[S, tm]
+    used = (s < tiles_end[-1])[:, None] & (rows < ends[group][:, None])
+    rows = jnp.where(used, rows, num_rows)
+
+    r = jnp.arange(num_rows, dtype=jnp.int32)
+    g_of_r = jnp.minimum(jnp.searchsorted(ends, r, side="right"), num_groups - 1)  # i32[M]
+    local = r - starts[g_of_r]
+    slot = (tiles_end[g_of_r] - count[g_of_r] + local // tm) * tm + local % tm
+    row_slot = jnp.where(r < ends[-1], slot, -1).astype(jnp.int32)
+    return group, rows, row_slot
+
+
+def _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm):
+    """f32[M, N]: the tiled grouped matmul (``silu(gate) * up`` per tile for SwiGLU).
+
+    x [M, K] (f32, or bf16 when lhs and weights are bf16); rhs [Lyr, G, K, N'] (N' = 2N for
+    SwiGLU) and rhs_scale f32[Lyr, G, Kb, Nb'] or None, read at ``layer``. Gathers each
+    tile's rows [S, tm, K] and its group's weights [S, K, N'] in their stored dtype (FP8 tiles
+    dequantised to f32 after the gather, so only the weights the tiles use are converted),
+    one batched matmul with fp32 accumulation, then each row picks its tile slot back.
+    Products of bf16 values are exact in fp32, so bf16 operands give the reference's fp32 math.
+    """
+    m, k = x.shape
+    tile_group, tile_rows, row_slot = xla_tile_plan(group_sizes, m, tm)
+    num_tiles = tile_group.shape[0]
+    xt = jnp.take(x, tile_rows, axis=0, mode="fill", fill_value=0)  # [S, tm, K]
+    wt = rhs[layer, tile_group]  # [S, K, N'] stored dtype
+    if rhs_scale is not None:
+        st = rhs_scale[layer, tile_group]  # f32[S, Kb, Nb']
+        st = jnp.repeat(jnp.repeat(st, WEIGHT_BLOCK, axis=1), WEIGHT_BLOCK, axis=2)
+        wt = wt.astype(jnp.float32) * st[:, :k, : wt.shape[2]]  # as dequantize_fp8_blockwise
+    wt = wt.astype(x.dtype)  # no-op unless f32 activations meet bf16 weights
+    y = jnp.einsum("smk,skn->smn", xt, wt, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST)  # f32[S, tm, N']
+    if swiglu:
+        n = y.shape[2] // 2
+        y = jax.nn.silu(y[..., :n]) * y[..., n:]
+    y = y.reshape(num_tiles * tm, y.shape[2])
+    return jnp.where((row_slot >= 0)[:, None], y[jnp.maximum(row_slot, 0)], 0.0)
+
+
+def xla_gmm_impl(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype, swiglu,
+                 tm: int | None = None):
+    """The XLA path of :func:`gmm` / :func:`gmm_swiglu` with stacked ``rhs`` [Lyr, G, K, N].
+
+    Same fp32 math as the reference (activations quantised the same way with
+    ``quantize_lhs``), but only each row's own group is computed: about ``M * K * N`` FLOPs
+    plus (tiles x K x N) weight reads instead of the reference's ``G * M * K * N``.
+    """
+    m = lhs.shape[0]
+    n = rhs.shape[3] // 2 if swiglu else rhs.shape[3]
+    if m == 0:
+        return jnp.zeros((0, n), out_dtype)
+    tm = tm or XLA_TILE_ROWS  # read at trace time, so a benchmark can sweep it
+    if quantize_lhs or rhs_scale is not None:
+        x = quantize_lhs_reference(lhs) if quantize_lhs else lhs.astype(jnp.float32)
+    else:  # bf16 x bf16 stays bf16 (exact products, fp32 sums); anything else in fp32
+        both_bf16 = lhs.dtype == rhs.dtype == jnp.bfloat16
+        x = lhs if both_bf16 else lhs.astype(jnp.float32)
+    return _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm).astype(out_dtype)
 
 
 # --------------------------------------------------------------------------- validation
@@ -427,7 +532,10 @@ def _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, b
     one = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
     _validate(lhs, one(rhs), group_sizes, one(rhs_scale), quantize_lhs, swiglu=swiglu)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    resolved = dispatch.resolve(impl)
+    resolved = dispatch.resolve(impl, has_xla=True)
+    if resolved == "xla":
+        return xla_gmm_impl(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype,
+                            swiglu)
     if resolved == "reference":
         ref = ref_gmm_swiglu if swiglu else ref_gmm
         return ref(lhs, rhs[layer], group_sizes,
@@ -455,7 +563,8 @@ def gmm(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=
       quantize_lhs: FP8 only; quantise lhs to e4m3 per row per 512-wide K sub-channel.
       out_dtype: defaults to lhs.dtype.
       impl: see :mod:`kernels.dispatch` (static under jit).
-      block_sizes: tile override for the Pallas path.
+      block_sizes: tile override for the Pallas path (the XLA path tiles rows by
+        ``XLA_TILE_ROWS``).
       layer: optional int or traced i32 scalar; then ``rhs`` is a stack [Lyr, G, K, N] (scale
         [Lyr, G, ...]) of one weight set per model layer and ``rhs[layer]`` is used. The Pallas
         path reads it in place (no XLA slice of the stack, which under a layer scan copies).

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    ap.add_argument("--kernel-impl", default="auto", choices=["auto", "pallas", "interpret", "reference"])
+    ap.add_argument("--kernel-impl", default="auto", choices=["auto", "pallas", "interpret", "xla", "reference"])
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.max_new_tokens < 1:

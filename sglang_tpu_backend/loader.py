@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -334,6 +335,7 @@ def load_params(
     dtype: Any = jnp.bfloat16,
     keep_fp8_experts: bool = False,
     progress: bool | None = None,
+    backend: str | None = None,
 ) -> dict:
     """Load a safetensors checkpoint into the params pytree (layout in ``models/qwen3_5_moe.py``).
 
@@ -341,13 +343,26 @@ def load_params(
       checkpoint_dir: directory with ``*.safetensors`` (and optionally the index json).
       cfg: the model's config (``load_model_config(checkpoint_dir)``).
       dtype: dtype of every parameter except ``A_log``/``dt_bias`` (f32) and kept FP8 experts.
-      keep_fp8_experts: keep FP8 routed experts as float8_e4m3fn plus block scales (needs
-        ``moe_intermediate_size % 128 == 0``; otherwise they are dequantised, with a log line).
+      keep_fp8_experts: keep FP8 routed experts as float8_e4m3fn plus block scales for the
+        TPU kernels (needs ``moe_intermediate_size % 128 == 0``; otherwise they are
+        dequantised, with a log line). Off-TPU it is ignored (log line): the experts are
+        dequantised here, once, instead of on every grouped matmul of every step.
       progress: show a tqdm bar (None: only on a terminal).
+      backend: the JAX backend the params are for (None: ``jax.default_backend()``); FP8
+        experts are kept only for ``"tpu"``.
+
+    Off-TPU the dequantised experts are ``fp8 * scale`` in f32, exactly the weights the FP8
+    grouped-matmul reference computes with, then cast to ``dtype``: identical for f32, one
+    bf16 rounding (relative error <= 2^-9 per weight) for bf16.
 
     Raises:
       CheckpointError: pickle-only directory, missing tensors or wrong shapes (named by HF name).
     """
+    backend = backend or jax.default_backend()
+    if keep_fp8_experts and backend != "tpu":
+        log.info("keep_fp8_experts: backend %s has no FP8 expert kernels; dequantising FP8 "
+                 "experts once at load", backend)
+        keep_fp8_experts = False
     checkpoint_dir = Path(checkpoint_dir)
     entries = index_checkpoint(checkpoint_dir)
     prefix = _detect_prefix(entries)
@@ -384,8 +399,9 @@ def load_model(
     dtype: Any = jnp.bfloat16,
     keep_fp8_experts: bool = False,
     progress: bool | None = None,
+    backend: str | None = None,
 ) -> tuple[ModelConfig, dict]:
     """``(load_model_config(dir), load_params(dir, cfg, ...))``; raises ConfigError/CheckpointError."""
     cfg = load_model_config(checkpoint_dir)
     return cfg, load_params(checkpoint_dir, cfg, dtype=dtype, keep_fp8_experts=keep_fp8_experts,
-                            progress=progress)
+                            progress=progress, backend=backend)

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 DTYPES = ("bfloat16", "float32", "float16")
-KERNEL_IMPLS = ("auto", "pallas", "interpret", "reference", "xla")
+KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 

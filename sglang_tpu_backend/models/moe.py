@@ -26,7 +26,9 @@ def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, im
     experts: {gate_up [E, H, 2I], down [E, I, H] (+ FP8 scales)}, or with ``layer`` the
     weights of every layer group stacked ([groups, E, ...]) and read at ``layer`` inside the
     kernels; top_i i32[T, K] global expert ids; top_w f32[T, K]; expert ``expert_offset + e``
-    is local expert e.
+    is local expert e. Ids outside the local range (other ranks' experts, and the id
+    ``cfg.num_experts`` that the MoE block gives padding rows) are computed by no local expert
+    and add nothing, so the group sizes may sum to fewer than T*K rows.
     """
     token_idx, group_sizes, rows = routing.route_metadata(
         top_i.astype(jnp.int32), num_experts, expert_offset=expert_offset)

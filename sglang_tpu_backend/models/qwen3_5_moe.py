@@ -194,9 +194,37 @@ def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, c
     return o @ p["out_proj"], conv_state, rec_state
 
 
+def route_tokens(router_logits, cfg: ModelConfig, num_valid=None, act_dtype=None):
+    """Renormalised top-k routing with padding rows sent nowhere.
+
+    Args:
+      router_logits: [T, E] router scores.
+      num_valid: i32[] real token rows (rows past it are the step's padding), or None (all
+        rows real).
+      act_dtype: dtype the weights are rounded through (default: the logits' dtype).
+    Returns:
+      (top_w f32[T, K] weights rounded through the activation dtype, top_i i32[T, K] global
+      expert ids). Padding rows get id ``cfg.num_experts``, outside every rank's expert range
+      (``kernels.routing.route_metadata`` drops it), and weight 0: no expert computes them and
+      the group sizes count only real rows.
+    """
+    K = cfg.num_experts_per_tok
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, E]
+    top_w, top_i = jax.lax.top_k(probs, K)  # [T, K]
+    if cfg.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    top_w = top_w.astype(act_dtype or router_logits.dtype).astype(jnp.float32)
+    top_i = top_i.astype(jnp.int32)
+    if num_valid is not None:
+        real = (jnp.arange(router_logits.shape[0]) < num_valid)[:, None]  # bool[T, 1]
+        top_i = jnp.where(real, top_i, cfg.num_experts)
+        top_w = jnp.where(real, top_w, 0.0)
+    return top_w, top_i
+
+
 def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
               experts: Params | None = None, group=None, tp: TPContext | None = None,
-              num_valid=None):
+              num_valid=None, with_stats: bool = False):
     """Sparse MoE with renormalised top-k and a sigmoid-gated shared expert. x: [T, H].
 
     ``ep`` (inside ``shard_map`` only): experts are split over the DP/EP ranks, see
@@ -205,16 +233,13 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
     each runs its own experts and one all-reduce sums them.
     ``experts``/``group``: the routed experts of every layer group stacked, read at ``group``
     by the kernels (the layer scan passes them whole); default ``p["experts"]`` (one layer).
-    ``num_valid`` (i32[], real token rows): also return the router's health summary f32[3]
-    (``metrics/router_stats.py``).
+    ``num_valid`` (i32[], real token rows): rows past it are padding and are routed to no
+    expert (their routed output is 0; :func:`route_tokens`). ``with_stats``: also return the
+    router's health summary f32[3] over the real rows (``metrics/router_stats.py``; needs
+    ``num_valid``).
     """
-    K = cfg.num_experts_per_tok
     router_logits = x @ p["gate"]  # [T, E]
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # [T, E]
-    top_w, top_i = jax.lax.top_k(probs, K)  # [T, K]
-    if cfg.norm_topk_prob:
-        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    top_w = top_w.astype(x.dtype).astype(jnp.float32)
+    top_w, top_i = route_tokens(router_logits, cfg, num_valid, x.dtype)  # [T, K]
 
     if experts is None:
         experts, group = p["experts"], None
@@ -231,19 +256,20 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
     shared = p["shared_expert"]
     shared_out = swiglu_mlp(x, shared["gate_up"], shared["down"])  # [T, H]
     shared_out = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared_out
-    if num_valid is None:
+    if not with_stats:
         return routed + shared_out
     return routed + shared_out, router_stats(router_logits, top_i, num_valid)
 
 
 def mlp_block(p: Params, x, cfg: ModelConfig, layer: int, impl, ep: EPContext | None = None,
               experts: Params | None = None, group=None, tp: TPContext | None = None,
-              num_valid=None):
-    """The layer's MLP; with ``num_valid`` also its router stats f32[3] (NaN: dense layer)."""
+              num_valid=None, with_stats: bool = False):
+    """The layer's MLP; with ``with_stats`` also its router stats f32[3] (NaN: dense layer).
+    ``num_valid``: real token rows (padding past it is routed nowhere), see :func:`moe_block`."""
     if cfg.is_moe_layer(layer):
-        return moe_block(p, x, cfg, impl, ep, experts, group, tp, num_valid)
+        return moe_block(p, x, cfg, impl, ep, experts, group, tp, num_valid, with_stats)
     out = swiglu_mlp(x, p["gate_up"], p["down"])
-    return out if num_valid is None else (out, jnp.full((NUM_STATS,), jnp.nan, jnp.float32))
+    return out if not with_stats else (out, jnp.full((NUM_STATS,), jnp.nan, jnp.float32))
 
 
 def _split_experts(groups: tuple[Params, ...]) -> tuple[tuple[Params, ...], tuple]:
@@ -281,7 +307,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
     cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta)
 
     scanned, experts = _split_experts(params["layer_groups"])
-    num_valid = batch.cu_q_lens[batch.num_seqs[0]] if with_stats else None  # real token rows
+    num_valid = batch.cu_q_lens[batch.num_seqs[0]]  # real token rows; the rest is padding
 
     def group(carry, xs):
         x, kv_pages, conv_state, rec_state = carry
@@ -304,7 +330,8 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
                 h = jax.lax.psum(h, tp.axes)  # heads' partial sums of the output projection
             x = x + h
             h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
-            out = mlp_block(p["mlp"], h, cfg, j, impl, ep, experts[j], g, tp, num_valid)
+            out = mlp_block(p["mlp"], h, cfg, j, impl, ep, experts[j], g, tp, num_valid,
+                            with_stats)
             if with_stats:
                 out, st = out
                 stats.append(st)

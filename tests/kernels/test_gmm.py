@@ -272,3 +272,84 @@ def test_cost_model():
     assert c.bytes_accessed == 256 * 4096 * 2 + 64 * 4096 * 1024 + 4 * 64 * 32 * 8 + 256 * 1024 * 2
     cs = G.gmm_swiglu_cost(256, 4096, 1024, 64)
     assert cs.flops > 2 * 256 * 4096 * 2048 and cs.transcendentals == 256 * 1024
+
+
+# ----------------------------------------------------------------------------- XLA path
+
+
+def test_xla_tile_plan_covers_each_row_once():
+    gs = jnp.array([0, 5, 0, 17, 8, 0, 1], jnp.int32)  # 31 rows in groups, M = 40, tm = 8
+    plan = jax.jit(G.xla_tile_plan, static_argnums=(1, 2))
+    group, rows, slot = (np.asarray(a) for a in plan(gs, 40, 8))
+    assert len(group) == min(5 + 7, (40 + 7 * 7) // 8)
+    ends = np.cumsum(np.asarray(gs))
+    flat = rows.reshape(-1)
+    for r in range(40):
+        hits = np.flatnonzero(flat == r)
+        if r < 31:
+            assert list(hits) == [slot[r]]  # exactly one slot, and row_slot points at it
+            g = group[slot[r] // 8]
+            assert (ends[g] - gs[g]) <= r < ends[g]
+        else:
+            assert len(hits) == 0 and slot[r] == -1
+    assert np.all(flat[flat != 40] < 31)
+
+
+XLA_CASES = [
+    # (M, K, N, group_sizes, swiglu): empty first/middle/last groups, sum < M, sizes not
+    # multiples of the tile rows, a group spanning several tiles, a group of one row, no rows
+    (150, 64, 48, [0, 37, 0, 50, 20, 0], False),
+    (40, 256, 128, [1, 0, 17, 0, 9, 3], True),
+    (9, 32, 16, [0, 0, 0], True),
+]
+
+
+@pytest.mark.parametrize("m,k,n,group_sizes,swiglu", XLA_CASES)
+def test_xla_equals_reference(m, k, n, group_sizes, swiglu):
+    lhs, rhs, gs = _inputs(m, k, 2 * n if swiglu else n, group_sizes, jnp.float32, seed=31)
+    f, ref = (G.gmm_swiglu, G.ref_gmm_swiglu) if swiglu else (G.gmm, G.ref_gmm)
+    lb, rb = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
+
+    @jax.jit
+    def both(lhs, rhs, lb, rb, gs):
+        return (f(lhs, rhs, gs, impl="xla"), ref(lhs, rhs, gs),
+                f(lb, rb, gs, impl="xla"), ref(lb, rb, gs, out_dtype=jnp.float32))
+
+    out, want, out_bf16, want_bf16 = both(lhs, rhs, lb, rb, gs)
+    assert out.shape == (m, n) and out.dtype == jnp.float32 and out_bf16.dtype == jnp.bfloat16
+    _check(out, want, 1e-5)
+    np.testing.assert_array_equal(np.asarray(out[int(np.sum(group_sizes)):]), 0.0)
+    _check(out_bf16, want_bf16, 1e-2)  # one bf16 rounding of the output
+
+
+def test_auto_resolves_to_xla_off_tpu():
+    from kernels import dispatch
+
+    if jax.default_backend() == "tpu":
+        pytest.skip("auto is Pallas on a TPU")
+    assert dispatch.resolve("auto", has_xla=True) == "xla"
+    assert dispatch.resolve("auto") == "reference"  # ops without a separate XLA path
+    assert dispatch.resolve("xla") == "reference"
+    assert dispatch.resolve("reference", has_xla=True) == "reference"
+
+
+@pytest.mark.parametrize("swiglu,quantize", [(False, False), (True, True)])
+def test_xla_fp8_stacked_layer_equals_reference(swiglu, quantize):
+    """FP8 block scales (and quantised activations) with stacked [Lyr, G, K, N] weights read
+    at a traced layer."""
+    m, k, n, sizes = 50, 256, 128 if swiglu else 192, [7, 0, 20, 1, 9]
+    width = 2 * n if swiglu else n
+    ws = [_inputs(m, k, width, sizes, jnp.float32, seed=40 + i)[1] for i in range(3)]
+    lhs, _, gs = _inputs(m, k, width, sizes, jnp.float32, seed=40)
+    qs = [G.quantize_fp8_blockwise(w) for w in ws]
+    rhs, scale = jnp.stack([q for q, _ in qs]), jnp.stack([s for _, s in qs])  # [3, G, ...]
+    f, ref = (G.gmm_swiglu, G.ref_gmm_swiglu) if swiglu else (G.gmm, G.ref_gmm)
+
+    @jax.jit
+    def both(layer):
+        return (f(lhs, rhs, gs, rhs_scale=scale, quantize_lhs=quantize, impl="xla", layer=layer),
+                ref(lhs, rhs[2], gs, rhs_scale=scale[2], quantize_lhs=quantize))
+
+    out, want = both(jnp.int32(2))
+    _check(out, want, 1e-5)
+    np.testing.assert_array_equal(np.asarray(out[37:]), 0.0)

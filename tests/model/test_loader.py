@@ -103,7 +103,7 @@ def test_keep_fp8_experts_keeps_values_and_transposed_scales(tmp_path):
     config = nested_config()
     fp8 = quantize_checkpoint_fp8(tensors_for(config, seed=3))
     path = write_checkpoint(tmp_path / "fp8", fp8, config)
-    cfg, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True)
+    cfg, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True, backend="tpu")
     _, deq = load_model(path, dtype=jnp.float32)
     i, bi = cfg.moe_intermediate_size, cfg.moe_intermediate_size // FP8_BLOCK
     ex = layer_params(kept, cfg, 2)["mlp"]["experts"]
@@ -138,10 +138,22 @@ def test_keep_fp8_experts_falls_back_when_width_not_blockable(tmp_path, caplog):
     config = nested_config(moe_intermediate_size=64)
     path = write_checkpoint(tmp_path / "fp8", quantize_checkpoint_fp8(tensors_for(config)), config)
     with caplog.at_level(logging.INFO, logger="sglang_tpu_backend.loader"):
-        _, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True)
+        _, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True, backend="tpu")
     _, deq = load_model(path, dtype=jnp.float32)
     assert_trees_equal(kept, deq)
     assert "not a multiple of 128" in caplog.text
+
+
+def test_keep_fp8_experts_dequantised_once_off_tpu(tmp_path, caplog):
+    """Off-TPU FP8 experts are dequantised at load (no scales) exactly as without the flag."""
+    config = nested_config()
+    path = write_checkpoint(tmp_path / "fp8", quantize_checkpoint_fp8(tensors_for(config)), config)
+    with caplog.at_level(logging.INFO, logger="sglang_tpu_backend.loader"):
+        cfg, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True, backend="cpu")
+    _, deq = load_model(path, dtype=jnp.float32)
+    assert_trees_equal(kept, deq)
+    assert layer_params(kept, cfg, 2)["mlp"]["experts"].keys() == {"gate_up", "down"}
+    assert "dequantising FP8 experts once at load" in caplog.text
 
 
 def test_nested_and_flat_configs_load_the_same(tmp_path, caplog):

@@ -7,6 +7,7 @@ padding rows change nothing.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -117,3 +118,42 @@ def test_decode_batch_equals_each_alone_and_leaves_other_slots(model):
     for i, s in enumerate(seqs):
         alone, _ = run(model, new_cache(cfg), [SeqChunk(s, 0, pages_for(i), i)])
         np.testing.assert_allclose(together[i], alone[0], atol=ATOL, rtol=0)
+
+
+
+def test_padding_rows_routed_nowhere_and_change_nothing(model):
+    """Padding rows get no expert (group sizes count only real rows), and real rows' outputs
+    are the same with or without padding: for the model (the module's 64-token bucket on the
+    reference kernels vs an exact-size batch on impl="auto", the fast XLA grouped matmuls on
+    CPU) and for one MoE block."""
+    from kernels.routing import route_metadata
+    from sglang_tpu_backend.models.qwen3_5_moe import layer_params, moe_block, route_tokens
+
+    cfg, params = model
+    chunks = [SeqChunk(prompt(7, 5, cfg.vocab_size), 0, pages_for(0), 1),
+              SeqChunk(prompt(8, 3, cfg.vocab_size), 0, pages_for(1), 2)]
+    padded, _ = run(model, new_cache(cfg), chunks)  # 8 real rows in 64
+    batch, rows = build_forward_batch(chunks, page_size=PAGE, **{**BUCKETS, "num_tokens": 8})
+    exact, _ = forward_jit(params, new_cache(cfg), batch, cfg, impl="auto")
+    for p_rows, r in zip(padded, rows):
+        np.testing.assert_allclose(p_rows, np.asarray(exact)[r], atol=ATOL, rtol=0)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((32, cfg.hidden_size)), jnp.float32)
+    p = layer_params(params, cfg, 0)["mlp"]
+    half = cfg.num_experts // 2
+
+    @jax.jit
+    def moe_checks(x):  # one compile for all of it
+        n = jnp.int32(8)
+        top_w, top_i = route_tokens(x @ p["gate"], cfg, num_valid=n)
+        _, sizes, sorted_rows = route_metadata(top_i, cfg.num_experts)
+        _, upper_sizes, _ = route_metadata(top_i, half, expert_offset=half)  # an EP rank
+        padded = moe_block(p, x, cfg, "xla", num_valid=n)[:8]
+        exact = moe_block(p, x[:8], cfg, "xla", num_valid=n)
+        return top_w, top_i, sizes, sorted_rows, upper_sizes, padded, exact
+
+    top_w, top_i, sizes, sorted_rows, upper_sizes, padded, exact = map(np.asarray, moe_checks(x))
+    assert np.all(top_i[8:] == cfg.num_experts) and np.all(top_w[8:] == 0)
+    assert sizes.sum() == 8 * cfg.num_experts_per_tok and np.all(sorted_rows[8:] == -1)
+    assert upper_sizes.sum() == np.sum(top_i[:8] >= half)
+    np.testing.assert_allclose(padded, exact, atol=1e-5, rtol=0)
