@@ -34,7 +34,7 @@ def main() -> None:
     n = args.num_requests
     eng = Engine(ServerArgs(model_path=args.model_path, max_running_requests=n, chunked_prefill_size=max(256, n),
                             context_length=512, dtype=args.dtype, skip_warmup=True), start_loop=False)
-    budget = args.steps * 2 + 8
+    budget = args.steps * 3 + 16  # prefill, warm steps, both timed loops, the forward-only batch
     for i in range(n):
         ids = [3 + (i * 31 + j * 7) % 1000 for j in range(args.prompt_len)]
         eng.add_request(GenerateReqInput(input_ids=ids, sampling_params={

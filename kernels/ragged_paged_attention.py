@@ -77,6 +77,9 @@ KV_BLOCK_TOKENS = 512
 VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 # Memory budget of one lax.map batch of the reference (gathered K/V in fp32 plus scores).
 REF_BATCH_BYTES = 128 * 1024 * 1024
+# KV tokens per block of the XLA path: small, so a short context reads little past its end
+# (every row of a step reads as many blocks as the longest one; a loop trip costs ~0.1 ms).
+XLA_KV_BLOCK_TOKENS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -731,12 +734,12 @@ def xla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
                                pages_per_block: int | None = None):
     """The serving path off TPU; same contract as :func:`ragged_paged_attention`.
 
-    ``pages_per_block`` defaults to ``KV_BLOCK_TOKENS // S`` (at least 1)."""
+    ``pages_per_block`` defaults to ``XLA_KV_BLOCK_TOKENS // S`` (at least 1)."""
     _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer)
     if new_k is not None:
         kv_pages = write_new_kv(kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
                                 num_seqs, layer)
-    bp = pages_per_block or max(1, KV_BLOCK_TOKENS // kv_pages.shape[3])
+    bp = pages_per_block or max(1, XLA_KV_BLOCK_TOKENS // kv_pages.shape[3])
     o = _xla_attention(q, kv_pages, _layer_index(layer, kv_pages.shape[0]), kv_lens,
                        page_indices, cu_q_lens, num_seqs, sm_scale, bp)
     return o if new_k is None else (o, kv_pages)
