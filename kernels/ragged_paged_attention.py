@@ -78,7 +78,8 @@ VMEM_LIMIT_BYTES = 32 * 1024 * 1024
 # Memory budget of one lax.map batch of the reference (gathered K/V in fp32 plus scores).
 REF_BATCH_BYTES = 128 * 1024 * 1024
 # KV tokens per block of the XLA path: small, so a short context reads little past its end
-# (every row of a step reads as many blocks as the longest one; a loop trip costs ~0.1 ms).
+# (every row of a step reads as many blocks as the longest one). Tiny-model fp32 decode step
+# at 64 requests of ~20-token contexts: ~50 ms with 512-token blocks, 10-17 ms with 128 or 64.
 XLA_KV_BLOCK_TOKENS = 128
 
 
