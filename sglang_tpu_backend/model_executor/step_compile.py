@@ -86,7 +86,8 @@ def compile_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = j
 def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = jnp.bfloat16,
                     fp8_experts: bool = False, kv_dtype: Any = jnp.bfloat16,
                     state_dtype: Any = jnp.float32, impl: str = "pallas",
-                    num_microbatches: int = 2) -> CompileReport:
+                    num_microbatches: int = 2, compiler_options: dict | None = None
+                    ) -> CompileReport:
     """Compile the DP x EP step (``parallel/dp_forward.py``) over every device of ``mesh``.
 
     ``spec`` is per DP rank (bucket, pages and slots of one rank); the global arrays are the
@@ -109,7 +110,8 @@ def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
     local = abstract_batch(spec, mesh)
     batch = jax.tree.map(lambda a, p: abstract((a.shape[0] * D, *a.shape[1:]), a.dtype, mesh, p),
                          local, dp.batch_specs(spec.mode))
-    return compile_for_tpu(dp._global_step, (params, cache, batch), mesh, donate_argnums=(1,))
+    return compile_for_tpu(dp._global_step, (params, cache, batch), mesh, donate_argnums=(1,),
+                           compiler_options=compiler_options)
 
 
 def compile_tp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = jnp.bfloat16,

@@ -13,6 +13,15 @@ real weights with it (:func:`place_weights`), and the weight-free compiles
 (``step_compile.py``) declare the same formats on their abstract params, so what is compiled
 here is what runs on a TPU. Routed-expert leaves are left alone: the grouped-matmul kernels
 read them in the default layout. Off TPU everything stays in the backend's default layout.
+
+Tiling is not the whole story: for two weights XLA:TPU also wants the two minor dimensions
+swapped (stored output-major, ``[groups, N, K]`` in memory for a logical ``[groups, K, N]``):
+attention's ``q_proj`` (its output is split per head into query and gate) and GDN's
+``in_proj_z`` (read per value head by the gated norm). In the input-major layout the compiled
+397B decode step relays out each layer's slice of both on the SparseCore on every step (one
+read and one write of 128 + 64 MiB per layer group, found in the compiled HLO as
+``sparse-core-data-format`` calls); stored output-major there are none
+(``tests/tpu/test_dp_compile.py`` checks). :data:`OUTPUT_MAJOR_WEIGHTS` names them.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Sharding
 
 LANES = 128  # minor-dim tile of every TPU layout
+OUTPUT_MAJOR_WEIGHTS = ("q_proj", "in_proj_z")  # leaf names stored [.., N, K] in memory
 
 
 def native_tiling(dtype: Any) -> tuple[tuple[int, int], ...]:
@@ -50,22 +60,33 @@ def is_routed_expert(path) -> bool:
     return any(getattr(k, "key", None) == "experts" for k in path)
 
 
-def weight_format(shape: tuple[int, ...], dtype: Any, sharding: Sharding) -> Format | Sharding:
+def weight_format(shape: tuple[int, ...], dtype: Any, sharding: Sharding, *,
+                  output_major: bool = False) -> Format | Sharding:
     """``Format(native tiling, sharding)`` for a replicated matmul weight, else ``sharding``
-    unchanged. Split weights (tensor-parallel heads) keep the default layout: XLA:TPU does not
-    take a caller's layout for a sharded argument of an SPMD program (it reports a layout
-    override), and a device copies only its 1/tp share of them."""
+    unchanged; ``output_major`` swaps the two minor dimensions in memory (the array's logical
+    shape is unchanged). Split weights (tensor-parallel heads) keep the default layout: XLA:TPU
+    does not take a caller's layout for a sharded argument of an SPMD program (it reports a
+    layout override), and a device copies only its 1/tp share of them."""
     if not is_matmul_weight(shape, dtype) or not sharding.is_fully_replicated:
         return sharding
-    layout = Layout(major_to_minor=tuple(range(len(shape))), tiling=native_tiling(dtype))
+    order = list(range(len(shape)))
+    if output_major:
+        order[-2:] = order[-1], order[-2]
+    layout = Layout(major_to_minor=tuple(order), tiling=native_tiling(dtype))
     return Format(layout, sharding)
+
+
+def _leaf_name(path) -> str | None:
+    return getattr(path[-1], "key", None) if path else None
 
 
 def weight_formats(params: Any, shardings: Any) -> Any:
     """Per leaf of ``params`` (arrays or ShapeDtypeStructs): its :func:`weight_format`, with
-    routed-expert leaves left at ``shardings``' default layout. ``shardings`` mirrors params."""
+    routed-expert leaves left at ``shardings``' default layout and the leaves named in
+    :data:`OUTPUT_MAJOR_WEIGHTS` output-major. ``shardings`` mirrors params."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x, s: s if is_routed_expert(path) else weight_format(x.shape, x.dtype, s),
+        lambda path, x, s: s if is_routed_expert(path) else weight_format(
+            x.shape, x.dtype, s, output_major=_leaf_name(path) in OUTPUT_MAJOR_WEIGHTS),
         params, shardings)
 
 

@@ -13,6 +13,7 @@ from jax.sharding import SingleDeviceSharding
 
 from sglang_tpu_backend.config import load_model_config
 from sglang_tpu_backend.model_executor.weight_layout import (
+    OUTPUT_MAJOR_WEIGHTS,
     is_matmul_weight,
     native_tiling,
     place_weights,
@@ -54,6 +55,24 @@ def test_397b_formats_cover_dense_matmul_weights_not_experts():
                       if "experts" not in n or "shared" in n)
     dense_tiled = sum(np.prod(s.shape) * s.dtype.itemsize for _, s in tiled)
     assert dense_plain < 0.01 * dense_tiled
+
+
+def test_output_major_weights_swap_the_two_minor_dims_only():
+    shapes = param_shapes(plan._load(str(plan.DEFAULT_CONFIG)), jnp.bfloat16, fp8_experts=True)
+    where = SingleDeviceSharding(jax.devices()[0])
+    formats = weight_formats(shapes, jax.tree.map(lambda _: where, shapes))
+    seen = set()
+    for (path, s), f in zip(jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(formats)):
+        if not isinstance(f, Format):
+            continue
+        name = path[-1].key
+        order = f.layout.major_to_minor
+        if name in OUTPUT_MAJOR_WEIGHTS:
+            seen.add(name)
+            assert order == (0, 2, 1), (jax.tree_util.keystr(path), order)
+        else:
+            assert order == tuple(range(len(s.shape))), (jax.tree_util.keystr(path), order)
+    assert seen == set(OUTPUT_MAJOR_WEIGHTS)
 
 
 def test_place_weights_on_cpu_keeps_default_layout_and_values():

@@ -71,17 +71,21 @@ def unfused_computations(hlo: str) -> list[str]:
 
 
 def relaid_out_weights(hlo: str, cfg) -> list[str]:
-    """Stacked dense weights ([groups, K, N], bf16) that the program copies whole in HBM, e.g.
-    into another tiling: instructions outside fusion bodies producing that shape in HBM, other
-    than the parameter itself and views of it. Stored in the MXU's tiling (``weight_layout.py``) there
-    are none."""
+    """Dense weights (bf16, both matrix dims >= 1024) that the program copies in HBM, e.g. into
+    another tiling or dimension order: instructions outside fusion bodies producing a weight's
+    shape in HBM, as the whole stack ``[groups, K, N]`` or one layer's slice ``[1, K, N]``
+    (the form the layer scan slices; a bare ``[K, N]`` would also match activations such as
+    the all-gathered hidden rows), other than the parameter itself and views of it. Stored as
+    ``weight_layout.py`` says there are none."""
     from sglang_tpu_backend.models.param_shapes import param_shapes
 
     groups = cfg.num_hidden_layers // cfg.layer_period
-    shapes = {f"bf16[{','.join(map(str, s.shape))}]"
-              for s in jax.tree.leaves(param_shapes(cfg, jnp.bfloat16, fp8_experts=True))
-              if s.dtype == jnp.bfloat16 and s.ndim == 3 and s.shape[0] == groups
-              and min(s.shape[1:]) >= 1024}
+    shapes = set()
+    for s in jax.tree.leaves(param_shapes(cfg, jnp.bfloat16, fp8_experts=True)):
+        if s.dtype == jnp.bfloat16 and s.ndim == 3 and s.shape[0] == groups \
+                and min(s.shape[1:]) >= 1024:
+            k, n = s.shape[1:]
+            shapes |= {f"bf16[{groups},{k},{n}]", f"bf16[1,{k},{n}]"}
     assert shapes
     found = []
     for block in unfused_computations(hlo):
@@ -89,8 +93,9 @@ def relaid_out_weights(hlo: str, cfg) -> list[str]:
             for layout, op in re.findall(rf"= {re.escape(shape)}{{([^}}]*)}} ([\w-]+)\(", block):
                 if "S(1)" in layout:  # memory space 1 is VMEM: a prefetch, not an HBM copy
                     continue
-                if op not in ("parameter", "get-tuple-element", "bitcast", "while", "tuple"):
-                    found.append(f"{op} -> {shape}")
+                if op not in ("parameter", "get-tuple-element", "bitcast", "while", "tuple",
+                              "dynamic-slice", "fusion"):
+                    found.append(f"{op} -> {shape}{{{layout}}}")
     return found
 
 

@@ -9,13 +9,22 @@ How the two are compared consistently:
   ``gathered_rows=True``: this step's grouped matmul multiplies all gathered token rows on
   every device (non-local rows masked to zero), which is what the kernel's cost estimate
   charges.
-- Bytes on the same 4-layer slice: the roofline counts only what a step must move (dense
-  weights, touched experts, KV pages, GDN state, lm_head), so it must not exceed what XLA
-  charges the compiled program. They do NOT agree within 20% yet: XLA charges 12.8 GB for
-  the decode slice against the roofline's 8.3 GB (it counts the embedding gather with the
-  whole 2.0 GB table, and custom calls with whole aliased operands). A bytes slope between
-  an 8- and a 4-layer compile is no way around it: the layer scan's body is counted once
-  whatever the trip count.
+- Bytes on the same 4-layer slice, compiled without VMEM prefetching (``NO_VMEM_PREFETCH``:
+  XLA's cost analysis otherwise charges every HBM->VMEM prefetch as extra bytes on top of its
+  consumer). A Pallas call is then charged exactly its CostEstimate, a gather only the rows
+  it reads (halving the vocabulary moves the total by the lm_head half alone), so what is
+  left between the two is traffic the program really has. The roofline counts only what a
+  step must move (dense weights, touched experts, KV pages, GDN state, lm_head): 8.34 GB for
+  the decode slice. XLA charged 12.83 GB with prefetch accounting, 12.03 GB without, and
+  10.69 GB once ``q_proj`` / ``in_proj_z`` were stored output-major (``weight_layout.py``:
+  before, each layer's slice of both was relaid out on every step). The remaining 1.28x is
+  activation traffic the roofline leaves out: per MoE layer the routed rows (5,120 x 4,096
+  bf16 = 42 MB) written by the gather and read by the expert matmul, the expert outputs
+  written and read back, and their relayout before the un-permute (``kernels/routing.py``);
+  plus the f32 logits. So the bytes do NOT agree within 20% yet; the test pins the ratio
+  so a new relayout or a dropped roofline term shows. A bytes slope between an 8- and a
+  4-layer compile is no way around it: the layer scan's body is counted once whatever the
+  trip count.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import functools
 import jax.numpy as jnp
 import pytest
 
-from kernels.tpu_compile import topology_devices
+from kernels.tpu_compile import NO_VMEM_PREFETCH, topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh
@@ -41,7 +50,7 @@ def compiled_cost(num_layers: int, mode: ForwardMode, T: int) -> dict:
     mesh = make_mesh(D, topology_devices("tpu7x:2x2x1"))
     spec = StepSpec(mode, T, R, R, PAGES, R * PAGES, PAGE, R)
     return compile_dp_step(config_397b(num_layers), spec, mesh, fp8_experts=True,
-                           state_dtype=jnp.bfloat16).cost
+                           state_dtype=jnp.bfloat16, compiler_options=NO_VMEM_PREFETCH).cost
 
 
 def roofline(num_layers: int, mode: ForwardMode, T: int) -> dict:
@@ -58,8 +67,10 @@ def test_flops_agree_with_xla_cost_analysis(mode, T):
     assert abs((bf16 + expert) / xla - 1) < 0.2, (bf16 + expert, xla)
 
 
-def test_roofline_bytes_do_not_exceed_xla_cost_analysis():
+def test_roofline_bytes_against_xla_cost_analysis():
     mode, T = ForwardMode.DECODE, 64
     xla = compiled_cost(4, mode, T)["bytes accessed"]
     ours = totals(roofline(4, mode, T))[2]
-    assert ours <= xla, (ours, xla)
+    print(f"\n397B decode slice bytes: roofline {ours / 1e9:.2f} GB, XLA {xla / 1e9:.2f} GB, "
+          f"ratio {xla / ours:.3f}")
+    assert ours <= xla <= 1.3 * ours, (ours, xla)
