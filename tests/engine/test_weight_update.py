@@ -67,6 +67,18 @@ def eng():
     e.shutdown()
 
 
+@pytest.fixture(scope="module")
+def eng_sync():
+    """An engine that completes each step before launching the next (no overlap)."""
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    e = Engine(ServerArgs(**ENGINE_ARGS, disable_overlap_schedule=True))
+    yield e
+    e.fault_injector = None
+    e.shutdown()
+
+
 def _req(text, sp, **kw):
     from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 
@@ -119,13 +131,25 @@ def _idle(engine):
     return s
 
 
-def test_update_matches_fresh_engine_without_recompiling(eng, ckpts, reference):
+@pytest.fixture
+def new_engine():
+    """An engine serving its startup weights (no update yet: the compile count below compares
+    the swapped-in arrays with the ones the engine placed itself)."""
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    e = Engine(ServerArgs(**ENGINE_ARGS))
+    yield e
+    e.shutdown()
+
+
+def test_update_matches_fresh_engine_without_recompiling(new_engine, ckpts, reference):
     from fastapi.testclient import TestClient
 
     from sglang_tpu_backend.entrypoints.http_server import create_app
     from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
 
-    _use(eng, ckpts["a"])
+    eng = new_engine
     assert _tokens_and_logprobs(_run_each(eng)) == reference["a"][0]
     assert _idle(eng)["kv_pages_cached"] > 0  # the prompts are cached (old-weight KV)
     client = TestClient(create_app(eng))
@@ -185,7 +209,10 @@ async def _first_token_then(engine, obj, outs: list):
         outs.append(o)
 
 
-def test_inflight_requests_finish_on_old_weights(eng, ckpts, reference):
+@pytest.mark.parametrize("engine_fixture", ["eng", "eng_sync"])
+def test_inflight_requests_finish_on_old_weights(request, engine_fixture, ckpts, reference):
+    eng = request.getfixturevalue(engine_fixture)
+    assert eng.overlap == (engine_fixture == "eng")
     _use(eng, ckpts["a"])
     gate = Gate()
     eng.fault_injector = gate
