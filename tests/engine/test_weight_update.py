@@ -3,13 +3,13 @@
 nothing; requests in flight finish on the old weights (or are aborted), requests arriving
 meanwhile wait and run on the new ones; a mismatched checkpoint is refused and changes nothing.
 
-Checkpoint "B" is the tiny model's config with weights from another seed.
+Checkpoint "B" is the tiny model's config with weights from another seed
+(``tiny_model.write_random_model``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
@@ -24,36 +24,24 @@ LONG = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 TIMEOUT_S = 60
 
 
-def _write_variant(src, dst, *, seed=1, drop=None, config_edit=None):
-    """Checkpoint at ``dst`` with ``src``'s config and tokenizer and random weights of ``seed``;
-    ``drop`` leaves a tensor out, ``config_edit`` changes config.json's text_config."""
-    from sglang_tpu_backend.checkpoint_io import write_checkpoint
-    from sglang_tpu_backend.config import load_model_config
-    from sglang_tpu_backend.tiny_model import _tokenizer_size, random_checkpoint_tensors
-
-    config = json.loads((src / "config.json").read_text())
-    tensors = random_checkpoint_tensors(load_model_config(src), seed=seed,
-                                        num_real_tokens=_tokenizer_size())
-    if drop is not None:
-        del tensors[drop]
-    if config_edit is not None:
-        config["text_config"].update(config_edit)
-    return write_checkpoint(dst, tensors, config, tokenizer_from=src)
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.tiny_model import default_model_path, write_random_model
 
-    a = default_model_path()
+    def wider(config, tensors):
+        config["text_config"]["hidden_size"] *= 2
+
+    def missing(config, tensors):
+        del tensors["model.language_model.norm.weight"]
+
+    def shorter(config, tensors):
+        tensors["model.language_model.norm.weight"] = tensors["model.language_model.norm.weight"][:-1]
+
     root = tmp_path_factory.mktemp("weights")
-    b = _write_variant(a, root / "b")
-    hidden = json.loads((a / "config.json").read_text())["text_config"]["hidden_size"]
-    return {
-        "a": a, "b": b,
-        "wider": _write_variant(a, root / "wider", config_edit={"hidden_size": hidden * 2}),
-        "missing": _write_variant(a, root / "missing", drop="model.language_model.norm.weight"),
-    }
+    return {"a": default_model_path(), "b": write_random_model(root / "b", seed=1),
+            "wider": write_random_model(root / "wider", seed=1, edit=wider),
+            "missing": write_random_model(root / "missing", seed=1, edit=missing),
+            "shorter": write_random_model(root / "shorter", seed=1, edit=shorter)}
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +271,7 @@ def test_abort_all_requests(eng, ckpts, reference):
 @pytest.mark.parametrize("name, problem, field", [
     ("wider", "hidden_size", None),
     ("missing", "lacks 1 tensor(s): model.language_model.norm.weight", None),
+    ("shorter", "model.language_model.norm.weight expected shape [128], got [127]", None),
     ("nowhere", "is not a directory", None),
     ("a", "load_format 'gguf' is not supported", "gguf"),
 ])
@@ -314,6 +303,28 @@ def test_bad_fields_answer_400_naming_them(eng):
                         ({"model_path": "x", "weight_version": 7}, "weight_version")]:
         r = client.post("/update_weights_from_disk", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_without_loop_thread_swaps_only_when_idle(ckpts):
+    """An engine its caller steps (``start_loop=False``): an update waiting for a queued
+    request would never be done, so it is refused and the request stays queued; aborting it
+    lets the swap happen at once."""
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    e = Engine(ServerArgs(**ENGINE_ARGS), start_loop=False)
+    try:
+        req = e.add_request(_req(PROMPTS[0], GREEDY))
+        res = e.update_weights_from_disk(str(ckpts["b"]))
+        assert not res["success"] and "no scheduler loop" in res["message"], res
+        assert e.get_model_info()["weight_version"] == "default"
+        assert e.pool_stats()["num_queued"] == 1 and e._weight_swap is None
+        res = e.update_weights_from_disk(str(ckpts["b"]), abort_all_requests=True)
+        assert res["success"] and e.get_model_info()["weight_version"] == "1", res
+        assert req.finish_reason["type"] == "abort"
+        assert e.step() is None and e.pool_stats()["num_queued"] == 0
+    finally:
+        e.shutdown()
 
 
 def test_next_weight_version():
