@@ -233,6 +233,39 @@ def test_inflight_requests_finish_on_old_weights(request, engine_fixture, ckpts,
     _idle(eng)
 
 
+def test_held_request_can_leave(eng_sync, ckpts):
+    """A client leaving while its request is held for a swap aborts it there: it is never
+    queued, and the update counts no paused request."""
+    eng = eng_sync
+    _use(eng, ckpts["a"])
+    gate = Gate()
+    eng.fault_injector = gate
+
+    async def scenario():
+        long_outs: list = []
+        long_task = asyncio.ensure_future(_first_token_then(eng, _req(PROMPTS[0], LONG, stream=True), long_outs))
+        await _until(lambda: long_outs, "the long request's first token")
+        gate.close()
+        await _until(gate.parked.is_set, "the loop to park")
+        update = asyncio.ensure_future(asyncio.to_thread(eng.update_weights_from_disk, str(ckpts["b"])))
+        await _until(lambda: eng._weight_swap is not None, "the update to be pending")
+        held = asyncio.ensure_future(_final(eng, _req(PROMPTS[1], GREEDY)))
+        await _until(lambda: eng.pool_stats()["num_queued"] == 1, "the new request to be held")
+        held.cancel()  # the consumer leaves
+        await _until(lambda: eng.pool_stats()["num_queued"] == 0, "the held request to go")
+        gate.open.set()
+        await asyncio.wait_for(long_task, TIMEOUT_S)
+        return await asyncio.wait_for(update, TIMEOUT_S)
+
+    try:
+        res = asyncio.run(scenario())
+    finally:
+        eng.fault_injector = None
+        gate.open.set()
+    assert res["success"] and res["num_paused_requests"] == 0, res
+    _idle(eng)
+
+
 def test_abort_all_requests(eng, ckpts, reference):
     _use(eng, ckpts["a"])
     gate = Gate()
