@@ -31,6 +31,12 @@ that dies anyway (a BaseException) fails every request it held; from then on, an
 loop has had work without finishing a step for longer than ``--watchdog-timeout``,
 ``health_error()`` says why and ``/health`` answers 503. ``--max-queued-requests`` bounds the
 waiting queue (a new request beyond it: ``ServiceUnavailableError``, HTTP 503).
+
+Weight updates (``update_weights_from_disk``): the new checkpoint is loaded on the host,
+checked against the serving params and placed like them while the old weights keep serving;
+then new requests are held, the requests already in the engine finish on the old weights (or
+are aborted: ``abort_all_requests``), and the loop swaps the params between steps, with no
+step in flight and the pools idle, flushes the prefix cache and releases the held requests.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
+from sglang_tpu_backend.model_executor import weight_update
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_backend.server_args import ServerArgs
@@ -154,6 +161,10 @@ class Engine:
         self.last_step_end = time.monotonic()  # the loop's progress mark (health checks)
         self._stop = False
         self.loop_error: str | None = None  # why the loop thread died (None while it runs)
+        self.weight_version = args.weight_version
+        self._update_lock = threading.Lock()  # one weight update at a time
+        self._weight_swap: weight_update.PendingSwap | None = None  # waiting for the loop
+        self._held: list[tuple[Req, Callable[[], None]]] = []  # requests held during a swap
         # Test hook: called with each phase name (PHASES) at the start of that phase of a step.
         self.fault_injector: Callable[[str], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
@@ -261,16 +272,17 @@ class Engine:
             if self._loop_dead():
                 raise ServiceUnavailableError(f"the scheduler loop is not running ({self.loop_error})")
             limit = self.args.max_queued_requests
-            if queue_limit and limit is not None and self.scheduler.num_waiting >= limit:
+            waiting = self.scheduler.num_waiting + len(self._held)
+            if queue_limit and limit is not None and waiting >= limit:
                 raise ServiceUnavailableError(
-                    f"The request queue is full ({self.scheduler.num_waiting} requests waiting, "
+                    f"The request queue is full ({waiting} requests waiting, "
                     f"--max-queued-requests {limit}); retry later")
             if req.rid in self._consumers:
                 raise InvalidRequestError("rid", f"rid {req.rid!r} is already in use")
             self._consumers[req.rid] = (loop, queue)
             self.stats["num_requests_total"] += 1
             self.stats["prompt_tokens_total"] += len(req.prompt_ids)
-            submit()
+            self._submit(req, submit)
             self._wake.notify()
         done = False
         try:
@@ -399,16 +411,26 @@ class Engine:
         """Validate and queue a request with no consumer (its outputs are not delivered)."""
         req = self._make_req(obj)
         with self._lock:
-            self.scheduler.add_request(req)
+            self._submit(req, lambda: self.scheduler.add_request(req))
             self._wake.notify()
         return req
+
+    def _submit(self, req: Req, submit: Callable[[], None]) -> None:
+        """``submit()`` a new request now, or hold it until a pending weight swap is done
+        (it then runs on the new weights). Lock held."""
+        if self._weight_swap is not None:
+            self._held.append((req, submit))
+        else:
+            submit()
 
     def abort_request(self, rid: str) -> bool:
         """Abort a queued or running request; its pages and slot are free on return."""
         with self._lock:
-            for i, (pending, _) in enumerate(self._installs):
-                if pending.rid == rid:
-                    del self._installs[i]
+            for queue in (self._installs, self._held):
+                for i, (pending, _) in enumerate(queue):
+                    if pending.rid != rid:
+                        continue
+                    del queue[i]
                     pending.abort("Aborted by the client or the server")
                     self._deliver([pending])
                     return True
@@ -425,6 +447,108 @@ class Engine:
                 self.scheduler.prefix.flush()
             return True
 
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False,
+                                 weight_version: str | None = None) -> dict:
+        """Serve the weights of checkpoint ``model_path`` (same architecture) from now on,
+        without a restart. Blocks until done; returns SGLang's answer
+        ``{"success", "message", "num_paused_requests"}``. Call it from any thread but the
+        loop's (the HTTP route runs it on a worker thread).
+
+        The checkpoint is read on the host in the engine's dtype, checked (config, every
+        param's shape and dtype) and placed as the serving params are; any problem answers
+        ``success: False`` naming it and changes nothing. Then requests arriving are held; the
+        ones already in the engine finish on the old weights (``abort_all_requests``: they are
+        aborted, finish_reason abort); with no step in flight and the pools idle the loop
+        swaps the params (same shapes, shardings and layouts: nothing recompiles), flushes the
+        prefix cache (its KV pages and GDN snapshots came from the old weights), sets
+        ``weight_version`` (``weight_version``, else the old one incremented) and releases the
+        held requests, which run on the new weights (``num_paused_requests`` counts them).
+        """
+        with self._update_lock:
+            t0 = time.perf_counter()
+            try:
+                if load_format not in weight_update.LOAD_FORMATS:
+                    raise weight_update.WeightUpdateError(
+                        f"load_format {load_format!r} is not supported (safetensors checkpoints: "
+                        "'auto' or 'safetensors')")
+                host = weight_update.load_host_params(
+                    model_path, self.model_config, self.runner.param_spec, dtype=DTYPES[self.args.dtype])
+                placed = self.runner.place_params(host)
+                del host
+                weight_update.check_placed(self.runner.params, placed)
+                jax.block_until_ready(placed)
+            except weight_update.WeightUpdateError as e:
+                return weight_update.update_result(False, str(e))
+            except Exception as e:  # e.g. out of device memory while placing: nothing changed
+                logger.exception("loading weights from %s failed", model_path)
+                return weight_update.update_result(
+                    False, f"loading weights from {model_path} failed: {type(e).__name__}: {e}")
+            load_s = time.perf_counter() - t0
+            swap = weight_update.PendingSwap(
+                placed, weight_update.next_weight_version(self.weight_version, weight_version), model_path)
+            del placed
+            with self._lock:
+                if self._stop or self._loop_dead():
+                    return weight_update.update_result(False, "the scheduler loop is not running")
+                self._weight_swap = swap
+                if abort_all_requests:
+                    self._abort_all("Aborted for a weight update (abort_all_requests)", held=False)
+                self._wake.notify_all()
+            if self._thread.ident is None and not self._swap_if_idle():  # no loop (step() callers)
+                self._cancel_swap(swap, "requests are running and no scheduler loop steps them")
+            while not swap.done.wait(0.1):
+                if self._stop or self._loop_dead():
+                    self._cancel_swap(swap, "the scheduler loop stopped before the swap")
+            result = swap.result
+            if result["success"]:
+                result["message"] += f" (loaded in {load_s:.2f} s)"
+                logger.info("weight update: %s", result["message"])
+            return result
+
+    def _swap_if_idle(self) -> bool:
+        """Loop thread (or an update's caller without one): swap in the pending weights if no
+        request is left on the old ones; True when it did. No step may be in flight."""
+        with self._lock:
+            swap = self._weight_swap
+            if swap is None or not self.scheduler.is_idle() or self._installs:
+                return False
+        try:
+            self.runner.replace_params(swap.params)
+        except Exception as e:  # the old params are still the runner's
+            logger.exception("swapping in the new weights failed")
+            self._cancel_swap(swap, f"swapping in the new weights failed: {type(e).__name__}: {e}")
+            return False
+        with self._lock:
+            if self.scheduler.prefix is not None:
+                self.scheduler.prefix.flush()  # nothing runs: every entry is freed now
+            self.weight_version = swap.version
+            held, self._held, self._weight_swap = self._held, [], None
+            for _, submit in held:
+                submit()
+            waited = time.monotonic() - swap.queued_at
+            swap.finish(True, f"Succeeded to update model weights from {swap.model_path}: "
+                        f"weight_version {swap.version!r}; waited {waited:.2f} s for running "
+                        f"requests", num_paused_requests=len(held))
+        return True
+
+    def _cancel_swap(self, swap: weight_update.PendingSwap, message: str) -> None:
+        """Give up a pending swap (old weights stay): held requests are queued now, or aborted
+        when the loop is gone; the update answers failure with ``message``."""
+        with self._lock:
+            if self._weight_swap is not swap:
+                return  # done meanwhile
+            self._weight_swap = None
+            held, self._held = self._held, []
+            for req, submit in held:
+                if self._stop or self._loop_dead():
+                    req.abort(f"weight update failed: {message}")
+                    self._deliver_final(req)
+                else:
+                    submit()
+            self._wake.notify_all()
+            swap.finish(False, message)
+
     def get_model_info(self) -> dict:
         return {
             "model_path": self.args.model_path,
@@ -435,7 +559,7 @@ class Engine:
             "vocab_size": self.model_config.vocab_size,
             "context_length": self.args.context_length,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": self.weight_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
         }
@@ -455,6 +579,7 @@ class Engine:
             "request_buckets": list(self.runner.req_buckets),
             "jax_backend": jax.default_backend(),
             "version": "0.1.0",
+            "weight_version": self.weight_version,
         })
         return info
 
@@ -512,7 +637,7 @@ class Engine:
             return {
                 **totals,
                 "num_running": sched.num_running,
-                "num_queued": sched.num_waiting,
+                "num_queued": sched.num_waiting + len(self._held),
                 "num_retracted_total": sched.num_retracted_total,
                 "num_aborted_total": sched.num_aborted_total,
                 "num_finished_total": sched.num_finished_total,
@@ -534,15 +659,18 @@ class Engine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
 
-    def _abort_all(self, message: str) -> None:
-        """Abort every queued, running and installing request and deliver it (lock held)."""
+    def _abort_all(self, message: str, held: bool = True) -> None:
+        """Abort every queued, running and installing request, and (``held``) those held
+        for a weight swap, and deliver them (lock held)."""
         for req in list(self.scheduler.all_requests()):
             self.scheduler.abort(req.rid, message)
             self._deliver_final(req)
-        for req, _ in self._installs:
+        for req, _ in self._installs + (self._held if held else []):
             req.abort(message)
             self._deliver_final(req)
         self._installs.clear()
+        if held:
+            self._held.clear()
 
     # Scheduler loop --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -553,11 +681,13 @@ class Engine:
             while True:
                 with self._lock:
                     while (not self._stop and launched is None and self.scheduler.is_idle()
-                           and not self._installs):
+                           and not self._installs and self._weight_swap is None):
                         self._wake.wait()
                         self.last_step_end = time.monotonic()  # idle is progress
                     if self._stop:
                         return
+                if launched is None and self._weight_swap is not None and self._swap_if_idle():
+                    continue
                 nxt = self._launch()
                 if launched is not None:
                     self._complete(launched)

@@ -69,6 +69,7 @@ class ServerArgs:
     kernel_impl: str = "auto"
     random_seed: int = 0
     served_model_name: str | None = None
+    weight_version: str = "default"  # reported by /get_model_info; set by weight updates
     skip_warmup: bool = False
     stream_interval: int = 1
     max_request_body_bytes: int = 16 * 1024 * 1024
@@ -202,6 +203,9 @@ class ServerArgs:
         a("--kernel-impl", type=str, default=d.kernel_impl, choices=KERNEL_IMPLS)
         a("--random-seed", type=int, default=d.random_seed)
         a("--served-model-name", type=str, default=d.served_model_name)
+        a("--weight-version", type=str, default=d.weight_version,
+          help="version label of the loaded weights (/get_model_info, /get_weight_version); "
+               "/update_weights_from_disk replaces it")
         a("--skip-warmup", action="store_true", default=d.skip_warmup)
         a("--stream-interval", type=int, default=d.stream_interval)
         a("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)

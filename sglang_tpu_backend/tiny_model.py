@@ -209,6 +209,23 @@ def default_model_path(cache_dir: str | Path | None = None) -> Path:
         raise
 
 
+def write_random_model(out_dir: str | Path, *, seed: int, edit=None) -> Path:
+    """The tiny model's config and tokenizer with weights drawn from ``seed``: another
+    checkpoint of the same architecture (weight-update tests). ``edit(config, tensors)`` may
+    change the config dict / tensor dict before they are written. Returns ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((ASSET_DIR / "config.json").read_text())
+    tensors = random_checkpoint_tensors(model_config_from_dict(config), seed=seed,
+                                        num_real_tokens=_tokenizer_size())
+    if edit is not None:
+        edit(config, tensors)
+    write_safetensors(out / "model.safetensors", tensors)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copy_tokenizer_files(ASSET_DIR, out)
+    return out
+
+
 def write_shipped_config() -> Path:
     """Rewrite ``assets/tiny-qwen3.5-moe/config.json`` from the shipped tokenizer."""
     from tokenizers import Tokenizer

@@ -233,6 +233,34 @@ async def flush_cache(request: Request) -> JSONResponse:
     return JSONResponse({"success": bool(ok), "message": msg}, status_code=200 if ok else 400)
 
 
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> JSONResponse:
+    """SGLang's weight update: ``{"model_path", "load_format"?, "abort_all_requests"?,
+    "weight_version"?}`` -> ``{"success", "message", "num_paused_requests"}``, 200 or 400 (a
+    refused checkpoint: the old weights keep serving). Runs on a worker thread; answers once
+    the new weights serve (``Engine.update_weights_from_disk``)."""
+    body = await read_json(request)
+    engine = _engine(request)
+    if not hasattr(engine, "update_weights_from_disk"):
+        raise APIError("This engine does not support weight updates", "path", 404)
+    model_path = opt_field(body, "model_path", "str")
+    if not model_path:
+        raise APIError("'model_path' (a checkpoint directory) is required", "model_path")
+    kwargs = dict(load_format=opt_field(body, "load_format", "str"),
+                  abort_all_requests=opt_field(body, "abort_all_requests", "bool", False),
+                  weight_version=opt_field(body, "weight_version", "str"))
+    result = await _call(await asyncio.to_thread(engine.update_weights_from_disk, model_path, **kwargs))
+    return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+
+@router.get("/get_weight_version")
+@router.get("/weight_version")
+async def get_weight_version(request: Request) -> dict:
+    """``{"weight_version"}``: the label of the weights serving now (also in /get_model_info)."""
+    info = await _call(_engine(request).get_model_info())
+    return {"weight_version": info.get("weight_version", "default")}
+
+
 @router.post("/abort_request")
 async def abort_request(request: Request) -> dict:
     body = await read_json(request)

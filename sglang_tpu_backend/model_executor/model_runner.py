@@ -52,6 +52,7 @@ from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor import state_transfer
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.sampling import sampler
 
@@ -195,6 +196,9 @@ class ModelRunner:
         # launched before that token reaches the host reads its input here).
         self.last_tokens = jnp.zeros((S,), jnp.int32)  # i32[S]
         self.dp = self.tp = None
+        # Shape / dtype of each param as loaded (before placement): what a weight update's
+        # checkpoint must match (``weight_update.load_host_params``).
+        self.param_spec = param_spec(params)
         if tp_size > 1:
             self._init_tp(params, tp_size, num_pages=num_pages, num_state_slots=num_state_slots,
                           kv_dtype=kv_dtype, state_dtype=state_dtype)
@@ -260,6 +264,20 @@ class ModelRunner:
         everywhere = NamedSharding(self.tp.mesh, PartitionSpec())
         self.counts = jax.device_put(self.counts, everywhere)
         self.prompt_mask = jax.device_put(self.prompt_mask, everywhere)
+
+    def place_params(self, params: Any) -> Any:
+        """Loaded params placed as this runner's own are (one device, DP or TP shardings, TPU
+        weight layouts): the arrays a weight update swaps in (``replace_params``)."""
+        if self.tp is not None:
+            return self.tp.shard_params(params)
+        if self.dp is not None:
+            return self.dp.shard_params(params)
+        return _place_on_default_device(params)
+
+    def replace_params(self, params: Any) -> None:
+        """Serve ``params`` (from ``place_params``) from the next step on; the caller makes
+        sure no step is in flight. Blocks until they are on the devices."""
+        self.params = jax.block_until_ready(params)
 
     @property
     def dp_size(self) -> int:

@@ -5,7 +5,9 @@ Run by tests/engine/test_dp_engine.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (fixed before jax starts). Both engines
 serve the same 24 concurrent greedy requests of varied prompt lengths (some with penalties,
 whose state is indexed by global slot); writes JSON: outputs of both, the DP runner's step
-shapes and warm-up shapes, and the final pool stats.
+shapes and warm-up shapes, and the final pool stats. Then the DP and TP engines update their
+weights to another checkpoint and back (``update_weights``): the outputs on each, and the
+programs lowered while the warmed-up DP engine serves the new weights.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ import asyncio
 import json
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
 from sglang_tpu_backend.server_args import ServerArgs
+from sglang_tpu_backend.tiny_model import default_model_path, write_random_model
 
 ARGS = dict(max_running_requests=32, chunked_prefill_size=32, context_length=128, page_size=16,
             dtype="float32", random_seed=0)
@@ -57,9 +63,23 @@ def serve(engine) -> list[list[int]]:
     return [o["output_ids"] for o in asyncio.run(run_all())]
 
 
+def update_weights(engine, other: Path) -> dict:
+    """Serve on ``other``'s weights, then on the startup weights again."""
+    res = engine.update_weights_from_disk(str(other))
+    assert res["success"], res
+    counter = CompileCounter()
+    new_outputs = serve(engine)
+    lowerings = counter.lowerings
+    res = engine.update_weights_from_disk(str(default_model_path()))
+    assert res["success"], res
+    return {"new_outputs": new_outputs, "new_lowerings": lowerings, "old_outputs": serve(engine),
+            "stats": wait_idle(engine)}
+
+
 def main(out_path: str) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     result = {}
+    other = write_random_model(Path(tempfile.mkdtemp()) / "seed1", seed=1)
     dp = Engine(ServerArgs(dp_size=8, ep_size=8, **ARGS))  # warms up the DP step shapes
     seen = []
     real_forward_dp = dp.runner.forward_dp
@@ -79,11 +99,13 @@ def main(out_path: str) -> None:
     result["dp_step_shapes"] = sorted(set(seen))
     result["dp_warm_shapes"] = [(m.name, T, R, L) for m, T, R, L in dp.runner.all_shapes()]
     result["dp_warmup_seconds"] = dp.warmup_seconds
+    result["dp_update"] = update_weights(dp, other)
     dp.shutdown()
 
     tp = Engine(ServerArgs(tp_size=4, skip_warmup=True, **ARGS))  # tensor-parallel attention
     result["tp_outputs"] = serve(tp)
     result["tp_stats"] = wait_idle(tp)
+    result["tp_update"] = update_weights(tp, other)
     tp.shutdown()
 
     single = Engine(ServerArgs(skip_warmup=True, **ARGS))

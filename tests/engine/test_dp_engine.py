@@ -43,6 +43,18 @@ def test_tp4_outputs_equal_dp1_and_pools_are_empty(results):
     assert stats["num_finished_total"] == 24
 
 
+def test_weight_update_with_dp_and_tp(results):
+    """Both engines swap in another checkpoint (placed in their own shardings) and back: the
+    new weights give the same outputs on DP and TP, different from the old ones; the warmed-up
+    DP engine compiles nothing for them; back on the old weights the outputs are the first ones."""
+    dp, tp = results["dp_update"], results["tp_update"]
+    assert dp["new_outputs"] == tp["new_outputs"] != results["dp_outputs"]
+    assert dp["new_lowerings"] == 0
+    assert dp["old_outputs"] == results["dp_outputs"] and tp["old_outputs"] == results["tp_outputs"]
+    for stats in (dp["stats"], tp["stats"]):
+        assert (stats["kv_pages_used"], stats["state_slots_used"], stats["num_running"]) == (0, 0, 0)
+
+
 def test_every_rank_got_work_and_pools_are_empty(results):
     stats = results["dp_stats"]
     ranks = stats["dp_ranks"]
