@@ -7,7 +7,9 @@ the request and frees its KV pages and state slot at once.
 
 With ``--dp-size D`` the engine serves D data-parallel attention ranks: per-rank pools and
 limits (``ServerArgs`` says how the host totals split), the scheduler places each request on
-one rank, and the runner steps all ranks at once (``parallel/dp_forward.py``).
+one rank, and the runner steps all ranks at once (``parallel/dp_forward.py``). With
+``--nnodes N`` the D ranks span N processes: this engine is node 0's (it joins the process
+group first), the other nodes run ``parallel.multihost.run_follower``; ``shutdown`` stops them.
 
 Prefix cache (unless ``--disable-radix-cache``): one radix tree per DP rank
 (``mem_cache/radix_cache.py``, used by the scheduler through ``managers/prefix_cache.py``)
@@ -97,6 +99,13 @@ class Engine:
         from sglang_tpu_backend.loader import load_params
         from sglang_tpu_backend.tokenizer import load_tokenizer
 
+        if args.nnodes > 1:  # before anything touches a JAX device
+            from sglang_tpu_backend.parallel import multihost
+
+            if args.node_rank != 0:
+                raise ValueError("--node-rank > 0 follows node 0's engine: run "
+                                 "launch_server (or multihost.run_follower), not Engine")
+            multihost.join(args)
         if args.model_path is None:
             from sglang_tpu_backend.tiny_model import default_model_path
 
@@ -658,6 +667,8 @@ class Engine:
             self._wake.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self.runner.close()  # multi-host: stop the followers
 
     def _abort_all(self, message: str, held: bool = True) -> None:
         """Abort every queued, running and installing request, and (``held``) those held

@@ -4,7 +4,8 @@
 
 Flags are SGLang's (see ``ServerArgs.add_cli_args``); without ``--model-path`` the embedded
 tiny model is served. Prints ``The server is fired up and ready to roll! URL: http://...``
-once the port accepts connections.
+once the port accepts connections. With ``--nnodes N`` run it once per node (the same flags,
+``--node-rank 0..N-1``, ``--dist-init-addr`` of node 0); only node 0 serves HTTP.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.node_rank > 0:  # a follower node: runs node 0's steps, serves no HTTP
+        from sglang_tpu_backend.parallel.multihost import run_follower
+
+        run_follower(args)
+        return
     from sglang_tpu_backend.engine import Engine
 
     try:

@@ -45,6 +45,12 @@ class ServerArgs:
     split evenly over the DP ranks like the state slots; ``None`` -> ``max_running_requests``,
     i.e. as much device memory again as the running requests' GDN state).
 
+    Multi-host (``nnodes`` N > 1, SGLang's ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr``):
+    N processes, one per host, form one mesh of all their devices (``dp_size`` = every device
+    of every host) and run the same DP x EP steps; node 0 runs the engine (scheduler, HTTP,
+    sampling), the others follow its steps (``parallel/multihost.py``). The prefix cache,
+    TP attention and weight updates are not available there.
+
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
     directory being ``$STB_CACHE_DIR`` or ``~/.cache/sglang_tpu_backend``; ``""`` turns it
@@ -81,6 +87,9 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     max_queued_requests: int | None = None  # None: unlimited waiting queue
     watchdog_timeout: float = 300.0  # seconds a loop with work may go without finishing a step
+    nnodes: int = 1  # processes (hosts) forming one engine's mesh; node 0 leads
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of node 0's coordinator (nnodes > 1)
 
     def __post_init__(self):
         self.validate()
@@ -142,14 +151,36 @@ class ServerArgs:
             raise ValueError(
                 f"--max-gdn-snapshots {self.max_gdn_snapshots} is split over --dp-size "
                 f"{self.dp_size} ranks: it must be at least {self.dp_size}")
+        self._validate_multihost()
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * self.dp_size:
             raise ValueError(
                 f"--max-total-tokens {self.max_total_tokens} is smaller than one page "
                 f"(--page-size {self.page_size}) per DP rank (--dp-size {self.dp_size})"
             )
 
+    def _validate_multihost(self) -> None:
+        if not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise ValueError(f"--nnodes must be a positive integer, got {self.nnodes!r}")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank!r}")
+        if self.nnodes == 1:
+            return
+        if not self.dist_init_addr or ":" not in self.dist_init_addr:
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (node 0's "
+                             f"coordinator), got {self.dist_init_addr!r}")
+        if self.dp_size == 1 or self.tp_size != 1:
+            raise ValueError(f"--nnodes {self.nnodes} runs data-parallel attention over every "
+                             "host's devices: give --dp-size/--ep-size (all devices), not --tp-size")
+        if not self.disable_radix_cache:
+            raise ValueError(f"--nnodes {self.nnodes} needs --disable-radix-cache (the prefix "
+                             "cache's GDN snapshots are not multi-process)")
+
     def check_devices(self, num_devices: int, num_experts: int) -> None:
-        """Raise ValueError naming the flag when the DP/EP sizes do not fit the host or model."""
+        """Raise ValueError naming the flag when the DP/EP sizes do not fit the host or model
+        (``num_devices``: every process's devices with ``nnodes`` > 1)."""
+        if self.nnodes > 1 and self.dp_size != num_devices:
+            raise ValueError(f"--dp-size {self.dp_size} with --nnodes {self.nnodes} must equal "
+                             f"the {num_devices} devices of all nodes")
         for flag, size in (("--dp-size", self.dp_size), ("--tp-size", self.tp_size)):
             if size > num_devices:
                 raise ValueError(f"{flag} {size} needs {size} devices, {num_devices} visible")
@@ -227,6 +258,12 @@ class ServerArgs:
         a("--watchdog-timeout", type=float, default=d.watchdog_timeout,
           help="seconds the scheduler loop may have work without finishing a step before "
                "/health and /health_generate answer 503 (a dead loop: at once)")
+
+        a("--nnodes", type=int, default=d.nnodes,
+          help="hosts (processes) one engine spans; node 0 serves, the others follow its steps")
+        a("--node-rank", type=int, default=d.node_rank, help="this process's node (0: leader)")
+        a("--dist-init-addr", type=str, default=d.dist_init_addr,
+          help="HOST:PORT of node 0's jax.distributed coordinator (with --nnodes > 1)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

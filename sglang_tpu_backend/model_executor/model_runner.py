@@ -26,6 +26,13 @@ steps run as MIXED). Logits come back as [D*L, V], rank r's rows at r*L .. r*L+L
 sampler runs on them with the ranks' sampling inputs concatenated ([D*R] rows), and its
 penalty state is indexed by the global slot ``rank * num_state_slots + slot``.
 
+Multi-host DP (the mesh spans several processes, ``jax.process_count() > 1``; this runner is
+the leader's): every step program over the mesh is one all processes enter in the same order,
+so ``forward_dp`` first broadcasts the rank batches to the followers
+(``parallel/multihost.py``), and the logits (and router stats) are gathered to the host; the
+sampler and its penalty state live on the leader's first device. Weight updates, state
+export/install and GDN snapshots are not available there; ``close`` stops the followers.
+
 Tensor-parallel attention (``tp_size`` > 1, for comparison with DP): the runner owns a
 ``parallel.TPForward``; one pool and one batch as with one device, every device runs every
 request on its share of the heads and experts, logits come back replicated.
@@ -196,6 +203,7 @@ class ModelRunner:
         # launched before that token reaches the host reads its input here).
         self.last_tokens = jnp.zeros((S,), jnp.int32)  # i32[S]
         self.dp = self.tp = None
+        self.multihost = jax.process_count() > 1  # a DP mesh over several processes
         # Shape / dtype of each param as loaded (before placement): what a weight update's
         # checkpoint must match (``weight_update.load_host_params``).
         self.param_spec = param_spec(params)
@@ -236,12 +244,21 @@ class ModelRunner:
         from sglang_tpu_backend.parallel.dp_forward import DPForward
         from sglang_tpu_backend.parallel.mesh import make_mesh, rank_spec
 
+        if self.multihost:  # the followers build the same cache (multihost.run_follower)
+            from sglang_tpu_backend.parallel import multihost
+
+            multihost.broadcast_ints([num_pages, num_state_slots, int(self.router_stats)], 3)
         self.dp = DPForward(self.cfg, make_mesh(dp_size), impl=self.impl,
                             with_stats=self.router_stats)
         self.params = self.dp.shard_params(params)
         self.cache = self.dp.init_cache(num_pages=num_pages, page_size=self.page_size,
                                         num_state_slots=num_state_slots, kv_dtype=kv_dtype,
                                         state_dtype=state_dtype)
+        if self.multihost:  # the sampler runs on the leader's own first device
+            self._local = jax.local_devices()[0]
+            self.counts, self.prompt_mask, self.last_tokens = jax.device_put(
+                (self.counts, self.prompt_mask, self.last_tokens), self._local)
+            return
         by_slot = NamedSharding(self.dp.mesh, rank_spec(self.dp.ep, 0))
         self.counts = jax.device_put(self.counts, by_slot)
         self.prompt_mask = jax.device_put(self.prompt_mask, by_slot)
@@ -268,6 +285,10 @@ class ModelRunner:
     def place_params(self, params: Any) -> Any:
         """Loaded params placed as this runner's own are (one device, DP or TP shardings, TPU
         weight layouts): the arrays a weight update swaps in (``replace_params``)."""
+        if self.multihost:
+            from sglang_tpu_backend.model_executor.weight_update import WeightUpdateError
+
+            raise WeightUpdateError("weight updates are not supported with --nnodes > 1")
         if self.tp is not None:
             return self.tp.shard_params(params)
         if self.dp is not None:
@@ -321,10 +342,26 @@ class ModelRunner:
 
     def forward_dp(self, fbs: list[ForwardBatch]) -> jax.Array:
         """The DP step over one batch per rank; updates the cache (donated). f32[D*L, V]."""
+        if self.multihost:
+            from sglang_tpu_backend.parallel import multihost
+
+            fbs = multihost.broadcast_step(fbs, self.dp.dp_size)
+            logits, self.cache, self._stats = multihost.step(self.dp, self.params, self.cache, fbs)
+            return jax.device_put(logits, self._local)
         out = self.dp(self.params, self.cache, self.dp.put_batch(fbs))
         logits, self.cache = out[:2]
         self._stats = out[2] if self.router_stats else None
         return logits
+
+    def close(self) -> None:
+        """Multi-host: tell the followers to stop and leave the process group (once; the
+        caller makes sure no step runs any more). Nothing to do otherwise."""
+        if self.multihost and self.dp is not None:
+            from sglang_tpu_backend.parallel import multihost
+
+            num_ranks, self.dp = self.dp.dp_size, None  # no step after this
+            multihost.broadcast_step(None, num_ranks)
+            multihost.shutdown()
 
     def _rank_batch(self, chunks: list[ScheduledChunk], mode: ForwardMode, T: int, R: int, L: int
                     ) -> tuple[ForwardBatch, list[np.ndarray], np.ndarray | None]:

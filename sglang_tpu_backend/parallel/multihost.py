@@ -31,6 +31,7 @@ the same calls serve one process and several.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from typing import Sequence
@@ -44,7 +45,7 @@ from sglang_tpu_backend.parallel.dp_forward import DPForward
 
 __all__ = [
     "initialize", "shutdown", "is_leader", "gather_logits", "broadcast_step", "run_step",
-    "follower_loop",
+    "step", "follower_loop", "broadcast_ints", "join", "run_follower",
 ]
 
 # Batch fields in payload order (all int32) and their per-rank shapes from (T, R, P, L).
@@ -199,14 +200,22 @@ def broadcast_step(batches: Sequence[ForwardBatch] | None, num_ranks: int
     return _unpack(header, payload, num_ranks)
 
 
-def run_step(dp: DPForward, params, cache, batches: Sequence[ForwardBatch]):
-    """Place the step's batches, run ``dp`` and gather the logits to every process.
+def step(dp: DPForward, params, cache, batches: Sequence[ForwardBatch]):
+    """Place the step's batches, run ``dp`` and gather its outputs to every process.
 
-    Returns (f32[D*L, V] numpy logits, the updated cache). Every process runs it with the
-    same batches (from :func:`broadcast_step`).
+    Returns (f32[D*L, V] numpy logits, the updated cache, f32[D*layers, 3] numpy router
+    stats or None when ``dp`` has none). Every process runs it with the same batches (from
+    :func:`broadcast_step`).
     """
-    logits, cache = dp(params, cache, dp.put_batch(batches))
-    return gather_logits(logits), cache
+    out = dp(params, cache, dp.put_batch(batches))
+    stats = gather_logits(out[2]) if dp.with_stats else None
+    return gather_logits(out[0]), out[1], stats
+
+
+def run_step(dp: DPForward, params, cache, batches: Sequence[ForwardBatch]):
+    """:func:`step` without the router stats: (f32[D*L, V] numpy logits, the updated cache)."""
+    logits, cache, _ = step(dp, params, cache, batches)
+    return logits, cache
 
 
 def follower_loop(dp: DPForward, params, cache):
@@ -214,6 +223,62 @@ def follower_loop(dp: DPForward, params, cache):
     cache and the number of steps run."""
     steps = 0
     while (batches := broadcast_step(None, dp.dp_size)) is not None:
-        _, cache = run_step(dp, params, cache, batches)
+        _, cache, _ = step(dp, params, cache, batches)
         steps += 1
     return cache, steps
+
+
+def broadcast_ints(values: Sequence[int] | None, n: int) -> list[int]:
+    """``n`` ints from the leader (``values``; followers pass None) to every process."""
+    x = np.zeros(n, np.int64) if values is None else np.asarray(values, np.int64)
+    if x.shape != (n,):
+        raise ValueError(f"need {n} ints, got shape {x.shape}")
+    return [int(v) for v in multihost_utils.broadcast_one_to_all(x, is_source=is_leader())]
+
+
+# Engine processes ---------------------------------------------------------------------------
+def join(args) -> None:
+    """Join the engine's process group from ``ServerArgs`` (``nnodes`` > 1): before anything
+    touches a JAX device. CPU processes (``JAX_PLATFORMS=cpu``, the tests) use gloo."""
+    import os
+
+    platforms = (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").split(",")
+    initialize(args.dist_init_addr, args.nnodes, args.node_rank,
+               cpu_collectives=platforms[0] == "cpu")
+
+
+def run_follower(args) -> int:
+    """A follower node's whole life (``--node-rank`` > 0): join, load the same params, build
+    the same DP x EP step and caches as the leader's ``ModelRunner`` (whose cache sizes and
+    stats flag it receives), run the leader's steps until it stops; returns the steps run.
+
+    The leader (``Engine`` in node 0) makes the matching calls in the same order: the sizes
+    broadcast, ``init_cache``, then every step (warm-up included) and the final stop.
+    """
+    from sglang_tpu_backend.config import load_model_config
+    from sglang_tpu_backend.engine import DTYPES
+    from sglang_tpu_backend.loader import load_params
+    from sglang_tpu_backend.parallel.mesh import make_mesh
+
+    if args.nnodes < 2 or args.node_rank < 1:
+        raise ValueError("run_follower is for --node-rank >= 1 of --nnodes >= 2")
+    join(args)
+    if args.model_path is None:
+        from sglang_tpu_backend.tiny_model import default_model_path
+
+        args = dataclasses.replace(args, model_path=str(default_model_path()))
+    cfg = load_model_config(args.model_path)
+    args.check_devices(len(jax.devices()), cfg.num_experts)
+    params = load_params(args.model_path, cfg, dtype=DTYPES[args.dtype])
+    num_pages, num_slots, with_stats = broadcast_ints(None, 3)
+    dp = DPForward(cfg, make_mesh(args.dp_size), impl=args.kernel_impl,
+                   with_stats=bool(with_stats))
+    params = dp.shard_params(params)
+    cache = dp.init_cache(num_pages=num_pages, page_size=args.page_size,
+                          num_state_slots=num_slots, kv_dtype=DTYPES[args.dtype])
+    logger.info("node %d follows: %d pages + %d state slots per rank", args.node_rank,
+                num_pages, num_slots)
+    _, steps = follower_loop(dp, params, cache)
+    logger.info("node %d: the leader stopped after %d steps", args.node_rank, steps)
+    shutdown()
+    return steps

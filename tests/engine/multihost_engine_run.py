@@ -1,0 +1,85 @@
+"""An engine over 2 processes x 4 CPU devices vs one process with 8 (run as a script).
+
+    multihost_engine_run.py --single OUT.json              # one process, 8 devices
+    multihost_engine_run.py COORDINATOR NNODES RANK OUT.json  # node RANK of an --nnodes engine
+
+Started by tests/engine/test_multihost_engine.py. Both engines are ``--dp-size 8 --ep-size 8``
+with the same flags; node 0 (and the single process) serves the same greedy requests
+(different lengths, one longer than a prefill chunk, one with penalties) and writes their
+outputs as JSON; node 0 also tries a weight update (refused with --nnodes > 1) and then shuts
+down, which stops the follower. A follower (rank > 0) runs ``multihost.run_follower`` and
+writes the number of steps it ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.server_args import ServerArgs
+
+ARGS = dict(dp_size=8, ep_size=8, max_running_requests=16, chunked_prefill_size=32,
+            context_length=128, page_size=16, dtype="float32", random_seed=0,
+            disable_radix_cache=True, skip_warmup=True, compilation_cache_dir="")
+PROMPT_LENS = (3, 17, 70, 9, 40)  # 70 > chunked_prefill_size: a prompt in three chunks
+
+
+def requests() -> list[GenerateReqInput]:
+    out = []
+    for i, n in enumerate(PROMPT_LENS):
+        sp = {"max_new_tokens": 6 + i, "temperature": 0, "ignore_eos": True}
+        if i == 3:
+            sp.update(frequency_penalty=0.5, repetition_penalty=1.3)
+        out.append(GenerateReqInput(input_ids=[(7 * i + 13 * k) % 997 + 3 for k in range(n)],
+                                    sampling_params=sp))
+    return out
+
+
+def serve(engine) -> list[list[int]]:
+    async def one(obj):
+        return [o async for o in engine.generate(obj)][-1]
+
+    async def run_all():
+        return await asyncio.gather(*(one(o) for o in requests()))
+
+    return [o["output_ids"] for o in asyncio.run(run_all())]
+
+
+def main(argv: list[str]) -> None:
+    t0 = time.perf_counter()
+    if argv[0] == "--single":
+        args, out_path = ServerArgs(**ARGS), argv[1]
+    else:
+        coord, nnodes, rank, out_path = argv[0], int(argv[1]), int(argv[2]), argv[3]
+        args = ServerArgs(**ARGS, nnodes=nnodes, node_rank=rank, dist_init_addr=coord)
+    if args.node_rank > 0:
+        from sglang_tpu_backend.parallel.multihost import run_follower
+
+        steps = run_follower(args)
+        result = {"steps": steps}
+    else:
+        import jax
+
+        from sglang_tpu_backend.engine import Engine
+
+        engine = Engine(args)
+        try:
+            result = {"outputs": serve(engine), "num_steps": engine.stats["num_steps"],
+                      "process_count": jax.process_count(),
+                      "local_devices": len(jax.local_devices()),
+                      "weight_update": engine.update_weights_from_disk(args.model_path),
+                      "stats": {k: v for k, v in engine.pool_stats().items() if k != "dp_ranks"},
+                      "router_stats_shape": list(engine.runner.last_router_stats.shape)}
+        finally:
+            engine.shutdown()
+    result["seconds"] = time.perf_counter() - t0
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    print(f"done in {result['seconds']:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,117 @@
+"""An engine over 2 processes x 4 CPU devices (``--nnodes 2``) serves like one with 8 devices.
+
+``multihost_engine_run.py`` runs as node 0 (the engine: scheduler, sampling) and node 1 (a
+follower running node 0's steps), each with 4 CPU devices and gloo collectives, and, alongside,
+as one process with 8 devices and the same flags. Greedy outputs must be identical. The
+subprocesses are killed by pid in a ``finally``; the whole run has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sglang_tpu_backend.server_args import ServerArgs
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from multihost_engine_run import PROMPT_LENS  # noqa: E402
+
+DEADLINE_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count", "")
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("multihost_engine")
+    coord = f"127.0.0.1:{_free_port()}"
+    runs = {"single": (["--single"], 8), 0: ([coord, "2", "0"], 4), 1: ([coord, "2", "1"], 4)}
+    procs, logs = {}, {}
+    try:
+        for key, (argv, devices) in runs.items():
+            logs[key] = open(tmp / f"{key}.log", "w")
+            procs[key] = subprocess.Popen(
+                [sys.executable, str(HERE / "multihost_engine_run.py"), *argv,
+                 str(tmp / f"{key}.json")], env=_env(devices), stdout=logs[key],
+                stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + DEADLINE_S
+        while any(p.poll() is None for p in procs.values()):
+            if any(p.poll() not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
+                break  # a dead peer would leave the other blocked in a collective
+            time.sleep(0.5)
+        codes = {k: p.poll() for k, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        for f in logs.values():
+            f.close()
+    if codes != {k: 0 for k in procs}:
+        tails = "\n".join(f"--- {k} (exit {codes[k]}):\n"
+                          + (tmp / f"{k}.log").read_text()[-3000:] for k in procs)
+        pytest.fail(f"subprocesses failed or timed out after {DEADLINE_S}s: {codes}\n{tails}")
+    return {k: json.loads((tmp / f"{k}.json").read_text()) for k in procs}
+
+
+def test_two_processes_serve_the_same_greedy_outputs_as_one(results):
+    multi, single = results[0], results["single"]
+    assert multi["process_count"] == 2 and multi["local_devices"] == 4
+    assert len(multi["outputs"]) == len(PROMPT_LENS)
+    for i, (got, want) in enumerate(zip(multi["outputs"], single["outputs"])):
+        assert len(got) == 6 + i, (i, got)
+        assert got == want, (i, got, want)
+    assert multi["stats"]["num_finished_total"] == len(PROMPT_LENS)
+    assert multi["stats"]["kv_pages_used"] == 0 and multi["stats"]["state_slots_used"] == 0
+    assert multi["router_stats_shape"] == single["router_stats_shape"]
+    assert multi["router_stats_shape"][0] == 8  # one row block per DP rank
+
+
+def test_follower_ran_every_step_and_stopped(results):
+    # The follower ran exactly the leader's steps (no warm-up: skip_warmup) and returned when
+    # the leader shut down.
+    assert results[1]["steps"] == results[0]["num_steps"] > len(PROMPT_LENS)
+
+
+def test_weight_update_refused_across_processes(results):
+    res = results[0]["weight_update"]
+    assert res["success"] is False and "--nnodes" in res["message"], res
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(nnodes=2, dp_size=8, ep_size=8, disable_radix_cache=True), "--dist-init-addr"),
+    (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank"),
+    (dict(nnodes=0), "--nnodes"),
+    (dict(nnodes=2, dist_init_addr="h:1", disable_radix_cache=True), "--dp-size"),
+    (dict(nnodes=2, dist_init_addr="h:1", dp_size=8, ep_size=8), "--disable-radix-cache"),
+])
+def test_server_args_reject_unsupported_multihost_setups(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ServerArgs(**kw)
+
+
+def test_check_devices_needs_every_device_of_every_node():
+    args = ServerArgs(nnodes=2, dist_init_addr="h:1", dp_size=4, ep_size=4,
+                      disable_radix_cache=True)
+    with pytest.raises(ValueError, match="devices of all nodes"):
+        args.check_devices(8, 8)
+    args.check_devices(4, 8)
