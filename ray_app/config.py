@@ -16,6 +16,13 @@ Keys (values arrive as strings from the command line, typed from a Serve config 
   long is unhealthy; default 600: first compiles are slow), ``graceful_shutdown_timeout_s``
   (how long a stopping replica drains running requests, default 60), ``transport``
   (``object_store``).
+Multi-host replicas (colocated mode): ``hosts_per_replica`` (default 1) > 1 makes each engine
+replica span that many hosts: a placement group of one bundle per host (``{"TPU": tpu_chips}``
++ accelerator type each), ``placement_strategy`` (default ``STRICT_SPREAD``: one host per
+bundle; ``PACK`` lets a one-node test cluster hold them), the replica leads and one follower
+actor per other host follows (``ray_app/multihost.py``); ``dp_size`` / ``ep_size`` must count
+every host's devices and ``disable_radix_cache=true``. ``cpu_devices_per_host`` (tests) gives
+each of those processes that many CPU devices (``JAX_PLATFORMS=cpu`` + ``XLA_FLAGS``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ APP_KEYS = {
     "health_check_timeout_s": float, "stall_timeout_s": float, "graceful_shutdown_timeout_s": float,
     "transport": str, "accelerator_type": str,
     "upscale_delay_s": float, "downscale_delay_s": float, "look_back_period_s": float,
+    "hosts_per_replica": int, "placement_strategy": str, "cpu_devices_per_host": int,
 }
 AUTOSCALING_KEYS = ("upscale_delay_s", "downscale_delay_s", "look_back_period_s")
 for _d in ("engine", "prefill", "decode"):
@@ -76,6 +84,20 @@ class AppConfig:
     def opt(self, key: str, default: Any = None) -> Any:
         return self.options.get(key, default)
 
+    @property
+    def hosts(self) -> int:
+        """Hosts (processes) one engine replica spans."""
+        return self.opt("hosts_per_replica", 1)
+
+    def host_env_vars(self) -> dict[str, str]:
+        """Env vars of every process of a replica (``cpu_devices_per_host``)."""
+        n = self.opt("cpu_devices_per_host", 0)
+        if not n:
+            return {}
+        from ray_app.multihost import cpu_device_env
+
+        return cpu_device_env(n)
+
     def engine_deployment_options(self, name: str) -> dict[str, Any]:
         """``serve.deployment(...).options`` kwargs for engine deployment ``name``."""
         lo, hi = self.opt(f"{name}_min_replicas"), self.opt(f"{name}_max_replicas")
@@ -88,6 +110,16 @@ class AppConfig:
             "graceful_shutdown_timeout_s": self.opt("graceful_shutdown_timeout_s", 60.0),
             "ray_actor_options": {"num_cpus": self.opt("num_cpus", 1.0)},
         }
+        env = self.host_env_vars()
+        if env:
+            out["ray_actor_options"]["runtime_env"] = {"env_vars": env}
+        if self.hosts > 1:
+            from ray_app.multihost import replica_bundles
+
+            out["placement_group_bundles"] = replica_bundles(
+                self.hosts, self.opt("num_cpus", 1.0), self.opt("tpu_chips", 0),
+                self.opt("accelerator_type"))
+            out["placement_group_strategy"] = self.opt("placement_strategy", "STRICT_SPREAD")
         if self.opt("tpu_chips", 0):
             out["ray_actor_options"]["resources"] = {"TPU": self.opt("tpu_chips")}
         if self.opt("accelerator_type"):
@@ -125,4 +157,29 @@ def parse_app_args(args: dict[str, Any] | None) -> AppConfig:
     sa = ServerArgs(**server)
     if mode == "disaggregated" and (sa.dp_size != 1 or sa.tp_size != 1):
         raise ValueError("mode=disaggregated needs dp_size == tp_size == 1 per replica")
+    _check_multihost(sa, mode, options)
     return AppConfig(server_args=sa, mode=mode, options=options)
+
+
+def _check_multihost(sa: ServerArgs, mode: str, options: dict[str, Any]) -> None:
+    """Multi-host keys: usable values, and ServerArgs a multi-node engine accepts."""
+    from ray_app.multihost import STRATEGIES
+
+    hosts = options.get("hosts_per_replica", 1)
+    if hosts < 1:
+        raise ValueError(f"hosts_per_replica must be >= 1, got {hosts}")
+    if options.get("placement_strategy", "STRICT_SPREAD") not in STRATEGIES:
+        raise ValueError(f"placement_strategy must be one of {STRATEGIES}, "
+                         f"got {options['placement_strategy']!r}")
+    if options.get("cpu_devices_per_host", 0) < 0:
+        raise ValueError("cpu_devices_per_host must be >= 0")
+    if hosts == 1:
+        return
+    if mode != "colocated":
+        raise ValueError("hosts_per_replica > 1 needs mode=colocated")
+    if sa.nnodes != 1 or sa.node_rank != 0 or sa.dist_init_addr is not None:
+        raise ValueError("hosts_per_replica sets nnodes / node_rank / dist_init_addr itself")
+    try:  # what the replica's engine will be given (the address is the replica's own)
+        dataclasses.replace(sa, nnodes=hosts, dist_init_addr="leader:1")
+    except ValueError as e:
+        raise ValueError(f"hosts_per_replica={hosts}: {e}") from None

@@ -8,6 +8,9 @@ Serve calls ``check_health`` every ``health_check_period_s``: it raises when the
 thread died or has had work without finishing a step for ``stall_timeout_s``. On shutdown
 Serve first drains (stops routing, waits up to ``graceful_shutdown_timeout_s`` for running
 requests), then ``__del__`` stops the engine loop (aborting anything left).
+A multi-host replica (``hosts > 1``) leads follower actors on the other hosts
+(``ray_app/multihost.py``); its health check also fails once one of them stopped, and
+``__del__`` stops and kills them (Serve removes the replica's placement group).
 """
 
 from __future__ import annotations
@@ -28,11 +31,25 @@ log = logging.getLogger(__name__)
 @serve.deployment
 class EngineServer:
     def __init__(self, server_args: ServerArgs, role: str = "colocated",
-                 transport: str = "object_store", stall_timeout_s: float = 600.0):
+                 transport: str = "object_store", stall_timeout_s: float = 600.0,
+                 hosts: int = 1, host_options: dict[str, Any] | None = None):
+        """``hosts`` > 1: this replica leads an engine over that many hosts, starting a
+        follower actor per other host (``host_options``: ``start_followers`` keywords)."""
         from sglang_tpu_backend.engine import Engine
 
         self.role = role
-        self.engine = Engine(server_args, role=role)
+        self.followers = None
+        if hosts > 1:
+            from ray_app.multihost import start_followers
+
+            server_args, self.followers = start_followers(server_args, hosts,
+                                                          **(host_options or {}))
+        try:
+            self.engine = Engine(server_args, role=role)
+        except BaseException:
+            if self.followers is not None:
+                self.followers.kill()
+            raise
         self.transport = make_transport(transport)
         self.stall_timeout_s = stall_timeout_s
 
@@ -78,7 +95,18 @@ class EngineServer:
         return await self.engine.health_generate()
 
     # Serve lifecycle -----------------------------------------------------------------------
+    def multihost_info(self) -> dict[str, Any]:
+        """This replica's placement group id (hex, None outside one) and its follower
+        actors' names (none for a one-host replica)."""
+        import ray
+
+        return {"placement_group_id": ray.get_runtime_context().get_placement_group_id(),
+                "followers": [] if self.followers is None else list(self.followers.names)}
+
     def check_health(self) -> None:
+        if self.followers is not None and (dead := self.followers.dead()):
+            raise RuntimeError(f"follower host(s) of this multi-host replica stopped: "
+                               f"{', '.join(dead)}")
         stalled = self.engine.loop_stalled_for()
         if stalled > self.stall_timeout_s:
             raise RuntimeError(f"{self.role} engine loop made no progress for {stalled:.0f} s "
@@ -86,7 +114,12 @@ class EngineServer:
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
+        followers = getattr(self, "followers", None)
+        if engine is not None and followers is not None and followers.dead():
+            engine.runner.close = lambda: None  # the stop step would find no peer
         if engine is not None:
             t0 = time.monotonic()
-            engine.shutdown()
+            engine.shutdown()  # multi-host: also stops the followers' loops
             log.info("%s engine stopped in %.1f s", self.role, time.monotonic() - t0)
+        if followers is not None:
+            followers.kill()
