@@ -104,7 +104,8 @@ class EngineServer:
                 "followers": [] if self.followers is None else list(self.followers.names)}
 
     def check_health(self) -> None:
-        if self.followers is not None and (dead := self.followers.dead()):
+        followers = getattr(self, "followers", None)
+        if followers is not None and (dead := followers.dead()):
             raise RuntimeError(f"follower host(s) of this multi-host replica stopped: "
                                f"{', '.join(dead)}")
         stalled = self.engine.loop_stalled_for()

@@ -40,10 +40,34 @@ def test_command_line_strings_are_typed_like_server_args():
     ({"skip_warmup": "maybe"}, "skip_warmup: expected a boolean"),
     ({"page_size": "0"}, "--page-size must be a positive integer"),
     ({"mode": "disaggregated", "dp_size": "2", "ep_size": "2"}, "dp_size == tp_size == 1"),
+    ({"hosts_per_replica": "0"}, "hosts_per_replica must be >= 1"),
+    ({"hosts_per_replica": "2", "placement_strategy": "ANYWHERE"}, "placement_strategy"),
+    ({"hosts_per_replica": "2", "dp_size": "8", "ep_size": "8"}, "disable-radix-cache"),
+    ({"hosts_per_replica": "2", "disable_radix_cache": "true"}, "--dp-size"),
+    ({"hosts_per_replica": "2", "dp_size": "8", "ep_size": "8", "disable_radix_cache": "true",
+      "mode": "disaggregated"}, "dp_size == tp_size == 1"),
+    ({"hosts_per_replica": "2", "dp_size": "8", "ep_size": "8", "disable_radix_cache": "true",
+      "nnodes": "2", "dist_init_addr": "h:1"}, "sets nnodes"),
 ])
 def test_bad_arguments_name_the_key(args, match):
     with pytest.raises(ValueError, match=match):
         parse_app_args(args)
+
+
+def test_multi_host_replica_options():
+    cfg = parse_app_args({"hosts_per_replica": "2", "dp_size": "16", "ep_size": "16",
+                          "disable_radix_cache": "true", "tpu_chips": "4",
+                          "accelerator_type": "TPU-V6E", "cpu_devices_per_host": "4"})
+    opts = cfg.engine_deployment_options("engine")
+    bundle = {"CPU": 1.0, "TPU": 4, "accelerator_type:TPU-V6E": 0.001}
+    assert opts["placement_group_bundles"] == [bundle, dict(bundle, CPU=1)]
+    assert opts["placement_group_strategy"] == "STRICT_SPREAD"  # one host per bundle
+    assert opts["ray_actor_options"]["resources"] == {"TPU": 4}
+    assert opts["ray_actor_options"]["runtime_env"]["env_vars"] == {
+        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    assert cfg.server_args.nnodes == 1  # each replica sets its own nnodes / address
+    single = parse_app_args({}).engine_deployment_options("engine")
+    assert "placement_group_bundles" not in single and "runtime_env" not in single["ray_actor_options"]
 
 
 def test_invalid_request_error_survives_pickling():
