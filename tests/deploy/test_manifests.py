@@ -22,28 +22,44 @@ PYPROJECT = DEPLOY.parent / "pyproject.toml"
 CHIPS_PER_HOST = 4  # Ironwood VM
 
 
-def _serve_config() -> dict:
-    return yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())
+# Each RayService embeds one Serve config; the 2x2x2 one spans two hosts per engine replica.
+SERVE_CONFIGS = {"rayservice-tpu7x-2x2x1.yaml": "serve_config.yaml",
+                 "rayservice-tpu7x-2x2x2.yaml": "serve_config_2x2x2.yaml"}
 
 
-def test_serve_config_validates_against_rays_schema():
+def _serve_config(name: str = "serve_config.yaml") -> dict:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def test_every_rayservice_has_its_serve_config():
+    assert sorted(p.name for p in DEPLOY.glob("rayservice-*.yaml")) == sorted(SERVE_CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(set(SERVE_CONFIGS.values())))
+def test_serve_config_validates_against_rays_schema(name):
     from ray.serve.schema import ServeDeploySchema
 
-    schema = ServeDeploySchema.model_validate(_serve_config())
+    schema = ServeDeploySchema.model_validate(_serve_config(name))
     (app,) = schema.applications
     assert app.import_path == "ray_app:app" and app.route_prefix == "/"
 
 
-def test_serve_config_args_and_deployments_match_the_builder():
+@pytest.mark.parametrize("name", sorted(set(SERVE_CONFIGS.values())))
+def test_serve_config_args_and_deployments_match_the_builder(name):
     from ray_app.config import parse_app_args
 
-    (app,) = _serve_config()["applications"]
+    (app,) = _serve_config(name)["applications"]
     cfg = parse_app_args(app["args"])  # every key known, values valid ServerArgs
     names = {cfg.engine_deployment_options(d)["name"] for d in
              {"colocated": ["engine"], "disaggregated": ["prefill", "decode"]}[cfg.mode]}
     assert {d["name"] for d in app["deployments"]} <= names | {"Ingress"}
     assert cfg.opt("tpu_chips") == CHIPS_PER_HOST and cfg.opt("accelerator_type") == "TPU-V7X"
-    assert cfg.server_args.dp_size == cfg.server_args.ep_size == 2 * CHIPS_PER_HOST  # 2 cores/chip
+    hosts = cfg.hosts  # hosts_per_replica: the engine's mesh is every core of its hosts
+    assert cfg.server_args.dp_size == cfg.server_args.ep_size == hosts * 2 * CHIPS_PER_HOST
+    if hosts > 1:
+        opts = cfg.engine_deployment_options("engine")
+        assert opts["placement_group_strategy"] == "STRICT_SPREAD"
+        assert [b["TPU"] for b in opts["placement_group_bundles"]] == [CHIPS_PER_HOST] * hosts
 
 
 @pytest.mark.parametrize("path", sorted(DEPLOY.glob("rayservice-*.yaml")), ids=lambda p: p.name)
@@ -52,13 +68,14 @@ def test_rayservice(path):
     assert svc["apiVersion"] == "ray.io/v1" and svc["kind"] == "RayService"
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", svc["metadata"]["name"])
     spec = svc["spec"]
-    assert yaml.safe_load(spec["serveConfigV2"]) == _serve_config()  # the same file, verbatim
+    serve_config = _serve_config(SERVE_CONFIGS[path.name])
+    assert yaml.safe_load(spec["serveConfigV2"]) == serve_config  # the same file, verbatim
     ray_pin = re.search(r'"ray\[serve\]==([0-9.]+)"', PYPROJECT.read_text()).group(1)
     cluster = spec["rayClusterConfig"]
     assert cluster["rayVersion"] == ray_pin
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"]
     assert all(c["name"] and c["image"] for c in head)
-    (app,) = _serve_config()["applications"]
+    (app,) = serve_config["applications"]
     for group in cluster["workerGroupSpecs"]:
         pod = group["template"]["spec"]
         sel = pod["nodeSelector"]
@@ -66,6 +83,7 @@ def test_rayservice(path):
         topo = sel["cloud.google.com/gke-tpu-topology"]
         chips = math.prod(int(x) for x in topo.split("x"))
         assert group["numOfHosts"] == chips // CHIPS_PER_HOST
+        assert int(app["args"].get("hosts_per_replica", 1)) == group["numOfHosts"]  # a slice each
         (container,) = pod["containers"]
         res = container["resources"]
         assert res["requests"]["google.com/tpu"] == res["limits"]["google.com/tpu"] == str(CHIPS_PER_HOST)
