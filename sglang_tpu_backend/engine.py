@@ -481,6 +481,9 @@ class Engine:
                     raise weight_update.WeightUpdateError(
                         f"load_format {load_format!r} is not supported (safetensors checkpoints: "
                         "'auto' or 'safetensors')")
+                if self.args.nnodes > 1:
+                    raise weight_update.WeightUpdateError(
+                        "weight updates are not supported with --nnodes > 1")
                 host = weight_update.load_host_params(
                     model_path, self.model_config, self.runner.param_spec, dtype=DTYPES[self.args.dtype])
                 placed = self.runner.place_params(host)

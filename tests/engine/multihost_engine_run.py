@@ -70,7 +70,7 @@ def main(argv: list[str]) -> None:
             result = {"outputs": serve(engine), "num_steps": engine.stats["num_steps"],
                       "process_count": jax.process_count(),
                       "local_devices": len(jax.local_devices()),
-                      "weight_update": engine.update_weights_from_disk(args.model_path),
+                      "weight_update": engine.update_weights_from_disk(engine.args.model_path),
                       "stats": {k: v for k, v in engine.pool_stats().items() if k != "dp_ranks"},
                       "router_stats_shape": list(engine.runner.last_router_stats.shape)}
         finally:
