@@ -351,8 +351,18 @@ class Engine:
             await outs.aclose()
 
     def _install_pending(self) -> None:
-        """Loop thread: admit waiting handovers while pages and slots allow, install them."""
+        """Loop thread: admit waiting handovers while pages and slots allow, install them.
+        One that has waited longer than ``--handover-wait-timeout`` ends with finish_reason
+        abort (its state is dropped: the prefill replica already freed its copy)."""
         with self._lock:
+            limit = self.args.handover_wait_timeout
+            now = time.monotonic()
+            for req, h in [x for x in self._installs if now - x[0].arrival_time > limit]:
+                self._installs.remove((req, h))
+                self.metrics.observe_handover(0.0, 0, ok=False)
+                req.abort(f"no KV pages / state slot free on the decode replica within "
+                          f"{limit:g} s (--handover-wait-timeout)")
+                self._deliver_final(req)
             admitted = []
             while self._installs and self.scheduler.admit_installed(self._installs[0][0]):
                 admitted.append(self._installs.pop(0))

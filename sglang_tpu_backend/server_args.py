@@ -81,6 +81,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     max_queued_requests: int | None = None  # None: unlimited waiting queue
     watchdog_timeout: float = 300.0  # seconds a loop with work may go without finishing a step
+    handover_wait_timeout: float = 300.0  # seconds a handed-over request may wait for decode room
 
     def __post_init__(self):
         self.validate()
@@ -106,10 +107,11 @@ class ServerArgs:
         positive("ep_size", self.ep_size)
         positive("max_gdn_snapshots", self.max_gdn_snapshots, allow_none=True)
         positive("max_queued_requests", self.max_queued_requests, allow_none=True)
-        if (not isinstance(self.watchdog_timeout, (int, float)) or isinstance(self.watchdog_timeout, bool)
-                or not self.watchdog_timeout > 0):
-            raise ValueError(f"--watchdog-timeout must be a positive number of seconds, "
-                             f"got {self.watchdog_timeout!r}")
+        for name in ("watchdog_timeout", "handover_wait_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of "
+                                 f"seconds, got {value!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.tp_size != 1:
@@ -227,6 +229,9 @@ class ServerArgs:
         a("--watchdog-timeout", type=float, default=d.watchdog_timeout,
           help="seconds the scheduler loop may have work without finishing a step before "
                "/health and /health_generate answer 503 (a dead loop: at once)")
+        a("--handover-wait-timeout", type=float, default=d.handover_wait_timeout,
+          help="decode role: seconds a request handed over by a prefill replica may wait for "
+               "free KV pages and a state slot before it ends with finish_reason abort")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
