@@ -202,3 +202,31 @@ def load_model_config(checkpoint_dir: str | Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON: {e}") from None
     return model_config_from_dict(raw)
+
+
+# Serving dtype ---------------------------------------------------------------------------
+DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+               "float32": "float32", "float": "float32"}
+
+
+def config_dtype(raw: dict[str, Any]) -> str | None:
+    """The dtype a config.json states for the text model (``text_config`` first, then the top
+    level; ``dtype`` before the older ``torch_dtype``), normalised, or None when it states none
+    we know."""
+    for d in (raw.get("text_config") or {}, raw):
+        for key in ("dtype", "torch_dtype"):
+            name = d.get(key)
+            if isinstance(name, str):
+                return DTYPE_NAMES.get(name.removeprefix("torch.").lower())
+    return None
+
+
+def resolve_dtype(dtype: str, checkpoint_dir: str | Path) -> str:
+    """``--dtype`` -> the dtype served. ``"auto"`` follows SGLang's ``_get_and_verify_dtype``:
+    the config's dtype, except float32 or no dtype at all -> float16 (SGLang's "common
+    practice" downcast). Any other value is returned as given."""
+    if dtype != "auto":
+        return dtype
+    raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    found = config_dtype(raw)
+    return "float16" if found in (None, "float32") else found

@@ -117,7 +117,7 @@ def _fanout(request: Request, reqs: list[GenerateReqInput]) -> Fanout:
     accs = [LogprobAccumulator() for _ in reqs]
     rids = [r.rid for r in reqs]
     inflight.update(rids)
-    return Fanout([engine.generate(r) for r in reqs], transform=lambda i, out: accs[i](out),
+    return Fanout([engine.generate_request(r) for r in reqs], transform=lambda i, out: accs[i](out),
                   on_close=lambda: inflight.difference_update(rids))
 
 
@@ -223,6 +223,49 @@ async def get_server_info(request: Request) -> dict:
     info = dict(await _call(engine.get_server_info()))
     info["pool_stats"] = await _call(engine.pool_stats())
     return info
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> list:
+    """SGLang's load report: ``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]``."""
+    engine = _engine(request)
+    if not hasattr(engine, "get_load"):
+        raise APIError("This engine reports no load", "path", 404)
+    return await _call(engine.get_load())
+
+
+async def _optional_json(request: Request) -> dict:
+    """The body as a JSON object, or {} when there is none (GET, or an empty POST)."""
+    if request.method == "GET" or not (await request.body()).strip():
+        return {}
+    return await read_json(request)
+
+
+@router.post("/start_profile")
+@router.get("/start_profile")
+async def start_profile(request: Request) -> Response:
+    """Start a ``jax.profiler`` trace. Body (optional): ``output_dir`` (default
+    ``$SGLANG_TORCH_PROFILER_DIR`` or /tmp), ``num_steps`` (stop by itself after that many
+    engine steps). 400 when one is already running."""
+    body = await _optional_json(request)
+    engine = _engine(request)
+    if not hasattr(engine, "start_profile"):
+        raise APIError("This engine cannot profile", "path", 404)
+    await _call(await asyncio.to_thread(  # starting and stopping a trace block: off the loop
+        engine.start_profile, output_dir=opt_field(body, "output_dir", "str"),
+        num_steps=opt_field(body, "num_steps", "int", minimum=1)))
+    return Response(content="Start profiling.\n", status_code=200)
+
+
+@router.post("/stop_profile")
+@router.get("/stop_profile")
+async def stop_profile(request: Request) -> Response:
+    """Stop the trace and write it under ``<output_dir>/plugins/profile/``; 400 when none runs."""
+    engine = _engine(request)
+    if not hasattr(engine, "stop_profile"):
+        raise APIError("This engine cannot profile", "path", 404)
+    out = await _call(await asyncio.to_thread(engine.stop_profile))
+    return Response(content=f"Stop profiling. The trace is in {out}.\n", status_code=200)
 
 
 @router.post("/flush_cache")
