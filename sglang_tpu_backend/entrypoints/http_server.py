@@ -83,8 +83,9 @@ async def verify_api_key(request: Request) -> None:
         raise APIError("Invalid API key", "authorization", 401)
 
 
-async def read_json(request: Request) -> dict:
-    """The request body as a JSON object, refusing bodies over the configured size (413)."""
+async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
+    """The request body as a JSON object, refusing bodies over the configured size (413);
+    ``allow_empty``: no body at all is ``{}``."""
     limit = _arg(_engine(request), "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -97,6 +98,8 @@ async def read_json(request: Request) -> dict:
         chunks.append(chunk)
     raw = b"".join(chunks)
     if not raw.strip():
+        if allow_empty:
+            return {}
         raise APIError("Request body is empty; expected a JSON object", "body")
     if json_depth(raw) > MAX_JSON_DEPTH:
         raise APIError(f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", "body")
@@ -234,20 +237,13 @@ async def get_load(request: Request) -> list:
     return await _call(engine.get_load())
 
 
-async def _optional_json(request: Request) -> dict:
-    """The body as a JSON object, or {} when there is none (GET, or an empty POST)."""
-    if request.method == "GET" or not (await request.body()).strip():
-        return {}
-    return await read_json(request)
-
-
 @router.post("/start_profile")
 @router.get("/start_profile")
 async def start_profile(request: Request) -> Response:
     """Start a ``jax.profiler`` trace. Body (optional): ``output_dir`` (default
     ``$SGLANG_TORCH_PROFILER_DIR`` or /tmp), ``num_steps`` (stop by itself after that many
     engine steps). 400 when one is already running."""
-    body = await _optional_json(request)
+    body = {} if request.method == "GET" else await read_json(request, allow_empty=True)
     engine = _engine(request)
     if not hasattr(engine, "start_profile"):
         raise APIError("This engine cannot profile", "path", 404)

@@ -53,6 +53,10 @@ def generate_body(prompt=None, sampling_params=None, input_ids=None, *, return_l
     return {k: v for k, v in body.items() if v is not None}
 
 
+async def _anext(agen: AsyncIterator[dict]) -> dict:
+    return await agen.__anext__()
+
+
 class OfflineAPI:
     """Mixin of ``Engine``: needs ``generate_request``, ``abort_request``, ``args``."""
 
@@ -155,7 +159,7 @@ class OfflineAPI:
         try:
             while True:
                 try:
-                    yield asyncio.run_coroutine_threadsafe(agen.__anext__(), loop).result()
+                    yield asyncio.run_coroutine_threadsafe(_anext(agen), loop).result()
                 except StopAsyncIteration:
                     return
         finally:
