@@ -49,7 +49,6 @@ import jax.numpy as jnp
 
 from sglang_tpu_backend.constrained.grammar import GrammarBackend
 from sglang_tpu_backend.entrypoints.offline import OfflineAPI
-from sglang_tpu_backend.profiler import StepProfiler
 from sglang_tpu_backend.managers.handover import RequestHandover
 from sglang_tpu_backend.managers.io_struct import (
     GenerateReqInput, InvalidRequestError, ServiceUnavailableError)
@@ -61,6 +60,7 @@ from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
+from sglang_tpu_backend.profiler import StepProfiler
 from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_backend.server_args import ServerArgs
 

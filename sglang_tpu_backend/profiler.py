@@ -61,7 +61,8 @@ class StepProfiler:
     def stop(self) -> str:
         with self._lock:
             if not self.running:
-                raise InvalidRequestError("profile", "profiling is not in progress; call /start_profile first")
+                raise InvalidRequestError("profile", "profiling is not in progress; "
+                                          "call /start_profile first")
             return self._stop()
 
     def _stop(self) -> str:

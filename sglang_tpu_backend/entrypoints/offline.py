@@ -29,7 +29,7 @@ from sglang_tpu_backend.entrypoints.fanout import Fanout
 from sglang_tpu_backend.entrypoints.native_protocol import (
     LogprobAccumulator, StreamState, parse_generate)
 from sglang_tpu_backend.entrypoints.request_fields import APIError
-from sglang_tpu_backend.managers.io_struct import InvalidRequestError
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
 
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -41,6 +41,9 @@ def generate_body(prompt=None, sampling_params=None, input_ids=None, *, return_l
     """SGLang ``Engine.generate`` arguments -> the native ``/generate`` body (None: unset).
     Features this backend lacks (images, LoRA, custom logit processors, hidden states) raise
     InvalidRequestError when used."""
+    if isinstance(prompt, GenerateReqInput):
+        raise TypeError("Engine.generate takes SGLang's offline arguments (prompt, "
+                        "sampling_params, ...); for one GenerateReqInput use generate_request")
     for name, value in (("image_data", image_data), ("lora_path", lora_path),
                         ("custom_logit_processor", custom_logit_processor),
                         ("return_hidden_states", return_hidden_states or None)):

@@ -87,6 +87,8 @@ def test_bad_input_raises_naming_the_field(clean_engine):
     with pytest.raises(InvalidRequestError) as e:
         clean_engine.generate("x", lora_path="adapter")
     assert e.value.field == "lora_path"
+    with pytest.raises(TypeError, match="generate_request"):
+        clean_engine.generate(GenerateReqInput(text="x"))
 
 
 def test_constructor_forms(engine):
