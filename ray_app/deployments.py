@@ -38,7 +38,7 @@ class EngineServer:
 
     # Requests ------------------------------------------------------------------------------
     async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
-        async for out in self.engine.generate(obj):
+        async for out in self.engine.generate_request(obj):
             yield out
 
     async def prefill(self, obj: GenerateReqInput) -> dict[str, Any]:

@@ -3,7 +3,7 @@ router and error handlers) over a ``RemoteEngine`` that forwards the Engine API 
 engine deployments. The app is built when the ingress replica starts (Serve's late-bound
 ingress, ``__serve_build_asgi_app__``), once the engine handles exist.
 
-Colocated: ``generate`` streams from one engine replica. Disaggregated: a prefill replica
+Colocated: ``generate_request`` streams from one engine replica. Disaggregated: a prefill replica
 runs the prompt and the first token and returns a transport ticket; a decode replica
 installs the state and streams the rest; the first output is yielded in between (streaming
 requests see the first token before decoding starts). ``abort_request`` cancels the
@@ -68,7 +68,7 @@ class RemoteEngine:
         self._inflight: dict[str, Any] = {}  # rid -> the replica call in progress
         self._aborted: set[str] = set()  # rids cancelled by abort_request, not yet ended
 
-    async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
         """The engine's outputs for ``obj``. A request whose replica dies ends with
         ``finish_reason`` abort and a message (a prefill is retried once first); a request
         the engine refuses raises its ``InvalidRequestError`` (400 at the routes)."""

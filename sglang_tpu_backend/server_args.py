@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: config.resolve_dtype
 KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -45,6 +45,17 @@ class ServerArgs:
     split evenly over the DP ranks like the state slots; ``None`` -> ``max_running_requests``,
     i.e. as much device memory again as the running requests' GDN state).
 
+    ``dtype`` ``"auto"`` (the default) takes the checkpoint config's ``dtype`` /
+    ``torch_dtype`` (``config.resolve_dtype``: as stated, bfloat16 when unstated);
+    the engine replaces it with the resolved name.
+
+    Memory sizing (SGLang's ``--mem-fraction-static F``): weights plus every static pool take
+    at most ``F`` of each device's memory, and the KV page pool gets what the weights, the GDN
+    state slots and snapshots, the penalty state and the step activations leave
+    (``mem_budget.py``). Device memory is the device's ``bytes_limit``, or
+    ``device_memory_bytes`` where the device reports none (CPU) or to override it. A given
+    ``max_total_tokens`` caps the result.
+
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
     directory being ``$STB_CACHE_DIR`` or ``~/.cache/sglang_tpu_backend``; ``""`` turns it
@@ -65,7 +76,7 @@ class ServerArgs:
     tp_size: int = 1
     dp_size: int = 1
     ep_size: int = 1
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     kernel_impl: str = "auto"
     random_seed: int = 0
     served_model_name: str | None = None
@@ -82,6 +93,8 @@ class ServerArgs:
     max_queued_requests: int | None = None  # None: unlimited waiting queue
     watchdog_timeout: float = 300.0  # seconds a loop with work may go without finishing a step
     handover_wait_timeout: float = 300.0  # seconds a handed-over request may wait for decode room
+    mem_fraction_static: float | None = None  # None: pools sized by max_total_tokens
+    device_memory_bytes: int | None = None  # None: the device's bytes_limit
 
     def __post_init__(self):
         self.validate()
@@ -112,6 +125,10 @@ class ServerArgs:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of "
                                  f"seconds, got {value!r}")
+        positive("device_memory_bytes", self.device_memory_bytes, allow_none=True)
+        f = self.mem_fraction_static
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"--mem-fraction-static must be a number in (0, 1], got {f!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.tp_size != 1:
@@ -201,7 +218,9 @@ class ServerArgs:
           help="data-parallel attention ranks, one per device (each with its own KV pool)")
         a("--ep-size", type=int, default=d.ep_size,
           help="expert-parallel ranks: must equal --dp-size (experts split over the DP ranks)")
-        a("--dtype", type=str, default=d.dtype, choices=DTYPES)
+        a("--dtype", type=str, default=d.dtype, choices=DTYPES,
+          help="weights and KV cache dtype; auto: the checkpoint config's dtype "
+               "as stated (float32 too), bfloat16 when it states none")
         a("--kernel-impl", type=str, default=d.kernel_impl, choices=KERNEL_IMPLS)
         a("--random-seed", type=int, default=d.random_seed)
         a("--served-model-name", type=str, default=d.served_model_name)
@@ -232,6 +251,13 @@ class ServerArgs:
         a("--handover-wait-timeout", type=float, default=d.handover_wait_timeout,
           help="decode role: seconds a request handed over by a prefill replica may wait for "
                "free KV pages and a state slot before it ends with finish_reason abort")
+
+        a("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+          help="fraction of device memory for weights + KV pages + GDN state (sizes the KV "
+               "pool; --max-total-tokens, when given, caps it)")
+        a("--device-memory-bytes", type=int, default=d.device_memory_bytes,
+          help="device memory that --mem-fraction-static divides (default: the device's "
+               "bytes_limit; needed on CPU, which reports none)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

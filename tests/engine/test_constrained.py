@@ -15,7 +15,7 @@ from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidReque
 
 def collect(engine, obj):
     async def go():
-        return [o async for o in engine.generate(obj)]
+        return [o async for o in engine.generate_request(obj)]
     return asyncio.run(go())
 
 

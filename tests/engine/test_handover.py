@@ -51,7 +51,7 @@ def test_handover_matches_one_engine(engine, decode_engine, n, params):
 
     obj = GenerateReqInput(input_ids=_prompt(n), sampling_params=dict(params, max_new_tokens=MAX_NEW,
                                                                       ignore_eos=True))
-    ref = asyncio.run(_collect(engine.generate(dataclasses.replace(obj))))[-1]
+    ref = asyncio.run(_collect(engine.generate_request(dataclasses.replace(obj))))[-1]
     engine.flush_cache()  # the handover prefill must compute the prompt, not reuse it
     outs, h = asyncio.run(_disaggregated(engine, decode_engine, obj))
     assert h is not None and h.num_computed == n and len(h.output_ids) == 1

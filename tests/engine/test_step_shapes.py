@@ -73,7 +73,7 @@ def test_no_compilation_after_warmup(clean_engine):
 
     async def run_all():
         async def one(o):
-            return [x async for x in clean_engine.generate(o)][-1]
+            return [x async for x in clean_engine.generate_request(o)][-1]
         return await asyncio.gather(*(one(o) for o in objs))
 
     runner.forward, runner.sample = recording_forward, recording_sample
