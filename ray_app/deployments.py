@@ -60,7 +60,8 @@ class EngineServer:
         return self.engine.get_model_info()
 
     def get_server_info(self) -> dict:
-        return {**self.engine.get_server_info(), "role": self.role}
+        return {**self.engine.get_server_info(), "role": self.role,
+                "pool_stats": self.engine.pool_stats()}
 
     def pool_stats(self) -> dict:
         return self.engine.pool_stats()

@@ -27,6 +27,9 @@ from sglang_tpu_backend.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 RAY_TASK_ERROR = ray.exceptions.RayTaskError  # an exception raised inside a replica call
+# The object store copy of a handover is owned by the prefill replica that made it; if that
+# replica dies before the decode replica fetched it, the fetch fails with one of these.
+HANDOVER_LOST = (ray.exceptions.ObjectLostError,)
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 serve.exceptions.ReplicaUnavailableError, serve.exceptions.DeploymentUnavailableError)
 
@@ -95,6 +98,11 @@ class RemoteEngine:
         except RAY_TASK_ERROR as e:
             if isinstance(e.cause, InvalidRequestError):
                 raise e.cause from None
+            if isinstance(e.cause, HANDOVER_LOST):  # its prefill replica died after the prefill
+                log.warning("request %s: handover lost: %s", obj.rid, e.cause)
+                yield _aborted(obj, "the request's prefilled state was lost with its prefill "
+                               f"replica ({type(e.cause).__name__})", last)
+                return
             raise
         except REPLICA_GONE as e:
             log.warning("request %s: replica failed: %s", obj.rid, e)

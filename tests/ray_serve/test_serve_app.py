@@ -8,7 +8,8 @@ several KV pages (16 tokens) and GDN chunks (64 tokens); handover bytes and late
 ``/pd/metrics`` with ``role="decode"``; abort_request and client disconnect end a request
 that is decoding on the decode replica and free its pages and slot; killing the decode
 replica ends its in-flight request with finish_reason abort and a message, and Serve's
-replacement serves the next request; under a burst of concurrent requests the decode
+replacement serves the next request; killing the prefill replica mid-burst ends every request
+(completed after a retry, or aborted with a message when its handover was lost); under a burst of concurrent requests the decode
 deployment scales from 1 to 2 replicas and back to 1 after the load ends (last: it leaves
 two decode replicas for a while).
 """
@@ -229,6 +230,56 @@ def test_decode_replica_death_aborts_in_flight_then_recovers(base_url):
     # Serve replaces the replica; a new request waits for it and succeeds.
     again = _generate(base_url + "/pd", _prompt(7))
     assert again["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+
+
+def test_prefill_replica_death_every_request_accounted(base_url):
+    """Kill the prefill replica while requests are being prefilled and decoded: every request
+    ends, either complete (a prefill retried on Serve's replacement) or with finish_reason
+    abort and a message (its handover was lost with the replica); none hangs, none is lost;
+    new requests then succeed and the decode replica ends idle."""
+    n, max_new = 6, 40
+    results: list = [None] * n
+
+    def post(i):
+        body = {"input_ids": _prompt(150 + i),
+                "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+        try:
+            results[i] = requests.post(f"{base_url}/pd/generate", json=body, timeout=300)
+        except Exception as e:  # recorded, so the count below sees it
+            results[i] = e
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the prefill replica holds some of them
+        roles = requests.get(f"{base_url}/pd/get_server_info", timeout=60).json()["roles"]
+        stats = roles["prefill"]["pool_stats"]
+        if stats["num_running"] + stats["num_queued"] > 0:
+            break
+        time.sleep(0.05)
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if "pd#PrefillServer#" in a["name"]]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(280)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    complete = aborted = 0
+    for r in results:
+        assert isinstance(r, requests.Response) and r.status_code == 200, r
+        reason = r.json()["meta_info"]["finish_reason"]
+        if reason["type"] == "length":
+            assert len(r.json()["output_ids"]) == max_new
+            complete += 1
+        else:
+            assert reason["type"] == "abort" and reason["message"], reason
+            aborted += 1
+    assert complete + aborted == n
+    print(f"prefill replica killed: {complete} completed, {aborted} aborted")
+    again = _generate(base_url + "/pd", _prompt(9))
+    assert again["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+    s = _wait_decode_idle(base_url, timeout=60)
+    assert s["num_running"] == 0 and s["kv_pages_used"] == 0
 
 
 def _num_decode_replicas(states=("RUNNING",)) -> int:
