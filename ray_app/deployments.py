@@ -75,6 +75,18 @@ class EngineServer:
     def metrics_text(self) -> bytes:
         return self.engine.metrics_text()
 
+    def get_load(self) -> list[dict]:
+        return self.engine.get_load()
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        return self.engine.start_profile(output_dir=output_dir, num_steps=num_steps)
+
+    def stop_profile(self) -> str:
+        return self.engine.stop_profile()
+
+    def update_weights_from_disk(self, model_path: str, **kwargs) -> dict:
+        return self.engine.update_weights_from_disk(model_path, **kwargs)
+
     async def health_generate(self) -> bool:
         return await self.engine.health_generate()
 

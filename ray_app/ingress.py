@@ -68,6 +68,7 @@ class RemoteEngine:
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path or default_model_path())
         self.engine, self.prefill, self.decode = engine, prefill, decode
         self.engines = [h for h in (engine, prefill, decode) if h is not None]
+        self.roles = ["colocated"] if engine is not None else ["prefill", "decode"]
         self._inflight: dict[str, Any] = {}  # rid -> the replica call in progress
         self._aborted: set[str] = set()  # rids cancelled by abort_request, not yet ended
 
@@ -161,6 +162,52 @@ class RemoteEngine:
 
     async def health_generate(self) -> bool:
         return all(await asyncio.gather(*(h.health_generate.remote() for h in self.engines)))
+
+    async def _on_every_deployment(self, method: str, *args, **kwargs) -> list:
+        """``method`` on one replica of every engine deployment, in ``roles`` order; an
+        ``InvalidRequestError`` raised there is raised here (a 400 at the routes)."""
+        try:
+            return list(await asyncio.gather(
+                *(getattr(h, method).remote(*args, **kwargs) for h in self.engines)))
+        except RAY_TASK_ERROR as e:
+            if isinstance(e.cause, InvalidRequestError):
+                raise e.cause from None
+            raise
+
+    async def get_load(self) -> list[dict]:
+        """Every engine deployment's per-DP-rank load entries, each with its ``role``."""
+        loads = await self._on_every_deployment("get_load")
+        return [dict(entry, role=role) for role, load in zip(self.roles, loads) for entry in load]
+
+    async def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        """A trace on one replica of each engine deployment (written on that replica's node)."""
+        return ", ".join(await self._on_every_deployment(
+            "start_profile", output_dir=output_dir, num_steps=num_steps))
+
+    async def stop_profile(self) -> str:
+        return ", ".join(await self._on_every_deployment("stop_profile"))
+
+    def _replica_counts(self) -> dict[str, int]:
+        """Running or starting replicas of each engine deployment of this application."""
+        app = serve.status().applications[self.engines[0].app_name]
+        return {h.deployment_name: sum(app.deployments[h.deployment_name].replica_states.values())
+                for h in self.engines}
+
+    async def update_weights_from_disk(self, model_path: str, **kwargs) -> dict:
+        """The weight update on every engine deployment (prefill and decode alike). A handle
+        reaches one replica, so a deployment with several replicas is refused up front
+        rather than left half updated."""
+        counts = await asyncio.to_thread(self._replica_counts)
+        many = {d: n for d, n in counts.items() if n != 1}
+        if many:
+            return {"success": False, "num_paused_requests": 0, "message":
+                    f"weight updates under Ray need exactly one replica per engine deployment "
+                    f"(replicas: {many}); nothing was changed"}
+        results = await self._on_every_deployment("update_weights_from_disk", model_path, **kwargs)
+        failed = [f"{role}: {r['message']}" for role, r in zip(self.roles, results) if not r["success"]]
+        return {"success": not failed,
+                "message": "; ".join(failed) if failed else results[-1]["message"],
+                "num_paused_requests": sum(r.get("num_paused_requests", 0) for r in results)}
 
 
 @serve.deployment

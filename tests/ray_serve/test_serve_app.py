@@ -160,6 +160,33 @@ def test_handover_metrics(base_url):
     assert text.count("# TYPE sglang:kv_transfer_bytes_total") <= 1
 
 
+def test_load_profile_and_weight_routes_reach_the_replicas(base_url, tmp_path):
+    """The routes added to the standalone server work through the Ray ingress too."""
+    from sglang_tpu_backend.tiny_model import default_model_path
+
+    load = requests.get(f"{base_url}/pd/get_load", timeout=60).json()
+    assert sorted(e["role"] for e in load) == ["decode", "prefill"]
+    assert all(e["num_reqs"] == 0 for e in load), load
+    url = base_url + "/colo"
+    r = requests.post(f"{url}/start_profile", json={"output_dir": str(tmp_path)}, timeout=60)
+    assert r.status_code == 200, r.text
+    again = requests.post(f"{url}/start_profile", json={"output_dir": str(tmp_path)}, timeout=60)
+    assert again.status_code == 400, again.text  # the replica's InvalidRequestError, not a 500
+    _generate(url, _prompt(7))
+    assert requests.post(f"{url}/stop_profile", timeout=120).status_code == 200
+    assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
+    before = _generate(url, _prompt(16))["output_ids"]
+    bad = requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path)},
+                        timeout=120)
+    assert bad.status_code == 400 and bad.json()["success"] is False, bad.text
+    ok = requests.post(f"{url}/update_weights_from_disk", timeout=300, json={
+        "model_path": str(default_model_path()), "weight_version": "same-weights-v2"})
+    assert ok.status_code == 200 and ok.json()["success"] is True, ok.text
+    version = requests.get(f"{url}/get_weight_version", timeout=60).json()
+    assert version == {"weight_version": "same-weights-v2"}
+    assert _generate(url, _prompt(16))["output_ids"] == before  # the same checkpoint again
+
+
 def _decode_pool(base_url: str) -> dict:
     return requests.get(f"{base_url}/pd/get_server_info", timeout=60).json()["pool_stats"]
 
