@@ -784,7 +784,7 @@ class Engine(OfflineAPI):
     def loop_stalled_for(self) -> float:
         """Seconds the loop has had work without finishing a step (0 when idle or dead-free).
         A health check compares it with its own limit; a dead loop thread reports inf."""
-        if self._thread.ident is not None and not self._thread.is_alive() and not self._stop:
+        if self._loop_dead():
             return float("inf")
         with self._lock:
             if self.scheduler.is_idle() and not self._installs:
