@@ -4,6 +4,8 @@ Methods the ingress calls through its deployment handles:
   ``generate(obj)`` (streaming, colocated), ``prefill(obj) -> {"first", "ticket"}`` (prefill
   role: prompt + first token, state handed over through the transport), ``decode(ticket)``
   (streaming, decode role), and the engine's info / stats / cache / abort calls.
+Every replica pushes its metrics (labelled ``replica``) to the application's metrics hub
+(``ray_app/metrics_hub.py``), which the ingress's ``/metrics`` reads.
 Serve calls ``check_health`` every ``health_check_period_s``: it raises when the engine loop
 thread died or has had work without finishing a step for ``stall_timeout_s``. On shutdown
 Serve first drains (stops routing, waits up to ``graceful_shutdown_timeout_s`` for running
@@ -19,6 +21,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from ray_app.handover import make_transport
+from ray_app.metrics_hub import MetricsPusher
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 from sglang_tpu_backend.server_args import ServerArgs
 
@@ -35,6 +38,9 @@ class EngineServer:
         self.engine = Engine(server_args, role=role)
         self.transport = make_transport(transport)
         self.stall_timeout_s = stall_timeout_s
+        replica = serve.get_replica_context().replica_id
+        self.metrics_pusher = MetricsPusher(replica.deployment_id.app_name, replica.unique_id,
+                                            self.engine.metrics_text)
 
     # Requests ------------------------------------------------------------------------------
     async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
@@ -98,6 +104,9 @@ class EngineServer:
                                f"(limit {self.stall_timeout_s:.0f} s)")
 
     def __del__(self) -> None:
+        pusher = getattr(self, "metrics_pusher", None)
+        if pusher is not None:
+            pusher.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             t0 = time.monotonic()

@@ -8,7 +8,8 @@ runs the prompt and the first token and returns a transport ticket; a decode rep
 installs the state and streams the rest; the first output is yielded in between (streaming
 requests see the first token before decoding starts). ``abort_request`` cancels the
 request's in-flight replica call (Serve cancels the replica task, the engine aborts it).
-``/metrics`` merges one replica of every engine deployment (families by name).
+``/metrics`` merges every engine replica's metrics (``ray_app/metrics_hub.py``; families by
+name, samples labelled ``replica``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import ray
 from fastapi import FastAPI
 from ray import serve
 
+from ray_app.metrics_hub import get_hub
 from sglang_tpu_backend.entrypoints.http_server import create_app
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
 from sglang_tpu_backend.server_args import ServerArgs
@@ -158,7 +160,13 @@ class RemoteEngine:
         return all(await asyncio.gather(*(h.flush_cache.remote() for h in self.engines)))
 
     async def metrics_text(self) -> bytes:
-        return merge_exposition(list(await asyncio.gather(*(h.metrics_text.remote() for h in self.engines))))
+        """Every engine replica's metrics (each labelled ``replica``) from the application's
+        metrics hub; before any replica has pushed, one replica of each deployment."""
+        hub = await asyncio.to_thread(get_hub, self.engines[0].app_name)
+        texts = await hub.collect.remote()
+        if not texts:
+            texts = await asyncio.gather(*(h.metrics_text.remote() for h in self.engines))
+        return merge_exposition(list(texts))
 
     async def health_generate(self) -> bool:
         return all(await asyncio.gather(*(h.health_generate.remote() for h in self.engines)))

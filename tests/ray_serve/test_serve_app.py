@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -145,19 +146,36 @@ def test_disaggregated_streams(base_url):
     assert outs[-1]["output_ids"] == _generate(base_url + "/colo", ids)["output_ids"]
 
 
+def _metric_lines(base_url: str) -> list[str]:
+    text = requests.get(f"{base_url}/pd/metrics", timeout=60).text
+    assert text.count("# TYPE sglang:kv_transfer_bytes_total") <= 1  # families merged
+    return [x for x in text.splitlines() if x and not x.startswith("#")]
+
+
+def _decode_replicas_in_metrics(base_url: str) -> set[str]:
+    return {re.search(r'replica="([^"]+)"', x).group(1) for x in _metric_lines(base_url)
+            if x.startswith("sglang:num_running_reqs{") and 'role="decode"' in x}
+
+
 def test_handover_metrics(base_url):
     _generate(base_url + "/pd", _prompt(40))
-    text = requests.get(f"{base_url}/pd/metrics", timeout=60).text
-    lines = [x for x in text.splitlines() if not x.startswith("#")]
+    deadline = time.monotonic() + 30  # replicas push their metrics every couple of seconds
+    while True:
+        lines = _metric_lines(base_url)
+        bytes_ = [x for x in lines if x.startswith("sglang:kv_transfer_bytes_total") and 'role="decode"' in x]
+        if (bytes_ and float(bytes_[0].split()[-1]) > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+
     def decode_value(family: str) -> float:
         (line,) = [x for x in lines if x.startswith(family) and 'role="decode"' in x]
+        assert 'replica="' in line  # every replica's samples, told apart
         return float(line.split()[-1])
 
     assert decode_value("sglang:kv_transfer_bytes_total") > 0  # KV pages + GDN states
     assert decode_value("sglang:kv_transfer_latency_seconds_count") >= 1
     assert decode_value("sglang:kv_transfer_latency_seconds_sum") > 0
     assert any('role="prefill"' in x for x in lines)  # both engines' families, merged
-    assert text.count("# TYPE sglang:kv_transfer_bytes_total") <= 1
 
 
 def test_load_profile_and_weight_routes_reach_the_replicas(base_url, tmp_path):
@@ -330,18 +348,23 @@ def test_decode_scales_up_under_burst_and_back_down(base_url):
     threads = [threading.Thread(target=client) for _ in range(8)]  # 2x max_running_requests
     for t in threads:
         t.start()
-    t0, timeline = time.monotonic(), []
+    t0, timeline, in_metrics = time.monotonic(), [], set()
     try:
         while time.monotonic() - t0 < 120:
             timeline.append((round(time.monotonic() - t0, 1), _num_decode_replicas()))
             if timeline[-1][1] == 2:
                 break
             time.sleep(0.5)
+        deadline = time.monotonic() + 30  # both decode replicas' metrics reach /metrics
+        while timeline[-1][1] == 2 and len(in_metrics) < 2 and time.monotonic() < deadline:
+            in_metrics = _decode_replicas_in_metrics(base_url)
+            time.sleep(0.5)
     finally:
         stop.set()
         for t in threads:
             t.join(300)
     assert timeline[-1][1] == 2, timeline  # scaled up under load
+    assert len(in_metrics) == 2, in_metrics  # /metrics shows every replica, not one of them
     assert codes and set(codes) == {200}  # every request of the burst answered
     deadline = time.monotonic() + 120
     while _num_decode_replicas(("RUNNING", "STOPPING")) != 1 and time.monotonic() < deadline:
