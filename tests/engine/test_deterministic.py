@@ -1,0 +1,185 @@
+"""``--enable-deterministic-inference``: in bf16 a request's tokens are the same alone or in a
+batch of 48 (greedy and seeded sampling, prompts over one prefill chunk and one GDN chunk,
+mixed output lengths, some requests aborted mid-way). The control: the default mode, same
+requests, differs for at least one of them (measured: 9 of 48 greedy+seeded requests of
+``/tmp``-style traffic; here the greedy long-prompt ones, where rounding shows first).
+
+The scheduling rules (aligned prefill chunks, no mixed steps, fixed shapes) are checked
+directly on the Scheduler / ModelRunner as well, without running the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+
+import pytest
+
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+ARGS = dict(max_running_requests=48, chunked_prefill_size=64, context_length=256, page_size=16,
+            max_total_tokens=48 * 256, dtype="bfloat16", skip_warmup=True, random_seed=0)
+PROMPT_LENS = (3, 9, 20, 40, 70, 130)  # 70 and 130 span several 64-token chunks
+ABORT_AFTER = {5: 2, 17: 1, 30: 3, 41: 2}  # request index -> outputs read before leaving
+
+
+def make_requests(n: int, seed: int = 0) -> list[dict]:
+    """``n`` request specs: prompt ids, sampling params (even: greedy; odd: seeded draws)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        ids = [rng.randrange(3, 1000) for _ in range(PROMPT_LENS[i % len(PROMPT_LENS)])]
+        sp = {"max_new_tokens": rng.randint(2, 10), "ignore_eos": True, "temperature": 0.0}
+        if i % 2:
+            sp.update(temperature=0.8, seed=1000 + i, top_p=0.95 if i % 3 else 1.0)
+        out.append({"ids": ids, "sp": sp})
+    return out
+
+
+async def run_one(engine, spec: dict, leave_after: int | None = None) -> list[int]:
+    """Output ids of one request; with ``leave_after`` stream it and stop reading (abort)
+    once that many tokens arrived."""
+    obj = GenerateReqInput(input_ids=spec["ids"], sampling_params=dict(spec["sp"]),
+                           stream=leave_after is not None)
+    ids: list[int] = []
+    gen = engine.generate(obj)
+    try:
+        async for o in gen:
+            ids = o["output_ids"]
+            if leave_after is not None and len(ids) >= leave_after:
+                break
+    finally:
+        await gen.aclose()
+    return ids
+
+
+def alone_and_batched(engine, specs, abort_after=None):
+    """Each request run alone (one after the other), then all at once."""
+    abort_after = abort_after or {}
+
+    async def main():
+        alone = [await run_one(engine, s) for s in specs]
+        batched = await asyncio.gather(*(run_one(engine, s, abort_after.get(i))
+                                         for i, s in enumerate(specs)))
+        return alone, batched
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def det_engine():
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    eng = Engine(ServerArgs(**ARGS, enable_deterministic_inference=True))
+    yield eng
+    eng.shutdown()
+
+
+def test_48_concurrent_requests_equal_their_runs_alone(det_engine):
+    specs = make_requests(48)
+    runner, seen_shapes = det_engine.runner, set()
+    real_forward = runner.forward
+
+    def recording_forward(fb, from_slot=None):
+        seen_shapes.add((fb.mode, fb.input_ids.shape[0], fb.kv_lens.shape[0],
+                         fb.logits_indices.shape[0]))
+        return real_forward(fb, from_slot)
+
+    runner.forward = recording_forward
+    try:
+        alone, batched = alone_and_batched(det_engine, specs, ABORT_AFTER)
+    finally:
+        runner.forward = real_forward
+    for i, (a, b) in enumerate(zip(alone, batched)):
+        if i in ABORT_AFTER:  # left early: what it got is the start of its run alone
+            assert len(b) >= ABORT_AFTER[i] and b == a[:len(b)], (i, a, b)
+        else:
+            assert b == a, (i, specs[i]["sp"], a, b)
+    assert len(alone[0]) == specs[0]["sp"]["max_new_tokens"]
+    stats = det_engine.pool_stats()
+    assert stats["num_retracted_total"] == 0  # a retraction would re-prefill (see README)
+    assert stats["kv_pages_cached"] == 0  # prefix cache off
+    assert seen_shapes <= set(det_engine.runner.all_shapes())  # only the two fixed shapes ran
+    assert len(seen_shapes) == 2
+
+
+def test_default_mode_differs_for_some_request():
+    """Control: without the flag the same kind of traffic is not batch-invariant in bf16."""
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    eng = Engine(ServerArgs(**ARGS))
+    try:
+        specs = [s for s in make_requests(48) if s["sp"]["temperature"] == 0.0
+                 and len(s["ids"]) >= 40]  # the greedy requests with longer prompts
+        alone, batched = alone_and_batched(eng, specs * 2)  # each twice: a busier batch
+    finally:
+        eng.shutdown()
+    assert sum(a != b for a, b in zip(alone, batched)) >= 1
+
+
+# Scheduling rules, host-side only ------------------------------------------------------------
+
+
+def test_aligned_chunks_and_no_mixed_steps():
+    """A 130-token prompt prefills in chunks ending at 64 and 128 whatever the budget left,
+    a step holds decodes or prefill chunks, never both, and at most 8 prefill chunks."""
+    from sglang_tpu_backend.managers.schedule_batch import ChunkResult, Req
+    from sglang_tpu_backend.managers.scheduler import Scheduler
+    from sglang_tpu_backend.mem_cache.rank_pools import RankPools
+    from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
+    from sglang_tpu_backend.sampling.sampling_params import SamplingParams
+
+    pools = RankPools.per_rank(1, num_pages=256, page_size=16, num_slots=16)
+    sched = Scheduler(pools, max_running_requests=16, max_tokens_per_step=64,
+                      prefill_align=64, max_prefill_chunks=8, max_logits_rows=64)
+
+    def req(rid, n, max_new=3):
+        return Req(rid, list(range(3, 3 + n)), SamplingParams(), max_new_tokens=max_new, seed=0,
+                   eos_ids=frozenset(), context_length=1024)
+
+    def step():
+        batch = sched.schedule()
+        sched.on_launch(batch)
+        res = [ChunkResult(next_token=5, logprob=0.0) if c.sample else ChunkResult()
+               for c in batch.chunks]
+        sched.process_result(batch, res)
+        return batch
+
+    short = req("short", 20)
+    sched.add_request(short)
+    b = step()  # 20 tokens: the whole prompt
+    assert [(c.start, c.num_tokens) for c in b.chunks] == [(0, 20)]
+    long = req("long", 130)
+    sched.add_request(long)
+    for k in range(12):
+        sched.add_request(req(f"r{k}", 3))
+    b = step()  # prefill only (the short request's decode waits); 64 - 0 budget used by long
+    assert b.kind == ForwardMode.EXTEND and all(c.req is not short for c in b.chunks)
+    assert [(c.start, c.num_tokens) for c in b.chunks if c.req is long] == [(0, 64)]
+    assert len(b.chunks) == 1  # the budget is gone: no other prefill
+    ends = []
+    while sched.waiting or not all(r.is_decode_ready for r in sched.running):
+        b = step()
+        assert b.kind == ForwardMode.EXTEND and len(b.chunks) <= 8
+        ends += [c.start + c.num_tokens for c in b.chunks if c.req is long]
+    assert ends == [128, 130]  # never cut at the budget, only on the 64 grid or the end
+    assert step().kind == ForwardMode.DECODE
+
+
+def test_deterministic_shapes_and_flag_validation():
+    from kernels.gdn import gated_delta_net
+    from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
+    from sglang_tpu_backend.model_executor.model_runner import deterministic_shapes
+    from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
+
+    assert DETERMINISTIC_MIN_CHUNK == inspect.signature(gated_delta_net).parameters["chunk_size"].default
+    assert deterministic_shapes(64, 256) == [(ForwardMode.DECODE, 64, 64, 64),
+                                             (ForwardMode.MIXED, 256, 8, 256)]
+    assert deterministic_shapes(4, 64) == [(ForwardMode.DECODE, 4, 4, 4),
+                                           (ForwardMode.MIXED, 64, 4, 64)]
+    with pytest.raises(ValueError, match="--chunked-prefill-size 32 with --enable-deterministic"):
+        ServerArgs(chunked_prefill_size=32, enable_deterministic_inference=True)
+    assert ServerArgs(enable_deterministic_inference=True).num_gdn_snapshots_per_rank == 0
