@@ -54,14 +54,18 @@ async def run_one(engine, spec: dict, leave_after: int | None = None) -> list[in
 
 
 def alone_and_batched(engine, specs, abort_after=None):
-    """Each request run alone (one after the other), then all at once."""
+    """Each request run alone (one after the other), then all at once. Returns both output
+    lists and the programs lowered during the batched run."""
+    from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
+
     abort_after = abort_after or {}
 
     async def main():
         alone = [await run_one(engine, s) for s in specs]
+        counter = CompileCounter()
         batched = await asyncio.gather(*(run_one(engine, s, abort_after.get(i))
                                          for i, s in enumerate(specs)))
-        return alone, batched
+        return alone, batched, counter.lowerings
 
     return asyncio.run(main())
 
@@ -88,7 +92,7 @@ def test_48_concurrent_requests_equal_their_runs_alone(det_engine):
 
     runner.forward = recording_forward
     try:
-        alone, batched = alone_and_batched(det_engine, specs, ABORT_AFTER)
+        alone, batched, lowered = alone_and_batched(det_engine, specs, ABORT_AFTER)
     finally:
         runner.forward = real_forward
     for i, (a, b) in enumerate(zip(alone, batched)):
@@ -102,6 +106,7 @@ def test_48_concurrent_requests_equal_their_runs_alone(det_engine):
     assert stats["kv_pages_cached"] == 0  # prefix cache off
     assert seen_shapes <= set(det_engine.runner.all_shapes())  # only the two fixed shapes ran
     assert len(seen_shapes) == 2
+    assert lowered == 0  # the runs alone compiled every program the batch needed
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +146,7 @@ def last_logits(tiny_bf16, steps, T, R=8):
 
 def test_what_the_default_mode_varies_changes_bf16_logits(tiny_bf16):
     """Control, at the model level (the engine-level one costs minutes: measured without the
-    flag, 9 of 48 requests of this traffic differed from their runs alone). A 100-token
+    flag, 9 of 48 requests of such traffic differed from their runs alone). An 80-token
     prompt's next-token logits in bf16:
       * are bit-identical when other requests share its steps, at a fixed step shape with its
         chunks ending on the 64-token grid (what deterministic mode schedules);
@@ -151,13 +156,13 @@ def test_what_the_default_mode_varies_changes_bf16_logits(tiny_bf16):
     import numpy as np
 
     rng = random.Random(1)
-    A, B, C = ([rng.randrange(3, 1000) for _ in range(n)] for n in (100, 9, 30))
+    A, B, C = ([rng.randrange(3, 1000) for _ in range(n)] for n in (80, 9, 30))
     grid = [[(A[:64], 0, 0)], [(A[64:], 64, 0)]]
-    ref = last_logits(tiny_bf16, grid, T=128)
-    shared = [[(B, 0, 1), (A[:64], 0, 0)], [(C, 0, 2), (A[64:], 64, 0), (B[:3], 0, 3)]]
-    assert (last_logits(tiny_bf16, shared, T=128) == ref).all()
+    ref = last_logits(tiny_bf16, grid, T=64)
+    shared = [[(A[:64], 0, 0)], [(C, 0, 2), (A[64:], 64, 0), (B[:3], 0, 3)]]
+    assert (last_logits(tiny_bf16, shared, T=64) == ref).all()
     off_grid = [[(A[:40], 0, 0)], [(A[40:], 40, 0)]]
-    assert not (last_logits(tiny_bf16, off_grid, T=128) == ref).all()
+    assert not (last_logits(tiny_bf16, off_grid, T=64) == ref).all()
     gen = np.random.default_rng(0)  # a 9-token prompt measured to round differently at T=16
     gen.integers(3, 1000, 40)
     short = [[([int(t) for t in gen.integers(3, 1000, 9)], 0, 0)]]
