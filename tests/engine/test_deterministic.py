@@ -43,7 +43,7 @@ async def run_one(engine, spec: dict, leave_after: int | None = None) -> list[in
     obj = GenerateReqInput(input_ids=spec["ids"], sampling_params=dict(spec["sp"]),
                            stream=leave_after is not None)
     ids: list[int] = []
-    gen = engine.generate(obj)
+    gen = engine.generate_request(obj)
     try:
         async for o in gen:
             ids = o["output_ids"]
