@@ -66,7 +66,8 @@ from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor import weight_update
-from sglang_tpu_backend.model_executor.model_runner import ModelRunner, deterministic_prefill_reqs
+from sglang_tpu_backend.model_executor.model_runner import (
+    ModelRunner, deterministic_prefill_reqs, deterministic_prefill_rows)
 from sglang_tpu_backend.profiler import StepProfiler
 from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
@@ -84,11 +85,12 @@ OFFLOAD_PROMPT_LEN = 2048
 
 def deterministic_limits(args: ServerArgs) -> dict:
     """Scheduler arguments of ``--enable-deterministic-inference``: prefill chunks aligned to
-    the GDN chunk size, as many per step as the runner's fixed prefill shape has rows, and
-    logits rows for a whole aligned chunk of prompt logprobs."""
+    the GDN chunk size, as many chunks and logits rows per step as the runner's fixed prefill
+    shape has (``model_runner.deterministic_shapes``)."""
+    running = args.max_running_requests_per_rank
     return dict(prefill_align=DETERMINISTIC_MIN_CHUNK,
-                max_prefill_chunks=deterministic_prefill_reqs(args.max_running_requests_per_rank),
-                max_logits_rows=args.max_tokens_per_step)
+                max_prefill_chunks=deterministic_prefill_reqs(running),
+                max_logits_rows=deterministic_prefill_rows(running, args.max_tokens_per_step))
 
 
 class Engine(OfflineAPI):

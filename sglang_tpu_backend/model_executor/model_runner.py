@@ -32,12 +32,13 @@ request on its share of the heads and experts, logits come back replicated.
 
 Deterministic mode (``deterministic=True``, ``--enable-deterministic-inference``): two step
 shapes only (``deterministic_shapes``): DECODE with T = R = L = max_running_requests, and a
-prefill-only MIXED step with T = L = max_tokens_per_step (every token may need a prompt
-logprob row) and R = ``deterministic_prefill_reqs`` (the scheduler sends at most that many
-prefill chunks, never decodes, in such a step; few rows keep the GDN chunk slots few). On XLA:CPU an op's per-row result can depend on the program's
-shapes (the GDN chunked path rounds differently at T=16 and T=64), so a fixed shape per kind
-is what makes a row's result independent of the batch; padding rows cost compute, not
-correctness (``benchmarks/bench_deterministic.py`` measures it).
+prefill-only MIXED step with T = max_tokens_per_step, R = ``deterministic_prefill_reqs``
+(the scheduler sends at most that many prefill chunks, never decodes, in such a step; few
+rows keep the GDN chunk slots few) and L = ``deterministic_prefill_rows`` (room for a whole
+64-token chunk of prompt logprobs). On XLA:CPU an op's per-row result can depend on the
+program's shapes (the GDN chunked path rounds differently at T=16 and T=64), so a fixed shape
+per kind is what makes a row's result independent of the batch; padding rows cost compute,
+not correctness (``benchmarks/bench_deterministic.py`` measures it).
 
 Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
 (``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
@@ -64,6 +65,7 @@ from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, Forwar
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.sampling import sampler
+from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK
 
 logger = logging.getLogger(__name__)
 MIN_BUCKET = 8
@@ -74,12 +76,20 @@ def deterministic_prefill_reqs(max_running_requests: int) -> int:
     return min(MIN_BUCKET, max_running_requests)
 
 
+def deterministic_prefill_rows(max_running_requests: int, max_tokens_per_step: int) -> int:
+    """Logits rows of the deterministic prefill step (the scheduler's ``max_logits_rows``):
+    at least one aligned chunk of prompt logprobs, which cannot be cut shorter."""
+    T = max(max_tokens_per_step, max_running_requests)
+    return min(T, max(max_running_requests, DETERMINISTIC_MIN_CHUNK))
+
+
 def deterministic_shapes(max_running_requests: int, max_tokens_per_step: int
                          ) -> list[tuple[ForwardMode, int, int, int]]:
     """The two (mode, T, R, L) of deterministic mode: DECODE and prefill-only MIXED."""
     R, T = max_running_requests, max(max_tokens_per_step, max_running_requests)
     return [(ForwardMode.DECODE, R, R, R),
-            (ForwardMode.MIXED, T, deterministic_prefill_reqs(R), T)]
+            (ForwardMode.MIXED, T, deterministic_prefill_reqs(R),
+             deterministic_prefill_rows(R, max_tokens_per_step))]
 
 
 def bucket_ladder(limit: int, smallest: int = MIN_BUCKET, factor: int = 2) -> tuple[int, ...]:

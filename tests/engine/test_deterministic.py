@@ -227,7 +227,8 @@ def test_deterministic_shapes_and_flag_validation():
 
     assert DETERMINISTIC_MIN_CHUNK == inspect.signature(gated_delta_net).parameters["chunk_size"].default
     assert deterministic_shapes(64, 256) == [(ForwardMode.DECODE, 64, 64, 64),
-                                             (ForwardMode.MIXED, 256, 8, 256)]
+                                             (ForwardMode.MIXED, 256, 8, 64)]
+    assert deterministic_shapes(128, 256)[1] == (ForwardMode.MIXED, 256, 8, 128)
     assert deterministic_shapes(4, 64) == [(ForwardMode.DECODE, 4, 4, 4),
                                            (ForwardMode.MIXED, 64, 4, 64)]
     with pytest.raises(ValueError, match="--chunked-prefill-size 32 with --enable-deterministic"):
