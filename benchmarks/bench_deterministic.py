@@ -6,16 +6,16 @@ traffic once on each engine, the order alternating (this machine is shared and n
 round of one engine: ``n`` requests with ``--prompt-len``-token prompts and
 ``--max-new-tokens`` outputs (greedy, ignore_eos) queued at once, stepped to the end; the
 wall time of each step is added to prefill (steps holding prompt chunks: EXTEND or MIXED)
-or decode (DECODE steps). Reported per engine (median over rounds, or ``--best``): prefill tokens/s, decode
-time per output token (decode tokens computed inside MIXED steps count as prefill), whole-traffic
-tokens/s; and the ratios deterministic / default
+or decode (DECODE steps). Reported per engine (median over rounds, or with ``--best`` the best
+round): prefill tokens/s, decode time per output token (decode tokens computed inside MIXED
+steps count as prefill), whole-traffic tokens/s; and the ratios deterministic / default
 (> 1 = slower for times, < 1 = slower for throughputs).
 
 Where the cost comes from: deterministic mode pads every step to one of two fixed shapes
 (DECODE at ``--max-running-requests`` rows, prefill at ``max_tokens_per_step`` rows), so a
 small batch pays for a full one, and decodes wait while prompt chunks run.
 
-    JAX_PLATFORMS=cpu python benchmarks/bench_deterministic.py [--batches 1 8 64]
+    JAX_PLATFORMS=cpu python benchmarks/bench_deterministic.py [--best] [--batches 1 8 32]
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def summary(rounds: list[dict[str, float]], best: bool) -> dict[str, float]:
     pick = (lambda xs, hi: max(xs) if hi else min(xs)) if best else (
         lambda xs, hi: statistics.median(xs))
     return {
-        "prefill_tok_s": pick([r["prefill_tokens"] / max(r["prefill_s"], 1e-9) for r in rounds], True),
+        "prefill_tok_s": pick([r["prefill_tokens"] / max(r["prefill_s"], 1e-9)
+                               for r in rounds], True),
         "decode_ms_per_tok": pick([1e3 * r["decode_s"] / max(r["decode_tokens"], 1)
                                    for r in rounds], False),
         "total_tok_s": pick([(r["prefill_tokens"] + r["decode_tokens"])
@@ -87,8 +88,8 @@ def main() -> None:
                                        start_loop=False)}
     print(f"tiny model bf16, prompt {a.prompt_len} tokens, {a.max_new_tokens} outputs each, "
           f"max_running_requests {a.max_running_requests}, chunked_prefill_size "
-          f"{a.chunked_prefill_size}, {'best' if a.best else 'median'} of {a.rounds} alternating rounds "
-          f"(prefix cache off in both)")
+          f"{a.chunked_prefill_size}, {'best' if a.best else 'median'} of {a.rounds} "
+          f"alternating rounds (prefix cache off in both)")
     for n in a.batches:
         for eng in engines.values():  # compile this traffic's shapes, untimed
             run_traffic(eng, n, a.prompt_len, a.max_new_tokens)
@@ -100,7 +101,8 @@ def main() -> None:
         s = {k: summary(v, a.best) for k, v in rounds.items()}
         d, x = s["default"], s["deterministic"]
         print(f"batch {n:3d}: prefill tok/s default {d['prefill_tok_s']:8.0f} det "
-              f"{x['prefill_tok_s']:8.0f} (det/default {x['prefill_tok_s'] / d['prefill_tok_s']:.2f})"
+              f"{x['prefill_tok_s']:8.0f} "
+              f"(det/default {x['prefill_tok_s'] / d['prefill_tok_s']:.2f})"
               f" | decode ms/token default {d['decode_ms_per_tok']:7.2f} det "
               f"{x['decode_ms_per_tok']:7.2f} (det/default "
               f"{x['decode_ms_per_tok'] / d['decode_ms_per_tok']:.2f})"

@@ -170,7 +170,8 @@ class ServerArgs:
             raise ValueError(
                 f"--max-gdn-snapshots {self.max_gdn_snapshots} is split over --dp-size "
                 f"{self.dp_size} ranks: it must be at least {self.dp_size}")
-        if self.enable_deterministic_inference and self.chunked_prefill_size < DETERMINISTIC_MIN_CHUNK:
+        if (self.enable_deterministic_inference
+                and self.chunked_prefill_size < DETERMINISTIC_MIN_CHUNK):
             raise ValueError(
                 f"--chunked-prefill-size {self.chunked_prefill_size} with "
                 f"--enable-deterministic-inference: prefill chunks end at multiples of "

@@ -225,7 +225,8 @@ def test_deterministic_shapes_and_flag_validation():
     from sglang_tpu_backend.model_executor.model_runner import deterministic_shapes
     from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
 
-    assert DETERMINISTIC_MIN_CHUNK == inspect.signature(gated_delta_net).parameters["chunk_size"].default
+    gdn_chunk = inspect.signature(gated_delta_net).parameters["chunk_size"].default
+    assert DETERMINISTIC_MIN_CHUNK == gdn_chunk
     assert deterministic_shapes(64, 256) == [(ForwardMode.DECODE, 64, 64, 64),
                                              (ForwardMode.MIXED, 256, 8, 64)]
     assert deterministic_shapes(128, 256)[1] == (ForwardMode.MIXED, 256, 8, 128)
