@@ -66,10 +66,11 @@ from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor import weight_update
-from sglang_tpu_backend.model_executor.model_runner import ModelRunner
+from sglang_tpu_backend.model_executor.model_runner import (
+    ModelRunner, deterministic_prefill_reqs, deterministic_prefill_rows)
 from sglang_tpu_backend.profiler import StepProfiler
 from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
-from sglang_tpu_backend.server_args import ServerArgs
+from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
 
 logger = logging.getLogger(__name__)
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -80,6 +81,16 @@ PHASES = ("schedule", "model", "process_result", "deliver")  # a step's phases (
 # or with a grammar to compile; below it, inline: tokenising a short prompt takes ~25 us, the
 # thread hop ~85 us (measured on the tiny tokenizer).
 OFFLOAD_PROMPT_LEN = 2048
+
+
+def deterministic_limits(args: ServerArgs) -> dict:
+    """Scheduler arguments of ``--enable-deterministic-inference``: prefill chunks aligned to
+    the GDN chunk size, as many chunks and logits rows per step as the runner's fixed prefill
+    shape has (``model_runner.deterministic_shapes``)."""
+    running = args.max_running_requests_per_rank
+    return dict(prefill_align=DETERMINISTIC_MIN_CHUNK,
+                max_prefill_chunks=deterministic_prefill_reqs(running),
+                max_logits_rows=deterministic_prefill_rows(running, args.max_tokens_per_step))
 
 
 class Engine(OfflineAPI):
@@ -156,15 +167,17 @@ class Engine(OfflineAPI):
         if num_snapshots > 0:
             prefix = PrefixCache([RadixCache(p.page_pool, SnapshotPool(num_snapshots))
                                   for p in self.pools])
+        det = args.enable_deterministic_inference  # (its num_gdn_snapshots_per_rank is 0)
         self.scheduler = Scheduler(self.pools, max_running_requests=running,
-                                   max_tokens_per_step=args.max_tokens_per_step, prefix=prefix)
+                                   max_tokens_per_step=args.max_tokens_per_step, prefix=prefix,
+                                   **(deterministic_limits(args) if det else {}))
         self.runner = ModelRunner(
             cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
             num_state_slots=running, max_running_requests=running,
             max_tokens_per_step=args.max_tokens_per_step, context_length=context_length,
             kv_dtype=DTYPES[args.dtype], impl=args.kernel_impl,
             max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp, tp_size=args.tp_size,
-            num_gdn_snapshots=num_snapshots,
+            num_gdn_snapshots=num_snapshots, deterministic=det,
         )
         self.grammar_backend = GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
         self._rng = random.Random(args.random_seed)

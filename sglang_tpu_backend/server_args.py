@@ -13,6 +13,7 @@ from typing import Any
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: config.resolve_dtype
 KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DETERMINISTIC_MIN_CHUNK = 64  # chunk size of the GDN chunked path (kernels/gdn.py default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,13 @@ class ServerArgs:
     ``device_memory_bytes`` where the device reports none (CPU) or to override it. A given
     ``max_total_tokens`` caps the result.
 
+    Deterministic inference (``enable_deterministic_inference``): a request's tokens do not
+    depend on what else is batched with it (greedy and seeded sampling). Every step
+    runs one of two fixed shapes (a DECODE step of ``max_running_requests`` rows, or a
+    prefill-only step of ``max_tokens_per_step`` rows: decodes and prefill chunks never share
+    a step), a prompt's prefill chunks end only at multiples of the GDN chunk size (64) or at
+    its end, and the prefix cache is off. ``chunked_prefill_size`` must be at least 64.
+
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
     directory being ``$STB_CACHE_DIR`` or ``~/.cache/sglang_tpu_backend``; ``""`` turns it
@@ -95,6 +103,7 @@ class ServerArgs:
     handover_wait_timeout: float = 300.0  # seconds a handed-over request may wait for decode room
     mem_fraction_static: float | None = None  # None: pools sized by max_total_tokens
     device_memory_bytes: int | None = None  # None: the device's bytes_limit
+    enable_deterministic_inference: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -161,6 +170,12 @@ class ServerArgs:
             raise ValueError(
                 f"--max-gdn-snapshots {self.max_gdn_snapshots} is split over --dp-size "
                 f"{self.dp_size} ranks: it must be at least {self.dp_size}")
+        if (self.enable_deterministic_inference
+                and self.chunked_prefill_size < DETERMINISTIC_MIN_CHUNK):
+            raise ValueError(
+                f"--chunked-prefill-size {self.chunked_prefill_size} with "
+                f"--enable-deterministic-inference: prefill chunks end at multiples of "
+                f"{DETERMINISTIC_MIN_CHUNK} tokens, so it must be at least {DETERMINISTIC_MIN_CHUNK}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * self.dp_size:
             raise ValueError(
                 f"--max-total-tokens {self.max_total_tokens} is smaller than one page "
@@ -183,7 +198,7 @@ class ServerArgs:
     @property
     def num_gdn_snapshots_per_rank(self) -> int:
         """GDN state snapshots of each DP rank's prefix cache (0 when it is disabled)."""
-        if self.disable_radix_cache:
+        if self.disable_radix_cache or self.enable_deterministic_inference:
             return 0
         total = self.max_running_requests if self.max_gdn_snapshots is None else self.max_gdn_snapshots
         return total // self.dp_size
@@ -258,6 +273,11 @@ class ServerArgs:
         a("--device-memory-bytes", type=int, default=d.device_memory_bytes,
           help="device memory that --mem-fraction-static divides (default: the device's "
                "bytes_limit; needed on CPU, which reports none)")
+        a("--enable-deterministic-inference", action="store_true",
+          default=d.enable_deterministic_inference,
+          help="batch-invariant outputs: a request's tokens are the same alone or in any batch "
+               "(fixed step shapes, no mixed prefill+decode steps, aligned prefill chunks, "
+               "prefix cache off)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

@@ -30,6 +30,16 @@ Tensor-parallel attention (``tp_size`` > 1, for comparison with DP): the runner 
 ``parallel.TPForward``; one pool and one batch as with one device, every device runs every
 request on its share of the heads and experts, logits come back replicated.
 
+Deterministic mode (``deterministic=True``, ``--enable-deterministic-inference``): two step
+shapes only (``deterministic_shapes``): DECODE with T = R = L = max_running_requests, and a
+prefill-only MIXED step with T = max_tokens_per_step, R = ``deterministic_prefill_reqs``
+(the scheduler sends at most that many prefill chunks, never decodes, in such a step; few
+rows keep the GDN chunk slots few) and L = ``deterministic_prefill_rows`` (room for a whole
+64-token chunk of prompt logprobs). On XLA:CPU an op's per-row result can depend on the
+program's shapes (the GDN chunked path rounds differently at T=16 and T=64), so a fixed shape
+per kind is what makes a row's result independent of the batch; padding rows cost compute,
+not correctness (``benchmarks/bench_deterministic.py`` measures it).
+
 Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
 (``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
 slots and, after the forward, its ``state_saves`` out of them.
@@ -55,9 +65,31 @@ from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, Forwar
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.sampling import sampler
+from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK
 
 logger = logging.getLogger(__name__)
 MIN_BUCKET = 8
+
+
+def deterministic_prefill_reqs(max_running_requests: int) -> int:
+    """Prefill chunks per step in deterministic mode (the step's fixed R)."""
+    return min(MIN_BUCKET, max_running_requests)
+
+
+def deterministic_prefill_rows(max_running_requests: int, max_tokens_per_step: int) -> int:
+    """Logits rows of the deterministic prefill step (the scheduler's ``max_logits_rows``):
+    at least one aligned chunk of prompt logprobs, which cannot be cut shorter."""
+    T = max(max_tokens_per_step, max_running_requests)
+    return min(T, max(max_running_requests, DETERMINISTIC_MIN_CHUNK))
+
+
+def deterministic_shapes(max_running_requests: int, max_tokens_per_step: int
+                         ) -> list[tuple[ForwardMode, int, int, int]]:
+    """The two (mode, T, R, L) of deterministic mode: DECODE and prefill-only MIXED."""
+    R, T = max_running_requests, max(max_tokens_per_step, max_running_requests)
+    return [(ForwardMode.DECODE, R, R, R),
+            (ForwardMode.MIXED, T, deterministic_prefill_reqs(R),
+             deterministic_prefill_rows(R, max_tokens_per_step))]
 
 
 def bucket_ladder(limit: int, smallest: int = MIN_BUCKET, factor: int = 2) -> tuple[int, ...]:
@@ -172,6 +204,7 @@ class ModelRunner:
         tp_size: int = 1,
         router_stats: bool = True,
         num_gdn_snapshots: int = 0,
+        deterministic: bool = False,
     ):
         """``router_stats``: each step also reduces the MoE routers' health (expert load,
         entropy, top-1 probability per layer; ``metrics/router_stats.py``) into
@@ -188,6 +221,7 @@ class ModelRunner:
         self.req_buckets, self.extend_req_buckets, self.token_buckets = _ladders(
             max_running_requests, max_tokens_per_step)
         self.step_limits = (max_running_requests, max_tokens_per_step)
+        self.deterministic = deterministic
         self.num_state_slots = num_state_slots  # per rank
         S = dp_size * num_state_slots  # penalty-state rows: one per global slot
         self.counts = jnp.zeros((S, cfg.vocab_size), jnp.int32)  # i32[S, V]
@@ -287,7 +321,9 @@ class ModelRunner:
     def shapes_for(self, kind: ForwardMode, num_tokens: int, num_reqs: int, num_rows: int
                    ) -> tuple[ForwardMode, int, int, int]:
         """Bucketed (mode, T, R, L) of a step: DECODE stays DECODE, anything else runs as
-        MIXED."""
+        MIXED. Deterministic mode: the largest bucket of each kind, whatever the counts."""
+        if self.deterministic:
+            return self.all_shapes()[0 if kind == ForwardMode.DECODE else 1]
         if kind == ForwardMode.DECODE:
             r = pick_bucket(self.req_buckets, num_reqs)
             return ForwardMode.DECODE, r, r, r
@@ -298,6 +334,8 @@ class ModelRunner:
     def all_shapes(self) -> list[tuple[ForwardMode, int, int, int]]:
         """Every (mode, T, R, L) serving can produce (what warm-up compiles); with DP ranks
         (T, R, L) are per rank."""
+        if self.deterministic:
+            return deterministic_shapes(*self.step_limits)
         return step_shapes(*self.step_limits)
 
     # Step -----------------------------------------------------------------------------
