@@ -45,6 +45,9 @@ FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 
 
+METRICS_EXPORT_PORT: list[int] = []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,8 +60,9 @@ def base_url():
 
     env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **FAST_METRICS}  # replicas import this tree
     os.environ.update(env)
+    METRICS_EXPORT_PORT.append(_free_port())  # Ray's metrics agent (ray_serve_* families)
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": env})
+             runtime_env={"env_vars": env}, _metrics_export_port=METRICS_EXPORT_PORT[0])
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -325,6 +329,37 @@ def test_prefill_replica_death_every_request_accounted(base_url):
     assert again["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
     s = _wait_decode_idle(base_url, timeout=60)
     assert s["num_running"] == 0 and s["kv_pages_used"] == 0
+
+
+def test_prometheus_scrapes_the_ray_app(base_url):
+    """A real Prometheus scrapes the disaggregated app as monitoring/prometheus.yml says (the
+    ingress's /metrics for every replica's sglang:* series, Ray's metrics agent for
+    ray_serve_*), and every dashboard and alert expression returns data, the Ray Serve ones
+    included, against live replicas."""
+    from tests.monitoring import test_prometheus as tp
+
+    if not os.path.exists(tp.PROMETHEUS):
+        pytest.skip("Debian's prometheus package is not installed")
+    jobs = {"sglang-ray-serve": {"metrics_path": "/pd/metrics",
+                                 "target": base_url.removeprefix("http://")},
+            "ray": {"metrics_path": "/metrics", "target": f"127.0.0.1:{METRICS_EXPORT_PORT[0]}"}}
+    with tp.prometheus(jobs) as prom:
+        for i in range(6):  # requests over several scrapes: rate() windows hold >= 2 points
+            _generate(base_url + "/pd", _prompt(20 + i))
+            time.sleep(0.5)
+        exprs = [tp.concrete(e) for e in tp.dashboard_exprs()] + [tp.underlying(e) for e in tp.alert_exprs()]
+        deadline = time.monotonic() + 60  # Ray's agent exports replica metrics every few seconds
+        while True:
+            empty = [e for e in exprs if not tp.query(prom, e)]
+            if not empty or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert not empty, f"expressions without data: {empty}"
+        roles = {r["metric"]["role"] for r in tp.query(prom, "sum by (role) (sglang:num_requests_total)")}
+        assert roles == {"prefill", "decode"}
+        up = tp.query(prom, 'up{job=~"sglang-ray-serve|ray"}')
+        assert sorted(r["metric"]["job"] for r in up) == ["ray", "sglang-ray-serve"]
+        assert all(r["value"][1] == "1" for r in up)
 
 
 def _num_decode_replicas(states=("RUNNING",)) -> int:
