@@ -10,6 +10,8 @@ import argparse
 import dataclasses
 from typing import Any
 
+from sglang_tpu_backend.entrypoints.chat_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
+
 DTYPES = ("bfloat16", "float32", "float16")
 KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -80,6 +82,8 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     max_queued_requests: int | None = None  # None: unlimited waiting queue
     watchdog_timeout: float = 300.0  # seconds a loop with work may go without finishing a step
+    reasoning_parser: str | None = None  # chat: split <think> reasoning into reasoning_content
+    tool_call_parser: str | None = None  # chat: parse tool calls into tool_calls
 
     def __post_init__(self):
         self.validate()
@@ -223,6 +227,11 @@ class ServerArgs:
         a("--watchdog-timeout", type=float, default=d.watchdog_timeout,
           help="seconds the scheduler loop may have work without finishing a step before "
                "/health and /health_generate answer 503 (a dead loop: at once)")
+        a("--reasoning-parser", type=str, default=d.reasoning_parser, choices=REASONING_PARSERS,
+          help="chat completions: <think> reasoning -> message.reasoning_content")
+        a("--tool-call-parser", type=str, default=d.tool_call_parser, choices=TOOL_CALL_PARSERS,
+          help="chat completions: tool calls -> message.tool_calls (qwen3_coder: Qwen3.5's "
+               "XML format; qwen25: JSON in <tool_call> tags)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
