@@ -49,7 +49,8 @@ class SamplingInputs:
     bitmask:      i32[R, W] allowed tokens, bit ``t % 32`` of word ``t // 32`` (-1 = all);
                   None when the step's variant has ``mask=False``.
     bias_ids:     i32[R, B] tokens whose logits ``bias_values`` f32[R, B] are added to (padding
-                  entries: id V, dropped); both None when the variant has ``bias=False``.
+                  entries: id V, dropped); None: no row has one (always so when the
+                  variant has ``bias=False``).
     target_ids:   i32[L] token whose logprob each logits row reports (prompt logprobs).
     """
 
@@ -189,7 +190,7 @@ def sample(logits, counts, prompt_mask, inp: SamplingInputs, *, num_top_logprobs
             x, counts[inp.slot], prompt_mask[inp.slot],
             inp.frequency_penalty, inp.presence_penalty, inp.repetition_penalty,
         )
-    if variant.bias:
+    if variant.bias and inp.bias_ids is not None:
         x = apply_logit_bias(x, inp.bias_ids, inp.bias_values)
     if variant.mask:
         x = apply_bitmask(x, inp.bitmask)
