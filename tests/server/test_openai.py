@@ -239,3 +239,27 @@ def test_logit_bias_over_http(client, model, live_server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt=prompt, max_tokens=2, logit_bias={"5": -100.5})
     assert e.value.body["param"] == "logit_bias"
+
+
+def test_chat_template_kwargs_reach_the_template(client, model, tok):
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert text.endswith("<think>\n\n</think>\n\n")
+    assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+    assert r.usage.prompt_tokens > len(templated_ids(tok, MESSAGES))
+
+
+def test_named_tool_choice_on_the_real_engine(client, model):
+    """The named function's parameters schema constrains the real model's output; the answer
+    is a tool call (no --tool-call-parser needed)."""
+    tools = [{"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["unit"], "additionalProperties": False}}}]
+    r = client.chat.completions.create(model=model, messages=MESSAGES, tools=tools, max_tokens=48, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "set_unit"}})
+    if r.choices[0].finish_reason == "length":
+        pytest.skip("untrained model ran out of tokens inside the JSON")
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "set_unit"
+    assert json.loads(call.function.arguments) in ({"unit": "c"}, {"unit": "f"})
