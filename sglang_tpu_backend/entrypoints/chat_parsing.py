@@ -72,14 +72,13 @@ def _held_tag_prefix(text: str, tag: str) -> int:
 
 def split_reasoning(text: str, in_reasoning: bool, final: bool) -> tuple[str | None, str]:
     """``(reasoning, content)`` of ``text``; ``in_reasoning``: the prompt opened ``<think>``."""
-    if not in_reasoning:
-        head = text.lstrip()
-        if head.startswith(THINK_START):
-            text = head[len(THINK_START):]
-        elif not final and THINK_START.startswith(head):
-            return None, ""  # nothing yet, or the start of a <think> tag
-        else:
-            return None, text
+    head = text.lstrip()
+    if head.startswith(THINK_START):  # opened by the output (again, when the prompt did)
+        text, in_reasoning = head[len(THINK_START):], True
+    elif not final and THINK_START.startswith(head):  # nothing yet, or the start of a <think> tag
+        return ("" if in_reasoning else None), ""
+    elif not in_reasoning:
+        return None, text
     end = text.find(THINK_END)
     if end < 0:
         held = 0 if final else _held_tag_prefix(text, THINK_END)

@@ -250,7 +250,8 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> Any:
         if choice == "required" and not tools:
             raise APIError("'tool_choice' 'required' needs 'tools'", "tool_choice")
         return choice
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or choice.get("type", "function") != "function":
         raise APIError("'tool_choice' must be 'none', 'auto', 'required' or "
                        "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")

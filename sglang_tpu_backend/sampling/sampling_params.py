@@ -113,7 +113,7 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 bad("logit_bias", "an object mapping token ids to biases")
             for k, v in self.logit_bias.items():
-                if not (isinstance(k, str) and k.strip().lstrip("-").isdigit()) or not is_num(v):
+                if not (isinstance(k, str) and k.strip().lstrip("-").isdecimal()) or not is_num(v):
                     bad("logit_bias", f"an object mapping token-id strings to numbers (got {k!r}: {v!r})")
 
     def validate(self, vocab_size: int | None = None) -> None:

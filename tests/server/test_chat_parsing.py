@@ -37,6 +37,8 @@ def test_reasoning_opened_by_the_prompt():
     p = ChatParser("qwen3", in_reasoning=True)
     m = assert_prefix_stable(p, "\nThe user greets.\n</think>\n\nHello there!")
     assert (m.reasoning, m.content, m.tool_calls) == ("The user greets.", "Hello there!", [])
+    # the output opening <think> again is not part of the reasoning
+    assert assert_prefix_stable(p, "<think>\nidea</think>ok").reasoning == "idea"
     # not finished thinking (length): everything is reasoning
     assert p.parse("still thinking </thi", final=True).reasoning == "still thinking </thi"
     assert p.parse("still thinking </thi", final=False).reasoning == "still thinking"
