@@ -70,8 +70,11 @@ def _held_tag_prefix(text: str, tag: str) -> int:
     return 0
 
 
-def split_reasoning(text: str, in_reasoning: bool, final: bool) -> tuple[str | None, str]:
-    """``(reasoning, content)`` of ``text``; ``in_reasoning``: the prompt opened ``<think>``."""
+def split_reasoning(text: str, in_reasoning: bool, final: bool, memo: dict | None = None
+                    ) -> tuple[str | None, str]:
+    """``(reasoning, content)`` of ``text``; ``in_reasoning``: the prompt opened ``<think>``.
+    ``memo`` (streaming, one per choice, the text only growing): where to resume looking for
+    ``</think>``, so a long reasoning is not searched again at every chunk."""
     head = text.lstrip()
     if head.startswith(THINK_START):  # opened by the output (again, when the prompt did)
         text, in_reasoning = head[len(THINK_START):], True
@@ -79,7 +82,10 @@ def split_reasoning(text: str, in_reasoning: bool, final: bool) -> tuple[str | N
         return ("" if in_reasoning else None), ""
     elif not in_reasoning:
         return None, text
-    end = text.find(THINK_END)
+    start = memo.get("think_end_from", 0) if memo is not None else 0
+    end = text.find(THINK_END, start)
+    if end < 0 and memo is not None:
+        memo["think_end_from"] = max(start, len(text) - len(THINK_END) + 1)
     if end < 0:
         held = 0 if final else _held_tag_prefix(text, THINK_END)
         return text[:len(text) - held].strip(), ""  # trailing whitespace held back too
@@ -135,14 +141,18 @@ def _parse_json_block(block: str, tools: dict[str, dict]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), True)
 
 
-def parse_tool_calls(text: str, parser: str, tools: dict[str, dict], final: bool
-                     ) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, parser: str, tools: dict[str, dict], final: bool,
+                     memo: dict | None = None) -> tuple[str, list[ToolCall]]:
     """``(content, calls)`` of ``text``; ``tools`` maps function name -> its OpenAI function
     object. Content is stripped (non-final: trailing whitespace and a partial ``<tool_call>``
-    held back); the last call may be incomplete while not ``final`` (qwen3_coder)."""
+    held back); the last call may be incomplete while not ``final`` (qwen3_coder). ``memo``:
+    as for :func:`split_reasoning`, where to resume looking for the first ``<tool_call>``."""
     content, calls, pos = [], [], 0
+    first_from = memo.get("call_from", 0) if memo is not None else 0
     while True:
-        start = text.find(CALL_START, pos)
+        start = text.find(CALL_START, first_from if pos == 0 else pos)
+        if start < 0 and pos == 0 and memo is not None:
+            memo["call_from"] = max(first_from, len(text) - len(CALL_START) + 1)
         if start < 0:
             tail = text[pos:]
             content.append(tail if final else tail[:len(tail) - _held_tag_prefix(tail, CALL_START)])
@@ -184,15 +194,18 @@ class ChatParser:
         self.in_reasoning = in_reasoning
         self.forced = forced  # None | "required" | a function name
 
-    def parse(self, text: str, final: bool) -> ParsedMessage:
+    def parse(self, text: str, final: bool, memo: dict | None = None) -> ParsedMessage:
+        """``memo``: a dict kept per streamed choice while its text grows (ignored when final:
+        the final text is parsed afresh)."""
         if self.forced is not None:
             return self._parse_forced(text, final)
+        memo = None if final else memo
         reasoning = None
         if self.reasoning_parser is not None:
-            reasoning, text = split_reasoning(text, self.in_reasoning, final)
+            reasoning, text = split_reasoning(text, self.in_reasoning, final, memo)
         calls: list[ToolCall] = []
         if self.tool_parser is not None and self.tools:
-            text, calls = parse_tool_calls(text, self.tool_parser, self.tools, final)
+            text, calls = parse_tool_calls(text, self.tool_parser, self.tools, final, memo)
         return ParsedMessage(reasoning, text, calls)
 
     def _parse_forced(self, text: str, final: bool) -> ParsedMessage:

@@ -497,8 +497,8 @@ class ChunkBuilder:
         content and tool calls since the last parse (each call: id + name + arguments so far
         when it first appears, then argument fragments)."""
         final = reason is not None
-        parsed = self.req.chat.parse(out["text"], final)
-        sent = self.sent_parts.setdefault(idx, {"reasoning": 0, "content": 0, "calls": []})
+        sent = self.sent_parts.setdefault(idx, {"reasoning": 0, "content": 0, "calls": [], "memo": {}})
+        parsed = self.req.chat.parse(out["text"], final, sent["memo"])
         d: dict[str, Any] = {"role": "assistant"} if first else {}
         for key, value in (("reasoning_content", parsed.reasoning), ("content", parsed.content)):
             part = key.removesuffix("_content")

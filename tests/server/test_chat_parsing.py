@@ -23,8 +23,10 @@ CODER_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n
 def assert_prefix_stable(parser: ChatParser, text: str):
     """Each prefix's non-final parse is a prefix of the final parse (what streaming relies on)."""
     final = parser.parse(text, final=True)
+    memo: dict = {}  # as a stream keeps one: each parse resumes the searches of the last
     for i in range(len(text) + 1):
-        part = parser.parse(text[:i], final=False)
+        part = parser.parse(text[:i], final=False, memo=memo)
+        assert part == parser.parse(text[:i], final=False), i  # the memo changes nothing
         assert (final.reasoning or "").startswith(part.reasoning or ""), (i, part)
         assert final.content.startswith(part.content), (i, part)
         assert len(part.tool_calls) <= len(final.tool_calls), (i, part)
