@@ -61,7 +61,7 @@ class OpenAIRequest:
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs requested
     echo_texts: list[str] | None  # completions with echo=true: each prompt's text
-    chat: Any = None  # chat: the ChatOptions (reasoning / tool-call parsing) of the request
+    chat: ChatParser | None = None  # chat: splits reasoning / tool calls out of the output
 
 
 def openai_field(engine_field: str) -> str:
@@ -109,7 +109,7 @@ def _sampling_params(body: dict, max_tokens_default: int | None) -> dict[str, An
 
 def _common(body: dict, kind: str, model_name: str, sp: dict, prompts: list[dict],
             top_logprobs: int | None, echo_texts: list[str] | None, seed_rng: random.Random,
-            chat: Any = None) -> OpenAIRequest:
+            chat: ChatParser | None = None) -> OpenAIRequest:
     """``echo_texts`` with logprobs also asks for the prompt's logprobs (``logprob_start_len=0``)."""
     n = opt_field(body, "n", "int", 1, minimum=1)
     check_fanout(len(prompts), n, "prompt", "n")
@@ -388,7 +388,7 @@ def completion_response(req: OpenAIRequest, rid: str, outputs: list[dict]) -> di
         choices.append({
             "index": idx,
             "text": prefix + out["text"],
-            "logprobs": (completion_logprobs(meta, len(prefix), echo=bool(prefix or req.echo_texts))
+            "logprobs": (completion_logprobs(meta, len(prefix), echo=req.echo_texts is not None)
                          if req.top_logprobs is not None else None),
             "finish_reason": finish_reason(meta),
             "matched_stop": matched_stop(meta),
@@ -412,8 +412,8 @@ def chat_message(req: OpenAIRequest, text: str) -> tuple[dict, ParsedMessage | N
     if req.chat is None:
         return {"role": "assistant", "content": text}, None
     parsed = req.chat.parse(text, final=True)
-    msg: dict[str, Any] = {"role": "assistant",
-                           "content": parsed.content or (None if parsed.tool_calls else parsed.content)}
+    content = parsed.content if parsed.content or not parsed.tool_calls else None  # OpenAI: null with calls
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
     if req.chat.reasoning_parser is not None:
         msg["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:
