@@ -10,6 +10,8 @@ import argparse
 import dataclasses
 from typing import Any
 
+from sglang_tpu_backend.entrypoints.chat_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
+
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: config.resolve_dtype
 KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -104,6 +106,8 @@ class ServerArgs:
     mem_fraction_static: float | None = None  # None: pools sized by max_total_tokens
     device_memory_bytes: int | None = None  # None: the device's bytes_limit
     enable_deterministic_inference: bool = False
+    reasoning_parser: str | None = None  # chat: split <think> reasoning into reasoning_content
+    tool_call_parser: str | None = None  # chat: parse tool calls into tool_calls
 
     def __post_init__(self):
         self.validate()
@@ -278,6 +282,11 @@ class ServerArgs:
           help="batch-invariant outputs: a request's tokens are the same alone or in any batch "
                "(fixed step shapes, no mixed prefill+decode steps, aligned prefill chunks, "
                "prefix cache off)")
+        a("--reasoning-parser", type=str, default=d.reasoning_parser, choices=REASONING_PARSERS,
+          help="chat completions: <think> reasoning -> message.reasoning_content")
+        a("--tool-call-parser", type=str, default=d.tool_call_parser, choices=TOOL_CALL_PARSERS,
+          help="chat completions: tool calls -> message.tool_calls (qwen3_coder: Qwen3.5's "
+               "XML format; qwen25: JSON in <tool_call> tags)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

@@ -19,6 +19,7 @@ aborts the requests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import inspect
 import json
@@ -391,7 +392,10 @@ async def completions(request: Request) -> Response:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    return await _openai(request, oai.parse_chat_request, oai.chat_response)
+    engine = _engine(request)
+    parse = functools.partial(oai.parse_chat_request, reasoning_parser=_arg(engine, "reasoning_parser"),
+                              tool_call_parser=_arg(engine, "tool_call_parser"))
+    return await _openai(request, parse, oai.chat_response)
 
 
 # App -------------------------------------------------------------------------------------

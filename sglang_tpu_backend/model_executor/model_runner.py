@@ -395,7 +395,7 @@ class ModelRunner:
 
     def sampler_variant(self, chunks: list[ScheduledChunk]) -> sampler.SamplerVariant:
         """The sampler variant of a step: the stages its sampling rows need (host-side)."""
-        draw = filt = pen = mask = False
+        draw = filt = pen = mask = bias = False
         for c in chunks:
             if not c.sample:
                 continue
@@ -405,7 +405,9 @@ class ModelRunner:
                 filt |= sp.top_k_or_off > 0 or sp.top_p < 1 or sp.min_p > 0
             pen |= _uses_penalties(sp)
             mask |= req.grammar is not None or req.num_sampled < sp.min_new_tokens
-        return sampler.variant_for(sampler.SamplerVariant(draw=draw, filter=filt, penalties=pen, mask=mask))
+            bias |= bool(sp.logit_bias)
+        return sampler.variant_for(sampler.SamplerVariant(draw=draw, filter=filt, penalties=pen, mask=mask,
+                                                          bias=bias))
 
     def sampler_variants(self) -> tuple[sampler.SamplerVariant, ...]:
         """Every sampler variant ``sampler_variant`` can pick (what warm-up compiles)."""
@@ -420,7 +422,7 @@ class ModelRunner:
         num_rows = self._num_rows(batch.chunks)
         mode, T, R, L = self.shapes_for(batch.kind, batch.num_tokens, len(batch.chunks), num_rows)
         fb, rows, from_slot = self._rank_batch(batch.chunks, mode, T, R, L)
-        inp = self._sampling_inputs(batch.chunks, rows, R, L, mask=variant.mask)
+        inp = self._sampling_inputs(batch.chunks, rows, R, L, mask=variant.mask, bias=variant.bias)
         return fb, from_slot, inp, rows, self._top_k(batch)
 
     def prepare_dp(self, batch: ScheduledBatch, variant: sampler.SamplerVariant | None = None
@@ -444,17 +446,20 @@ class ModelRunner:
             fbs.append(fb)
             rank_rows.append(rows)
             inps.append(self._sampling_inputs(chunks, rows, R, L, row_offset=k * L,
-                                              slot_offset=k * self.num_state_slots, mask=variant.mask))
+                                              slot_offset=k * self.num_state_slots, mask=variant.mask,
+                                              bias=variant.bias))
         inp = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *inps)
         rows = [rank_rows[k][j] + k * L for k, j in where]
         sample_idx = [k * R + j for k, j in where]
         return fbs, inp, rows, sample_idx, self._top_k(batch)
 
     def _sampling_inputs(self, chunks: list[ScheduledChunk], rows: list[np.ndarray], R: int, L: int,
-                         row_offset: int = 0, slot_offset: int = 0, mask: bool = True) -> sampler.SamplingInputs:
+                         row_offset: int = 0, slot_offset: int = 0, mask: bool = True,
+                         bias: bool = True) -> sampler.SamplingInputs:
         """Sampling inputs of one rank's chunks; ``row_offset`` / ``slot_offset`` place the
         rank's logits rows and penalty-state rows in the global [D*L] / [D*S] layout.
-        ``mask=False`` (no row has a grammar or a min_new_tokens ban) builds no bitmask."""
+        ``mask=False`` (no row has a grammar or a min_new_tokens ban) builds no bitmask,
+        ``bias=False`` (no row has a logit bias) no bias entries."""
         f32 = lambda v: np.full(R, v, np.float32)  # noqa: E731
         sample_rows = np.zeros(R, np.int32)
         valid = np.zeros(R, np.bool_)
@@ -467,6 +472,7 @@ class ModelRunner:
         slot = np.zeros(R, np.int32)
         bitmask = np.full((R, self.num_words), -1, np.int32) if mask else None
         target_ids = np.zeros(L, np.int32)
+        bias_ids, bias_values = self._no_bias(R) if bias else (None, None)
         for i, (c, r) in enumerate(zip(chunks, rows)):
             req, sp = c.req, c.req.sampling
             slot[i] = c.state_slot + slot_offset
@@ -483,6 +489,8 @@ class ModelRunner:
             freq[i], pres[i], rep[i] = sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty
             seed_lo[i], seed_hi[i] = req.seed & 0xFFFFFFFF, (req.seed >> 32) & 0xFFFFFFFF
             step[i] = req.num_sampled  # this token's index (earlier ones may be in flight)
+            if bias_ids is not None and (entries := sp.logit_bias_arrays()) is not None:
+                bias_ids[i, :len(entries[0])], bias_values[i, :len(entries[1])] = entries
             if bitmask is None:
                 continue
             if req.grammar is not None:
@@ -497,7 +505,13 @@ class ModelRunner:
             sample_rows=sample_rows, valid=valid, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
             seed_lo=seed_lo, seed_hi=seed_hi, step=step, slot=slot, bitmask=bitmask, target_ids=target_ids,
+            bias_ids=bias_ids, bias_values=bias_values,
         )
+
+    def _no_bias(self, R: int) -> tuple[np.ndarray, np.ndarray]:
+        """All-padding logit-bias entries of R rows: ids i32[R, B] = V (dropped), values 0."""
+        B = sampler.MAX_LOGIT_BIAS
+        return np.full((R, B), self.vocab_size, np.int32), np.zeros((R, B), np.float32)
 
     def _reset_penalties(self, batch: ScheduledBatch) -> None:
         for c in batch.chunks:
@@ -617,6 +631,7 @@ class ModelRunner:
             seed_lo=z.astype(np.uint32), seed_hi=z.astype(np.uint32), step=z, slot=z,
             bitmask=np.full((R, self.num_words), -1, np.int32) if variant.mask else None,
             target_ids=np.zeros(L, np.int32),
+            **(dict(zip(("bias_ids", "bias_values"), self._no_bias(R))) if variant.bias else {}),
         )
 
     def warmup(self, progress: bool = True) -> float:
