@@ -38,7 +38,7 @@ class ScriptedEngine(FakeEngine):
     script = ""
     piece = 3
 
-    async def generate(self, req: GenerateReqInput):
+    async def generate_request(self, req: GenerateReqInput):
         SamplingParams.from_dict(req.sampling_params).validate(self.model_config.vocab_size)
         ids = self._prompt_ids(req)
         self.requests_seen.append(req)
