@@ -27,7 +27,7 @@ async def ttft(engine: Engine, ids: list[int]) -> tuple[float, int]:
     obj = GenerateReqInput(input_ids=ids, stream=True,
                            sampling_params={"max_new_tokens": 1, "temperature": 0, "ignore_eos": True})
     t0 = time.perf_counter()
-    async for out in engine.generate(obj):
+    async for out in engine.generate_request(obj):
         return time.perf_counter() - t0, out["meta_info"]["cached_tokens"]
     raise RuntimeError("no output")
 

@@ -3,6 +3,10 @@ warm-up (every step program compiled) included; first with an empty compilation 
 again with the cache the first start filled.
 
     JAX_PLATFORMS=cpu python benchmarks/bench_startup.py
+    JAX_PLATFORMS=cpu python benchmarks/bench_startup.py --ray   # `serve run ray_app:app`
+
+With ``--ray`` the command is the Ray Serve application (a local Ray cluster, the ingress and
+one engine replica) and the time runs to its first answered ``/generate``.
 
 Prints both times and their ratios to the targets (60 s cold, 30 s warm on a 2-core CPU).
 """
@@ -10,6 +14,7 @@ Prints both times and their ratios to the targets (60 s cold, 30 s warm on a 2-c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -26,38 +31,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def time_to_health(cache_dir: str, extra: list[str], timeout: float) -> float:
-    """Seconds from spawning ``launch_server`` to ``GET /health`` returning 200."""
+def _answers(port: int, ray: bool) -> bool:
+    if not ray:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+            return r.status == 200
+    body = json.dumps({"text": "Hello", "sampling_params": {"max_new_tokens": 4}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.status == 200
+
+
+def time_to_health(cache_dir: str, extra: list[str], timeout: float, ray: bool = False) -> float:
+    """Seconds from spawning the server to it answering (``GET /health`` 200, or with ``ray``
+    a ``/generate`` answered through the Serve ingress)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "sglang_tpu_backend.launch_server", "--port", str(port),
-           "--compilation-cache-dir", cache_dir, "--log-level", "warning", *extra]
+    env = dict(os.environ)
+    if ray:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "serve"), "run", "ray_app:app",
+               f"compilation_cache_dir={cache_dir}", "log_level=warning", *extra]
+        env["RAY_SERVE_DEFAULT_HTTP_PORT"] = str(port)
+    else:
+        cmd = [sys.executable, "-m", "sglang_tpu_backend.launch_server", "--port", str(port),
+               "--compilation-cache-dir", cache_dir, "--log-level", "warning", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         while time.perf_counter() - t0 < timeout:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - t0
+                if _answers(port, ray):
+                    return time.perf_counter() - t0
             except OSError:
                 time.sleep(0.2)
-        raise TimeoutError(f"no /health within {timeout} s")
+        raise TimeoutError(f"no answer within {timeout} s")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        os.killpg(proc.pid, signal.SIGINT if ray else signal.SIGTERM)  # serve run shuts Ray down on ^C
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--ray", action="store_true", help="time `serve run ray_app:app` instead")
     ap.add_argument("server_args", nargs="*", help="extra launch_server flags (after --)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="stb-jax-cache-") as cache:
-        cold = time_to_health(cache, args.server_args, args.timeout)
-        warm = time_to_health(cache, args.server_args, args.timeout)
+        cold = time_to_health(cache, args.server_args, args.timeout, args.ray)
+        warm = time_to_health(cache, args.server_args, args.timeout, args.ray)
     print(f"first start (empty compilation cache): {cold:6.1f} s   target 60 s: {cold / 60:.2f}x")
     print(f"second start (cache filled):           {warm:6.1f} s   target 30 s: {warm / 30:.2f}x")
     print(f"second / first: {warm / cold:.2f}")

@@ -99,7 +99,7 @@ def engine_tok_s(path: Path, ps: list[list[int]], out_len: int, clients: int) ->
             async with sem:
                 obj = GenerateReqInput(input_ids=ids, sampling_params={
                     "max_new_tokens": out_len, "temperature": 0, "ignore_eos": True})
-                return [o async for o in eng.generate(obj)][-1]
+                return [o async for o in eng.generate_request(obj)][-1]
 
         outs = await asyncio.gather(*(one(p) for p in ps))
         assert all(len(o["output_ids"]) == out_len for o in outs)

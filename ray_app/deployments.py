@@ -4,6 +4,8 @@ Methods the ingress calls through its deployment handles:
   ``generate(obj)`` (streaming, colocated), ``prefill(obj) -> {"first", "ticket"}`` (prefill
   role: prompt + first token, state handed over through the transport), ``decode(ticket)``
   (streaming, decode role), and the engine's info / stats / cache / abort calls.
+Every replica pushes its metrics (labelled ``replica``) to the application's metrics hub
+(``ray_app/metrics_hub.py``), which the ingress's ``/metrics`` reads.
 Serve calls ``check_health`` every ``health_check_period_s``: it raises when the engine loop
 thread died or has had work without finishing a step for ``stall_timeout_s``. On shutdown
 Serve first drains (stops routing, waits up to ``graceful_shutdown_timeout_s`` for running
@@ -22,6 +24,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from ray_app.handover import make_transport
+from ray_app.metrics_hub import MetricsPusher
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 from sglang_tpu_backend.server_args import ServerArgs
 
@@ -52,10 +55,13 @@ class EngineServer:
             raise
         self.transport = make_transport(transport)
         self.stall_timeout_s = stall_timeout_s
+        replica = serve.get_replica_context().replica_id
+        self.metrics_pusher = MetricsPusher(replica.deployment_id.app_name, replica.unique_id,
+                                            self.engine.metrics_text)
 
     # Requests ------------------------------------------------------------------------------
     async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
-        async for out in self.engine.generate(obj):
+        async for out in self.engine.generate_request(obj):
             yield out
 
     async def prefill(self, obj: GenerateReqInput) -> dict[str, Any]:
@@ -77,7 +83,8 @@ class EngineServer:
         return self.engine.get_model_info()
 
     def get_server_info(self) -> dict:
-        return {**self.engine.get_server_info(), "role": self.role}
+        return {**self.engine.get_server_info(), "role": self.role,
+                "pool_stats": self.engine.pool_stats()}
 
     def pool_stats(self) -> dict:
         return self.engine.pool_stats()
@@ -90,6 +97,18 @@ class EngineServer:
 
     def metrics_text(self) -> bytes:
         return self.engine.metrics_text()
+
+    def get_load(self) -> list[dict]:
+        return self.engine.get_load()
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        return self.engine.start_profile(output_dir=output_dir, num_steps=num_steps)
+
+    def stop_profile(self) -> str:
+        return self.engine.stop_profile()
+
+    def update_weights_from_disk(self, model_path: str, **kwargs) -> dict:
+        return self.engine.update_weights_from_disk(model_path, **kwargs)
 
     async def health_generate(self) -> bool:
         return await self.engine.health_generate()
@@ -114,6 +133,9 @@ class EngineServer:
                                f"(limit {self.stall_timeout_s:.0f} s)")
 
     def __del__(self) -> None:
+        pusher = getattr(self, "metrics_pusher", None)
+        if pusher is not None:
+            pusher.stop()
         engine = getattr(self, "engine", None)
         followers = getattr(self, "followers", None)
         if engine is not None and followers is not None and followers.dead():

@@ -3,12 +3,13 @@ router and error handlers) over a ``RemoteEngine`` that forwards the Engine API 
 engine deployments. The app is built when the ingress replica starts (Serve's late-bound
 ingress, ``__serve_build_asgi_app__``), once the engine handles exist.
 
-Colocated: ``generate`` streams from one engine replica. Disaggregated: a prefill replica
+Colocated: ``generate_request`` streams from one engine replica. Disaggregated: a prefill replica
 runs the prompt and the first token and returns a transport ticket; a decode replica
 installs the state and streams the rest; the first output is yielded in between (streaming
 requests see the first token before decoding starts). ``abort_request`` cancels the
 request's in-flight replica call (Serve cancels the replica task, the engine aborts it).
-``/metrics`` merges one replica of every engine deployment (families by name).
+``/metrics`` merges every engine replica's metrics (``ray_app/metrics_hub.py``; families by
+name, samples labelled ``replica``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ import ray
 from fastapi import FastAPI
 from ray import serve
 
+from ray_app.metrics_hub import get_hub
 from sglang_tpu_backend.entrypoints.http_server import create_app
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
 from sglang_tpu_backend.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 RAY_TASK_ERROR = ray.exceptions.RayTaskError  # an exception raised inside a replica call
+# The object store copy of a handover is owned by the prefill replica that made it; if that
+# replica dies before the decode replica fetched it, the fetch fails with one of these.
+HANDOVER_LOST = (ray.exceptions.ObjectLostError,)
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 serve.exceptions.ReplicaUnavailableError, serve.exceptions.DeploymentUnavailableError)
 
@@ -65,10 +70,11 @@ class RemoteEngine:
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path or default_model_path())
         self.engine, self.prefill, self.decode = engine, prefill, decode
         self.engines = [h for h in (engine, prefill, decode) if h is not None]
+        self.roles = ["colocated"] if engine is not None else ["prefill", "decode"]
         self._inflight: dict[str, Any] = {}  # rid -> the replica call in progress
         self._aborted: set[str] = set()  # rids cancelled by abort_request, not yet ended
 
-    async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
         """The engine's outputs for ``obj``. A request whose replica dies ends with
         ``finish_reason`` abort and a message (a prefill is retried once first); a request
         the engine refuses raises its ``InvalidRequestError`` (400 at the routes)."""
@@ -95,6 +101,11 @@ class RemoteEngine:
         except RAY_TASK_ERROR as e:
             if isinstance(e.cause, InvalidRequestError):
                 raise e.cause from None
+            if isinstance(e.cause, HANDOVER_LOST):  # its prefill replica died after the prefill
+                log.warning("request %s: handover lost: %s", obj.rid, e.cause)
+                yield _aborted(obj, "the request's prefilled state was lost with its prefill "
+                               f"replica ({type(e.cause).__name__})", last)
+                return
             raise
         except REPLICA_GONE as e:
             log.warning("request %s: replica failed: %s", obj.rid, e)
@@ -149,10 +160,62 @@ class RemoteEngine:
         return all(await asyncio.gather(*(h.flush_cache.remote() for h in self.engines)))
 
     async def metrics_text(self) -> bytes:
-        return merge_exposition(list(await asyncio.gather(*(h.metrics_text.remote() for h in self.engines))))
+        """Every engine replica's metrics (each labelled ``replica``) from the application's
+        metrics hub; before any replica has pushed, one replica of each deployment."""
+        hub = await asyncio.to_thread(get_hub, self.engines[0].app_name)
+        texts = await hub.collect.remote()
+        if not texts:
+            texts = await asyncio.gather(*(h.metrics_text.remote() for h in self.engines))
+        return merge_exposition(list(texts))
 
     async def health_generate(self) -> bool:
         return all(await asyncio.gather(*(h.health_generate.remote() for h in self.engines)))
+
+    async def _on_every_deployment(self, method: str, *args, **kwargs) -> list:
+        """``method`` on one replica of every engine deployment, in ``roles`` order; an
+        ``InvalidRequestError`` raised there is raised here (a 400 at the routes)."""
+        try:
+            return list(await asyncio.gather(
+                *(getattr(h, method).remote(*args, **kwargs) for h in self.engines)))
+        except RAY_TASK_ERROR as e:
+            if isinstance(e.cause, InvalidRequestError):
+                raise e.cause from None
+            raise
+
+    async def get_load(self) -> list[dict]:
+        """Every engine deployment's per-DP-rank load entries, each with its ``role``."""
+        loads = await self._on_every_deployment("get_load")
+        return [dict(entry, role=role) for role, load in zip(self.roles, loads) for entry in load]
+
+    async def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        """A trace on one replica of each engine deployment (written on that replica's node)."""
+        return ", ".join(await self._on_every_deployment(
+            "start_profile", output_dir=output_dir, num_steps=num_steps))
+
+    async def stop_profile(self) -> str:
+        return ", ".join(await self._on_every_deployment("stop_profile"))
+
+    def _replica_counts(self) -> dict[str, int]:
+        """Running or starting replicas of each engine deployment of this application."""
+        app = serve.status().applications[self.engines[0].app_name]
+        return {h.deployment_name: sum(app.deployments[h.deployment_name].replica_states.values())
+                for h in self.engines}
+
+    async def update_weights_from_disk(self, model_path: str, **kwargs) -> dict:
+        """The weight update on every engine deployment (prefill and decode alike). A handle
+        reaches one replica, so a deployment with several replicas is refused up front
+        rather than left half updated."""
+        counts = await asyncio.to_thread(self._replica_counts)
+        many = {d: n for d, n in counts.items() if n != 1}
+        if many:
+            return {"success": False, "num_paused_requests": 0, "message":
+                    f"weight updates under Ray need exactly one replica per engine deployment "
+                    f"(replicas: {many}); nothing was changed"}
+        results = await self._on_every_deployment("update_weights_from_disk", model_path, **kwargs)
+        failed = [f"{role}: {r['message']}" for role, r in zip(self.roles, results) if not r["success"]]
+        return {"success": not failed,
+                "message": "; ".join(failed) if failed else results[-1]["message"],
+                "num_paused_requests": sum(r.get("num_paused_requests", 0) for r in results)}
 
 
 @serve.deployment

@@ -202,3 +202,32 @@ def load_model_config(checkpoint_dir: str | Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON: {e}") from None
     return model_config_from_dict(raw)
+
+
+# Serving dtype ---------------------------------------------------------------------------
+DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+               "float32": "float32", "float": "float32"}
+
+
+def config_dtype(raw: dict[str, Any]) -> str | None:
+    """The dtype a config.json states for the text model (``text_config`` first, then the top
+    level; ``dtype`` before the older ``torch_dtype``), normalised, or None when it states none
+    we know."""
+    for d in (raw.get("text_config") or {}, raw):
+        for key in ("dtype", "torch_dtype"):
+            name = d.get(key)
+            if isinstance(name, str):
+                return DTYPE_NAMES.get(name.removeprefix("torch.").lower())
+    return None
+
+
+def resolve_dtype(dtype: str, checkpoint_dir: str | Path) -> str:
+    """``--dtype`` -> the dtype served. ``"auto"``: the dtype the checkpoint's config states,
+    bfloat16 when it states none. Unlike SGLang on GPUs (which serves a float32 checkpoint in
+    float16), a float32 checkpoint is served in float32: TPUs have no fast float16 path, and a
+    user who wants the downcast passes ``--dtype bfloat16``. Any other value is returned as
+    given."""
+    if dtype != "auto":
+        return dtype
+    raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    return config_dtype(raw) or "bfloat16"

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_backend.constrained.grammar import GrammarBackend
+from sglang_tpu_backend.entrypoints.offline import OfflineAPI
 from sglang_tpu_backend.managers.handover import RequestHandover
 from sglang_tpu_backend.managers.io_struct import (
     GenerateReqInput, InvalidRequestError, ServiceUnavailableError)
@@ -67,9 +68,11 @@ from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor import weight_update
-from sglang_tpu_backend.model_executor.model_runner import ModelRunner
+from sglang_tpu_backend.model_executor.model_runner import (
+    ModelRunner, deterministic_prefill_reqs, deterministic_prefill_rows)
+from sglang_tpu_backend.profiler import StepProfiler
 from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
-from sglang_tpu_backend.server_args import ServerArgs
+from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
 
 logger = logging.getLogger(__name__)
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -82,23 +85,48 @@ PHASES = ("schedule", "model", "process_result", "deliver")  # a step's phases (
 OFFLOAD_PROMPT_LEN = 2048
 
 
-class Engine:
-    """One model, one scheduler loop thread.
+def deterministic_limits(args: ServerArgs) -> dict:
+    """Scheduler arguments of ``--enable-deterministic-inference``: prefill chunks aligned to
+    the GDN chunk size, as many chunks and logits rows per step as the runner's fixed prefill
+    shape has (``model_runner.deterministic_shapes``)."""
+    running = args.max_running_requests_per_rank
+    return dict(prefill_align=DETERMINISTIC_MIN_CHUNK,
+                max_prefill_chunks=deterministic_prefill_reqs(running),
+                max_logits_rows=deterministic_prefill_rows(running, args.max_tokens_per_step))
 
-    The API the HTTP routes (and later the Ray ingress) use: ``generate`` (async iterator of
-    SGLang-format output dicts), ``abort_request``, ``flush_cache``, ``get_model_info``,
-    ``get_server_info``, ``health_generate``, ``pool_stats``, ``shutdown``; the Ray app's
+
+class Engine(OfflineAPI):
+    """One model, one scheduler loop thread; usable offline like ``sglang.Engine``.
+
+    ``Engine(model_path=..., dtype=..., ...)`` (keyword arguments are ``ServerArgs`` fields),
+    ``Engine(server_args)`` or ``Engine(server_args=...)``. The offline API (``generate``,
+    ``async_generate``, context manager: ``entrypoints/offline.py``) and the HTTP routes
+    serve the same object. The request-level API the routes (and the Ray ingress) use:
+    ``generate_request`` (async iterator of SGLang-format output dicts for ONE prompt, as
+    SGLang's ``TokenizerManager.generate_request``), ``abort_request``, ``flush_cache``,
+    ``get_model_info``, ``get_server_info``, ``get_load``, ``start_profile`` /
+    ``stop_profile``, ``health_generate``, ``pool_stats``, ``shutdown``; the Ray app's
     replicas add ``prefill_for_handover`` / ``generate_from_handover`` and
     ``loop_stalled_for`` (health checks).
+
+    Sizing: ``--dtype auto`` resolves from the checkpoint config (``config.resolve_dtype``);
+    with ``--mem-fraction-static`` the KV pool (and, if even one page per running request
+    does not fit, ``max_running_requests``) comes from ``mem_budget.size_pools``.
     """
 
-    def __init__(self, args: ServerArgs, *, start_loop: bool = True, role: str = "colocated"):
-        """``start_loop=False`` leaves stepping to the caller (``step()``; benchmarks, tests).
+    def __init__(self, server_args: ServerArgs | None = None, *, start_loop: bool = True,
+                 role: str = "colocated", **kwargs):
+        """``kwargs`` build the ServerArgs when ``server_args`` is not given.
+        ``start_loop=False`` leaves stepping to the caller (``step()``; benchmarks, tests).
         ``role`` labels the metrics: colocated (standalone server), prefill or decode."""
-        from sglang_tpu_backend.config import load_model_config
+        from sglang_tpu_backend.config import load_model_config, resolve_dtype
         from sglang_tpu_backend.loader import load_params
         from sglang_tpu_backend.tokenizer import load_tokenizer
 
+        if server_args is not None and kwargs:
+            raise TypeError(f"Engine: pass server_args or ServerArgs fields, not both "
+                            f"(got {sorted(kwargs)})")
+        args = server_args if server_args is not None else ServerArgs(**kwargs)
         if args.nnodes > 1:  # before anything touches a JAX device
             from sglang_tpu_backend.parallel import multihost
 
@@ -115,10 +143,20 @@ class Engine:
         self.tokenizer = load_tokenizer(args.tokenizer_path)
         cfg = load_model_config(args.model_path)
         args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
+        args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
         params = load_params(args.model_path, cfg, dtype=DTYPES[args.dtype])
         self.model_config = cfg
         cap = TPU_CONTEXT_CAP if jax.default_backend() == "tpu" else CPU_CONTEXT_CAP
         context_length = args.context_length or min(cfg.max_position_embeddings, cap)
+        self.mem_budget = None
+        if args.mem_fraction_static is not None:
+            from sglang_tpu_backend.mem_budget import device_memory_bytes, size_pools
+
+            self.mem_budget = size_pools(cfg, args, device_memory_bytes(args))
+            fit = self.mem_budget.num_pages_per_rank * args.page_size * args.dp_size
+            args = dataclasses.replace(
+                args, max_total_tokens=min(fit, args.max_total_tokens or fit),
+                max_running_requests=self.mem_budget.max_running_requests_per_rank * args.dp_size)
         max_total = args.max_total_tokens or args.max_running_requests * min(context_length, 1024)
         self.args = args = dataclasses.replace(
             args, context_length=context_length, max_total_tokens=max_total,
@@ -138,15 +176,17 @@ class Engine:
         if num_snapshots > 0:
             prefix = PrefixCache([RadixCache(p.page_pool, SnapshotPool(num_snapshots))
                                   for p in self.pools])
+        det = args.enable_deterministic_inference  # (its num_gdn_snapshots_per_rank is 0)
         self.scheduler = Scheduler(self.pools, max_running_requests=running,
-                                   max_tokens_per_step=args.max_tokens_per_step, prefix=prefix)
+                                   max_tokens_per_step=args.max_tokens_per_step, prefix=prefix,
+                                   **(deterministic_limits(args) if det else {}))
         self.runner = ModelRunner(
             cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
             num_state_slots=running, max_running_requests=running,
             max_tokens_per_step=args.max_tokens_per_step, context_length=context_length,
             kv_dtype=DTYPES[args.dtype], impl=args.kernel_impl,
             max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp, tp_size=args.tp_size,
-            num_gdn_snapshots=num_snapshots,
+            num_gdn_snapshots=num_snapshots, deterministic=det,
         )
         self.grammar_backend = GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids))
         self._rng = random.Random(args.random_seed)
@@ -176,6 +216,7 @@ class Engine:
         self._held: list[tuple[Req, Callable[[], None]]] = []  # requests held during a swap
         # Test hook: called with each phase name (PHASES) at the start of that phase of a step.
         self.fault_injector: Callable[[str], None] | None = None
+        self.profiler = StepProfiler()
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         if start_loop:
             self._thread.start()
@@ -259,7 +300,10 @@ class Engine:
             return await asyncio.to_thread(self._make_req, obj)
         return self._make_req(obj)
 
-    async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        """ONE prompt's outputs (cumulative; the last has ``finish_reason`` set). Raises
+        InvalidRequestError on its first step, before anything is allocated; leaving early
+        aborts the request."""
         req = await self._make_req_off_loop(obj)
         req.return_text_in_logprobs = bool(obj.return_text_in_logprobs)
         outs = self._serve(req, lambda: self.scheduler.add_request(req), queue_limit=True)
@@ -360,8 +404,18 @@ class Engine:
             await outs.aclose()
 
     def _install_pending(self) -> None:
-        """Loop thread: admit waiting handovers while pages and slots allow, install them."""
+        """Loop thread: admit waiting handovers while pages and slots allow, install them.
+        One that has waited longer than ``--handover-wait-timeout`` ends with finish_reason
+        abort (its state is dropped: the prefill replica already freed its copy)."""
         with self._lock:
+            limit = self.args.handover_wait_timeout
+            now = time.monotonic()
+            for req, h in [x for x in self._installs if now - x[0].arrival_time > limit]:
+                self._installs.remove((req, h))
+                self.metrics.observe_handover(0.0, 0, ok=False)
+                req.abort(f"no KV pages / state slot free on the decode replica within "
+                          f"{limit:g} s (--handover-wait-timeout)")
+                self._deliver_final(req)
             admitted = []
             while self._installs and self.scheduler.admit_installed(self._installs[0][0]):
                 admitted.append(self._installs.pop(0))
@@ -592,8 +646,37 @@ class Engine:
             "jax_backend": jax.default_backend(),
             "version": "0.1.0",
             "weight_version": self.weight_version,
+            "mem_budget": None if self.mem_budget is None else self.mem_budget.to_dict(),
         })
         return info
+
+    def get_load(self) -> list[dict]:
+        """SGLang's ``/get_load``: one entry per DP rank. ``num_reqs``: running + waiting,
+        ``num_waiting_reqs``: waiting, ``num_tokens``: KV tokens in use (pages held, less the
+        prefix cache's evictable ones, times page_size) + the waiting requests' prompt tokens.
+        The waiting queue is shared by the ranks (a request is placed when admitted), so it
+        is counted under ``dp_rank`` 0."""
+        stats = self.pool_stats()
+        with self._lock:
+            waiting = self.scheduler.num_waiting
+            waiting_tokens = sum(len(r.prompt_ids) for r in self.scheduler.waiting)
+        loads = []
+        for k, r in enumerate(stats["dp_ranks"]):
+            w, wt = (waiting, waiting_tokens) if k == 0 else (0, 0)
+            loads.append({"dp_rank": k, "num_reqs": r["num_running"] + w, "num_waiting_reqs": w,
+                          "num_tokens": r["kv_pages_used"] * self.args.page_size + wt})
+        return loads
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        """Start a ``jax.profiler`` trace into ``output_dir`` (default
+        ``$SGLANG_TORCH_PROFILER_DIR`` or /tmp); with ``num_steps`` it stops by itself after
+        that many engine steps. Returns the directory. InvalidRequestError when one runs."""
+        return self.profiler.start(output_dir, num_steps, self.stats["num_steps"])
+
+    def stop_profile(self) -> str:
+        """Stop the trace and write it (``<dir>/plugins/profile/<run>/*.xplane.pb``); returns
+        the directory. InvalidRequestError when none runs."""
+        return self.profiler.stop()
 
     async def health_generate(self) -> bool:
         first = next(iter(sorted(self.eos_ids)), 0)
@@ -664,6 +747,9 @@ class Engine:
         return self.metrics.render(self.pool_stats())
 
     def shutdown(self) -> None:
+        """Abort every request, stop the loop thread (and the offline API's event loop, a
+        running profile trace)."""
+        self.profiler.stop_if_running()
         with self._lock:
             self._stop = True
             self._abort_all("server shutting down")
@@ -672,6 +758,7 @@ class Engine:
             self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self.runner.close()  # multi-host: stop the followers
+        self._close_offline()
 
     def _abort_all(self, message: str, held: bool = True) -> None:
         """Abort every queued, running and installing request, and (``held``) those held
@@ -724,7 +811,7 @@ class Engine:
     def loop_stalled_for(self) -> float:
         """Seconds the loop has had work without finishing a step (0 when idle or dead-free).
         A health check compares it with its own limit; a dead loop thread reports inf."""
-        if self._thread.ident is not None and not self._thread.is_alive() and not self._stop:
+        if self._loop_dead():
             return float("inf")
         with self._lock:
             if self.scheduler.is_idle() and not self._installs:
@@ -804,6 +891,7 @@ class Engine:
                 return
         if self.scheduler.exported:
             self._export_finished_prefills()
+        self.profiler.on_step(self.stats["num_steps"])
         self.last_step_end = time.monotonic()
 
     def _count_error(self, phase: str, e: Exception) -> str:

@@ -49,6 +49,8 @@ import re
 import sys
 from pathlib import Path
 
+from typing import Any
+
 import jax
 
 from kernels.gdn_common import conv_state_rows
@@ -167,10 +169,12 @@ def _tp_heads(cfg: ModelConfig, tp: int) -> tuple[int, int, int, int]:
     return g, hk, hv, 2 * hk * cfg.linear_key_head_dim + hv * cfg.linear_value_head_dim
 
 
-def weight_bytes(cfg: ModelConfig, *, ep: int, tp: int,
-                 expert_dtype: str = "fp8") -> tuple[int, int]:
-    """(replicated, sharded) weight bytes per device, bf16 but for FP8 routed experts."""
-    shapes = param_shapes(cfg, jax.numpy.bfloat16, fp8_experts=expert_dtype == "fp8")
+def weight_bytes(cfg: ModelConfig, *, ep: int, tp: int, expert_dtype: str = "fp8",
+                 dtype: Any = None) -> tuple[int, int]:
+    """(replicated, sharded) weight bytes per device, ``dtype`` (default bf16) but for FP8
+    routed experts (``expert_dtype`` "fp8")."""
+    dtype = jax.numpy.bfloat16 if dtype is None else dtype
+    shapes = param_shapes(cfg, dtype, fp8_experts=expert_dtype == "fp8")
     g, _, hv, conv_dev = _tp_heads(cfg, tp)
     tp_split = {  # (module, leaf) -> (numerator, denominator) of the leaf one device holds
         ("self_attn", "q_proj"): (1, tp), ("self_attn", "o_proj"): (1, tp),
@@ -194,6 +198,31 @@ def weight_bytes(cfg: ModelConfig, *, ep: int, tp: int,
         else:
             replicated += nbytes
     return replicated, sharded
+
+
+def kv_page_bytes(cfg: ModelConfig, *, tp: int, page_size: int, kv_bytes: int) -> int:
+    """One KV page (``page_size`` tokens) of every attention layer, bytes per device."""
+    g = _tp_heads(cfg, tp)[0]
+    return len(cfg.attention_layers) * 2 * g * page_size * cfg.head_dim * kv_bytes
+
+
+def gdn_slot_bytes(cfg: ModelConfig, *, tp: int, kv_bytes: int, state_bytes: int) -> int:
+    """One request's GDN state (conv state in the KV dtype + recurrent state) of every GDN
+    layer, bytes per device."""
+    _, _, hv, c = _tp_heads(cfg, tp)
+    return len(cfg.linear_layers) * (
+        conv_state_rows(cfg.linear_conv_kernel_dim) * c * kv_bytes
+        + hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_bytes)
+
+
+def step_activation_bytes(cfg: ModelConfig, *, ep: int, tp: int, tokens: int,
+                          dtype_bytes: int) -> int:
+    """Activations of one step of ``tokens`` token rows per DP rank, bytes per device, without
+    the logits (4 * requests * V, added by the caller)."""
+    T, H = tokens, cfg.hidden_size
+    Tg = max(1, ep // tp) * T
+    M = Tg * cfg.num_experts_per_tok
+    return dtype_bytes * (2 * T * H + Tg * H + M * (2 * H + cfg.moe_intermediate_size))
 
 
 def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int | None = None,
@@ -229,16 +258,11 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
     replicated, sharded = weight_bytes(cfg, ep=ep, tp=tp, expert_dtype=expert_dtype)
 
     b_kv, b_state, b = DTYPE_BYTES[kv_dtype], DTYPE_BYTES[state_dtype], DTYPE_BYTES[dtype]
-    g, _, hv, c = _tp_heads(cfg, tp)
-    page_bytes = 2 * g * page_size * cfg.head_dim * b_kv
-    kv_per_req = (-(-context_len // page_size)) * len(cfg.attention_layers) * page_bytes
-    gdn_per_req = len(cfg.linear_layers) * (
-        conv_state_rows(cfg.linear_conv_kernel_dim) * c * b_kv
-        + hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim * b_state)
-    T, H = max_num_batched_tokens, cfg.hidden_size
-    Tg = max(1, ep // tp) * T
-    M = Tg * cfg.num_experts_per_tok
-    act_fixed = b * (2 * T * H + Tg * H + M * (2 * H + cfg.moe_intermediate_size))
+    kv_per_req = (-(-context_len // page_size)) * kv_page_bytes(cfg, tp=tp, page_size=page_size,
+                                                                 kv_bytes=b_kv)
+    gdn_per_req = gdn_slot_bytes(cfg, tp=tp, kv_bytes=b_kv, state_bytes=b_state)
+    act_fixed = step_activation_bytes(cfg, ep=ep, tp=tp, tokens=max_num_batched_tokens,
+                                      dtype_bytes=b)
 
     def per_device(R: int) -> tuple[int, int, int, int]:
         r = -(-R * topo.hosts // dp)

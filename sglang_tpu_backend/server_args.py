@@ -10,9 +10,12 @@ import argparse
 import dataclasses
 from typing import Any
 
-DTYPES = ("bfloat16", "float32", "float16")
+from sglang_tpu_backend.entrypoints.chat_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: config.resolve_dtype
 KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DETERMINISTIC_MIN_CHUNK = 64  # chunk size of the GDN chunked path (kernels/gdn.py default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,24 @@ class ServerArgs:
     split evenly over the DP ranks like the state slots; ``None`` -> ``max_running_requests``,
     i.e. as much device memory again as the running requests' GDN state).
 
+    ``dtype`` ``"auto"`` (the default) takes the checkpoint config's ``dtype`` /
+    ``torch_dtype`` (``config.resolve_dtype``: as stated, bfloat16 when unstated);
+    the engine replaces it with the resolved name.
+
+    Memory sizing (SGLang's ``--mem-fraction-static F``): weights plus every static pool take
+    at most ``F`` of each device's memory, and the KV page pool gets what the weights, the GDN
+    state slots and snapshots, the penalty state and the step activations leave
+    (``mem_budget.py``). Device memory is the device's ``bytes_limit``, or
+    ``device_memory_bytes`` where the device reports none (CPU) or to override it. A given
+    ``max_total_tokens`` caps the result.
+
+    Deterministic inference (``enable_deterministic_inference``): a request's tokens do not
+    depend on what else is batched with it (greedy and seeded sampling). Every step
+    runs one of two fixed shapes (a DECODE step of ``max_running_requests`` rows, or a
+    prefill-only step of ``max_tokens_per_step`` rows: decodes and prefill chunks never share
+    a step), a prompt's prefill chunks end only at multiples of the GDN chunk size (64) or at
+    its end, and the prefix cache is off. ``chunked_prefill_size`` must be at least 64.
+
     Multi-host (``nnodes`` N > 1, SGLang's ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr``):
     N processes, one per host, form one mesh of all their devices (``dp_size`` = every device
     of every host) and run the same DP x EP steps; node 0 runs the engine (scheduler, HTTP,
@@ -71,7 +92,7 @@ class ServerArgs:
     tp_size: int = 1
     dp_size: int = 1
     ep_size: int = 1
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     kernel_impl: str = "auto"
     random_seed: int = 0
     served_model_name: str | None = None
@@ -90,6 +111,12 @@ class ServerArgs:
     nnodes: int = 1  # processes (hosts) forming one engine's mesh; node 0 leads
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0's coordinator (nnodes > 1)
+    handover_wait_timeout: float = 300.0  # seconds a handed-over request may wait for decode room
+    mem_fraction_static: float | None = None  # None: pools sized by max_total_tokens
+    device_memory_bytes: int | None = None  # None: the device's bytes_limit
+    enable_deterministic_inference: bool = False
+    reasoning_parser: str | None = None  # chat: split <think> reasoning into reasoning_content
+    tool_call_parser: str | None = None  # chat: parse tool calls into tool_calls
 
     def __post_init__(self):
         self.validate()
@@ -115,10 +142,15 @@ class ServerArgs:
         positive("ep_size", self.ep_size)
         positive("max_gdn_snapshots", self.max_gdn_snapshots, allow_none=True)
         positive("max_queued_requests", self.max_queued_requests, allow_none=True)
-        if (not isinstance(self.watchdog_timeout, (int, float)) or isinstance(self.watchdog_timeout, bool)
-                or not self.watchdog_timeout > 0):
-            raise ValueError(f"--watchdog-timeout must be a positive number of seconds, "
-                             f"got {self.watchdog_timeout!r}")
+        for name in ("watchdog_timeout", "handover_wait_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of "
+                                 f"seconds, got {value!r}")
+        positive("device_memory_bytes", self.device_memory_bytes, allow_none=True)
+        f = self.mem_fraction_static
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"--mem-fraction-static must be a number in (0, 1], got {f!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.tp_size != 1:
@@ -152,6 +184,12 @@ class ServerArgs:
                 f"--max-gdn-snapshots {self.max_gdn_snapshots} is split over --dp-size "
                 f"{self.dp_size} ranks: it must be at least {self.dp_size}")
         self._validate_multihost()
+        if (self.enable_deterministic_inference
+                and self.chunked_prefill_size < DETERMINISTIC_MIN_CHUNK):
+            raise ValueError(
+                f"--chunked-prefill-size {self.chunked_prefill_size} with "
+                f"--enable-deterministic-inference: prefill chunks end at multiples of "
+                f"{DETERMINISTIC_MIN_CHUNK} tokens, so it must be at least {DETERMINISTIC_MIN_CHUNK}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * self.dp_size:
             raise ValueError(
                 f"--max-total-tokens {self.max_total_tokens} is smaller than one page "
@@ -195,7 +233,7 @@ class ServerArgs:
     @property
     def num_gdn_snapshots_per_rank(self) -> int:
         """GDN state snapshots of each DP rank's prefix cache (0 when it is disabled)."""
-        if self.disable_radix_cache:
+        if self.disable_radix_cache or self.enable_deterministic_inference:
             return 0
         total = self.max_running_requests if self.max_gdn_snapshots is None else self.max_gdn_snapshots
         return total // self.dp_size
@@ -230,7 +268,9 @@ class ServerArgs:
           help="data-parallel attention ranks, one per device (each with its own KV pool)")
         a("--ep-size", type=int, default=d.ep_size,
           help="expert-parallel ranks: must equal --dp-size (experts split over the DP ranks)")
-        a("--dtype", type=str, default=d.dtype, choices=DTYPES)
+        a("--dtype", type=str, default=d.dtype, choices=DTYPES,
+          help="weights and KV cache dtype; auto: the checkpoint config's dtype "
+               "as stated (float32 too), bfloat16 when it states none")
         a("--kernel-impl", type=str, default=d.kernel_impl, choices=KERNEL_IMPLS)
         a("--random-seed", type=int, default=d.random_seed)
         a("--served-model-name", type=str, default=d.served_model_name)
@@ -258,6 +298,26 @@ class ServerArgs:
         a("--watchdog-timeout", type=float, default=d.watchdog_timeout,
           help="seconds the scheduler loop may have work without finishing a step before "
                "/health and /health_generate answer 503 (a dead loop: at once)")
+        a("--handover-wait-timeout", type=float, default=d.handover_wait_timeout,
+          help="decode role: seconds a request handed over by a prefill replica may wait for "
+               "free KV pages and a state slot before it ends with finish_reason abort")
+
+        a("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+          help="fraction of device memory for weights + KV pages + GDN state (sizes the KV "
+               "pool; --max-total-tokens, when given, caps it)")
+        a("--device-memory-bytes", type=int, default=d.device_memory_bytes,
+          help="device memory that --mem-fraction-static divides (default: the device's "
+               "bytes_limit; needed on CPU, which reports none)")
+        a("--enable-deterministic-inference", action="store_true",
+          default=d.enable_deterministic_inference,
+          help="batch-invariant outputs: a request's tokens are the same alone or in any batch "
+               "(fixed step shapes, no mixed prefill+decode steps, aligned prefill chunks, "
+               "prefix cache off)")
+        a("--reasoning-parser", type=str, default=d.reasoning_parser, choices=REASONING_PARSERS,
+          help="chat completions: <think> reasoning -> message.reasoning_content")
+        a("--tool-call-parser", type=str, default=d.tool_call_parser, choices=TOOL_CALL_PARSERS,
+          help="chat completions: tool calls -> message.tool_calls (qwen3_coder: Qwen3.5's "
+               "XML format; qwen25: JSON in <tool_call> tags)")
 
         a("--nnodes", type=int, default=d.nnodes,
           help="hosts (processes) one engine spans; node 0 serves, the others follow its steps")

@@ -93,7 +93,7 @@ ROWS = [
             ('sum by (application, deployment) (rate(ray_serve_deployment_request_counter_total[$__rate_interval]))', "{{deployment}}"),
         ]),
         ("Scrape targets up", "short", [
-            ('up{job=~"sglang-tpu-backend|ray"}', "{{job}} {{instance}}"),
+            ('up{job=~"sglang-tpu-backend|sglang-ray-serve|ray"}', "{{job}} {{instance}}"),
         ]),
     ]),
 ]

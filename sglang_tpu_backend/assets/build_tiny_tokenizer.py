@@ -12,10 +12,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 HERE = Path(__file__).resolve().parent
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen3.5's reasoning and tool-call markers: added after training (ids 1172..1177, inside the
+# model's vocab_size of 1216), not special, so decoding keeps them in the text as Qwen's do.
+MARKER_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 VOCAB_SIZE = 1280  # upper bound: training stops once no pair occurs twice (1172 tokens)
 
 
@@ -33,6 +36,7 @@ def build_tokenizer(corpus: Path = HERE / "corpus.txt", vocab_size: int = VOCAB_
     )
     lines = corpus.read_text(encoding="utf-8").splitlines()
     tok.train_from_iterator(lines, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
     return tok
 
 

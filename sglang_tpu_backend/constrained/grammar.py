@@ -9,6 +9,7 @@ scheduler feeds the sampled token to ``accept``.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -52,6 +53,41 @@ class Grammar:
         return self.matcher.is_stopped()
 
 
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2 byte-level BPE's printable stand-in character of each byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+          *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: chr(b) for b in bs}
+    extra = (b for b in range(256) if b not in chars)
+    chars.update((b, chr(256 + k)) for k, b in enumerate(extra))
+    return chars
+
+
+def text_added_tokens(tokenizer_json: str) -> str:
+    """The tokenizer JSON with its non-special added tokens (Qwen's ``<think>``,
+    ``<tool_call>``, ...) moved into a byte-level BPE vocabulary.
+
+    llguidance takes every added token for a special one (never text): a grammar whose text
+    needs ``</think>`` then allows that token by its bytes and rejects it once sampled, which
+    ends the request early. As vocabulary entries they are text like any other token. Other
+    tokenizer kinds come back unchanged.
+    """
+    d = json.loads(tokenizer_json)
+    if (d.get("model") or {}).get("type") != "BPE" or (d.get("decoder") or {}).get("type") != "ByteLevel":
+        return tokenizer_json
+    chars = _byte_level_chars()
+    vocab, kept = d["model"]["vocab"], []
+    for t in d.get("added_tokens") or []:
+        if t.get("special", True):
+            kept.append(t)
+        else:
+            vocab["".join(chars[b] for b in t["content"].encode("utf-8"))] = t["id"]
+    if len(kept) == len(d.get("added_tokens") or []):
+        return tokenizer_json
+    d["added_tokens"] = kept
+    return json.dumps(d, ensure_ascii=False)
+
+
 class GrammarBackend:
     """Builds per-request grammars for one tokenizer and model vocabulary."""
 
@@ -67,11 +103,15 @@ class GrammarBackend:
     def lltokenizer(self):
         with self._lock:
             if self._lltok is None:
-                import llguidance.hf
+                import llguidance
 
-                eos = self.eos_token_ids or None
+                eos = self.eos_token_ids or self.hf_tokenizer.eos_token_id
                 n_vocab = max(self.vocab_size, len(self.hf_tokenizer))
-                self._lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
+                backend = copy.copy(self.hf_tokenizer.backend_tokenizer)  # as llguidance.hf does
+                backend.no_padding()
+                backend.no_truncation()
+                self._lltok = llguidance.LLTokenizer(text_added_tokens(backend.to_str()), n_vocab=n_vocab,
+                                                     eos_token=eos)
             return self._lltok
 
     def compile(self, *, regex: str | None = None, json_schema: Any = None) -> Grammar:

@@ -19,6 +19,7 @@ aborts the requests.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import inspect
 import json
@@ -83,8 +84,9 @@ async def verify_api_key(request: Request) -> None:
         raise APIError("Invalid API key", "authorization", 401)
 
 
-async def read_json(request: Request) -> dict:
-    """The request body as a JSON object, refusing bodies over the configured size (413)."""
+async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
+    """The request body as a JSON object, refusing bodies over the configured size (413);
+    ``allow_empty``: no body at all is ``{}``."""
     limit = _arg(_engine(request), "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -97,6 +99,8 @@ async def read_json(request: Request) -> dict:
         chunks.append(chunk)
     raw = b"".join(chunks)
     if not raw.strip():
+        if allow_empty:
+            return {}
         raise APIError("Request body is empty; expected a JSON object", "body")
     if json_depth(raw) > MAX_JSON_DEPTH:
         raise APIError(f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", "body")
@@ -117,7 +121,7 @@ def _fanout(request: Request, reqs: list[GenerateReqInput]) -> Fanout:
     accs = [LogprobAccumulator() for _ in reqs]
     rids = [r.rid for r in reqs]
     inflight.update(rids)
-    return Fanout([engine.generate(r) for r in reqs], transform=lambda i, out: accs[i](out),
+    return Fanout([engine.generate_request(r) for r in reqs], transform=lambda i, out: accs[i](out),
                   on_close=lambda: inflight.difference_update(rids))
 
 
@@ -223,6 +227,42 @@ async def get_server_info(request: Request) -> dict:
     info = dict(await _call(engine.get_server_info()))
     info["pool_stats"] = await _call(engine.pool_stats())
     return info
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> list:
+    """SGLang's load report: ``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]``."""
+    engine = _engine(request)
+    if not hasattr(engine, "get_load"):
+        raise APIError("This engine reports no load", "path", 404)
+    return await _call(engine.get_load())
+
+
+@router.post("/start_profile")
+@router.get("/start_profile")
+async def start_profile(request: Request) -> Response:
+    """Start a ``jax.profiler`` trace. Body (optional): ``output_dir`` (default
+    ``$SGLANG_TORCH_PROFILER_DIR`` or /tmp), ``num_steps`` (stop by itself after that many
+    engine steps). 400 when one is already running."""
+    body = {} if request.method == "GET" else await read_json(request, allow_empty=True)
+    engine = _engine(request)
+    if not hasattr(engine, "start_profile"):
+        raise APIError("This engine cannot profile", "path", 404)
+    await _call(await asyncio.to_thread(  # starting and stopping a trace block: off the loop
+        engine.start_profile, output_dir=opt_field(body, "output_dir", "str"),
+        num_steps=opt_field(body, "num_steps", "int", minimum=1)))
+    return Response(content="Start profiling.\n", status_code=200)
+
+
+@router.post("/stop_profile")
+@router.get("/stop_profile")
+async def stop_profile(request: Request) -> Response:
+    """Stop the trace and write it under ``<output_dir>/plugins/profile/``; 400 when none runs."""
+    engine = _engine(request)
+    if not hasattr(engine, "stop_profile"):
+        raise APIError("This engine cannot profile", "path", 404)
+    out = await _call(await asyncio.to_thread(engine.stop_profile))
+    return Response(content=f"Stop profiling. The trace is in {out}.\n", status_code=200)
 
 
 @router.post("/flush_cache")
@@ -352,7 +392,10 @@ async def completions(request: Request) -> Response:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    return await _openai(request, oai.parse_chat_request, oai.chat_response)
+    engine = _engine(request)
+    parse = functools.partial(oai.parse_chat_request, reasoning_parser=_arg(engine, "reasoning_parser"),
+                              tool_call_parser=_arg(engine, "tool_call_parser"))
+    return await _openai(request, parse, oai.chat_response)
 
 
 # App -------------------------------------------------------------------------------------

@@ -24,12 +24,14 @@ class RankStep:
     rows_left: logits rows left (of ``max_logits_rows``, per rank).
     reserve:   KV pages admission keeps free for the rank's decode-ready requests.
     running:   requests running on the rank (admission stops at ``max_running_requests``).
+    num_prefill: prefill chunks taken so far.
     """
 
     budget: int
     rows_left: int
     reserve: int = 0
     running: int = 0
+    num_prefill: int = 0
 
 
 def rank_load(pools: RankPools, running: Iterable[Req]) -> tuple[int, int]:

@@ -13,6 +13,12 @@ front, re-prefilled later (possibly on another rank).
 With a prefix cache (``managers/prefix_cache.py``, one radix tree per rank) admission starts
 a request after its longest cached prefix, prefill chunks end at GDN snapshot points, and the
 tree's unlocked pages count as free: they are evicted (LRU) when an allocation needs them.
+
+Deterministic mode (``prefill_align`` set, ``--enable-deterministic-inference``): a step holds
+either decodes only or prefill chunks only (prefill first, as SGLang without mixed chunks:
+decodes wait while any prefill chunk can run), and a prefill chunk ends at a multiple of
+``prefill_align`` tokens or at the end of what the request has to fill. Each request's chunk
+boundaries then depend on the request alone, never on what shares the step.
 """
 
 from __future__ import annotations
@@ -58,8 +64,14 @@ class Scheduler:
         max_tokens_per_step: int,
         max_logits_rows: int | None = None,
         prefix: PrefixCache | None = None,
+        prefill_align: int | None = None,
+        max_prefill_chunks: int | None = None,
     ):
+        """``prefill_align``: deterministic mode (see the module docstring); None: off.
+        ``max_prefill_chunks``: prefill chunks per step and rank (None: no limit)."""
         self.pools = pools
+        self.prefill_align = prefill_align
+        self.max_prefill_chunks = max_prefill_chunks
         self.prefix = prefix  # None: no prefix cache (--disable-radix-cache)
         self.dp_size = len(pools)
         self.max_running_requests = min(max_running_requests,
@@ -211,6 +223,9 @@ class Scheduler:
             n = min(n, rows_left)
         if n > 0 and self.prefix is not None:
             n = self.prefix.limit_chunk(req, start, n)
+        a = self.prefill_align
+        if a is not None and 0 < n and start + n < req.num_fill:
+            n = max(0, (start + n) // a * a - start)  # end on the grid, or wait for budget
         return n
 
     def _prefill_chunk(self, req: Req, n: int, step: RankStep) -> ScheduledChunk:
@@ -220,6 +235,9 @@ class Scheduler:
             self.prefix.plan_save(req, chunk.start, n, self._saves)
         step.budget -= n
         step.rows_left -= {"all": n, "last": 1, "none": 0}[chunk.logits]
+        step.num_prefill += 1
+        if self.max_prefill_chunks is not None and step.num_prefill >= self.max_prefill_chunks:
+            step.budget = 0  # the step's (fixed) request rows are taken
         return chunk
 
     def schedule(self) -> ScheduledBatch | None:
@@ -268,7 +286,8 @@ class Scheduler:
                 chunks.append(self._chunk(req, 1))
         steps = [RankStep(self.max_tokens_per_step, self.max_logits_rows)
                  for _ in range(self.dp_size)]
-        for c in chunks:
+        separate = self.prefill_align is not None  # decodes drop out of a step with prefill
+        for c in chunks if not separate else ():
             steps[c.dp_rank].budget -= 1
             steps[c.dp_rank].rows_left -= 1
         num_decodes = len(chunks)
@@ -332,6 +351,8 @@ class Scheduler:
             if not self._ensure_pages(req, req.num_computed + n):  # checked above
                 raise RuntimeError("page accounting error")
             chunks.append(self._prefill_chunk(req, n, steps[k]))
+        if separate and 0 < num_decodes < len(chunks):
+            chunks, num_decodes = chunks[num_decodes:], 0  # their pages stay for the next step
         if not chunks:
             return None
         if num_decodes == len(chunks):

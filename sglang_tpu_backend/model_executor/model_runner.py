@@ -37,6 +37,16 @@ Tensor-parallel attention (``tp_size`` > 1, for comparison with DP): the runner 
 ``parallel.TPForward``; one pool and one batch as with one device, every device runs every
 request on its share of the heads and experts, logits come back replicated.
 
+Deterministic mode (``deterministic=True``, ``--enable-deterministic-inference``): two step
+shapes only (``deterministic_shapes``): DECODE with T = R = L = max_running_requests, and a
+prefill-only MIXED step with T = max_tokens_per_step, R = ``deterministic_prefill_reqs``
+(the scheduler sends at most that many prefill chunks, never decodes, in such a step; few
+rows keep the GDN chunk slots few) and L = ``deterministic_prefill_rows`` (room for a whole
+64-token chunk of prompt logprobs). On XLA:CPU an op's per-row result can depend on the
+program's shapes (the GDN chunked path rounds differently at T=16 and T=64), so a fixed shape
+per kind is what makes a row's result independent of the batch; padding rows cost compute,
+not correctness (``benchmarks/bench_deterministic.py`` measures it).
+
 Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
 (``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
 slots and, after the forward, its ``state_saves`` out of them.
@@ -62,9 +72,31 @@ from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, Forwar
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.sampling import sampler
+from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK
 
 logger = logging.getLogger(__name__)
 MIN_BUCKET = 8
+
+
+def deterministic_prefill_reqs(max_running_requests: int) -> int:
+    """Prefill chunks per step in deterministic mode (the step's fixed R)."""
+    return min(MIN_BUCKET, max_running_requests)
+
+
+def deterministic_prefill_rows(max_running_requests: int, max_tokens_per_step: int) -> int:
+    """Logits rows of the deterministic prefill step (the scheduler's ``max_logits_rows``):
+    at least one aligned chunk of prompt logprobs, which cannot be cut shorter."""
+    T = max(max_tokens_per_step, max_running_requests)
+    return min(T, max(max_running_requests, DETERMINISTIC_MIN_CHUNK))
+
+
+def deterministic_shapes(max_running_requests: int, max_tokens_per_step: int
+                         ) -> list[tuple[ForwardMode, int, int, int]]:
+    """The two (mode, T, R, L) of deterministic mode: DECODE and prefill-only MIXED."""
+    R, T = max_running_requests, max(max_tokens_per_step, max_running_requests)
+    return [(ForwardMode.DECODE, R, R, R),
+            (ForwardMode.MIXED, T, deterministic_prefill_reqs(R),
+             deterministic_prefill_rows(R, max_tokens_per_step))]
 
 
 def bucket_ladder(limit: int, smallest: int = MIN_BUCKET, factor: int = 2) -> tuple[int, ...]:
@@ -179,6 +211,7 @@ class ModelRunner:
         tp_size: int = 1,
         router_stats: bool = True,
         num_gdn_snapshots: int = 0,
+        deterministic: bool = False,
     ):
         """``router_stats``: each step also reduces the MoE routers' health (expert load,
         entropy, top-1 probability per layer; ``metrics/router_stats.py``) into
@@ -195,6 +228,7 @@ class ModelRunner:
         self.req_buckets, self.extend_req_buckets, self.token_buckets = _ladders(
             max_running_requests, max_tokens_per_step)
         self.step_limits = (max_running_requests, max_tokens_per_step)
+        self.deterministic = deterministic
         self.num_state_slots = num_state_slots  # per rank
         S = dp_size * num_state_slots  # penalty-state rows: one per global slot
         self.counts = jnp.zeros((S, cfg.vocab_size), jnp.int32)  # i32[S, V]
@@ -308,7 +342,9 @@ class ModelRunner:
     def shapes_for(self, kind: ForwardMode, num_tokens: int, num_reqs: int, num_rows: int
                    ) -> tuple[ForwardMode, int, int, int]:
         """Bucketed (mode, T, R, L) of a step: DECODE stays DECODE, anything else runs as
-        MIXED."""
+        MIXED. Deterministic mode: the largest bucket of each kind, whatever the counts."""
+        if self.deterministic:
+            return self.all_shapes()[0 if kind == ForwardMode.DECODE else 1]
         if kind == ForwardMode.DECODE:
             r = pick_bucket(self.req_buckets, num_reqs)
             return ForwardMode.DECODE, r, r, r
@@ -319,6 +355,8 @@ class ModelRunner:
     def all_shapes(self) -> list[tuple[ForwardMode, int, int, int]]:
         """Every (mode, T, R, L) serving can produce (what warm-up compiles); with DP ranks
         (T, R, L) are per rank."""
+        if self.deterministic:
+            return deterministic_shapes(*self.step_limits)
         return step_shapes(*self.step_limits)
 
     # Step -----------------------------------------------------------------------------
@@ -394,7 +432,7 @@ class ModelRunner:
 
     def sampler_variant(self, chunks: list[ScheduledChunk]) -> sampler.SamplerVariant:
         """The sampler variant of a step: the stages its sampling rows need (host-side)."""
-        draw = filt = pen = mask = False
+        draw = filt = pen = mask = bias = False
         for c in chunks:
             if not c.sample:
                 continue
@@ -404,7 +442,9 @@ class ModelRunner:
                 filt |= sp.top_k_or_off > 0 or sp.top_p < 1 or sp.min_p > 0
             pen |= _uses_penalties(sp)
             mask |= req.grammar is not None or req.num_sampled < sp.min_new_tokens
-        return sampler.variant_for(sampler.SamplerVariant(draw=draw, filter=filt, penalties=pen, mask=mask))
+            bias |= bool(sp.logit_bias)
+        return sampler.variant_for(sampler.SamplerVariant(draw=draw, filter=filt, penalties=pen, mask=mask,
+                                                          bias=bias))
 
     def sampler_variants(self) -> tuple[sampler.SamplerVariant, ...]:
         """Every sampler variant ``sampler_variant`` can pick (what warm-up compiles)."""
@@ -419,7 +459,7 @@ class ModelRunner:
         num_rows = self._num_rows(batch.chunks)
         mode, T, R, L = self.shapes_for(batch.kind, batch.num_tokens, len(batch.chunks), num_rows)
         fb, rows, from_slot = self._rank_batch(batch.chunks, mode, T, R, L)
-        inp = self._sampling_inputs(batch.chunks, rows, R, L, mask=variant.mask)
+        inp = self._sampling_inputs(batch.chunks, rows, R, L, mask=variant.mask, bias=variant.bias)
         return fb, from_slot, inp, rows, self._top_k(batch)
 
     def prepare_dp(self, batch: ScheduledBatch, variant: sampler.SamplerVariant | None = None
@@ -443,17 +483,20 @@ class ModelRunner:
             fbs.append(fb)
             rank_rows.append(rows)
             inps.append(self._sampling_inputs(chunks, rows, R, L, row_offset=k * L,
-                                              slot_offset=k * self.num_state_slots, mask=variant.mask))
+                                              slot_offset=k * self.num_state_slots, mask=variant.mask,
+                                              bias=variant.bias))
         inp = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *inps)
         rows = [rank_rows[k][j] + k * L for k, j in where]
         sample_idx = [k * R + j for k, j in where]
         return fbs, inp, rows, sample_idx, self._top_k(batch)
 
     def _sampling_inputs(self, chunks: list[ScheduledChunk], rows: list[np.ndarray], R: int, L: int,
-                         row_offset: int = 0, slot_offset: int = 0, mask: bool = True) -> sampler.SamplingInputs:
+                         row_offset: int = 0, slot_offset: int = 0, mask: bool = True,
+                         bias: bool = True) -> sampler.SamplingInputs:
         """Sampling inputs of one rank's chunks; ``row_offset`` / ``slot_offset`` place the
         rank's logits rows and penalty-state rows in the global [D*L] / [D*S] layout.
-        ``mask=False`` (no row has a grammar or a min_new_tokens ban) builds no bitmask."""
+        ``mask=False`` (no row has a grammar or a min_new_tokens ban) builds no bitmask,
+        ``bias=False`` (no row has a logit bias) no bias entries."""
         f32 = lambda v: np.full(R, v, np.float32)  # noqa: E731
         sample_rows = np.zeros(R, np.int32)
         valid = np.zeros(R, np.bool_)
@@ -466,6 +509,7 @@ class ModelRunner:
         slot = np.zeros(R, np.int32)
         bitmask = np.full((R, self.num_words), -1, np.int32) if mask else None
         target_ids = np.zeros(L, np.int32)
+        bias_ids, bias_values = self._no_bias(R) if bias else (None, None)
         for i, (c, r) in enumerate(zip(chunks, rows)):
             req, sp = c.req, c.req.sampling
             slot[i] = c.state_slot + slot_offset
@@ -482,6 +526,8 @@ class ModelRunner:
             freq[i], pres[i], rep[i] = sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty
             seed_lo[i], seed_hi[i] = req.seed & 0xFFFFFFFF, (req.seed >> 32) & 0xFFFFFFFF
             step[i] = req.num_sampled  # this token's index (earlier ones may be in flight)
+            if bias_ids is not None and (entries := sp.logit_bias_arrays()) is not None:
+                bias_ids[i, :len(entries[0])], bias_values[i, :len(entries[1])] = entries
             if bitmask is None:
                 continue
             if req.grammar is not None:
@@ -496,7 +542,13 @@ class ModelRunner:
             sample_rows=sample_rows, valid=valid, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
             seed_lo=seed_lo, seed_hi=seed_hi, step=step, slot=slot, bitmask=bitmask, target_ids=target_ids,
+            bias_ids=bias_ids, bias_values=bias_values,
         )
+
+    def _no_bias(self, R: int) -> tuple[np.ndarray, np.ndarray]:
+        """All-padding logit-bias entries of R rows: ids i32[R, B] = V (dropped), values 0."""
+        B = sampler.MAX_LOGIT_BIAS
+        return np.full((R, B), self.vocab_size, np.int32), np.zeros((R, B), np.float32)
 
     def _reset_penalties(self, batch: ScheduledBatch) -> None:
         for c in batch.chunks:
@@ -616,6 +668,7 @@ class ModelRunner:
             seed_lo=z.astype(np.uint32), seed_hi=z.astype(np.uint32), step=z, slot=z,
             bitmask=np.full((R, self.num_words), -1, np.int32) if variant.mask else None,
             target_ids=np.zeros(L, np.int32),
+            **(dict(zip(("bias_ids", "bias_values"), self._no_bias(R))) if variant.bias else {}),
         )
 
     def warmup(self, progress: bool = True) -> float:

@@ -255,7 +255,7 @@ def run_follower(args) -> int:
     The leader (``Engine`` in node 0) makes the matching calls in the same order: the sizes
     broadcast, ``init_cache``, then every step (warm-up included) and the final stop.
     """
-    from sglang_tpu_backend.config import load_model_config
+    from sglang_tpu_backend.config import load_model_config, resolve_dtype
     from sglang_tpu_backend.engine import DTYPES
     from sglang_tpu_backend.loader import load_params
     from sglang_tpu_backend.parallel.mesh import make_mesh
@@ -269,6 +269,7 @@ def run_follower(args) -> int:
         args = dataclasses.replace(args, model_path=str(default_model_path()))
     cfg = load_model_config(args.model_path)
     args.check_devices(len(jax.devices()), cfg.num_experts)
+    args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
     params = load_params(args.model_path, cfg, dtype=DTYPES[args.dtype])
     num_pages, num_slots, with_stats = broadcast_ints(None, 3)
     dp = DPForward(cfg, make_mesh(args.dp_size), impl=args.kernel_impl,

@@ -3,7 +3,7 @@ logprobs of the chosen token and top alternatives, and prompt-row logprobs.
 
 Dimension letters: L logits rows from the forward, R requests (sampling rows), V vocab,
 S penalty-state rows (one per GDN state slot), W = ceil(V / 32) bitmask words,
-K top logprobs returned.
+K top logprobs returned, B = ``MAX_LOGIT_BIAS`` logit-bias entries per row.
 
 Penalty state lives on the device between steps: ``counts i32[S, V]`` counts each slot's
 output tokens, ``prompt_mask bool[S, V]`` marks its prompt tokens. ``reset_penalty_rows``
@@ -13,7 +13,7 @@ penalty sees prompt and output tokens (positive logits divided, negative multipl
 
 A ``SamplerVariant`` (static) leaves out the stages no row of the step needs: the draw (an
 all-greedy step takes an argmax), the top-k/top-p/min-p filter (its full-vocabulary sort),
-the penalties and the grammar bitmask (then not even built on the host). A stage left out is
+the penalties, the logit bias and the grammar bitmask (then not even built on the host). A stage left out is
 an identity for every row of that step, so each variant's outputs equal the full sampler's
 bit for bit. ``variant_for`` collapses a step's needs into three levels (GREEDY, PLAIN, FULL),
 the compilations warm-up makes.
@@ -27,6 +27,9 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -jnp.inf
+# Logit-bias entries one request may give (OpenAI's limit); rows are padded to this many
+# entries (token id V, dropped), so the FULL variant has one shape whatever the requests ask.
+MAX_LOGIT_BIAS = 300
 
 
 @jax.tree_util.register_dataclass
@@ -45,6 +48,9 @@ class SamplingInputs:
     slot:         i32[R] penalty-state row.
     bitmask:      i32[R, W] allowed tokens, bit ``t % 32`` of word ``t // 32`` (-1 = all);
                   None when the step's variant has ``mask=False``.
+    bias_ids:     i32[R, B] tokens whose logits ``bias_values`` f32[R, B] are added to (padding
+                  entries: id V, dropped); None: no row has one (always so when the
+                  variant has ``bias=False``).
     target_ids:   i32[L] token whose logprob each logits row reports (prompt logprobs).
     """
 
@@ -63,6 +69,8 @@ class SamplingInputs:
     slot: jax.Array
     bitmask: jax.Array | None
     target_ids: jax.Array
+    bias_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,24 +81,27 @@ class SamplerVariant:
     filter:    some drawn row uses top_k, top_p < 1 or min_p > 0 (sorts the vocabulary).
     penalties: some row has a frequency, presence or repetition penalty.
     mask:      some row has a grammar or a min_new_tokens ban (``bitmask`` is i32[R, W]).
+    bias:      some row has a logit bias (``bias_ids`` / ``bias_values`` are [R, B]).
     """
 
     draw: bool = True
     filter: bool = True
     penalties: bool = True
     mask: bool = True
+    bias: bool = True
 
 
 FULL = SamplerVariant()
-PLAIN = SamplerVariant(draw=True, filter=False, penalties=False, mask=False)
-GREEDY = SamplerVariant(draw=False, filter=False, penalties=False, mask=False)
+PLAIN = SamplerVariant(draw=True, filter=False, penalties=False, mask=False, bias=False)
+GREEDY = SamplerVariant(draw=False, filter=False, penalties=False, mask=False, bias=False)
 VARIANTS = (GREEDY, PLAIN, FULL)  # what serving uses (``variant_for``): warm-up compiles each
 
 
 def variant_for(needs: SamplerVariant) -> SamplerVariant:
     """The served variant covering a step's ``needs`` (each flag: some row needs the stage):
-    FULL if it needs a filter, penalties or a mask, else PLAIN if it draws, else GREEDY."""
-    if needs.filter or needs.penalties or needs.mask:
+    FULL if it needs a filter, penalties, a mask or a logit bias, else PLAIN if it draws,
+    else GREEDY."""
+    if needs.filter or needs.penalties or needs.mask or needs.bias:
         return FULL
     return PLAIN if needs.draw else GREEDY
 
@@ -103,6 +114,12 @@ def apply_penalties(logits, counts, prompt_mask, freq, pres, rep):
     r = rep[:, None]
     penalised = jnp.where(logits > 0, logits / r, logits * r)
     return jnp.where(seen, penalised, logits)
+
+
+def apply_logit_bias(logits, bias_ids, bias_values):
+    """logits f32[R, V] + bias_values f32[R, B] at bias_ids i32[R, B] (ids >= V dropped)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, bias_ids].add(bias_values, mode="drop")
 
 
 def apply_bitmask(logits, bitmask):
@@ -163,7 +180,7 @@ def sample(logits, counts, prompt_mask, inp: SamplingInputs, *, num_top_logprobs
 
     Returns:
       dict with ``tokens`` i32[R], ``logprobs`` f32[R] (of the chosen token, after penalties,
-      mask and temperature), and when K > 0 ``top_logprobs`` f32[R, K], ``top_ids`` i32[R, K],
+      logit bias, mask and temperature), and when K > 0 ``top_logprobs`` f32[R, K], ``top_ids`` i32[R, K],
       ``row_logprobs`` f32[L] (raw log-softmax at ``target_ids``), ``row_top_logprobs``
       f32[L, K], ``row_top_ids`` i32[L, K]; and the updated ``counts``.
     """
@@ -173,6 +190,8 @@ def sample(logits, counts, prompt_mask, inp: SamplingInputs, *, num_top_logprobs
             x, counts[inp.slot], prompt_mask[inp.slot],
             inp.frequency_penalty, inp.presence_penalty, inp.repetition_penalty,
         )
+    if variant.bias and inp.bias_ids is not None:
+        x = apply_logit_bias(x, inp.bias_ids, inp.bias_values)
     if variant.mask:
         x = apply_bitmask(x, inp.bitmask)
     greedy = inp.temperature <= 0.0

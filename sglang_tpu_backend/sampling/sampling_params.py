@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from sglang_tpu_backend.managers.io_struct import InvalidRequestError
 
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit; sampler.MAX_LOGIT_BIAS pads to it)
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI
 # Accepted for SGLang compatibility but without effect here.
-_IGNORED_KEYS = frozenset({"n", "stream_interval", "custom_params", "logit_bias", "sampling_seed"})
+_IGNORED_KEYS = frozenset({"n", "stream_interval", "custom_params", "sampling_seed"})
 _UNSUPPORTED_KEYS = frozenset({"ebnf", "structural_tag", "lora_path"})
 
 
@@ -39,6 +43,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    # SGLang / OpenAI: {"<token id>": bias} added to that token's logit before sampling.
+    logit_bias: dict[str, float] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
@@ -103,6 +109,12 @@ class SamplingParams:
             bad("regex", "a string")
         if self.json_schema is not None and not isinstance(self.json_schema, (str, dict)):
             bad("json_schema", "a JSON string")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "an object mapping token ids to biases")
+            for k, v in self.logit_bias.items():
+                if not (isinstance(k, str) and k.strip().lstrip("-").isdecimal()) or not is_num(v):
+                    bad("logit_bias", f"an object mapping token-id strings to numbers (got {k!r}: {v!r})")
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Range checks; raises InvalidRequestError naming the field."""
@@ -136,10 +148,30 @@ class SamplingParams:
             bad("stop", "must not contain empty strings")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", f"must be in [0, 2^63), got {self.seed}")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+            for k, v in self.logit_bias.items():
+                if not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:
+                    bad("logit_bias", f"value for token {k} must be in [-100, 100], got {v}")
+                if vocab_size is not None and not 0 <= int(k) < vocab_size:
+                    bad("logit_bias", f"has token id {k}, outside the vocabulary [0, {vocab_size})")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     bad("stop_token_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
+
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(token ids i32[n], biases f32[n]) of ``logit_bias`` (validated), or None when it
+        is unset or empty; built once."""
+        if not self.logit_bias:
+            return None
+        cached = self.__dict__.get("_bias_arrays")
+        if cached is None:
+            ids = np.array([int(k) for k in self.logit_bias], np.int32)
+            vals = np.array(list(self.logit_bias.values()), np.float32)
+            cached = self.__dict__["_bias_arrays"] = (ids, vals)
+        return cached
 
     @property
     def is_greedy(self) -> bool:

@@ -1,9 +1,12 @@
 """deploy/: the Serve config validates against Ray's own schema and builds with our
 application builder; the RayService embeds it verbatim and asks for the TPU host it fits.
 
-Kubernetes' own OpenAPI schemas are not available offline here: the RayService's core fields
-are checked structurally (names, nodeSelector, TPU requests = limits = the app's chips,
-hosts per slice = the topology's chips / 4, Ray version = the pinned one).
+The RayService itself is a KubeRay custom resource, but its core Kubernetes fields are
+Kubernetes types: its metadata is an ObjectMeta and every head / worker group ``template`` is
+a PodTemplateSpec. Those are validated against Kubernetes' own OpenAPI schemas (strict: an
+unknown or misspelt field fails), shipped offline by ``kubernetes-validate``; the rest is
+checked structurally (nodeSelector, TPU requests = limits = the app's chips, hosts per slice
+= the topology's chips / 4, Ray version = the pinned one).
 """
 
 from __future__ import annotations
@@ -60,6 +63,44 @@ def test_serve_config_args_and_deployments_match_the_builder(name):
         opts = cfg.engine_deployment_options("engine")
         assert opts["placement_group_strategy"] == "STRICT_SPREAD"
         assert [b["TPU"] for b in opts["placement_group_bundles"]] == [CHIPS_PER_HOST] * hosts
+
+
+KUBERNETES_VERSION = "1.33"  # GKE's regular channel at the time of writing
+
+
+def _pod_templates(svc: dict) -> list[tuple[str, dict]]:
+    cluster = svc["spec"]["rayClusterConfig"]
+    return [("head", cluster["headGroupSpec"]["template"])] + [
+        (g["groupName"], g["template"]) for g in cluster["workerGroupSpecs"]]
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.glob("rayservice-*.yaml")), ids=lambda p: p.name)
+def test_rayservice_kubernetes_fields_validate_against_kubernetes_schemas(path):
+    kv = pytest.importorskip("kubernetes_validate")
+    svc = yaml.safe_load(path.read_text())
+    # ObjectMeta, checked as a ConfigMap's (a core kind whose only required field is metadata).
+    kv.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": svc["metadata"]},
+                KUBERNETES_VERSION, strict=True)
+    for name, template in _pod_templates(svc):
+        doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
+               "template": template}
+        kv.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_kubernetes_schema_check_catches_mistakes():
+    """The schema check above can fail: a misspelt container field and a non-string
+    nodeSelector value are refused."""
+    kv = pytest.importorskip("kubernetes_validate")
+    svc = yaml.safe_load(sorted(DEPLOY.glob("rayservice-*.yaml"))[0].read_text())
+    _, template = _pod_templates(svc)[1]
+    bad = [yaml.safe_load(yaml.safe_dump(template)) for _ in range(2)]
+    bad[0]["spec"]["containers"][0]["resource"] = bad[0]["spec"]["containers"][0].pop("resources")
+    bad[1]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"] = 2
+    for template in bad:
+        doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "w"},
+               "template": template}
+        with pytest.raises(kv.ValidationError):
+            kv.validate(doc, KUBERNETES_VERSION, strict=True)
 
 
 @pytest.mark.parametrize("path", sorted(DEPLOY.glob("rayservice-*.yaml")), ids=lambda p: p.name)

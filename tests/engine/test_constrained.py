@@ -15,7 +15,7 @@ from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidReque
 
 def collect(engine, obj):
     async def go():
-        return [o async for o in engine.generate(obj)]
+        return [o async for o in engine.generate_request(obj)]
     return asyncio.run(go())
 
 
@@ -91,3 +91,29 @@ def test_json_schema_output_parses_and_validates(clean_engine, temperature):
     assert isinstance(value["name"], str) and len(value["name"]) <= 6
     assert isinstance(value["age"], int) and 0 <= value["age"] <= 150
     assert isinstance(value["ok"], bool)
+
+
+def test_marker_tokens_are_text_to_the_grammar(backend):
+    """Qwen's non-special added tokens (``</think>``, ``<tool_call>``) are text to llguidance: a
+    grammar needing that text accepts it, sampled as the marker token or spelled out."""
+    tok, gb = backend
+    marker = tok.convert_tokens_to_ids("</think>")
+    g = gb.compile(regex=r"x\.\n</think>\nok")
+    for t in tok.encode("x.\n"):
+        g.accept(t)
+    assert tok.encode("<")[0] in allowed(g)  # the text may be spelled out
+    g.accept(marker)
+    assert not g.matcher.is_error() and not g.is_terminated()
+    for t in tok.encode("\nok"):
+        g.accept(t)
+    assert g.matcher.is_accepting()
+
+
+def test_regex_output_may_hold_marker_text(clean_engine):
+    """A forced output with Qwen3.5's reasoning and tool-call markers completes (the chat
+    parsers' input on the real engine)."""
+    text = "Plan.\n</think>\n\nOK.\n<tool_call>\n<function=f>\n</function>\n</tool_call>"
+    obj = GenerateReqInput(text="<|im_start|>assistant\n<think>\n", sampling_params={
+        "max_new_tokens": 60, "regex": re.escape(text), "temperature": 0})
+    out = collect(clean_engine, obj)[-1]
+    assert out["text"] == text and out["meta_info"]["finish_reason"]["type"] == "stop"

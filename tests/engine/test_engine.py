@@ -21,7 +21,7 @@ from tests.engine.conftest import small_page_pool, wait_pools_empty
 def collect(engine, obj):
     """All outputs of one request (runs its own event loop)."""
     async def go():
-        return [o async for o in engine.generate(obj)]
+        return [o async for o in engine.generate_request(obj)]
     return asyncio.run(go())
 
 
@@ -31,7 +31,7 @@ def greedy(ids, n, **kw):
 
 async def run_all(engine, objs):
     async def one(o):
-        return [x async for x in engine.generate(o)][-1]
+        return [x async for x in engine.generate_request(o)][-1]
     return await asyncio.gather(*(one(o) for o in objs))
 
 
@@ -181,7 +181,7 @@ def test_consumer_exit_aborts_and_frees_at_once(clean_engine):
     eng = clean_engine
 
     async def go():
-        gen = eng.generate(GenerateReqInput(input_ids=[5, 6, 7], stream=True, rid="leaver",
+        gen = eng.generate_request(GenerateReqInput(input_ids=[5, 6, 7], stream=True, rid="leaver",
                                             sampling_params={"max_new_tokens": 100, "ignore_eos": True}))
         first = await gen.__anext__()
         assert first["meta_info"]["finish_reason"] is None
@@ -197,7 +197,7 @@ def test_abort_request_sends_abort_finish(clean_engine):
 
     async def go():
         outs = []
-        async for o in eng.generate(GenerateReqInput(input_ids=[8, 9], stream=True, rid="victim",
+        async for o in eng.generate_request(GenerateReqInput(input_ids=[8, 9], stream=True, rid="victim",
                                                      sampling_params={"max_new_tokens": 100, "ignore_eos": True})):
             outs.append(o)
             if len(outs) == 2:

@@ -35,7 +35,7 @@ def req(seed: int, rid: str, max_new: int = 4) -> GenerateReqInput:
 
 async def finals(engine, objs):
     async def one(o):
-        return [x async for x in engine.generate(o)][-1]
+        return [x async for x in engine.generate_request(o)][-1]
     return await asyncio.gather(*(one(o) for o in objs))
 
 

@@ -51,7 +51,7 @@ def test_handover_matches_one_engine(engine, decode_engine, n, params):
 
     obj = GenerateReqInput(input_ids=_prompt(n), sampling_params=dict(params, max_new_tokens=MAX_NEW,
                                                                       ignore_eos=True))
-    ref = asyncio.run(_collect(engine.generate(dataclasses.replace(obj))))[-1]
+    ref = asyncio.run(_collect(engine.generate_request(dataclasses.replace(obj))))[-1]
     engine.flush_cache()  # the handover prefill must compute the prompt, not reuse it
     outs, h = asyncio.run(_disaggregated(engine, decode_engine, obj))
     assert h is not None and h.num_computed == n and len(h.output_ids) == 1
@@ -118,3 +118,33 @@ def test_decode_consumer_exit_frees_installed_request_at_once(engine, decode_eng
 
     stats = asyncio.run(go())
     assert stats["kv_pages_used"] == 0 and stats["state_slots_used"] == 0
+
+
+def test_handover_waiting_for_room_times_out(engine, decode_engine, monkeypatch):
+    """A handed-over request that finds no free pages / slot on the decode engine waits at
+    most ``--handover-wait-timeout``, then ends with finish_reason abort and a message (no
+    hang, nothing left installed, the failure counted). "No room" is forced by refusing
+    admission, as a full pool does."""
+    import time
+
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=_prompt(20, 2),
+                           sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    _, h = asyncio.run(engine.prefill_for_handover(obj))
+    assert h is not None
+    monkeypatch.setattr(decode_engine, "args",
+                        dataclasses.replace(decode_engine.args, handover_wait_timeout=0.5))
+    monkeypatch.setattr(decode_engine.scheduler, "admit_installed", lambda req: False)
+    t0 = time.monotonic()
+    outs = asyncio.run(asyncio.wait_for(_collect(decode_engine.generate_from_handover(h)), 30))
+    waited = time.monotonic() - t0
+    reason = outs[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "--handover-wait-timeout" in reason["message"], reason
+    assert 0.5 <= waited < 10, waited
+    assert not decode_engine._installs
+    s = wait_pools_empty(decode_engine)
+    assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0
+    text = decode_engine.metrics_text().decode()
+    line = [l for l in text.splitlines() if l.startswith("sglang:kv_transfer_failures_total")]
+    assert line and float(line[0].rsplit(" ", 1)[1]) >= 1, line

@@ -48,7 +48,7 @@ def req(ids, n, stream=False):
 
 async def run_all(engine, objs):
     async def one(o):
-        return [x async for x in engine.generate(o)][-1]
+        return [x async for x in engine.generate_request(o)][-1]
     return await asyncio.gather(*(one(o) for o in objs))
 
 
@@ -80,7 +80,7 @@ def test_aborted_requests_are_counted(clean_engine):
     before = scrape(eng)
 
     async def go():
-        agen = eng.generate(req(prompts(3, 1, 20, 20)[0], 50, stream=True))
+        agen = eng.generate_request(req(prompts(3, 1, 20, 20)[0], 50, stream=True))
         await agen.__anext__()  # first token streamed, then the client goes away
         await agen.aclose()
     asyncio.run(go())

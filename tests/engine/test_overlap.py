@@ -51,7 +51,7 @@ def _traffic(seed: int, n: int) -> list[GenerateReqInput]:
 
 def _run(engine, objs):
     async def one(o):
-        return [x async for x in engine.generate(o)][-1]
+        return [x async for x in engine.generate_request(o)][-1]
 
     async def all_():
         return await asyncio.gather(*(one(o) for o in objs))

@@ -56,7 +56,7 @@ def assert_idle_then_flush(eng: Engine, timeout=30.0) -> None:
 def serve(eng: Engine, waves: list[list[dict]]) -> list[dict]:
     """Final outputs of each wave's requests (a wave's requests run concurrently)."""
     async def one(kw):
-        return [o async for o in eng.generate(GenerateReqInput(**kw))][-1]
+        return [o async for o in eng.generate_request(GenerateReqInput(**kw))][-1]
 
     async def run():
         out = []
@@ -169,7 +169,7 @@ def test_flush_while_running_frees_in_use_entries_on_release(engines):
     serve(on, [[greedy(ids, 1)]])
 
     async def run():
-        gen = on.generate(GenerateReqInput(**greedy(ids, 40), stream=True))
+        gen = on.generate_request(GenerateReqInput(**greedy(ids, 40), stream=True))
         first = await gen.__anext__()  # holds the cached prefix now
         assert on.flush_cache() is True
         assert on.pool_stats()["kv_pages_cached"] > 0  # in use: detached, not freed

@@ -182,7 +182,7 @@ def needs_of(kinds) -> sampler.SamplerVariant:
     return sampler.SamplerVariant(
         draw=any(ROW_KINDS[k]["temperature"] > 0 for k in kinds),
         filter=any(k in ("top_k", "top_p", "min_p") for k in kinds),
-        penalties=any("penalty" in k for k in kinds), mask=any("mask" in k for k in kinds))
+        penalties=any("penalty" in k for k in kinds), mask=any("mask" in k for k in kinds), bias=False)
 
 
 @pytest.mark.parametrize("kinds", [
@@ -214,9 +214,10 @@ def test_fast_variants_equal_the_full_sampler_bit_for_bit(kinds, K):
 
 def test_variant_for_collapses_to_three_levels():
     V = sampler.SamplerVariant
-    assert sampler.variant_for(V(False, False, False, False)) == sampler.GREEDY
-    assert sampler.variant_for(V(True, False, False, False)) == sampler.PLAIN
-    for needs in (V(True, True, False, False), V(False, False, True, False), V(False, False, False, True)):
+    assert sampler.variant_for(V(False, False, False, False, False)) == sampler.GREEDY
+    assert sampler.variant_for(V(True, False, False, False, False)) == sampler.PLAIN
+    for needs in (V(True, True, False, False, False), V(False, False, True, False, False),
+                  V(False, False, False, True, False), V(False, False, False, False, True)):
         assert sampler.variant_for(needs) == sampler.FULL
 
 

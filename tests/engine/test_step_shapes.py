@@ -33,8 +33,8 @@ def test_step_shapes_of_the_default_limits():
 
 
 def test_no_compilation_after_warmup(clean_engine):
-    """Prompts of 1-90 tokens, 1-20 outputs, greedy and sampled, penalties, prompt and top
-    logprobs, stop strings, a regex, repeated prompts (prefix-cache hits): after warm-up not
+    """Prompts of 1-90 tokens, 1-20 outputs, greedy and sampled, penalties, logit biases,
+    prompt and top logprobs, stop strings, a regex, repeated prompts (prefix-cache hits): after warm-up not
     one program is lowered, and every step has a warm-up shape."""
     runner = clean_engine.runner
     runner.warmup(progress=False)
@@ -63,6 +63,8 @@ def test_no_compilation_after_warmup(clean_engine):
             sp.update(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2)
         if i % 7 == 3:
             sp.update(stop=["ab"], min_new_tokens=2)
+        if i % 8 == 4:
+            sp.update(logit_bias={str(rng.randrange(3, 1000)): 5.0, "7": -100})
         if i == 5:
             sp = {"max_new_tokens": 8, "regex": "[0-9]{3,8}"}
         objs.append(GenerateReqInput(
@@ -73,7 +75,7 @@ def test_no_compilation_after_warmup(clean_engine):
 
     async def run_all():
         async def one(o):
-            return [x async for x in clean_engine.generate(o)][-1]
+            return [x async for x in clean_engine.generate_request(o)][-1]
         return await asyncio.gather(*(one(o) for o in objs))
 
     runner.forward, runner.sample = recording_forward, recording_sample

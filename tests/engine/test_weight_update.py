@@ -74,7 +74,7 @@ def _req(text, sp, **kw):
 
 
 async def _final(engine, obj):
-    return [o async for o in engine.generate(obj)][-1]
+    return [o async for o in engine.generate_request(obj)][-1]
 
 
 def _run_each(engine, prompts=PROMPTS, sp=GREEDY):
@@ -193,7 +193,7 @@ async def _until(pred, what):
 
 async def _first_token_then(engine, obj, outs: list):
     """Stream ``obj`` into ``outs`` (every chunk)."""
-    async for o in engine.generate(obj):
+    async for o in engine.generate_request(obj):
         outs.append(o)
 
 

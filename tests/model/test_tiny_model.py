@@ -94,14 +94,16 @@ def test_tokenizer_round_trips_text():
     assert tok.encode("<|im_start|>user")[0] == im_start
 
 
-def test_chat_template_renders_chatml():
+def test_chat_template_renders_qwen35_chatml():
     tok = load_tokenizer(ASSET_DIR)
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hi!"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye."}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == ("<|im_start|>system\nYou are brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
                     "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye.<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+                    "<|im_start|>assistant\n<think>\n")  # Qwen3.5: the generation prompt opens <think>
+    off = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert off == text + "\n</think>\n\n"
     no_prompt = tok.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=False)
     assert no_prompt == "<|im_start|>user\nHi!<|im_end|>\n"
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]

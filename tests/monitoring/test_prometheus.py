@@ -3,10 +3,11 @@ every PromQL expression of the Grafana dashboard and of the alert rules returns 
 
 - The server is the standalone one (``tests/server/conftest.py``); Prometheus runs on
   127.0.0.1 with a 1 s scrape interval and is stopped by process id afterwards.
-- Ray Serve's ``ray_serve_*`` families do not exist without a Ray cluster: a synthetic
-  exporter (a few samples with Ray Serve's names and labels) stands in as the ``ray`` job, so
-  those expressions are checked for syntax and label use, not against real replicas. The list
-  of such expressions is asserted below, so a new Ray-only query cannot slip in unnoticed.
+- Ray Serve's ``ray_serve_*`` families do not exist without a Ray cluster: here a synthetic
+  exporter (a few samples with Ray Serve's names and labels) stands in as the ``ray`` job (the
+  list of such expressions is asserted, so a new Ray-only query cannot slip in unnoticed).
+  Against a live Ray Serve app, its replicas and Ray's own metrics agent, the same
+  expressions are checked by ``tests/ray_serve/test_serve_app.py`` with :func:`prometheus`.
 - Handover series (``sglang:kv_transfer_*``) exist but stay at zero on a colocated server; the
   handover latency quantiles evaluate to NaN samples (data, but no observations).
 - Alert rules whose expression is a condition are checked on the expression left of the
@@ -16,6 +17,7 @@ every PromQL expression of the Grafana dashboard and of the alert rules returns 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.server
 import json
 import os
@@ -105,21 +107,20 @@ class _RayExporter(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def stack():
-    server = start_server([])
-    ray = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RayExporter)
-    threading.Thread(target=ray.serve_forever, daemon=True).start()
+@contextlib.contextmanager
+def prometheus(jobs: dict[str, dict]):
+    """A real Prometheus on 127.0.0.1 (1 s scrapes and rule evaluations, monitoring/alerts.yml
+    loaded) scraping ``jobs`` (job name -> ``{"target": "host:port", "metrics_path": ...}``),
+    the scrape settings otherwise as monitoring/prometheus.yml. Yields its URL; stopped by
+    process id."""
     tmp = Path(tempfile.mkdtemp(prefix="stb-prom-"))
     port = _free_port()
     cfg = yaml.safe_load((MON / "prometheus.yml").read_text())
     cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     cfg["rule_files"] = [str(MON / "alerts.yml")]
     cfg["scrape_configs"] = [
-        {"job_name": "sglang-tpu-backend", "metrics_path": "/metrics",
-         "static_configs": [{"targets": [f"127.0.0.1:{server.port}"]}]},
-        {"job_name": "ray", "static_configs": [{"targets": [f"127.0.0.1:{ray.server_address[1]}"]}]},
-    ]
+        {"job_name": name, "metrics_path": job.get("metrics_path", "/metrics"),
+         "static_configs": [{"targets": [job["target"]]}]} for name, job in jobs.items()]
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     log = open(tmp / "prometheus.log", "w")
     prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
@@ -137,16 +138,29 @@ def stack():
                 pass
             assert time.monotonic() < deadline and prom.poll() is None, (tmp / "prometheus.log").read_text()
             time.sleep(0.5)
-        _load(server.url)
-        time.sleep(4)  # a few scrapes after the load: rate() windows hold >= 2 points
-        yield url, server
+        yield url
     finally:
         os.kill(prom.pid, signal.SIGTERM)
         prom.wait(timeout=30)
         log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    server = start_server([])
+    ray = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RayExporter)
+    threading.Thread(target=ray.serve_forever, daemon=True).start()
+    jobs = {"sglang-tpu-backend": {"target": f"127.0.0.1:{server.port}"},
+            "ray": {"target": f"127.0.0.1:{ray.server_address[1]}"}}
+    try:
+        with prometheus(jobs) as url:
+            _load(server.url)
+            time.sleep(4)  # a few scrapes after the load: rate() windows hold >= 2 points
+            yield url, server
+    finally:
         ray.shutdown()
         server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load(url: str) -> None:

@@ -8,7 +8,8 @@ several KV pages (16 tokens) and GDN chunks (64 tokens); handover bytes and late
 ``/pd/metrics`` with ``role="decode"``; abort_request and client disconnect end a request
 that is decoding on the decode replica and free its pages and slot; killing the decode
 replica ends its in-flight request with finish_reason abort and a message, and Serve's
-replacement serves the next request; under a burst of concurrent requests the decode
+replacement serves the next request; killing the prefill replica mid-burst ends every request
+(completed after a retry, or aborted with a message when its handover was lost); under a burst of concurrent requests the decode
 deployment scales from 1 to 2 replicas and back to 1 after the load ends (last: it leaves
 two decode replicas for a while).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -43,6 +45,9 @@ FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 
 
+METRICS_EXPORT_PORT: list[int] = []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,8 +60,9 @@ def base_url():
 
     env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **FAST_METRICS}  # replicas import this tree
     os.environ.update(env)
+    METRICS_EXPORT_PORT.append(_free_port())  # Ray's metrics agent (ray_serve_* families)
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": env})
+             runtime_env={"env_vars": env}, _metrics_export_port=METRICS_EXPORT_PORT[0])
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -92,7 +98,7 @@ def standalone():
     async def run(ids):
         obj = GenerateReqInput(input_ids=ids, sampling_params={
             "max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
-        return [o async for o in eng.generate(obj)][-1]["output_ids"]
+        return [o async for o in eng.generate_request(obj)][-1]["output_ids"]
 
     try:
         yield {n: asyncio.run(run(_prompt(n))) for n in PROMPT_LENS}
@@ -144,19 +150,63 @@ def test_disaggregated_streams(base_url):
     assert outs[-1]["output_ids"] == _generate(base_url + "/colo", ids)["output_ids"]
 
 
+def _metric_lines(base_url: str) -> list[str]:
+    text = requests.get(f"{base_url}/pd/metrics", timeout=60).text
+    assert text.count("# TYPE sglang:kv_transfer_bytes_total") <= 1  # families merged
+    return [x for x in text.splitlines() if x and not x.startswith("#")]
+
+
+def _decode_replicas_in_metrics(base_url: str) -> set[str]:
+    return {re.search(r'replica="([^"]+)"', x).group(1) for x in _metric_lines(base_url)
+            if x.startswith("sglang:num_running_reqs{") and 'role="decode"' in x}
+
+
 def test_handover_metrics(base_url):
     _generate(base_url + "/pd", _prompt(40))
-    text = requests.get(f"{base_url}/pd/metrics", timeout=60).text
-    lines = [x for x in text.splitlines() if not x.startswith("#")]
+    deadline = time.monotonic() + 30  # replicas push their metrics every couple of seconds
+    while True:
+        lines = _metric_lines(base_url)
+        bytes_ = [x for x in lines if x.startswith("sglang:kv_transfer_bytes_total") and 'role="decode"' in x]
+        if (bytes_ and float(bytes_[0].split()[-1]) > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+
     def decode_value(family: str) -> float:
         (line,) = [x for x in lines if x.startswith(family) and 'role="decode"' in x]
+        assert 'replica="' in line  # every replica's samples, told apart
         return float(line.split()[-1])
 
     assert decode_value("sglang:kv_transfer_bytes_total") > 0  # KV pages + GDN states
     assert decode_value("sglang:kv_transfer_latency_seconds_count") >= 1
     assert decode_value("sglang:kv_transfer_latency_seconds_sum") > 0
     assert any('role="prefill"' in x for x in lines)  # both engines' families, merged
-    assert text.count("# TYPE sglang:kv_transfer_bytes_total") <= 1
+
+
+def test_load_profile_and_weight_routes_reach_the_replicas(base_url, tmp_path):
+    """The routes added to the standalone server work through the Ray ingress too."""
+    from sglang_tpu_backend.tiny_model import default_model_path
+
+    load = requests.get(f"{base_url}/pd/get_load", timeout=60).json()
+    assert sorted(e["role"] for e in load) == ["decode", "prefill"]
+    assert all(e["num_reqs"] == 0 for e in load), load
+    url = base_url + "/colo"
+    r = requests.post(f"{url}/start_profile", json={"output_dir": str(tmp_path)}, timeout=60)
+    assert r.status_code == 200, r.text
+    again = requests.post(f"{url}/start_profile", json={"output_dir": str(tmp_path)}, timeout=60)
+    assert again.status_code == 400, again.text  # the replica's InvalidRequestError, not a 500
+    _generate(url, _prompt(7))
+    assert requests.post(f"{url}/stop_profile", timeout=120).status_code == 200
+    assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
+    before = _generate(url, _prompt(16))["output_ids"]
+    bad = requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path)},
+                        timeout=120)
+    assert bad.status_code == 400 and bad.json()["success"] is False, bad.text
+    ok = requests.post(f"{url}/update_weights_from_disk", timeout=300, json={
+        "model_path": str(default_model_path()), "weight_version": "same-weights-v2"})
+    assert ok.status_code == 200 and ok.json()["success"] is True, ok.text
+    version = requests.get(f"{url}/get_weight_version", timeout=60).json()
+    assert version == {"weight_version": "same-weights-v2"}
+    assert _generate(url, _prompt(16))["output_ids"] == before  # the same checkpoint again
 
 
 def _decode_pool(base_url: str) -> dict:
@@ -231,6 +281,87 @@ def test_decode_replica_death_aborts_in_flight_then_recovers(base_url):
     assert again["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
 
 
+def test_prefill_replica_death_every_request_accounted(base_url):
+    """Kill the prefill replica while requests are being prefilled and decoded: every request
+    ends, either complete (a prefill retried on Serve's replacement) or with finish_reason
+    abort and a message (its handover was lost with the replica); none hangs, none is lost;
+    new requests then succeed and the decode replica ends idle."""
+    n, max_new = 6, 40
+    results: list = [None] * n
+
+    def post(i):
+        body = {"input_ids": _prompt(150 + i),
+                "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+        try:
+            results[i] = requests.post(f"{base_url}/pd/generate", json=body, timeout=300)
+        except Exception as e:  # recorded, so the count below sees it
+            results[i] = e
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the prefill replica holds some of them
+        roles = requests.get(f"{base_url}/pd/get_server_info", timeout=60).json()["roles"]
+        stats = roles["prefill"]["pool_stats"]
+        if stats["num_running"] + stats["num_queued"] > 0:
+            break
+        time.sleep(0.05)
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if "pd#PrefillServer#" in a["name"]]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(280)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    complete = aborted = 0
+    for r in results:
+        assert isinstance(r, requests.Response) and r.status_code == 200, r
+        reason = r.json()["meta_info"]["finish_reason"]
+        if reason["type"] == "length":
+            assert len(r.json()["output_ids"]) == max_new
+            complete += 1
+        else:
+            assert reason["type"] == "abort" and reason["message"], reason
+            aborted += 1
+    assert complete + aborted == n
+    print(f"prefill replica killed: {complete} completed, {aborted} aborted")
+    again = _generate(base_url + "/pd", _prompt(9))
+    assert again["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+    s = _wait_decode_idle(base_url, timeout=60)
+    assert s["num_running"] == 0 and s["kv_pages_used"] == 0
+
+
+def test_prometheus_scrapes_the_ray_app(base_url):
+    """A real Prometheus scrapes the disaggregated app as monitoring/prometheus.yml says (the
+    ingress's /metrics for every replica's sglang:* series, Ray's metrics agent for
+    ray_serve_*), and every dashboard and alert expression returns data, the Ray Serve ones
+    included, against live replicas."""
+    from tests.monitoring import test_prometheus as tp
+
+    if not os.path.exists(tp.PROMETHEUS):
+        pytest.skip("Debian's prometheus package is not installed")
+    jobs = {"sglang-ray-serve": {"metrics_path": "/pd/metrics",
+                                 "target": base_url.removeprefix("http://")},
+            "ray": {"metrics_path": "/metrics", "target": f"127.0.0.1:{METRICS_EXPORT_PORT[0]}"}}
+    with tp.prometheus(jobs) as prom:
+        for i in range(6):  # requests over several scrapes: rate() windows hold >= 2 points
+            _generate(base_url + "/pd", _prompt(20 + i))
+            time.sleep(0.5)
+        exprs = [tp.concrete(e) for e in tp.dashboard_exprs()] + [tp.underlying(e) for e in tp.alert_exprs()]
+        deadline = time.monotonic() + 60  # Ray's agent exports replica metrics every few seconds
+        while True:
+            empty = [e for e in exprs if not tp.query(prom, e)]
+            if not empty or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert not empty, f"expressions without data: {empty}"
+        roles = {r["metric"]["role"] for r in tp.query(prom, "sum by (role) (sglang:num_requests_total)")}
+        assert roles == {"prefill", "decode"}
+        up = tp.query(prom, 'up{job=~"sglang-ray-serve|ray"}')
+        assert sorted(r["metric"]["job"] for r in up) == ["ray", "sglang-ray-serve"]
+        assert all(r["value"][1] == "1" for r in up)
+
+
 def _num_decode_replicas(states=("RUNNING",)) -> int:
     dep = serve.status().applications["pd"].deployments["DecodeServer"]
     return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) in states)
@@ -252,18 +383,23 @@ def test_decode_scales_up_under_burst_and_back_down(base_url):
     threads = [threading.Thread(target=client) for _ in range(8)]  # 2x max_running_requests
     for t in threads:
         t.start()
-    t0, timeline = time.monotonic(), []
+    t0, timeline, in_metrics = time.monotonic(), [], set()
     try:
         while time.monotonic() - t0 < 120:
             timeline.append((round(time.monotonic() - t0, 1), _num_decode_replicas()))
             if timeline[-1][1] == 2:
                 break
             time.sleep(0.5)
+        deadline = time.monotonic() + 30  # both decode replicas' metrics reach /metrics
+        while timeline[-1][1] == 2 and len(in_metrics) < 2 and time.monotonic() < deadline:
+            in_metrics = _decode_replicas_in_metrics(base_url)
+            time.sleep(0.5)
     finally:
         stop.set()
         for t in threads:
             t.join(300)
     assert timeline[-1][1] == 2, timeline  # scaled up under load
+    assert len(in_metrics) == 2, in_metrics  # /metrics shows every replica, not one of them
     assert codes and set(codes) == {200}  # every request of the burst answered
     deadline = time.monotonic() + 120
     while _num_decode_replicas(("RUNNING", "STOPPING")) != 1 and time.monotonic() < deadline:

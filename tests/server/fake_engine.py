@@ -56,7 +56,7 @@ class FakeEngine:
         return ids
 
     # Engine API ---------------------------------------------------------------------------
-    async def generate(self, req: GenerateReqInput) -> AsyncIterator[dict]:
+    async def generate_request(self, req: GenerateReqInput) -> AsyncIterator[dict]:
         sp = SamplingParams.from_dict(req.sampling_params)
         sp.validate(self.model_config.vocab_size)
         ids = self._prompt_ids(req)

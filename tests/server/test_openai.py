@@ -164,3 +164,102 @@ def test_openai_errors(client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "x"}])
     assert "messages[0].role" in json.dumps(e.value.body)
+
+
+def _native(live_server, body: dict) -> dict:
+    r = requests.post(live_server.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_matched_stop_for_stop_strings_and_token_ids(client, model, live_server):
+    prompt, sp = "Stop here", {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    base = _native(live_server, {"text": prompt, "sampling_params": sp})
+    ids = base["output_ids"]
+    stop_id = ids[3]
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["matched_stop"] == stop_id
+    native = _native(live_server, {"text": prompt, "sampling_params": {**sp, "stop_token_ids": [stop_id]}})
+    assert native["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    chat_text = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].message.content
+    stop = next((chat_text[i:i + 2] for i in range(1, len(chat_text) - 1) if chat_text[i:i + 2].strip()), None)
+    if stop is None:
+        pytest.skip("greedy output has no printable pair to stop on")
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0, stop=[stop],
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["matched_stop"] == stop
+    assert r.choices[0].message.content == chat_text[:chat_text.index(stop)]
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0,
+                                            stop=[stop], stream=True, extra_body={"ignore_eos": True})
+    last = [c for c in stream if c.choices and c.choices[0].finish_reason][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["matched_stop"] == stop
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_logprobs_include_the_prompt_like_native_return_logprob(client, model, live_server, stream):
+    prompt = "Echo the prompt back"
+    native = _native(live_server, {
+        "text": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True})
+    meta = native["meta_info"]
+    entries = meta["input_token_logprobs"] + meta["output_token_logprobs"]
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                                  stream=stream, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = [c.choices[0] for c in r if c.choices]
+        text = "".join(c.text for c in chunks)
+        tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+        lps = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+        tops = [t for c in chunks if c.logprobs for t in c.logprobs.top_logprobs]
+        offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    else:
+        lp = r.choices[0].logprobs
+        text, tokens, lps, tops, offsets = r.choices[0].text, lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+    P = meta["prompt_tokens"]
+    assert text == prompt + native["text"]
+    assert tokens == [e[2] for e in entries] and len(tokens) == P + 3
+    assert lps[0] is None and tops[0] is None  # the first prompt token has no logprob
+    assert lps[1:] == pytest.approx([e[0] for e in entries[1:]], abs=1e-4)
+    assert [len(t) for t in tops[1:]] == [2] * (P + 2)
+    assert offsets[:P] == [sum(len(t) for t in tokens[:i]) for i in range(P)]
+    assert offsets[P] == len(prompt)
+
+
+def test_logit_bias_over_http(client, model, live_server):
+    prompt = "Bias me"
+    target = 200
+    native = _native(live_server, {"text": prompt, "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {str(target): 100}}})
+    assert native["output_ids"] == [target] * 4
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0,
+                                  logit_bias={str(target): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == native["text"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, logit_bias={"5": -100.5})
+    assert e.value.body["param"] == "logit_bias"
+
+
+def test_chat_template_kwargs_reach_the_template(client, model, tok):
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert text.endswith("<think>\n\n</think>\n\n")
+    assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+    assert r.usage.prompt_tokens > len(templated_ids(tok, MESSAGES))
+
+
+def test_named_tool_choice_on_the_real_engine(client, model):
+    """The named function's parameters schema constrains the real model's output; the answer
+    is a tool call (no --tool-call-parser needed)."""
+    tools = [{"type": "function", "function": {"name": "set_unit", "parameters": {
+        "type": "object", "properties": {"unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["unit"], "additionalProperties": False}}}]
+    r = client.chat.completions.create(model=model, messages=MESSAGES, tools=tools, max_tokens=48, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "set_unit"}})
+    if r.choices[0].finish_reason == "length":
+        pytest.skip("untrained model ran out of tokens inside the JSON")
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "set_unit"
+    assert json.loads(call.function.arguments) in ({"unit": "c"}, {"unit": "f"})

@@ -215,9 +215,11 @@ def test_completion_n_logprobs_echo(engine):
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     assert out["choices"][0]["text"].startswith("one") and out["choices"][2]["text"].startswith("two three")
     lp = out["choices"][1]["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
-    assert all(len(t) <= 2 for t in lp["top_logprobs"])
     p1, p2 = len(engine.tokenizer.encode("one")), len(engine.tokenizer.encode("two three"))
+    # echo: the prompt's tokens come first, the first without a logprob
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == p1 + 4
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(len(t) <= 2 for t in lp["top_logprobs"][1:])
     assert out["usage"]["prompt_tokens"] == p1 + p2
     assert out["usage"]["completion_tokens"] == 16
 

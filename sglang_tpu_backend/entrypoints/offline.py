@@ -1,0 +1,181 @@
+"""The offline API of ``Engine`` (SGLang's ``sglang.Engine``): generate without a server.
+
+    with Engine(model_path=..., dtype="float32") as engine:
+        out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+        outs = engine.generate(["a", "b"], {"max_new_tokens": 8})           # a list
+        for chunk in engine.generate("Hello", {"max_new_tokens": 8}, stream=True): ...
+
+``generate`` / ``async_generate`` take SGLang's arguments, build the same body the native
+``/generate`` route parses (``native_protocol.parse_generate``: batches, ``n``, per-prompt
+lists) and return exactly what that route returns: one dict ``{"text", "output_ids",
+"meta_info"}`` for a single prompt with n == 1, else a list; ``stream=True`` gives the
+route's chunks (cumulative ``text``, incremental output logprobs, ``index`` in a batch).
+Bad input raises ``InvalidRequestError`` (a ValueError naming the field).
+
+The sync calls run their coroutines on a private event loop in a daemon thread
+(``engine-offline``, started on first use, stopped by ``shutdown``), so they work from a
+plain script and from code that already runs an event loop. ``async_generate`` runs on the
+caller's loop. The engine's scheduler loop is its own thread either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from typing import Any, AsyncIterator, Iterator
+
+from sglang_tpu_backend.entrypoints.fanout import Fanout
+from sglang_tpu_backend.entrypoints.native_protocol import (
+    LogprobAccumulator, StreamState, parse_generate)
+from sglang_tpu_backend.entrypoints.request_fields import APIError
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
+
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def generate_body(prompt=None, sampling_params=None, input_ids=None, *, return_logprob=False,
+                  logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=False,
+                  stream=False, rid=None, image_data=None, lora_path=None,
+                  custom_logit_processor=None, return_hidden_states=False) -> dict[str, Any]:
+    """SGLang ``Engine.generate`` arguments -> the native ``/generate`` body (None: unset).
+    Features this backend lacks (images, LoRA, custom logit processors, hidden states) raise
+    InvalidRequestError when used."""
+    if isinstance(prompt, GenerateReqInput):
+        raise TypeError("Engine.generate takes SGLang's offline arguments (prompt, "
+                        "sampling_params, ...); for one GenerateReqInput use generate_request")
+    for name, value in (("image_data", image_data), ("lora_path", lora_path),
+                        ("custom_logit_processor", custom_logit_processor),
+                        ("return_hidden_states", return_hidden_states or None)):
+        if value is not None:
+            raise InvalidRequestError(name, f"{name} is not supported by this backend")
+    body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
+            "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
+            "top_logprobs_num": top_logprobs_num,
+            "return_text_in_logprobs": return_text_in_logprobs, "stream": stream, "rid": rid}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+async def _anext(agen: AsyncIterator[dict]) -> dict:
+    return await agen.__anext__()
+
+
+class OfflineAPI:
+    """Mixin of ``Engine``: needs ``generate_request``, ``abort_request``, ``args``."""
+
+    _offline_loop: asyncio.AbstractEventLoop | None = None
+    _offline_thread: threading.Thread | None = None
+    _offline_rng: random.Random | None = None
+
+    # Generation ------------------------------------------------------------------------------
+    def _parse(self, body: dict):
+        """``parse_generate`` with its APIError as InvalidRequestError; the base seed of an
+        n > 1 request without one comes from a ``--random-seed`` generator, as the server's."""
+        if self._offline_rng is None:
+            self._offline_rng = random.Random(self.args.random_seed)
+        try:
+            return parse_generate(body, self._offline_rng)
+        except APIError as e:
+            raise InvalidRequestError(e.param or "body", e.message) from None
+
+    async def _outputs(self, body: dict) -> dict | list[dict]:
+        """The final outputs, shaped as the ``/generate`` route returns them."""
+        parsed = self._parse(body)
+        accs = [LogprobAccumulator() for _ in parsed.reqs]
+        fan = Fanout([self.generate_request(r) for r in parsed.reqs],
+                     transform=lambda i, out: accs[i](out))
+        try:
+            outs = await fan.last()
+        finally:
+            fan.close()
+        for out, req in zip(outs, parsed.reqs):
+            out.setdefault("meta_info", {}).setdefault("id", req.rid)
+        return outs if parsed.is_batch else outs[0]
+
+    async def _chunks(self, parsed) -> AsyncIterator[dict]:
+        """The stream chunks the ``/generate`` route sends (without the SSE framing)."""
+        accs = [LogprobAccumulator() for _ in parsed.reqs]
+        states = [StreamState() for _ in parsed.reqs]
+        fan = Fanout([self.generate_request(r) for r in parsed.reqs],
+                     transform=lambda i, out: accs[i](out))
+
+        def fmt(i: int, out: dict) -> dict:
+            chunk = states[i].chunk(out)
+            chunk["meta_info"].setdefault("id", parsed.reqs[i].rid)
+            return {**chunk, "index": i} if parsed.is_batch else chunk
+
+        try:
+            for i, out in enumerate(await fan.first()):
+                if out is not None:
+                    yield fmt(i, out)
+            async for i, out in fan.rest():
+                yield fmt(i, out)
+        finally:
+            fan.close()  # leaving early aborts the requests
+
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 **kwargs) -> dict | list[dict] | Iterator[dict]:
+        """SGLang's ``Engine.generate`` (sync). ``kwargs``: return_logprob, logprob_start_len,
+        top_logprobs_num, return_text_in_logprobs, stream, rid (each a value or, for a batch,
+        a list per prompt where SGLang allows it). Returns a dict, a list of dicts, or with
+        ``stream=True`` an iterator of chunks (closing it early aborts the requests)."""
+        body = generate_body(prompt, sampling_params, input_ids, **kwargs)
+        if body.get("stream"):
+            return self._sync_iter(self._chunks(self._parse(body)))
+        return self._run(self._outputs(body))
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None,
+                             **kwargs) -> dict | list[dict] | AsyncIterator[dict]:
+        """``generate`` on the caller's event loop; ``stream=True`` returns an async iterator
+        (``async for chunk in await engine.async_generate(..., stream=True)``)."""
+        body = generate_body(prompt, sampling_params, input_ids, **kwargs)
+        if body.get("stream"):
+            return self._chunks(self._parse(body))
+        return await self._outputs(body)
+
+    # Context manager ---------------------------------------------------------------------------
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # The private event loop --------------------------------------------------------------------
+    def _loop_for_sync(self) -> asyncio.AbstractEventLoop:
+        if self._offline_loop is None:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="engine-offline", daemon=True)
+            thread.start()
+            self._offline_loop, self._offline_thread = loop, thread
+        return self._offline_loop
+
+    def _run(self, coro) -> Any:
+        """Run ``coro`` on the private loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop_for_sync()).result()
+
+    def _sync_iter(self, agen: AsyncIterator[dict]) -> Iterator[dict]:
+        loop = self._loop_for_sync()
+        try:
+            while True:
+                try:
+                    yield asyncio.run_coroutine_threadsafe(_anext(agen), loop).result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            if loop.is_running():
+                asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result(SHUTDOWN_TIMEOUT_S)
+
+    def _close_offline(self) -> None:
+        """Stop the private loop (``shutdown``, after every request was aborted)."""
+        loop, thread = self._offline_loop, self._offline_thread
+        if loop is None:
+            return
+        self._offline_loop = self._offline_thread = None
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not threading.current_thread():
+            thread.join(SHUTDOWN_TIMEOUT_S)
+            loop.close()
