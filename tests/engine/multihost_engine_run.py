@@ -40,7 +40,7 @@ def requests() -> list[GenerateReqInput]:
 
 def serve(engine) -> list[list[int]]:
     async def one(obj):
-        return [o async for o in engine.generate(obj)][-1]
+        return [o async for o in engine.generate_request(obj)][-1]
 
     async def run_all():
         return await asyncio.gather(*(one(o) for o in requests()))

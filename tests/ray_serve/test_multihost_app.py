@@ -92,7 +92,7 @@ def standalone():
 
     async def run(ids):
         obj = GenerateReqInput(**_body(ids))
-        return [o async for o in eng.generate(obj)][-1]["output_ids"]
+        return [o async for o in eng.generate_request(obj)][-1]["output_ids"]
 
     try:
         yield {n: asyncio.run(run(_prompt(n))) for n in PROMPT_LENS}
