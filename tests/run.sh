@@ -34,9 +34,10 @@ if [ $# -gt 0 ]; then
 fi
 status=0
 run_dirs .venv/bin/python tests/*/ || status=1
-# The kernels, the model and the multi-device step on jax 0.12 / Python 3.12 as well (no torch: the
-# transformers-parity tests skip themselves).
+# The kernels and the model on jax 0.12 / Python 3.12 as well (no torch: the transformers-parity
+# tests skip themselves). The multi-device step's jax 0.12 run was dropped to keep CI under
+# 40 minutes on 2 cores; it uses the same jax APIs as the model leg.
 if [ -x .venv312/bin/python ]; then
-  run_dirs .venv312/bin/python tests/kernels tests/model tests/parallel || status=1
+  run_dirs .venv312/bin/python tests/kernels tests/model || status=1
 fi
 exit $status
