@@ -45,12 +45,11 @@ def _answers(port: int, ray: bool) -> bool:
 def time_to_health(cache_dir: str, extra: list[str], timeout: float, ray: bool = False) -> float:
     """Seconds from spawning the server to it answering (``GET /health`` 200, or with ``ray``
     a ``/generate`` answered through the Serve ingress)."""
-    port = _free_port()
+    port = 8000 if ray else _free_port()  # `serve run` serves on 8000 (it must be free)
     env = dict(os.environ)
     if ray:
         cmd = [os.path.join(os.path.dirname(sys.executable), "serve"), "run", "ray_app:app",
                f"compilation_cache_dir={cache_dir}", "log_level=warning", *extra]
-        env["RAY_SERVE_DEFAULT_HTTP_PORT"] = str(port)
     else:
         cmd = [sys.executable, "-m", "sglang_tpu_backend.launch_server", "--port", str(port),
                "--compilation-cache-dir", cache_dir, "--log-level", "warning", *extra]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environments.
-#   scripts/setup_env.sh          runtime env .venv (Python 3.11, jax 0.10.2)
+#   scripts/setup_env.sh          runtime env .venv (Python 3.11, jax 0.10.2, Ray Serve for ray_app/)
 #   scripts/setup_env.sh --test   + test extras, the ray extra (Ray Serve, ray_app/), CPU torch (the transformers reference), the
 #                                 sglang frontend package, libtpu (compile-only TPU7x target for
 #                                 tests/tpu), the bench extra (matplotlib, aiohttp), Debian's
@@ -12,7 +12,7 @@ PY=${PYTHON:-python3.11}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 if [ "${1:-}" != "--test" ]; then
-  .venv/bin/pip install -q -e .
+  .venv/bin/pip install -q -e ".[ray]"
   exit 0
 fi
 # torch 2.13.0 is the CPU build that installs offline on Python 3.11.
