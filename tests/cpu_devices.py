@@ -15,11 +15,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def cpu_devices_env(num_devices: int) -> dict[str, str]:
+    """This process's environment for a child that sees ``num_devices`` CPU devices and imports
+    this checkout (any device-count flag of our own environment replaced)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count", "")
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={num_devices}".strip())
+
+
 def run_on_cpu_devices(script: Path, *args: str, num_devices: int = 8, timeout: int = 900) -> None:
     """``python script *args`` with ``num_devices`` CPU devices; fails the test on a non-zero exit."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
-               + f" --xla_force_host_platform_device_count={num_devices}")
-    proc = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, str(script), *args], env=cpu_devices_env(num_devices),
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -9,7 +9,6 @@ subprocesses are killed by pid in a ``finally``; the whole run has a deadline.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from sglang_tpu_backend.server_args import ServerArgs
+from tests.cpu_devices import cpu_devices_env
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 from multihost_engine_run import PROMPT_LENS  # noqa: E402
 
@@ -32,12 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _env(devices: int) -> dict:
-    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count", "")
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip())
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +44,7 @@ def results(tmp_path_factory):
             logs[key] = open(tmp / f"{key}.log", "w")
             procs[key] = subprocess.Popen(
                 [sys.executable, str(HERE / "multihost_engine_run.py"), *argv,
-                 str(tmp / f"{key}.json")], env=_env(devices), stdout=logs[key],
+                 str(tmp / f"{key}.json")], env=cpu_devices_env(devices), stdout=logs[key],
                 stderr=subprocess.STDOUT)
         deadline = time.monotonic() + DEADLINE_S
         while any(p.poll() is None for p in procs.values()):

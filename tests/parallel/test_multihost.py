@@ -10,7 +10,6 @@ by pid in a ``finally`` and the whole run has a deadline.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -23,9 +22,9 @@ import pytest
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.parallel import multihost as mh
+from tests.cpu_devices import cpu_devices_env
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 NUM_PROCESSES = 2
 DEADLINE_S = 300  # the whole fixture: ~40 s of CPU per process, ~1-2 min on 2 busy cores
 
@@ -34,12 +33,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _env(devices: int) -> dict:
-    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count", "")
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip())
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +46,13 @@ def results(tmp_path_factory):
         logs["single"] = open(tmp / "single.log", "w")
         procs["single"] = subprocess.Popen(
             [sys.executable, str(HERE / "multihost_run.py"), "--single", str(single_out)],
-            env=_env(8),
+            env=cpu_devices_env(8),
             stdout=logs["single"], stderr=subprocess.STDOUT)
         for pid in range(NUM_PROCESSES):
             logs[pid] = open(tmp / f"process{pid}.log", "w")
             procs[pid] = subprocess.Popen(
                 [sys.executable, str(HERE / "multihost_run.py"), coordinator, str(NUM_PROCESSES),
-                 str(pid), str(mh_out)], env=_env(4), stdout=logs[pid], stderr=subprocess.STDOUT)
+                 str(pid), str(mh_out)], env=cpu_devices_env(4), stdout=logs[pid], stderr=subprocess.STDOUT)
         deadline = time.monotonic() + DEADLINE_S
         while any(p.poll() is None for p in procs.values()):
             failed = [k for k, p in procs.items() if p.poll() not in (None, 0)]
