@@ -100,9 +100,15 @@ def test_get_load_sees_a_running_request(live_server):
     body = {"input_ids": list(range(5, 25)), "stream": True,
             "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
     with requests.post(live_server.url + "/generate", json=body, stream=True, timeout=300) as r:
-        next(r.iter_lines())  # the first chunk: the request runs
-        load = requests.get(live_server.url + "/get_load", timeout=30).json()
-    assert load[0]["num_reqs"] == 1 and load[0]["num_waiting_reqs"] == 0
+        assert r.status_code == 200, r.text
+        first = next(r.iter_lines())  # the first chunk: the request runs
+        deadline = time.monotonic() + 10
+        while True:  # (it runs for seconds; poll in case a report raced its admission)
+            load = requests.get(live_server.url + "/get_load", timeout=30).json()
+            if load[0]["num_reqs"] == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    assert load[0]["num_reqs"] == 1 and load[0]["num_waiting_reqs"] == 0, (load, first)
     assert load[0]["num_tokens"] >= 32  # 20 prompt tokens + output, pages of 16
     assert load[0]["num_tokens"] % 16 == 0
     live_server.wait_pools_empty()
