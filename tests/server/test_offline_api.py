@@ -101,7 +101,8 @@ def test_get_load_sees_a_running_request(live_server):
             "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
     with requests.post(live_server.url + "/generate", json=body, stream=True, timeout=300) as r:
         assert r.status_code == 200, r.text
-        first = next(r.iter_lines())  # the first chunk: the request runs
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream (a disconnect: abort)
+        first = next(lines)  # the first chunk: the request runs
         deadline = time.monotonic() + 10
         while True:  # (it runs for seconds; poll in case a report raced its admission)
             load = requests.get(live_server.url + "/get_load", timeout=30).json()
