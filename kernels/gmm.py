@@ -4,7 +4,9 @@ Dimension letters: M rows (token-expert assignments, sorted by group), K contrac
 (hidden), N output columns, G groups (local experts).
 
 ``lhs`` rows are sorted by group: group ``g`` owns rows ``off[g]:off[g+1]`` with
-``off = [0, cumsum(group_sizes)]``. Rows past ``sum(group_sizes)`` produce zeros.
+``off = [0, cumsum(group_sizes)]``. Rows past ``sum(group_sizes)`` produce zeros, or with
+``skip_tail=True`` are left unwritten (the Pallas kernel neither reads nor writes their tiles:
+an expert-parallel step whose local groups hold ~1/D of the M rows moves only those).
 
 FP8: ``rhs`` may be ``float8_e4m3fn`` with a block scale ``rhs_scale f32[G, ceil(K/128),
 ceil(N/128)]`` (``w[g,k,n] = rhs[g,k,n] * rhs_scale[g, k//128, n//128]``, the checkpoint's
@@ -14,8 +16,9 @@ quantised to e4m3, per row per 512-wide K sub-channel (scale = amax / 448), insi
 Pallas kernel (megablox-style): grid ``(N tiles, visits, K tiles)``. A *visit* is one
 (M tile, group) pair whose row ranges overlap; the visit list is computed in the wrapper
 and scalar-prefetched, so an M tile is visited once per group it overlaps (at least once,
-so tiles past the last group still write zeros). Rows of other groups are masked to zero
-in the lhs tile. One fp32 accumulator per M tile lives in VMEM across its visits.
+so tiles past the last group still write zeros; with ``skip_tail`` they get no visit). Rows
+of other groups are masked to zero in the lhs tile. One fp32 accumulator per M tile lives
+in VMEM across its visits.
 
 XLA path (``impl="xla"``, what ``"auto"`` picks off-TPU): the same visit idea in plain XLA.
 The sorted rows are cut into tiles of ``XLA_TILE_ROWS`` rows that each belong to one group
@@ -324,19 +327,21 @@ def _validate_blocks(b: GmmBlockSizes, k: int, quantize_lhs: bool):
 # --------------------------------------------------------------------------- metadata
 
 
-def make_group_metadata(group_sizes, num_rows: int, tm: int):
+def make_group_metadata(group_sizes, num_rows: int, tm: int, *, skip_tail: bool = False):
     """Visit list for the kernel grid: one visit per (M tile, overlapping non-empty group).
 
     Args:
       group_sizes: i32[G].
       num_rows: M (rows past M are ignored even if the groups claim them).
       tm: row tile.
+      skip_tail: give tiles past the last group's end no visit (see below).
     Returns:
       i32[5, V] rows (tile, group, lo, hi, first), V = ceil(M/tm) + G - 1 (static bound):
       visit v accumulates rows [lo, hi) of M tile ``tile`` times group ``group``; ``first``
       marks a tile's first visit (zero the accumulator). Tiles that overlap no group get one
-      visit with lo == hi (writes zeros); trailing unused visits repeat the last visit's tile
-      and group with lo == hi and first == 0 (no new DMAs, no compute).
+      visit with lo == hi (writes zeros), or with ``skip_tail`` none at all (tile 0 keeps one
+      when no group has rows); trailing unused visits repeat the last visit's tile and group
+      with lo == hi and first == 0 (no new DMAs, no compute).
     """
     num_groups = group_sizes.shape[0]
     num_tiles = -(-num_rows // tm)
@@ -347,6 +352,9 @@ def make_group_metadata(group_sizes, num_rows: int, tm: int):
     overlap = (ends > starts)[None, :] & (starts[None, :] < tile_lo + tm) & (ends[None, :] > tile_lo)
     num_overlap = overlap.sum(axis=1, dtype=jnp.int32)  # i32[tiles]
     count = jnp.maximum(num_overlap, 1)
+    if skip_tail:  # rows [0, ends[-1]) are all in groups: tiles past that have no overlap
+        live_tiles = jnp.maximum((ends[-1] + tm - 1) // tm, 1)
+        count = jnp.where(tile_lo[:, 0] < live_tiles * tm, count, 0)
     incl = jnp.cumsum(count)  # i32[tiles]
     total = incl[-1]
     v = jnp.arange(num_visits, dtype=jnp.int32)
@@ -426,13 +434,14 @@ def _gmm_kernel(
     def _store():
         if swiglu:
             g = acc_refs[0][...]
-            o_ref[...] = (g * jax.nn.sigmoid(g) * acc_refs[1][...]).astype(o_ref.dtype)
+            y = g * jax.nn.sigmoid(g) * acc_refs[1][...]  # f32[tm, tn]
         else:
-            o_ref[...] = acc_refs[0][...].astype(o_ref.dtype)
+            y = acc_refs[0][...]
+        o_ref[...] = y.reshape(o_ref.shape).astype(o_ref.dtype)  # row_split: [tm, P, tn/P]
 
 
 def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype, swiglu, blocks,
-                resolved):
+                resolved, skip_tail, cost_rows, row_split):
     """rhs [Lyr, G, K, N] (scale [Lyr, G, Kb, Nb]) read at ``layer`` by the BlockSpecs: the
     stacked weights enter the kernel whole, so XLA never slices (copies) one layer out."""
     m, k = lhs.shape
@@ -462,7 +471,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
                     constant_values=1.0)
         scale_p = s.reshape(num_layers, g, kb, halves * nb)  # f32[Lyr, G, Kp/128, h*Np/128]
 
-    meta = make_group_metadata(group_sizes, m, tm)  # i32[5, V]
+    meta = make_group_metadata(group_sizes, m, tm, skip_tail=skip_tail)  # i32[5, V]
     num_visits = meta.shape[1]
     compute_dtype = jnp.bfloat16 if quantize_lhs else (
         lhs.dtype if fp8 else jnp.promote_types(lhs.dtype, rhs.dtype))
@@ -480,7 +489,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
         return lyr[0], group[vi], 0, 0
 
     def out_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
-        return tile[vi], ni
+        return (tile[vi], ni) if row_split is None else (tile[vi], 0, 0)  # split: one N tile
 
     in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((None, 1, tk, tn), gate_map)]
     operands = [lhs_p, rhs_p]
@@ -499,31 +508,36 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
         _gmm_kernel, tm=tm, tk=tk, tn=tn, num_k=num_k, swiglu=swiglu, fp8=fp8,
         quantize=quantize_lhs, up_col_block=np_ // WEIGHT_BLOCK, compute_dtype=compute_dtype)
     cost_fn = gmm_swiglu_cost if swiglu else gmm_cost
-    cost = cost_fn(m, k, n, g, lhs_itemsize=lhs.dtype.itemsize, rhs_itemsize=rhs.dtype.itemsize,
+    cost = cost_fn(m if cost_rows is None else cost_rows, k, n, g,
+                   lhs_itemsize=lhs.dtype.itemsize, rhs_itemsize=rhs.dtype.itemsize,
                    out_itemsize=jnp.dtype(out_dtype).itemsize)
+    if row_split is None:
+        out_block, out_shape = (tm, tn), (mp, np_)
+    else:  # tn == np_ == n (checked by the caller)
+        out_block, out_shape = (tm, row_split, n // row_split), (mp, row_split, n // row_split)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_n, num_visits, num_k),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, tn), out_map),
+            out_specs=pl.BlockSpec(out_block, out_map),
             scratch_shapes=scratch,
         ),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         cost_estimate=cost.to_pallas(),
         interpret=dispatch.interpret_params(resolved),
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), *meta, *operands)
-    return out[:m, :n]
+    return out[:m, :n] if row_split is None else out[:m]
 
 
 # --------------------------------------------------------------------------- public API
 
 
 def _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, block_sizes, swiglu,
-              layer):
+              layer, skip_tail=False, cost_rows=None, row_split=None):
     if layer is None:  # one weight set: view it as a stack of one
         rhs, layer = rhs[None], 0
         rhs_scale = None if rhs_scale is None else rhs_scale[None]
@@ -532,27 +546,35 @@ def _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, b
     one = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
     _validate(lhs, one(rhs), group_sizes, one(rhs_scale), quantize_lhs, swiglu=swiglu)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
-    resolved = dispatch.resolve(impl, has_xla=True)
-    if resolved == "xla":
-        return xla_gmm_impl(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype,
-                            swiglu)
-    if resolved == "reference":
-        ref = ref_gmm_swiglu if swiglu else ref_gmm
-        return ref(lhs, rhs[layer], group_sizes,
-                   rhs_scale=None if rhs_scale is None else rhs_scale[layer],
-                   quantize_lhs=quantize_lhs, out_dtype=out_dtype)
     m, k = lhs.shape
     n = rhs.shape[3] // 2 if swiglu else rhs.shape[3]
+    if row_split is not None and n % (128 * row_split):
+        raise ValueError(f"row_split={row_split} needs N % (128 * row_split) == 0, got N={n}")
+    resolved = dispatch.resolve(impl, has_xla=True)
+    if resolved in ("xla", "reference"):
+        if resolved == "xla":
+            out = xla_gmm_impl(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype,
+                               swiglu)
+        else:
+            out = (ref_gmm_swiglu if swiglu else ref_gmm)(
+                lhs, rhs[layer], group_sizes,
+                rhs_scale=None if rhs_scale is None else rhs_scale[layer],
+                quantize_lhs=quantize_lhs, out_dtype=out_dtype)
+        return out if row_split is None else out.reshape(m, row_split, n // row_split)
     blocks = block_sizes or default_block_sizes(m, k, n, quantize_lhs=quantize_lhs)
+    if row_split is not None:  # one N tile: a row's [P, N/P] slab is written whole
+        blocks = dataclasses.replace(blocks, tn=n)
     _validate_blocks(blocks, k, quantize_lhs)
     if m == 0:
-        return jnp.zeros((0, n), out_dtype)
+        return jnp.zeros((0, n) if row_split is None else (0, row_split, n // row_split),
+                         out_dtype)
     return _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype, swiglu,
-                       blocks, resolved)
+                       blocks, resolved, skip_tail, cost_rows, row_split)
 
 
 def gmm(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=None, impl=None,
-        block_sizes: GmmBlockSizes | None = None, layer=None):
+        block_sizes: GmmBlockSizes | None = None, layer=None, skip_tail: bool = False,
+        cost_rows: int | None = None, row_split: int | None = None):
     """Grouped matmul: ``out[r] = lhs[r] @ w[group(r)]``, fp32 accumulation.
 
     Args:
@@ -568,27 +590,39 @@ def gmm(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=
       layer: optional int or traced i32 scalar; then ``rhs`` is a stack [Lyr, G, K, N] (scale
         [Lyr, G, ...]) of one weight set per model layer and ``rhs[layer]`` is used. The Pallas
         path reads it in place (no XLA slice of the stack, which under a layer scan copies).
+      skip_tail: the Pallas kernel leaves rows past ``sum(group_sizes)`` unwritten (their
+        content is unspecified) instead of zeroing them, and reads none of their lhs tiles.
+      cost_rows: rows the Pallas ``CostEstimate`` charges (static; default M): the rows the
+        caller expects the groups to hold, for a ``skip_tail`` call whose groups cover only
+        part of M (an expert-parallel device's share of the gathered rows).
+      row_split: P; return [M, P, N/P] instead of [M, N]. On TPU each row is then one
+        contiguous whole-tile [P, N/P] slab in HBM, the view ``routing.gather_reduce`` DMAs
+        rows from, so no relayout copy of the output sits between the two (the kernel then
+        computes full-width tiles, tn = N). Needs N % (128 P) == 0.
     Returns:
-      [M, N] in out_dtype.
+      [M, N] (or [M, P, N/P]) in out_dtype.
     """
     return _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl,
-                     block_sizes, swiglu=False, layer=layer)
+                     block_sizes, swiglu=False, layer=layer, skip_tail=skip_tail,
+                     cost_rows=cost_rows, row_split=row_split)
 
 
 def gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=None,
-               impl=None, block_sizes: GmmBlockSizes | None = None, layer=None):
+               impl=None, block_sizes: GmmBlockSizes | None = None, layer=None,
+               skip_tail: bool = False, cost_rows: int | None = None):
     """Grouped ``silu(lhs @ gate) * (lhs @ up)`` with gate and up tiles in one kernel pass.
 
     Args:
       lhs: [M, K], rows sorted by group.
       rhs: [G, K, 2N], columns ``[gate (N) | up (N)]``; FP8 needs N % 128 == 0.
-      group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, block_sizes, layer: as
-        :func:`gmm` (``rhs_scale`` is f32[G, ceil(K/128), 2N/128]).
+      group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, block_sizes, layer, skip_tail,
+        cost_rows: as :func:`gmm` (``rhs_scale`` is f32[G, ceil(K/128), 2N/128]).
     Returns:
       [M, N] in out_dtype; the activation is computed in fp32 inside the kernel.
     """
     return _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl,
-                     block_sizes, swiglu=True, layer=layer)
+                     block_sizes, swiglu=True, layer=layer, skip_tail=skip_tail,
+                     cost_rows=cost_rows)
 
 
 # --------------------------------------------------------------------------- cost

@@ -21,7 +21,7 @@ and rejects dynamic offsets along tiled dims unless provably tile-aligned, so on
 never be sliced out of an [M, H] array. The wrappers therefore view the source as
 ``[rows, P, H/P]``: a row is ``src.at[idx]``, an index into the leading, untiled dim, and is
 DMA'd whole-tile into a VMEM buffer ``[n, P, H/P]`` at leading index ``i``. ``P``
-(:func:`_row_split`) is the largest power of two <= the dtype's tile rows (8 f32, 16 bf16,
+(:func:`row_split`) is the largest power of two <= the dtype's tile rows (8 f32, 16 bf16,
 32 8-bit) with H % (128 P) == 0, so a row fills whole tiles and the buffer carries no padding
 (H = 4096: P = 16 bf16, a row is one [16, 256] slab; P = 8 f32). Smaller H pads: H = 128
 has P = 1 and a bf16 row pads to 2 sublanes (f32 none); an H that is not a multiple of 128
@@ -32,7 +32,8 @@ to dense [rows, H] in registers before the output store, so the outputs are ordi
 Cost of the view: it is not a bitcast of XLA's [rows, H] layout, so XLA relayouts the source
 once in HBM before the kernel (one read + write of it): x [T, H] for gather_rows (1/k of the
 kernel's traffic), y [M, H] for gather_reduce (about doubles that kernel's HBM traffic, and
-an M x H temporary; a producer writing y directly as [M, P, H/P] would remove it).
+an M x H temporary) unless y arrives as [M, P, H/P]: the MoE's down projection writes it that
+way (``gmm(..., row_split=P)``), so the model's step has no such copy.
 
 VMEM (default blocks, H = 4096 bf16, k = 10): gather_rows 3 MiB = a [128, 16, 256] row
 buffer (1 MiB) + the double-buffered [128, 4096] output block (2 MiB); gather_reduce 3.5 MiB
@@ -70,7 +71,7 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def _row_split(h: int, dtype) -> int:
+def row_split(h: int, dtype) -> int:
     """P for the [rows, P, H/P] view: the largest power of two <= the dtype's tile rows
     (8 f32, 16 bf16, 32 for 8-bit) dividing H into multiples of 128 lanes; 1 if none does."""
     p = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
@@ -197,6 +198,7 @@ def _copy_rows(src_hbm, index_of, buf, num, sem):
 
 
 def _gather_rows_kernel(
+    num_ref,  # Prefetch (SMEM): i32[1] rows to write; blocks past it are skipped
     idx_ref,  # Input (SMEM): i32[bm] source row per output row of this block, -1 = zeros
     x_hbm,  # Input: [T, P, H/P] in HBM (pl.ANY)
     o_ref,  # Output: [bm, H]
@@ -204,8 +206,10 @@ def _gather_rows_kernel(
     sem,  # Scratch: DMA semaphores[NUM_INFLIGHT]
     *, bm,
 ):
-    _copy_rows(x_hbm, lambda i: idx_ref[i], buf, bm, sem)
-    o_ref[...] = buf[...].reshape(o_ref.shape)  # [bm, P, H/P] -> [bm, H]
+    @pl.when(pl.program_id(0) * bm < num_ref[0])
+    def _():  # a skipped block's grid step maps to the last live block and leaves it as is
+        _copy_rows(x_hbm, lambda i: idx_ref[i], buf, bm, sem)
+        o_ref[...] = buf[...].reshape(o_ref.shape)  # [bm, P, H/P] -> [bm, H]
 
 
 def _gather_reduce_kernel(
@@ -236,12 +240,17 @@ def _gather_reduce_kernel(
 # --------------------------------------------------------------------------- public API
 
 
-def gather_rows(x, token_idx, *, impl=None, block_sizes: RoutingBlockSizes | None = None):
+def gather_rows(x, token_idx, *, num_rows=None, cost_rows: int | None = None, impl=None,
+                block_sizes: RoutingBlockSizes | None = None):
     """Gather token rows into sorted-assignment order.
 
     Args:
       x: [T, H] token hidden states.
       token_idx: i32[M] source row per output row; entries < 0 (or >= T) give zero rows.
+      num_rows: optional i32 scalar (may be traced): the Pallas kernel writes only the row
+        blocks that start below it; later rows are unspecified and cost no traffic
+        (``route_metadata`` puts the local rows first, so their count is enough).
+      cost_rows: rows the Pallas ``CostEstimate`` charges (static; default M).
       impl: see :mod:`kernels.dispatch` (static under jit).
     Returns:
       [M, H] in x.dtype.
@@ -251,57 +260,80 @@ def gather_rows(x, token_idx, *, impl=None, block_sizes: RoutingBlockSizes | Non
     if resolved == "reference" or token_idx.shape[0] == 0:
         return ref_gather_rows(x, token_idx)
     m, (t, h) = token_idx.shape[0], x.shape
-    p = _row_split(h, x.dtype)
+    p = row_split(h, x.dtype)
     bm = min((block_sizes or RoutingBlockSizes()).gather_rows, _round_up(m, 16))
     mp = _round_up(m, bm)
     idx = token_idx.astype(jnp.int32)
     idx = jnp.where(idx < t, idx, -1)  # out-of-range rows read nothing (zeros)
     idx = jnp.pad(idx, (0, mp - m), constant_values=-1)  # i32[Mp]
+    num = jnp.full((1,), mp if num_rows is None else num_rows, jnp.int32)
     x3 = x.reshape(t, p, h // p)  # [T, P, H/P]: a row is x3[idx], a leading index
+
+    def block(i, num_ref):  # skipped blocks revisit the last live one: no DMA, no write-back
+        return jnp.minimum(i, jnp.maximum(num_ref[0] + bm - 1, bm) // bm - 1)
+
     out = pl.pallas_call(
         functools.partial(_gather_rows_kernel, bm=bm),
-        grid=(mp // bm,),
-        in_specs=[
-            pl.BlockSpec((bm,), lambda i: (i,), memory_space=pltpu.SMEM),
-            pl.BlockSpec(memory_space=pl.ANY),
-        ],
-        out_specs=pl.BlockSpec((bm, h), lambda i: (i, 0)),
-        scratch_shapes=[
-            pltpu.VMEM((bm, p, h // p), x.dtype),  # gathered rows of this block
-            pltpu.SemaphoreType.DMA((NUM_INFLIGHT,)),
-        ],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(mp // bm,),
+            in_specs=[
+                pl.BlockSpec((bm,), lambda i, n: (block(i, n),), memory_space=pltpu.SMEM),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=pl.BlockSpec((bm, h), lambda i, n: (block(i, n), 0)),
+            scratch_shapes=[
+                pltpu.VMEM((bm, p, h // p), x.dtype),  # gathered rows of this block
+                pltpu.SemaphoreType.DMA((NUM_INFLIGHT,)),
+            ],
+        ),
         out_shape=jax.ShapeDtypeStruct((mp, h), x.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        cost_estimate=gather_rows_cost(m, h, itemsize=x.dtype.itemsize).to_pallas(),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        cost_estimate=gather_rows_cost(m if cost_rows is None else cost_rows, h,
+                                       itemsize=x.dtype.itemsize).to_pallas(),
         interpret=dispatch.interpret_params(resolved),
-    )(idx, x3)
+    )(num, idx, x3)
     return out[:m]
 
 
-def gather_reduce(y, rows, weights, *, impl=None, block_sizes: RoutingBlockSizes | None = None):
+def gather_reduce(y, rows, weights, *, cost_reads: int | None = None, impl=None,
+                  block_sizes: RoutingBlockSizes | None = None):
     """Weighted un-permute: ``out[t] = sum_j weights[t, j] * y[rows[t, j]]`` over rows >= 0.
 
     Args:
-      y: [M, H] expert outputs in sorted-assignment order.
+      y: [M, H] expert outputs in sorted-assignment order, or the same already viewed as
+        [M, P, H/P] with ``P = row_split(H, y.dtype)`` (``gmm(..., row_split=P)`` writes it
+        so: then no relayout copy of y precedes the kernel on TPU).
       rows: i32[T, k] from :func:`route_metadata` (-1 = not local, skipped; >= M skipped too).
       weights: f32[T, k] routing weights.
+      cost_reads: rows of y the Pallas ``CostEstimate`` charges (static; default T*k): the
+        kernel DMAs only the slots with a valid row, e.g. ~T*k/D on an expert-parallel device.
       impl: see :mod:`kernels.dispatch` (static under jit).
     Returns:
       [T, H] in y.dtype, summed in fp32.
     """
+    if y.ndim == 3:  # the [M, P, H/P] view
+        m, p, hp = y.shape
+        if p != row_split(p * hp, y.dtype):
+            raise ValueError(f"y viewed as {y.shape} must have P = row_split(H) = "
+                             f"{row_split(p * hp, y.dtype)}")
+        y3, y = y, y.reshape(m, p * hp)  # the reshape is free off-TPU and unused on it
+    else:
+        y3 = None
     _validate_reduce(y, rows, weights)
     resolved = dispatch.resolve(impl)
     t, k = rows.shape
     if resolved == "reference" or t == 0 or k == 0:
         return ref_gather_reduce(y, rows, weights)
     m, h = y.shape
-    p = _row_split(h, y.dtype)
+    p = row_split(h, y.dtype)
     bt = min((block_sizes or RoutingBlockSizes()).reduce_tokens, _round_up(t, 8))
     tp = _round_up(t, bt)
     r = rows.astype(jnp.int32)
     r = jnp.pad(jnp.where(r < m, r, -1), ((0, tp - t), (0, 0)), constant_values=-1)  # i32[Tp, k]
     w = jnp.pad(weights.astype(jnp.float32), ((0, tp - t), (0, 0)))  # f32[Tp, k]
-    y3 = y.reshape(m, p, h // p)  # [M, P, H/P]: a row is y3[row], a leading index
+    if y3 is None:  # [M, P, H/P]: a row is y3[row], a leading index
+        y3 = y.reshape(m, p, h // p)
     smem_block = pl.BlockSpec((bt, k), lambda i: (i, 0), memory_space=pltpu.SMEM)
     out = pl.pallas_call(
         functools.partial(_gather_reduce_kernel, bt=bt, k=k),
@@ -315,7 +347,8 @@ def gather_reduce(y, rows, weights, *, impl=None, block_sizes: RoutingBlockSizes
         ],
         out_shape=jax.ShapeDtypeStruct((tp, h), y.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        cost_estimate=gather_reduce_cost(t, k, h, itemsize=y.dtype.itemsize).to_pallas(),
+        cost_estimate=gather_reduce_cost(t, k, h, itemsize=y.dtype.itemsize,
+                                         reads=cost_reads).to_pallas(),
         interpret=dispatch.interpret_params(resolved),
     )(r, w, y3)
     return out[:t]
@@ -329,6 +362,8 @@ def gather_rows_cost(m: int, h: int, *, itemsize: int = 2) -> Cost:
     return Cost(flops=0, bytes_accessed=2 * m * h * itemsize + 4 * m)
 
 
-def gather_reduce_cost(t: int, k: int, h: int, *, itemsize: int = 2) -> Cost:
-    """T*k rows read, T rows written, a multiply-add per gathered element."""
-    return Cost(flops=2 * t * k * h, bytes_accessed=(t * k + t) * h * itemsize + 8 * t * k)
+def gather_reduce_cost(t: int, k: int, h: int, *, itemsize: int = 2,
+                       reads: int | None = None) -> Cost:
+    """``reads`` rows read (default T*k), T rows written, a multiply-add per gathered element."""
+    reads = t * k if reads is None else reads
+    return Cost(flops=2 * reads * h, bytes_accessed=(reads + t) * h * itemsize + 8 * t * k)

@@ -19,9 +19,9 @@ Terms, per device and step (FLOPs count a multiply-add as 2; bytes are HBM bytes
 - KV cache: attention layers read every request's K and V (``kv_len`` tokens) once and
   write the new rows; GDN layers read and write each request's recurrent state
   ``[Hv, Dk, Dv]`` and conv state once.
-- FLOPs: ``2 * params`` per token for the dense matmuls and K experts per token (all rows a
-  device multiplies: its local share ``T * K`` ideally; ``devices * T * K`` when the grouped
-  matmul runs over all gathered rows, as this repo's EP step does); attention
+- FLOPs: ``2 * params`` per token for the dense matmuls and K experts per token (a device
+  multiplies its share of the routed rows, ``T * K`` under balanced routing: the EP step's
+  kernels skip the gathered rows of other devices' experts); attention
   ``4 * Hq * D * kv_len`` per token; GDN per the kernel cost model (``kernels/gdn.py``).
 
 Step time = max(FLOPs / peak, bytes / bandwidth) (bf16 peak; FP8 peak for FP8 expert matmuls).
@@ -151,15 +151,13 @@ def expert_coverage(num_tokens: float, num_experts: int, top_k: int) -> float:
 def step_terms(cfg: ModelConfig, *, tokens: int, seqs: int, kv_len: int, devices: int,
                logits_rows: int | None = None, decode: bool, dtype: str = "bf16",
                expert_dtype: str = "bf16", kv_dtype: str = "bf16", state_dtype: str = "bf16",
-               gathered_rows: bool = False, gdn_chunk: int = 64) -> dict[str, float]:
+               gdn_chunk: int = 64) -> dict[str, float]:
     """FLOPs and HBM bytes of one step on one device, by term.
 
     tokens / seqs: token rows and requests on this device (its DP rank); every rank has the
     same, so the system routes ``tokens * devices`` tokens. kv_len: keys each token attends
     to (and KV tokens read per request). logits_rows: rows whose logits are computed
-    (default one per request). gathered_rows: the grouped matmul multiplies all
-    ``devices * tokens * K`` gathered rows (zeros for non-local experts) rather than only the
-    local ``tokens * K``.
+    (default one per request).
     """
     s = model_sizes(cfg, dtype, expert_dtype)
     L = cfg.num_hidden_layers
@@ -172,7 +170,7 @@ def step_terms(cfg: ModelConfig, *, tokens: int, seqs: int, kv_len: int, devices
     Hkv, D, Hq = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     local_experts = E / devices
     touched = expert_coverage(tokens * devices, E, K) * local_experts
-    expert_rows = tokens * K * (devices if gathered_rows else 1)
+    expert_rows = tokens * K  # this device's share of the system's routed rows
     gdn = gated_delta_net_cost(tokens, seqs, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                                conv_kernel=cfg.linear_conv_kernel_dim, decode=decode,

@@ -20,7 +20,8 @@ from kernels import collectives, gmm, routing
 from sglang_tpu_backend.parallel.mesh import EPContext
 
 
-def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, impl, layer=None):
+def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, impl, layer=None,
+                   expected_rows: int | None = None):
     """Sum over each token's top-k experts held here: [T, H] (zero for experts elsewhere).
 
     experts: {gate_up [E, H, 2I], down [E, I, H] (+ FP8 scales)}, or with ``layer`` the
@@ -29,15 +30,27 @@ def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, im
     is local expert e. Ids outside the local range (other ranks' experts, and the id
     ``cfg.num_experts`` that the MoE block gives padding rows) are computed by no local expert
     and add nothing, so the group sizes may sum to fewer than T*K rows.
+
+    Only the local rows move: they sort first, and the kernels skip the rows after them (not
+    gathered, not multiplied, not written: ``skip_tail``). ``expected_rows`` is how many of
+    the T*K assignments are expected here (default all; T*K/D for D expert-parallel devices
+    under balanced routing); it sizes the kernels' static cost estimates, nothing else.
     """
     token_idx, group_sizes, rows = routing.route_metadata(
         top_i.astype(jnp.int32), num_experts, expert_offset=expert_offset)
-    xs = routing.gather_rows(x, token_idx, impl=impl)  # [T*K, H] sorted by expert
+    num_local = jnp.sum(group_sizes)  # local rows, sorted first
+    expected = top_i.size if expected_rows is None else expected_rows
+    xs = routing.gather_rows(x, token_idx, num_rows=num_local, cost_rows=expected,
+                             impl=impl)  # [T*K, H] sorted by expert, local rows first
     h = gmm.gmm_swiglu(xs, experts["gate_up"], group_sizes, rhs_scale=experts.get("gate_up_scale"),
-                       out_dtype=x.dtype, impl=impl, layer=layer)  # [T*K, I]
+                       out_dtype=x.dtype, impl=impl, layer=layer, skip_tail=True,
+                       cost_rows=expected)  # [T*K, I]
+    hidden = x.shape[1]
+    split = routing.row_split(hidden, x.dtype) if hidden % 128 == 0 else None
     y = gmm.gmm(h, experts["down"], group_sizes, rhs_scale=experts.get("down_scale"),
-                out_dtype=x.dtype, impl=impl, layer=layer)  # [T*K, H]
-    return routing.gather_reduce(y, rows, top_w, impl=impl)  # [T, H]
+                out_dtype=x.dtype, impl=impl, layer=layer, skip_tail=True, cost_rows=expected,
+                row_split=split)  # [T*K, P, H/P]: each row one slab, as gather_reduce reads it
+    return routing.gather_reduce(y, rows, top_w, cost_reads=expected, impl=impl)  # [T, H]
 
 
 def ep_routed_experts(experts, x, top_i, top_w, impl, ep: EPContext, layer=None):
@@ -48,7 +61,7 @@ def ep_routed_experts(experts, x, top_i, top_w, impl, ep: EPContext, layer=None)
     x_all = lax.all_gather(x, ep.axes, axis=0, tiled=True)  # [D*T, H]
     rank = lax.axis_index(ep.axes)
     y_all = routed_experts(experts, x_all, ids_all, w_all, num_local, rank * num_local, impl,
-                           layer)
+                           layer, expected_rows=top_i.size)  # balanced: T*K rows per device
     m = ep.num_microbatches if x.shape[0] % ep.num_microbatches == 0 else 1
     return collectives.hierarchical_reduce_scatter(
         y_all, chip_axis=ep.chip_axis, die_axis=ep.die_axis, num_microbatches=m, impl=impl)

@@ -138,6 +138,22 @@ def test_group_metadata_visits():
     assert sorted(tile[first == 1]) == list(range(5))  # every tile starts exactly once
 
 
+def test_group_metadata_skip_tail_visits_no_tile_past_the_groups():
+    gs = jnp.array([0, 37, 0, 50, 20, 0], jnp.int32)  # rows 0-106 in groups: tiles 0-3 of 32
+    full = np.asarray(G.make_group_metadata(gs, 150, 32))
+    tile, group, lo, hi, first = np.asarray(G.make_group_metadata(gs, 150, 32, skip_tail=True))
+    assert set(tile) == {0, 1, 2, 3}  # tile 4 (rows 128-149) is never visited
+    assert sorted(tile[first == 1]) == [0, 1, 2, 3]
+    live = hi > lo  # the computing visits are the same as without skip_tail
+    full_live = full[3] > full[2]
+    assert sorted(zip(tile[live], group[live])) == sorted(zip(full[0][full_live], full[1][full_live]))
+    assert np.all(np.diff(tile) >= 0)
+    # no rows in any group: one zeroing visit of tile 0, nothing else
+    tile, _, lo, hi, first = np.asarray(G.make_group_metadata(jnp.zeros(6, jnp.int32), 150, 32,
+                                                              skip_tail=True))
+    assert set(tile) == {0} and first[0] == 1 and first[1:].sum() == 0 and np.all(hi == lo)
+
+
 # ----------------------------------------------------------------------------- kernel
 
 CASES = [
@@ -169,6 +185,36 @@ def test_gmm_swiglu_kernel(m, k, n, group_sizes, dtype, blocks):
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     _check(out, G.ref_gmm_swiglu(lhs, rhs, gs), tol)
     _check(out, _np_swiglu(_np_gmm(lhs, rhs, gs)), tol)
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_gmm_skip_tail_rows_in_groups_match(swiglu):
+    """skip_tail leaves rows past the groups unspecified; the rows in groups are unchanged."""
+    m, k, n, sizes = 150, 256, 256, [0, 37, 0, 50, 20, 0]
+    lhs, rhs, gs = _inputs(m, k, 2 * n if swiglu else n, sizes, jnp.float32, seed=11)
+    f, ref = (G.gmm_swiglu, G.ref_gmm_swiglu) if swiglu else (G.gmm, G.ref_gmm)
+    out = f(lhs, rhs, gs, impl="interpret", block_sizes=B(32, 128, 128), skip_tail=True,
+            cost_rows=60)
+    used = sum(sizes)
+    _check(out[:used], ref(lhs, rhs, gs)[:used], 1e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gmm_row_split_output(fp8):
+    """row_split=P returns [M, P, N/P]: the [M, N] result, each row cut into P pieces."""
+    m, k, n, sizes = 96, 256, 512, [30, 0, 41, 25]
+    lhs, rhs, gs = _inputs(m, k, n, sizes, jnp.bfloat16, seed=13)
+    scale = None
+    if fp8:
+        rhs, scale = G.quantize_fp8_blockwise(rhs)
+    want = G.gmm(lhs, rhs, gs, rhs_scale=scale, impl="interpret", out_dtype=jnp.float32)
+    for impl in ("interpret", "xla", "reference"):
+        out = G.gmm(lhs, rhs, gs, rhs_scale=scale, impl=impl, out_dtype=jnp.float32,
+                    row_split=2, skip_tail=True)
+        assert out.shape == (m, 2, 256)
+        _check(out.reshape(m, n)[: sum(sizes)], want[: sum(sizes)], 1e-2)
+    with pytest.raises(ValueError, match="row_split"):
+        G.gmm(lhs, rhs, gs, rhs_scale=scale, row_split=8, impl="interpret")  # N % (128 * 8) != 0
 
 
 def test_gmm_under_jit():

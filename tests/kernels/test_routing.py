@@ -102,13 +102,43 @@ def test_gather_reduce_kernel(dtype, tol):
     _check(R.ref_gather_reduce(y, jnp.asarray(rows), jnp.asarray(w)), expected, tol)
 
 
+@pytest.mark.parametrize("num_rows", [0, 16, 23, 50])
+def test_gather_rows_num_rows_writes_the_leading_rows(num_rows):
+    """With num_rows the rows before it are gathered as usual (later ones are unspecified)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((23, 256)), jnp.float32)
+    idx = rng.integers(-1, 23, 50).astype(np.int32)
+    out = R.gather_rows(x, jnp.asarray(idx), num_rows=jnp.int32(num_rows), cost_rows=7,
+                        impl="interpret", block_sizes=BLOCKS)
+    expected = np.where(idx[:, None] >= 0, np.asarray(x)[np.maximum(idx, 0)], 0)
+    assert out.shape == (50, 256)
+    np.testing.assert_array_equal(np.asarray(out)[:num_rows], expected[:num_rows])
+
+
+def test_gather_reduce_takes_the_row_split_view():
+    """y as [M, P, H/P] (what gmm(row_split=P) writes) gives the same sums as y [M, H]."""
+    rng = np.random.default_rng(4)
+    t, k, m, h = 19, 3, 40, 4096
+    y = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    rows = jnp.asarray(rng.integers(-1, m, (t, k)), jnp.int32)
+    w = jnp.asarray(rng.random((t, k)), jnp.float32)
+    p = R.row_split(h, jnp.bfloat16)
+    for impl in ("interpret", "reference"):
+        flat = R.gather_reduce(y, rows, w, impl=impl, block_sizes=BLOCKS)
+        split = R.gather_reduce(y.reshape(m, p, h // p), rows, w, cost_reads=10, impl=impl,
+                                block_sizes=BLOCKS)
+        np.testing.assert_array_equal(np.asarray(split, np.float32), np.asarray(flat, np.float32))
+    with pytest.raises(ValueError, match="row_split"):
+        R.gather_reduce(y.reshape(m, 2 * p, h // (2 * p)), rows, w, impl="interpret")
+
+
 def test_row_split():
     # largest power of two <= the dtype's tile rows with H % (128 P) == 0, else 1
-    assert R._row_split(4096, jnp.bfloat16) == 16 and R._row_split(4096, jnp.float32) == 8
-    assert R._row_split(4096, jnp.float8_e4m3fn) == 32 and R._row_split(4096, jnp.int8) == 32
-    assert R._row_split(128, jnp.bfloat16) == 1 and R._row_split(384, jnp.float32) == 1
-    assert R._row_split(512, jnp.bfloat16) == 4 and R._row_split(2560, jnp.bfloat16) == 4
-    assert R._row_split(200, jnp.float32) == 1  # not a lane multiple: one unsplit row
+    assert R.row_split(4096, jnp.bfloat16) == 16 and R.row_split(4096, jnp.float32) == 8
+    assert R.row_split(4096, jnp.float8_e4m3fn) == 32 and R.row_split(4096, jnp.int8) == 32
+    assert R.row_split(128, jnp.bfloat16) == 1 and R.row_split(384, jnp.float32) == 1
+    assert R.row_split(512, jnp.bfloat16) == 4 and R.row_split(2560, jnp.bfloat16) == 4
+    assert R.row_split(200, jnp.float32) == 1  # not a lane multiple: one unsplit row
 
 
 # (dtype, H): every row-split P of the [rows, P, H/P] view -- 1 (H = 128, 384 = 3 * 128,

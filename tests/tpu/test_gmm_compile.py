@@ -62,3 +62,24 @@ def test_gmm_compiles(mesh, record, op, label, m, e, h, i, weights):
     record(f"{op} {label} M={m} rhs [{e},{k},{n}] {weights}", report)
     assert len(report.kernels) == 1
     assert report.memory["output_size_in_bytes"] >= m * out * 2
+
+
+@pytest.mark.parametrize("m", [64 * 10, 8 * 64 * 10, 2048 * 10], ids=["M640", "M5120", "M20480"])
+def test_down_projection_row_split_compiles(mesh, record, m):
+    """The MoE's down projection as the EP step runs it: FP8 [64, 1024, 4096], rows past the
+    groups skipped, output written as [M, 16, 256] row slabs (full-width tiles, tn = 4096),
+    and a CostEstimate that charges ``cost_rows``, not M."""
+    e, i, h, p = 64, 1024, 4096, 16
+    rhs, scale = _weight_args(mesh, e, i, h, "fp8")
+    args = [abstract((m, i), jnp.bfloat16, mesh), rhs, abstract((e,), jnp.int32, mesh), scale]
+    cost_rows = m // 8  # one EP device's share of the gathered rows
+
+    def fn(x, w, gs, s):
+        return G.gmm(x, w, gs, rhs_scale=s, impl="pallas", skip_tail=True, cost_rows=cost_rows,
+                     row_split=p)
+
+    report = record(f"gmm down M={m} row_split={p} fp8", compile_for_tpu(fn, args, mesh))
+    assert len(report.kernels) == 1
+    assert report.memory["output_size_in_bytes"] == m * h * 2  # [M, 16, 256] bf16, no slice copy
+    # the kernel's estimate plus XLA's own few flops of the visit-list metadata
+    assert abs(report.cost["flops"] / (2 * cost_rows * i * h) - 1) < 1e-3, report.cost

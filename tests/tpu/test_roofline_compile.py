@@ -4,27 +4,27 @@ at 9K-token contexts, page 256: every request's page row is full, so the attenti
 static cost, which assumes full rows, and the roofline describe the same batch).
 
 How the two are compared consistently:
-- FLOPs on a 4-layer slice (one group of 3 GDN + 1 attention layers: the layer scan runs its
-  body once, and XLA's cost analysis counts a loop body once). The roofline is asked for
-  ``gathered_rows=True``: this step's grouped matmul multiplies all gathered token rows on
-  every device (non-local rows masked to zero), which is what the kernel's cost estimate
-  charges.
-- Bytes on the same 4-layer slice, compiled without VMEM prefetching (``NO_VMEM_PREFETCH``:
-  XLA's cost analysis otherwise charges every HBM->VMEM prefetch as extra bytes on top of its
-  consumer). A Pallas call is then charged exactly its CostEstimate, a gather only the rows
-  it reads (halving the vocabulary moves the total by the lm_head half alone), so what is
-  left between the two is traffic the program really has. The roofline counts only what a
-  step must move (dense weights, touched experts, KV pages, GDN state, lm_head): 8.34 GB for
-  the decode slice. XLA charged 12.83 GB with prefetch accounting, 12.03 GB without, and
-  10.69 GB once ``q_proj`` / ``in_proj_z`` were stored output-major (``weight_layout.py``:
-  before, each layer's slice of both was relaid out on every step). The remaining 1.28x is
-  activation traffic the roofline leaves out: per MoE layer the routed rows (5,120 x 4,096
-  bf16 = 42 MB) written by the gather and read by the expert matmul, the expert outputs
-  written and read back, and their relayout before the un-permute (``kernels/routing.py``);
-  plus the f32 logits. So the bytes do NOT agree within 20% yet; the test pins the ratio
-  so a new relayout or a dropped roofline term shows. A bytes slope between an 8- and a
-  4-layer compile is no way around it: the layer scan's body is counted once whatever the
-  trip count.
+- FLOPs and bytes on a 4-layer slice (one group of 3 GDN + 1 attention layers: the layer scan
+  runs its body once, and XLA's cost analysis counts a loop body once; a bytes slope between
+  an 8- and a 4-layer compile is no way around it, the body is counted once whatever the
+  trip count).
+- Compiled without VMEM prefetching (``NO_VMEM_PREFETCH``: XLA's cost analysis otherwise
+  charges every HBM->VMEM prefetch as extra bytes on top of its consumer). A Pallas call is
+  then charged exactly its CostEstimate, a gather only the rows it reads (halving the
+  vocabulary moves the total by the lm_head half alone).
+- The MoE kernels move only the rows routed to this device's experts (``models/moe.py``:
+  ``skip_tail``), and their cost estimates charge the balanced-routing share, T*K of the
+  D*T*K all-gathered rows, as the roofline does.
+
+The roofline counts only what a step must move (dense weights, touched experts, KV pages,
+GDN state, lm_head): 8.34 GB for the decode slice. XLA's bytes went 12.83 GB (prefetch
+accounting) -> 12.03 (without) -> 10.69 (``q_proj`` / ``in_proj_z`` stored output-major,
+``weight_layout.py``: each layer's slice of both had been relaid out on every step) -> 9.88
+(the MoE kernels skip other devices' rows) -> 9.21 GB (the down projection writes its rows
+as [M, P, H/P] slabs, ``gmm(row_split=P)``, so the un-permute's relayout copy of the expert
+outputs, charged 169 MB per layer, is gone). The 10% left is activation traffic the roofline
+leaves out: f32 logits, the all-gathered hidden rows, the routed rows between the MoE
+kernels, per-layer activations between fusions.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def compiled_cost(num_layers: int, mode: ForwardMode, T: int) -> dict:
 def roofline(num_layers: int, mode: ForwardMode, T: int) -> dict:
     return step_terms(config_397b(num_layers), tokens=T, seqs=R, kv_len=PAGES * PAGE, devices=D,
                       logits_rows=R, decode=mode == ForwardMode.DECODE, expert_dtype="fp8",
-                      state_dtype="bf16", gathered_rows=True)
+                      state_dtype="bf16")
 
 
 @pytest.mark.parametrize("mode,T", [(ForwardMode.DECODE, 64), (ForwardMode.MIXED, 256)],
@@ -73,4 +73,4 @@ def test_roofline_bytes_against_xla_cost_analysis():
     ours = totals(roofline(4, mode, T))[2]
     print(f"\n397B decode slice bytes: roofline {ours / 1e9:.2f} GB, XLA {xla / 1e9:.2f} GB, "
           f"ratio {xla / ours:.3f}")
-    assert ours <= xla <= 1.3 * ours, (ours, xla)
+    assert ours <= xla <= 1.2 * ours, (ours, xla)

@@ -8,6 +8,8 @@ the kernels in per-grid-step SMEM blocks, so M = T*k = 81920 indices do not sit 
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import pytest
 
@@ -30,8 +32,13 @@ IDS = [f"{label.split()[0]}-T{t}-{jnp.dtype(dt).name}" for label, t, _, _, dt in
 @pytest.mark.parametrize("label,t,h,k,dtype", CASES, ids=IDS)
 def test_gather_rows_compiles(mesh, record, label, t, h, k, dtype):
     m = t * k
-    args = [abstract((t, h), dtype, mesh), abstract((m,), jnp.int32, mesh)]  # x [T, H], i32[M]
-    report = compile_for_tpu(lambda x, idx: R.gather_rows(x, idx, impl="pallas"), args, mesh)
+    args = [abstract((t, h), dtype, mesh), abstract((m,), jnp.int32, mesh),  # x [T, H], i32[M]
+            abstract((), jnp.int32, mesh)]  # num_rows: blocks past it skipped
+
+    def fn(x, idx, num):
+        return R.gather_rows(x, idx, num_rows=num, impl="pallas")
+
+    report = compile_for_tpu(fn, args, mesh)
     record(f"gather_rows {label} T={t} H={h} k={k} {jnp.dtype(dtype).name}", report)
     assert len(report.kernels) == 1
     assert report.memory["output_size_in_bytes"] >= m * h * jnp.dtype(dtype).itemsize
@@ -82,7 +89,7 @@ LAYOUTS = [
 @pytest.mark.parametrize("t,h,k,dtype", LAYOUTS,
                          ids=[f"H{h}-{jnp.dtype(dt).name}" for _, h, _, dt in LAYOUTS])
 def test_other_row_splits_compile(mesh, record, t, h, k, dtype):
-    name = f"T={t} H={h} k={k} {jnp.dtype(dtype).name} (P={R._row_split(h, dtype)})"
+    name = f"T={t} H={h} k={k} {jnp.dtype(dtype).name} (P={R.row_split(h, dtype)})"
     args = [abstract((t, h), dtype, mesh), abstract((t * k,), jnp.int32, mesh)]
     record(f"gather_rows {name}",
            compile_for_tpu(lambda x, idx: R.gather_rows(x, idx, impl="pallas"), args, mesh))
@@ -96,3 +103,31 @@ def test_fp8_gather_rows_compiles(mesh, record):
     args = [abstract((64, 4096), jnp.float8_e4m3fn, mesh), abstract((640,), jnp.int32, mesh)]
     record("gather_rows T=64 H=4096 k=10 float8_e4m3fn (P=32)",
            compile_for_tpu(lambda x, idx: R.gather_rows(x, idx, impl="pallas"), args, mesh))
+
+
+def test_ep_moe_layer_has_no_relayout_of_routed_rows(mesh, record):
+    """models/moe.routed_experts at one 397B EP device's decode shapes (8 ranks x 64 tokens
+    all-gathered: x [512, 4096], 64 local FP8 experts): route, gather, two grouped matmuls and
+    the un-permute are 4 Mosaic kernels, and nothing outside them copies an [M, H] array of
+    routed rows (the down projection writes the [M, 16, 256] slabs gather_reduce reads)."""
+    from sglang_tpu_backend.models.moe import routed_experts
+
+    t, h, i, k, e = 512, 4096, 1024, 10, 64
+    fp8, blk = jnp.float8_e4m3fn, 128
+    experts = {"gate_up": abstract((e, h, 2 * i), fp8, mesh),
+               "gate_up_scale": abstract((e, h // blk, 2 * i // blk), jnp.float32, mesh),
+               "down": abstract((e, i, h), fp8, mesh),
+               "down_scale": abstract((e, i // blk, h // blk), jnp.float32, mesh)}
+    args = [experts, abstract((t, h), jnp.bfloat16, mesh), abstract((t, k), jnp.int32, mesh),
+            abstract((t, k), jnp.float32, mesh)]
+
+    def fn(ex, x, ids, w):
+        return routed_experts(ex, x, ids, w, e, 0, "pallas", expected_rows=t * k // 8)
+
+    report = record("EP MoE layer 397B decode (8 x 64 tokens)", compile_for_tpu(fn, args, mesh),
+                    min_kernels=4)
+    assert len(report.kernels) == 4
+    m_h = rf"bf16\[{t * k},{h}\]|bf16\[{t * k},16,256\]|bf16\[{t * k // 8},8,16,256\]"
+    copies = [ln for ln in report.hlo.splitlines()
+              if re.search(rf"= ({m_h})\S* (copy|fusion|call-start)\(", ln)]
+    assert not copies, copies
