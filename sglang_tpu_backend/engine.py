@@ -341,6 +341,8 @@ class Engine(OfflineAPI):
         try:
             while True:
                 out = await queue.get()
+                if isinstance(out, OutputSnapshot):
+                    out = out.materialize()  # the list copies, here rather than under the lock
                 done = out["meta_info"]["finish_reason"] is not None or "handover" in out
                 yield out
                 if done:
@@ -463,7 +465,7 @@ class Engine(OfflineAPI):
                 target = self._consumers.get(req.rid)
                 if target is not None:
                     loop, queue = target
-                    item = {"handover": h, "output": self._output(req),
+                    item = {"handover": h, "output": self._output(req).materialize(),
                             "meta_info": {"finish_reason": None}}
                     try:
                         loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -990,12 +992,10 @@ class Engine(OfflineAPI):
             req.top_logprobs_num == 0 or len(e.input_tops) == num_in)
         return e
 
-    def _output(self, req: Req) -> dict:
-        """SGLang output dict of ``req`` so far: cumulative text, ids and logprob lists.
-
-        Logprob entries come from ``_logprob_entries`` (new ones built, old ones reused); the
-        lists handed out are fresh copies (an earlier output never changes), except the input
-        lists once complete, which never change again and are shared."""
+    def _output(self, req: Req) -> "OutputSnapshot":
+        """``req``'s SGLang output so far (cumulative text, ids and logprob lists) as an
+        :class:`OutputSnapshot`: O(new tokens) under the lock (new logprob entries are built by
+        ``_logprob_entries``, the lists are only measured); the consumer materialises it."""
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": dict(req.finish_reason) if req.finish_reason else None,
@@ -1005,15 +1005,36 @@ class Engine(OfflineAPI):
         }
         if req.finished:
             meta["e2e_latency"] = time.monotonic() - req.arrival_time
+        lists = {"output_ids": (req.output_ids, len(req.output_ids))}
         if req.return_logprob:
             e = self._logprob_entries(req)
-            inputs = (lambda x: x) if e.input_complete else list
-            meta["input_token_logprobs"] = inputs(e.input_tokens)
-            meta["output_token_logprobs"] = list(e.output_tokens)
+            lists["input_token_logprobs"] = (e.input_tokens, len(e.input_tokens))
+            lists["output_token_logprobs"] = (e.output_tokens, len(e.output_tokens))
             if req.top_logprobs_num > 0:
-                meta["input_top_logprobs"] = inputs(e.input_tops)
-                meta["output_top_logprobs"] = list(e.output_tops)
-        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+                lists["input_top_logprobs"] = (e.input_tops, len(e.input_tops))
+                lists["output_top_logprobs"] = (e.output_tops, len(e.output_tops))
+        return OutputSnapshot(req.text, meta, lists)
+
+
+class OutputSnapshot:
+    """One delivery of a request's output, taken under the engine lock in O(1): the text (a
+    str), the scalar meta_info, and each cumulative list as (list, length at delivery). The
+    lists are append-only, so ``materialize()`` (run by the consumer, off the lock) copies
+    exactly what they held then: an earlier output never changes."""
+
+    __slots__ = ("text", "meta", "lists")
+
+    def __init__(self, text: str, meta: dict, lists: dict[str, tuple[list, int]]):
+        self.text, self.meta, self.lists = text, meta, lists
+
+    def materialize(self) -> dict:
+        """The SGLang output dict: {"text", "output_ids", "meta_info"}."""
+        meta = dict(self.meta)
+        for key, (values, n) in self.lists.items():
+            if key != "output_ids":
+                meta[key] = values[:n]
+        ids, n = self.lists["output_ids"]
+        return {"text": self.text, "output_ids": ids[:n], "meta_info": meta}
 
 
 class LogprobEntries:

@@ -155,6 +155,37 @@ def test_streamed_logprobs_are_prefixes_of_the_final_output(clean_engine):
     assert len(last["input_token_logprobs"]) == 4 and last["input_top_logprobs"][0] is None
 
 
+def test_output_snapshot_materialises_the_lengths_at_delivery(clean_engine):
+    """``_output`` (under the engine lock) only measures the cumulative lists; the consumer
+    copies them later, after more tokens were appended, and still gets the delivery's state."""
+    eng = clean_engine
+    req = eng._make_req(GenerateReqInput(
+        input_ids=[5, 9, 17], return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
+        sampling_params={"max_new_tokens": 8}))
+    req.input_logprobs = [-0.5, -0.25]
+    req.input_top_logprobs = [[(-0.5, 4), (-1.0, 6)], [(-0.25, 17), (-2.0, 3)]]
+
+    def step(tok):
+        req.output_ids.append(tok)
+        req.output_logprobs.append(-0.1 * tok)
+        req.output_top_logprobs.append([(-0.1 * tok, tok), (-3.0, 1)])
+        req.update_text()
+        return eng._output(req)
+
+    first = step(7)
+    second = step(8)
+    step(9)  # appended before either is materialised
+    a, b = first.materialize(), second.materialize()
+    assert a["output_ids"] == [7] and b["output_ids"] == [7, 8]
+    assert [e[1] for e in a["meta_info"]["output_token_logprobs"]] == [7]
+    assert [e[1] for e in b["meta_info"]["output_token_logprobs"]] == [7, 8]
+    assert len(a["meta_info"]["output_top_logprobs"]) == 1 and a["meta_info"]["completion_tokens"] == 1
+    assert a["meta_info"]["input_token_logprobs"] == b["meta_info"]["input_token_logprobs"]
+    assert len(a["meta_info"]["input_token_logprobs"]) == 3  # [None, 5, ...] + two logprobs
+    b["output_ids"].append(99)  # a materialised output is the consumer's own copy
+    assert second.materialize()["output_ids"] == [7, 8]
+
+
 def test_stop_string_trims_text(clean_engine):
     eng = clean_engine
     ids = random_prompts(4, 1, 6, 6)[0]
