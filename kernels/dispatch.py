@@ -11,9 +11,9 @@ Values of ``impl``:
   ``"pallas"``     always the Pallas kernel, compiled for the TPU.
   ``"interpret"``  the Pallas kernel in TPU interpret mode (runs on CPU; used by tests).
   ``"xla"``        the op's fast pure-XLA implementation (grouped matmuls: only the routed
-                   rows; attention: only the pages the batch holds); ops without a separate
-                   one (their reference already is efficient XLA: routing, GDN, collectives)
-                   run their reference.
+                   rows; attention: only the pages the batch holds; GDN: the reference with
+                   CPU-sized chunks); ops without one (their reference already is efficient
+                   XLA: routing, collectives) run their reference.
   ``"reference"``  always the pure-JAX reference: the slow, obvious oracle of every op.
 """
 

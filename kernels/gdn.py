@@ -32,6 +32,11 @@ Implementations (``impl``, see ``kernels.dispatch``; the Pallas kernels are in
     cut into chunks of ``chunk_size``; the chunks of all requests are laid out in a static
     number of chunk slots ``N = min(T, cdiv(T, L) + R)``, and a scan over chunks carries each
     request's state (UT/WY chunked form).
+  * ``impl="xla"`` (what ``"auto"`` picks off-TPU): the reference with ``XLA_CHUNK_SIZE``-token
+    chunks unless ``chunk_size`` is given. The chunk's unit-lower inverse is a loop of L
+    matrix-vector rows, and XLA:CPU pays per iteration: the tiny default's fp32 mixed step
+    (4 prompts x 64 tokens, 6 GDN layers) took 87 ms with 64-token chunks, 55 ms with 32 or
+    16 (best of 10, ``benchmarks/bench_gdn_chunk.py``).
 
 State slots: rows ``r >= num_seqs`` and real requests with no tokens leave their slots
 untouched. A request with ``kv_lens[r] == q_len[r]`` is fresh: its slots are read as zeros.
@@ -53,8 +58,12 @@ from kernels.gdn_common import (F32, HI, VALID, L2NORM_EPS, chunk_layout, conv_a
                                 decode_rows, gates, l2norm, num_chunk_slots, request_meta,
                                 token_meta)
 
-__all__ = ["GdnBlockSizes", "L2NORM_EPS", "gated_delta_net", "gated_delta_net_cost",
-           "num_chunk_slots", "ref_gated_delta_net", "ref_recurrent_gdn"]
+__all__ = ["CHUNK_SIZE", "GdnBlockSizes", "L2NORM_EPS", "XLA_CHUNK_SIZE", "gated_delta_net",
+           "gated_delta_net_cost", "num_chunk_slots", "ref_gated_delta_net", "ref_recurrent_gdn"]
+
+
+CHUNK_SIZE = 64  # chunk of the Pallas kernels and the reference
+XLA_CHUNK_SIZE = 32  # chunk of the XLA (CPU / GPU serving) path, see the module docstring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +303,7 @@ def _ref_chunked(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_s
 def ref_gated_delta_net(
     mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
     cu_q_lens, kv_lens, state_slots, num_seqs, *, num_k_heads: int, decode: bool = False,
-    chunk_size: int = 64, layer=0,
+    chunk_size: int = CHUNK_SIZE, layer=0,
 ):
     """Pure-JAX reference of :func:`gated_delta_net` (same arguments, no ``impl``)."""
     _check_args(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
@@ -375,8 +384,8 @@ def gated_delta_net(
     kv_lens,  # i32[R] tokens of the request after this step (== q_len: fresh request)
     state_slots,  # i32[R] state slot of each request
     num_seqs,  # i32[1] real requests
-    *, num_k_heads: int, decode: bool = False, chunk_size: int = 64, layer=0, impl=None,
-    block_sizes: GdnBlockSizes | None = None,
+    *, num_k_heads: int, decode: bool = False, chunk_size: int | None = None, layer=0,
+    impl=None, block_sizes: GdnBlockSizes | None = None,
 ):
     """Fused causal conv1d + Gated DeltaNet for one step of a ragged batch.
 
@@ -385,7 +394,8 @@ def gated_delta_net(
         token and row t belongs to request t (``cu_q_lens`` is not read).
       num_k_heads: Hk; Lyr, S, Hv, Dk, Dv come from ``rec_state``.
       decode: static; recurrent single-token path instead of the chunked path.
-      chunk_size: static chunk length of the chunked path (a multiple of 8 on TPU is best).
+      chunk_size: static chunk length of the chunked path (a multiple of 8 on TPU is best);
+        default ``CHUNK_SIZE``, ``XLA_CHUNK_SIZE`` on the XLA path.
       layer: the GDN layer to read and update: a Python int or a traced i32 scalar (the Pallas
         kernels receive it by scalar prefetch; a traced value is clipped to [0, Lyr)).
       impl: see ``kernels.dispatch``; static under jit.
@@ -397,11 +407,13 @@ def gated_delta_net(
       other layers and the slots of padding rows bit-identical).
     """
     block_sizes = block_sizes or GdnBlockSizes()
+    resolved = dispatch.resolve(impl, has_xla=True)
+    if chunk_size is None:
+        chunk_size = XLA_CHUNK_SIZE if resolved == "xla" else CHUNK_SIZE
     _check_args(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
                 cu_q_lens, kv_lens, state_slots, num_seqs, num_k_heads, chunk_size, decode,
                 layer, block_sizes)
-    resolved = dispatch.resolve(impl)
-    if resolved == "reference":
+    if resolved in ("reference", "xla"):
         return ref_gated_delta_net(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state,
                                    rec_state, cu_q_lens, kv_lens, state_slots, num_seqs,
                                    num_k_heads=num_k_heads, decode=decode, chunk_size=chunk_size,

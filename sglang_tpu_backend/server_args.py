@@ -15,7 +15,7 @@ from sglang_tpu_backend.entrypoints.chat_parsing import REASONING_PARSERS, TOOL_
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: config.resolve_dtype
 KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-DETERMINISTIC_MIN_CHUNK = 64  # chunk size of the GDN chunked path (kernels/gdn.py default)
+DETERMINISTIC_MIN_CHUNK = 64  # a multiple of every GDN chunk size (kernels/gdn.py: 64 TPU, 32 XLA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ class ServerArgs:
     depend on what else is batched with it (greedy and seeded sampling). Every step
     runs one of two fixed shapes (a DECODE step of ``max_running_requests`` rows, or a
     prefill-only step of ``max_tokens_per_step`` rows: decodes and prefill chunks never share
-    a step), a prompt's prefill chunks end only at multiples of the GDN chunk size (64) or at
+    a step), a prompt's prefill chunks end only at multiples of 64 (a multiple of the GDN chunk size) or at
     its end, and the prefix cache is off. ``chunked_prefill_size`` must be at least 64.
 
     Multi-host (``nnodes`` N > 1, SGLang's ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr``):

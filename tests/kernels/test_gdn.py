@@ -223,6 +223,22 @@ def test_chunked_equals_recurrent(chunk_size):
     assert float(jnp.max(jnp.abs(want[0]))) > 0.05  # the comparison is not vacuous
 
 
+def test_xla_path_is_the_reference_with_its_own_chunk():
+    """impl="xla" (auto off-TPU) runs the chunked reference with XLA_CHUNK_SIZE-token chunks:
+    the same results as the recurrence, and exactly the reference at that chunk size."""
+    assert gdn.XLA_CHUNK_SIZE != gdn.CHUNK_SIZE
+    lens = [1, 40, 33, 2, 70]  # chunks of both sizes end in different places
+    case, hk = make_case(9, lens, num_tokens=sum(lens) + 2, num_reqs=6, num_slots=10,
+                         context=[3, 0, 5, 0, 0])
+    got = run(kernel, case, hk, impl="xla")
+    assert_results_close(got, run(ref_recurrent, case, hk), F32_TOL)
+    same = run(ref_chunked, case, hk, chunk_size=gdn.XLA_CHUNK_SIZE)
+    for g, w in zip(got, same):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    for g, w in zip(run(kernel, case, hk, impl="auto"), got):  # off-TPU, auto is this path
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_decode_equals_recurrent():
     case, hk = make_case(4, [1] * 5, num_reqs=7, num_tokens=7, context=[3, 0, 1, 8, 2])
     case["cu_q_lens"] = jnp.asarray([0, 1, 2, 3, 4, 5, 5, 5], jnp.int32)
