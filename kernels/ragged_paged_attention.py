@@ -730,17 +730,123 @@ def _xla_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seq
     return o.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
+PREFIX_GROUP = 16  # tokens per group of the prefix pass (the tokens that have cached keys)
+
+
+def _xla_attention_split(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
+                         sm_scale, pages_per_block, new_k, new_v):
+    """Attention as two online-softmax passes merged per token (prefill-heavy steps).
+
+    Keys written in this step (the request's own new tokens) are read densely from
+    ``new_k`` / ``new_v``: scores ``[T, Hkv, G, T]`` masked to the same request and earlier
+    rows, no page gather. Keys already cached before the step (the request's prefix) are read
+    from the pages, per token as in :func:`_xla_attention`, but only for the tokens whose
+    request has a prefix: they are compacted and processed ``PREFIX_GROUP`` at a time, a
+    traced number of groups, so a step of fresh prompts gathers no pages at all.
+
+    Measured (tiny default, fp32, this repo's 2-core CPU): a 256-token prefill step of 4
+    fresh 64-token prompts 62 -> 30 ms, a 64-request decode step 7.2 -> 5.5 ms. The in-step
+    sums run in step coordinates, so a token's rounding can depend on where its request
+    sits in the step: batch-invariant serving uses :func:`_xla_attention`.
+    """
+    T, Hq, D = q.shape
+    _, _, two_hkv, S, _ = kv_pages.shape
+    Hkv = two_hkv // 2
+    Gq = Hq // Hkv
+    num_rows, pages_per_seq = page_indices.shape
+    req, pos, valid = _token_metadata(kv_lens, cu_q_lens, num_seqs, T)
+    t_idx = jnp.arange(T, dtype=jnp.int32)
+    step_start = pos - (t_idx - cu_q_lens[req])  # position of the request's first new token
+    qg = q.reshape(T, Hkv, Gq, D).astype(jnp.float32) * sm_scale
+
+    # In-step keys: dense scores, same request and not later.
+    kn = new_k.astype(kv_pages.dtype).astype(jnp.float32)  # as read back from the cache
+    vn = new_v.astype(kv_pages.dtype).astype(jnp.float32)
+    s = jnp.einsum("thgd,shd->thgs", qg, kn, precision=lax.Precision.HIGHEST)  # [T,Hkv,G,T]
+    see = (req[:, None] == req[None, :]) & (t_idx[None, :] <= t_idx[:, None]) & valid[None, :]
+    s = jnp.where(see[:, None, None, :], s, MASK_VALUE)
+    m_b = s.max(-1)
+    p = jnp.exp(s - m_b[..., None])
+    l_b = p.sum(-1)
+    acc_b = jnp.einsum("thgs,shd->thgd", p, vn, precision=lax.Precision.HIGHEST)
+
+    # Cached keys (positions < step_start), for the compacted tokens that have any.
+    needs = valid & (step_start > 0)
+    order = jnp.argsort(~needs, stable=True).astype(jnp.int32)  # needing tokens first
+    n_need = jnp.sum(needs)
+    G = min(PREFIX_GROUP, T)
+    bp = min(pages_per_block, pages_per_seq)
+    width = -(-pages_per_seq // bp) * bp
+    table = jnp.pad(page_indices, ((0, 0), (0, width - pages_per_seq)))
+    block_pos = jnp.arange(bp * S, dtype=jnp.int32)
+    shape = (T, Hkv, Gq)
+    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (D,), jnp.float32))
+
+    def group(gi, out):
+        rows = lax.dynamic_slice_in_dim(jnp.pad(order, (0, G)), gi * G, G)  # i32[G]
+        live = (gi * G + jnp.arange(G)) < n_need
+        limit = jnp.where(live, step_start[rows], 0)  # keys < limit are cached
+        qr = qg[rows]  # [G, Hkv, Gq, D]
+        pages_r = table[req[rows]]  # [G, W]
+
+        def block(j, carry):
+            m, l, acc = carry
+            pages = lax.dynamic_slice_in_dim(pages_r, j * bp, bp, axis=1)
+            kv = kv_pages.at[layer, pages].get(mode="clip")  # [G, Bp, 2Hkv, S, D]
+            kv = kv.reshape(G, bp, Hkv, 2, S, D).transpose(3, 0, 2, 1, 4, 5)
+            kv = kv.reshape(2, G, Hkv, bp * S, D)
+            k, v = kv[0].astype(jnp.float32), kv[1].astype(jnp.float32)
+            sc = jnp.einsum("thgd,thsd->thgs", qr, k, precision=lax.Precision.HIGHEST)
+            vis = (j * bp * S + block_pos)[None, :] < limit[:, None]
+            sc = jnp.where(vis[:, None, None, :], sc, MASK_VALUE)
+            m_new = jnp.maximum(m, sc.max(-1))
+            pr = jnp.exp(sc - m_new[..., None])
+            alpha = jnp.exp(m - m_new)
+            return (m_new, alpha * l + pr.sum(-1),
+                    alpha[..., None] * acc + jnp.einsum("thgs,thsd->thgd", pr, v,
+                                                        precision=lax.Precision.HIGHEST))
+
+        g_shape = (G, Hkv, Gq)
+        g_init = (jnp.full(g_shape, MASK_VALUE, jnp.float32), jnp.zeros(g_shape, jnp.float32),
+                  jnp.zeros(g_shape + (D,), jnp.float32))
+        num_blocks = -(-jnp.max(limit) // (bp * S))
+        m, l, acc = lax.fori_loop(0, num_blocks, block, g_init)
+        dest = jnp.where(live, rows, T)  # dead slots write nowhere
+        om, ol, oacc = out
+        return (om.at[dest].set(m, mode="drop"), ol.at[dest].set(l, mode="drop"),
+                oacc.at[dest].set(acc, mode="drop"))
+
+    m_a, l_a, acc_a = lax.fori_loop(0, -(-n_need // G), group, init)
+
+    m = jnp.maximum(m_a, m_b)
+    wa, wb = jnp.exp(m_a - m), jnp.exp(m_b - m)
+    l = wa * l_a + wb * l_b
+    acc = wa[..., None] * acc_a + wb[..., None] * acc_b
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    o = jnp.where(valid[:, None, None, None], o, 0.0)
+    return o.reshape(T, Hq, D).astype(q.dtype)
+
+
 def xla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, new_k=None, new_v=None, layer=0,
-                               pages_per_block: int | None = None):
+                               pages_per_block: int | None = None, batch_invariant: bool = False):
     """The serving path off TPU; same contract as :func:`ragged_paged_attention`.
 
-    ``pages_per_block`` defaults to ``XLA_KV_BLOCK_TOKENS // S`` (at least 1)."""
+    With new K/V (a serving step) it is :func:`_xla_attention_split`, unless
+    ``batch_invariant``: then every token reads its keys from the pages in blocks of absolute
+    positions (:func:`_xla_attention`), so its result does not depend on where in the step
+    its request sits. ``pages_per_block`` defaults to ``XLA_KV_BLOCK_TOKENS // S`` (at
+    least 1)."""
     _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer)
     if new_k is not None:
         kv_pages = write_new_kv(kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
                                 num_seqs, layer)
     bp = pages_per_block or max(1, XLA_KV_BLOCK_TOKENS // kv_pages.shape[3])
+    if new_k is not None and not batch_invariant:
+        o = _xla_attention_split(q, kv_pages, _layer_index(layer, kv_pages.shape[0]), kv_lens,
+                                 page_indices, cu_q_lens, num_seqs, sm_scale, bp, new_k, new_v)
+        return o, kv_pages
     o = _xla_attention(q, kv_pages, _layer_index(layer, kv_pages.shape[0]), kv_lens,
                        page_indices, cu_q_lens, num_seqs, sm_scale, bp)
     return o if new_k is None else (o, kv_pages)
@@ -751,7 +857,7 @@ def xla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                            *, sm_scale: float, new_k=None, new_v=None, layer=0, impl=None,
-                           block_sizes: BlockSizes | None = None):
+                           block_sizes: BlockSizes | None = None, batch_invariant: bool = False):
     """Causal GQA attention of a ragged batch of decode rows and prefill chunks over paged KV.
 
     Args:
@@ -770,6 +876,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
         the layer index), never a per-layer slice.
       impl: see :mod:`kernels.dispatch`.
       block_sizes: Pallas tiling; default :meth:`BlockSizes.get_default`.
+      batch_invariant: the XLA path reads every key from the pages in absolute-position
+        blocks (a token's result does not depend on the rest of the batch; slower on
+        prefill-heavy steps). The Pallas kernel and the reference always are.
 
     Returns:
       o [T, Hq, D] in q.dtype (zeros for padding tokens), or (o, kv_pages) when new_k / new_v
@@ -779,7 +888,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     if resolved == "xla":
         return xla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
                                           num_seqs, sm_scale=sm_scale, new_k=new_k, new_v=new_v,
-                                          layer=layer)
+                                          layer=layer, batch_invariant=batch_invariant)
     if resolved == "reference":
         return ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
                                           num_seqs, sm_scale=sm_scale, new_k=new_k, new_v=new_v,

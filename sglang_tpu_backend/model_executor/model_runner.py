@@ -283,7 +283,7 @@ class ModelRunner:
 
             multihost.broadcast_ints([num_pages, num_state_slots, int(self.router_stats)], 3)
         self.dp = DPForward(self.cfg, make_mesh(dp_size), impl=self.impl,
-                            with_stats=self.router_stats)
+                            with_stats=self.router_stats, batch_invariant=self.deterministic)
         self.params = self.dp.shard_params(params)
         self.cache = self.dp.init_cache(num_pages=num_pages, page_size=self.page_size,
                                         num_state_slots=num_state_slots, kv_dtype=kv_dtype,
@@ -307,7 +307,7 @@ class ModelRunner:
         from sglang_tpu_backend.parallel.tp_forward import TPForward
 
         self.tp = TPForward(self.cfg, make_mesh(tp_size), impl=self.impl,
-                            with_stats=self.router_stats)
+                            with_stats=self.router_stats, batch_invariant=self.deterministic)
         self.params = self.tp.shard_params(params)
         self.cache = self.tp.init_cache(num_pages=num_pages, page_size=self.page_size,
                                         num_state_slots=num_state_slots, kv_dtype=kv_dtype,
@@ -373,7 +373,7 @@ class ModelRunner:
             fb = dataclasses.replace(fb, input_ids=_resolve_input_ids_jit(
                 fb.input_ids, from_slot, self.last_tokens))
             out = self._forward(self.params, self.cache, fb, cfg=self.cfg, impl=self.impl,
-                                with_stats=self.router_stats)
+                                with_stats=self.router_stats, batch_invariant=self.deterministic)
         logits, self.cache = out[:2]
         self._stats = out[2] if self.router_stats else None
         return logits

@@ -137,7 +137,8 @@ def layer_params(params: Params, cfg: ModelConfig, layer: int) -> Params:
 # Blocks -------------------------------------------------------------------------------------
 
 
-def attention_block(p: Params, x, kv_pages, layer, cos, sin, batch: ForwardBatch, cfg, impl):
+def attention_block(p: Params, x, kv_pages, layer, cos, sin, batch: ForwardBatch, cfg, impl,
+                    batch_invariant: bool = False):
     """Gated GQA attention of attention layer ``layer``. x: [T, H] -> ([T, H], kv_pages)."""
     T = x.shape[0]
     N, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -159,6 +160,7 @@ def attention_block(p: Params, x, kv_pages, layer, cos, sin, batch: ForwardBatch
         new_v=v.astype(kv_pages.dtype),
         layer=layer,
         impl=impl,
+        batch_invariant=batch_invariant,
     )  # o: [T, N, D]
     o = o.reshape(T, N * D) * jax.nn.sigmoid(gate.reshape(T, N * D))
     return o @ p["o_proj"], kv_pages
@@ -286,7 +288,7 @@ def _split_experts(groups: tuple[Params, ...]) -> tuple[tuple[Params, ...], tupl
 
 def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl,
                    ep: EPContext | None = None, tp: TPContext | None = None,
-                   with_stats: bool = False):
+                   with_stats: bool = False, batch_invariant: bool = False):
     """All decoder layers and the final norm. Returns (hidden [T, H], cache), and with
     ``with_stats`` also the router health f32[num_layers, 3] (``metrics/router_stats.py``).
 
@@ -319,7 +321,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
             if kind == FULL_ATTENTION:
                 layer = g * attn_per_group + i_attn
                 h, kv_pages = attention_block(p["self_attn"], h, kv_pages, layer, cos, sin,
-                                              batch, cfg, impl)
+                                              batch, cfg, impl, batch_invariant)
                 i_attn += 1
             else:
                 layer = g * lin_per_group + i_lin
@@ -351,6 +353,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
 def forward(
     params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl: str = "auto",
     ep: EPContext | None = None, tp: TPContext | None = None, with_stats: bool = False,
+    batch_invariant: bool = False,
 ) -> tuple[jax.Array, ModelCache]:
     """One model step over a ragged batch.
 
@@ -359,14 +362,17 @@ def forward(
     ``ep`` is set only by the data-parallel step (``parallel/dp_forward.py``), which runs this
     function per device under ``shard_map``; ``tp`` likewise by the tensor-parallel step
     (``parallel/tp_forward.py``). ``with_stats``: also return the router health
-    f32[num_layers, 3] (``metrics/router_stats.py``) as a third output.
+    f32[num_layers, 3] (``metrics/router_stats.py``) as a third output. ``batch_invariant``:
+    a row's result does not depend on the rest of the batch (the XLA attention then reads
+    every key from the pages; ``--enable-deterministic-inference``).
     """
-    out = forward_hidden(params, cache, batch, cfg, impl, ep, tp, with_stats)
+    out = forward_hidden(params, cache, batch, cfg, impl, ep, tp, with_stats, batch_invariant)
     hidden, cache = out[:2]
     h = hidden[batch.logits_indices]  # [L, H]
     logits = (h @ params["lm_head"]).astype(jnp.float32)  # [L, V]
     return (logits, cache, out[2]) if with_stats else (logits, cache)
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep", "tp", "with_stats"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep", "tp", "with_stats",
+                                               "batch_invariant"),
                       donate_argnames=("cache",))

@@ -61,12 +61,14 @@ class DPForward:
     """``forward`` over a (chip, die) mesh: one DP rank per device, experts split over them."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, *, impl: str = "auto",
-                 ep: EPContext = EPContext(), with_stats: bool = False):
-        """``with_stats``: the step also returns each rank's router health f32[D*layers, 3]."""
+                 ep: EPContext = EPContext(), with_stats: bool = False,
+                 batch_invariant: bool = False):
+        """``with_stats``: the step also returns each rank's router health f32[D*layers, 3].
+        ``batch_invariant``: see ``qwen3_5_moe.forward``."""
         if cfg.num_experts % mesh.size:
             raise ValueError(f"--ep-size {mesh.size} must divide num_experts {cfg.num_experts}")
         self.cfg, self.mesh, self.impl, self.ep = cfg, mesh, impl, ep
-        self.with_stats = with_stats
+        self.with_stats, self.batch_invariant = with_stats, batch_invariant
         self.dp_size = mesh.size
         self._step = jax.jit(self._global_step, donate_argnums=(1,))
 
@@ -133,7 +135,7 @@ class DPForward:
     # Step -------------------------------------------------------------------------------------
     def _global_step(self, params, cache, batch):
         local = functools.partial(qwen3_5_moe.forward, cfg=self.cfg, impl=self.impl, ep=self.ep,
-                                  with_stats=self.with_stats)
+                                  with_stats=self.with_stats, batch_invariant=self.batch_invariant)
         out_specs = (rank_spec(self.ep, 0), self.cache_specs())
         if self.with_stats:
             out_specs += (rank_spec(self.ep, 0),)

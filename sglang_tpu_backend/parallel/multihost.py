@@ -273,7 +273,8 @@ def run_follower(args) -> int:
     params = load_params(args.model_path, cfg, dtype=DTYPES[args.dtype])
     num_pages, num_slots, with_stats = broadcast_ints(None, 3)
     dp = DPForward(cfg, make_mesh(args.dp_size), impl=args.kernel_impl,
-                   with_stats=bool(with_stats))
+                   with_stats=bool(with_stats),
+                   batch_invariant=args.enable_deterministic_inference)
     params = dp.shard_params(params)
     cache = dp.init_cache(num_pages=num_pages, page_size=args.page_size,
                           num_state_slots=num_slots, kv_dtype=DTYPES[args.dtype])

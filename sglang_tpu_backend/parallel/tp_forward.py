@@ -122,10 +122,11 @@ class TPForward:
     """``forward`` over a (chip, die) mesh of ``tp`` devices with tensor-parallel attention."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, *, impl: str = "auto",
-                 with_stats: bool = False):
-        """``with_stats``: the step also returns the router health f32[layers, 3]."""
+                 with_stats: bool = False, batch_invariant: bool = False):
+        """``with_stats``: the step also returns the router health f32[layers, 3].
+        ``batch_invariant``: see ``qwen3_5_moe.forward``."""
         self.tp = mesh.size
-        self.with_stats = with_stats
+        self.with_stats, self.batch_invariant = with_stats, batch_invariant
         _check_divisible(cfg, self.tp)
         self.cfg, self.mesh, self.impl = cfg, mesh, impl
         self.local_cfg = local_config(cfg, self.tp)
@@ -204,7 +205,8 @@ class TPForward:
     # Step -------------------------------------------------------------------------------------
     def _global_step(self, params, cache, batch):
         local = functools.partial(qwen3_5_moe.forward, cfg=self.local_cfg, impl=self.impl,
-                                  tp=self.ctx, with_stats=self.with_stats)
+                                  tp=self.ctx, with_stats=self.with_stats,
+                                  batch_invariant=self.batch_invariant)
         batch_specs = jax.tree.map(lambda _: REPLICATED, batch)
         out_specs = (REPLICATED, self.cache_specs()) + ((REPLICATED,) if self.with_stats else ())
         step = jax.shard_map(

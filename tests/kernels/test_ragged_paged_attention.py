@@ -424,20 +424,28 @@ XLA_CASES = {
     # Requests of very different lengths: the short ones' blocks past their pages are masked.
     "many_blocks_ragged": Case([1, 1, 5, 1], [3, 130, 60, 0], num_q_heads=4, num_kv_heads=2,
                                head_dim=64, pad_rows=2, pad_tokens=3, num_layers=2, layer=1),
+    # 30 tokens with a cached prefix (two groups of the split form's prefix pass) around a
+    # fresh prompt.
+    "prefix_groups": Case([20, 1, 11, 9], [40, 5, 0, 3], num_q_heads=4, num_kv_heads=2,
+                          head_dim=64, pad_tokens=2),
 }
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["split", "paged"])
 @pytest.mark.parametrize("pages_per_block", [1, 3, 64])
 @pytest.mark.parametrize("name", list(XLA_CASES))
-def test_xla_path_matches_reference(name, pages_per_block):
+def test_xla_path_matches_reference(name, pages_per_block, batch_invariant):
     """Blocks of 1 and 3 pages split requests into many blocks (3 does not divide the page
-    table); 64 covers it in one block. Written K/V bit-identical, padding tokens zero."""
+    table); 64 covers it in one block. Both XLA forms: the split one (in-step keys dense,
+    cached prefixes from the pages for the tokens that have one) and the batch-invariant one
+    (every key from the pages). Written K/V bit-identical, padding tokens zero."""
     c = XLA_CASES[name]
     x = make_inputs(c)
     sm_scale = c.head_dim ** -0.5
     kw = dict(sm_scale=sm_scale, new_k=x["new_k"], new_v=x["new_v"], layer=c.layer)
     got, got_kv = jax.jit(lambda *a: rpa.xla_ragged_paged_attention(
-        *a, pages_per_block=pages_per_block, **kw))(*(x[n] for n in ARGS))
+        *a, pages_per_block=pages_per_block, batch_invariant=batch_invariant, **kw))(
+        *(x[n] for n in ARGS))
     want, want_kv = jax.jit(lambda *a: rpa.ref_ragged_paged_attention(*a, **kw))(
         *(x[n] for n in ARGS))
     np.testing.assert_array_equal(np.asarray(got_kv, np.float32), np.asarray(want_kv, np.float32))
