@@ -678,6 +678,53 @@ def _pallas_write_new_kv(kv_pages, new_k, new_v, layer, kv_lens, page_indices, c
 # ----------------------------------------------------------------------------- XLA path
 
 
+def _softmax_init(rows: int, num_kv_heads: int, group: int, head_dim: int):
+    """Empty online-softmax state: running max, sum f32[rows, Hkv, G] and acc [.., D]."""
+    shape = (rows, num_kv_heads, group)
+    return (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (head_dim,), jnp.float32))
+
+
+def _paged_softmax(qg, kv_pages, layer, tok_pages, limit, num_blocks, bp):
+    """Online softmax of each row over the keys its pages hold below ``limit``.
+
+    qg f32[N, Hkv, G, D] scaled queries; tok_pages i32[N, W] each row's page ids (W a multiple
+    of ``bp``); limit i32[N]: keys at positions < limit[n] are visible; ``num_blocks``
+    (traced) blocks of ``bp`` pages are read, each row gathering its pages
+    ``[N, Bp, 2*Hkv, S, D]``. Returns the (max, sum, acc) state of :func:`_softmax_init`.
+    """
+    n, num_kv_heads, group, head_dim = qg.shape
+    page_size = kv_pages.shape[3]
+    block_pos = jnp.arange(bp * page_size, dtype=jnp.int32)  # i32[Bp*S]
+
+    def block(j, carry):
+        m, l, acc = carry  # f32[N, Hkv, G], f32[N, Hkv, G], f32[N, Hkv, G, D]
+        pages = lax.dynamic_slice_in_dim(tok_pages, j * bp, bp, axis=1)  # i32[N, Bp]
+        kv = kv_pages.at[layer, pages].get(mode="clip")  # [N, Bp, 2*Hkv, S, D]
+        kv = kv.reshape(n, bp, num_kv_heads, 2, page_size, head_dim)
+        kv = kv.transpose(3, 0, 2, 1, 4, 5).reshape(2, n, num_kv_heads, bp * page_size, head_dim)
+        k, v = kv[0].astype(jnp.float32), kv[1].astype(jnp.float32)  # f32[N, Hkv, Bp*S, D]
+        s = jnp.einsum("thgd,thsd->thgs", qg, k, precision=lax.Precision.HIGHEST)
+        visible = (j * bp * page_size + block_pos)[None, :] < limit[:, None]  # bool[N, Bp*S]
+        s = jnp.where(visible[:, None, None, :], s, MASK_VALUE)  # f32[N, Hkv, G, Bp*S]
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        l_new = alpha * l + p.sum(axis=-1)
+        acc_new = alpha[..., None] * acc + jnp.einsum("thgs,thsd->thgd", p, v,
+                                                      precision=lax.Precision.HIGHEST)
+        return m_new, l_new, acc_new
+
+    return lax.fori_loop(0, num_blocks, block, _softmax_init(n, num_kv_heads, group, head_dim))
+
+
+def _padded_table(page_indices, bp):
+    """page_indices i32[R, P] padded with zeros to a multiple of ``bp`` pages."""
+    pages_per_seq = page_indices.shape[1]
+    width = -(-pages_per_seq // bp) * bp
+    return jnp.pad(page_indices, ((0, 0), (0, width - pages_per_seq)))
+
+
 def _xla_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
                    pages_per_block):
     """Online-softmax attention over blocks of ``pages_per_block`` pages, for CPU/GPU serving.
@@ -688,43 +735,17 @@ def _xla_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seq
     running max / sum / accumulator in fp32 (the Pallas kernel's recurrence).
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    _, _, two_hkv, page_size, _ = kv_pages.shape
-    num_kv_heads = two_hkv // 2
+    num_kv_heads = kv_pages.shape[2] // 2
     group = num_q_heads // num_kv_heads
     num_rows, pages_per_seq = page_indices.shape
     bp = min(pages_per_block, pages_per_seq)
-    width = -(-pages_per_seq // bp) * bp
     req, pos, valid = _token_metadata(kv_lens, cu_q_lens, num_seqs, num_tokens)
-    tok_pages = jnp.pad(page_indices, ((0, 0), (0, width - pages_per_seq)))[req]  # i32[T, W]
     real = jnp.arange(num_rows) < jnp.clip(num_seqs[0], 0, num_rows)
     longest = jnp.max(jnp.where(real, kv_lens, 0))
-    num_blocks = -(-longest // (bp * page_size))  # traced
+    num_blocks = -(-longest // (bp * kv_pages.shape[3]))  # traced
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
-    block_pos = jnp.arange(bp * page_size, dtype=jnp.int32)  # i32[Bp*S]
-
-    def block(j, carry):
-        m, l, acc = carry  # f32[T, Hkv, G], f32[T, Hkv, G], f32[T, Hkv, G, D]
-        pages = lax.dynamic_slice_in_dim(tok_pages, j * bp, bp, axis=1)  # i32[T, Bp]
-        kv = kv_pages.at[layer, pages].get(mode="clip")  # [T, Bp, 2*Hkv, S, D]
-        kv = kv.reshape(num_tokens, bp, num_kv_heads, 2, page_size, head_dim)
-        kv = kv.transpose(3, 0, 2, 1, 4, 5).reshape(2, num_tokens, num_kv_heads, bp * page_size,
-                                                    head_dim)
-        k, v = kv[0].astype(jnp.float32), kv[1].astype(jnp.float32)  # f32[T, Hkv, Bp*S, D]
-        s = jnp.einsum("thgd,thsd->thgs", qg, k, precision=lax.Precision.HIGHEST)
-        visible = (j * bp * page_size + block_pos)[None, :] <= pos[:, None]  # bool[T, Bp*S]
-        s = jnp.where(visible[:, None, None, :], s, MASK_VALUE)  # f32[T, Hkv, G, Bp*S]
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        alpha = jnp.exp(m - m_new)
-        l_new = alpha * l + p.sum(axis=-1)
-        acc_new = alpha[..., None] * acc + jnp.einsum("thgs,thsd->thgd", p, v,
-                                                      precision=lax.Precision.HIGHEST)
-        return m_new, l_new, acc_new
-
-    shape = (num_tokens, num_kv_heads, group)
-    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (head_dim,), jnp.float32))
-    _, l, acc = lax.fori_loop(0, num_blocks, block, init)
+    _, l, acc = _paged_softmax(qg, kv_pages, layer, _padded_table(page_indices, bp)[req],
+                               pos + 1, num_blocks, bp)
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
     o = jnp.where(valid[:, None, None, None], o, 0.0)
     return o.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
@@ -740,9 +761,9 @@ def _xla_attention_split(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, n
     Keys written in this step (the request's own new tokens) are read densely from
     ``new_k`` / ``new_v``: scores ``[T, Hkv, G, T]`` masked to the same request and earlier
     rows, no page gather. Keys already cached before the step (the request's prefix) are read
-    from the pages, per token as in :func:`_xla_attention`, but only for the tokens whose
-    request has a prefix: they are compacted and processed ``PREFIX_GROUP`` at a time, a
-    traced number of groups, so a step of fresh prompts gathers no pages at all.
+    from the pages by :func:`_paged_softmax`, but only for the tokens whose request has a
+    prefix: they are compacted and processed ``PREFIX_GROUP`` at a time, a traced number of
+    groups, so a step of fresh prompts gathers no pages at all.
 
     Measured (tiny default, fp32, this repo's 2-core CPU): a 256-token prefill step of 4
     fresh 64-token prompts 62 -> 30 ms, a 64-request decode step 7.2 -> 5.5 ms. The in-step
@@ -750,14 +771,13 @@ def _xla_attention_split(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, n
     sits in the step: batch-invariant serving uses :func:`_xla_attention`.
     """
     T, Hq, D = q.shape
-    _, _, two_hkv, S, _ = kv_pages.shape
-    Hkv = two_hkv // 2
-    Gq = Hq // Hkv
-    num_rows, pages_per_seq = page_indices.shape
+    Hkv = kv_pages.shape[2] // 2
+    group = Hq // Hkv
+    bp = min(pages_per_block, page_indices.shape[1])
     req, pos, valid = _token_metadata(kv_lens, cu_q_lens, num_seqs, T)
     t_idx = jnp.arange(T, dtype=jnp.int32)
     step_start = pos - (t_idx - cu_q_lens[req])  # position of the request's first new token
-    qg = q.reshape(T, Hkv, Gq, D).astype(jnp.float32) * sm_scale
+    qg = q.reshape(T, Hkv, group, D).astype(jnp.float32) * sm_scale
 
     # In-step keys: dense scores, same request and not later.
     kn = new_k.astype(kv_pages.dtype).astype(jnp.float32)  # as read back from the cache
@@ -772,52 +792,25 @@ def _xla_attention_split(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, n
 
     # Cached keys (positions < step_start), for the compacted tokens that have any.
     needs = valid & (step_start > 0)
-    order = jnp.argsort(~needs, stable=True).astype(jnp.int32)  # needing tokens first
+    order = jnp.pad(jnp.argsort(~needs, stable=True).astype(jnp.int32), (0, PREFIX_GROUP))
     n_need = jnp.sum(needs)
-    G = min(PREFIX_GROUP, T)
-    bp = min(pages_per_block, pages_per_seq)
-    width = -(-pages_per_seq // bp) * bp
-    table = jnp.pad(page_indices, ((0, 0), (0, width - pages_per_seq)))
-    block_pos = jnp.arange(bp * S, dtype=jnp.int32)
-    shape = (T, Hkv, Gq)
-    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (D,), jnp.float32))
+    size = min(PREFIX_GROUP, T)
+    table = _padded_table(page_indices, bp)
 
-    def group(gi, out):
-        rows = lax.dynamic_slice_in_dim(jnp.pad(order, (0, G)), gi * G, G)  # i32[G]
-        live = (gi * G + jnp.arange(G)) < n_need
+    def prefix_group(gi, out):
+        rows = lax.dynamic_slice_in_dim(order, gi * size, size)  # i32[size], needing first
+        live = (gi * size + jnp.arange(size)) < n_need
         limit = jnp.where(live, step_start[rows], 0)  # keys < limit are cached
-        qr = qg[rows]  # [G, Hkv, Gq, D]
-        pages_r = table[req[rows]]  # [G, W]
-
-        def block(j, carry):
-            m, l, acc = carry
-            pages = lax.dynamic_slice_in_dim(pages_r, j * bp, bp, axis=1)
-            kv = kv_pages.at[layer, pages].get(mode="clip")  # [G, Bp, 2Hkv, S, D]
-            kv = kv.reshape(G, bp, Hkv, 2, S, D).transpose(3, 0, 2, 1, 4, 5)
-            kv = kv.reshape(2, G, Hkv, bp * S, D)
-            k, v = kv[0].astype(jnp.float32), kv[1].astype(jnp.float32)
-            sc = jnp.einsum("thgd,thsd->thgs", qr, k, precision=lax.Precision.HIGHEST)
-            vis = (j * bp * S + block_pos)[None, :] < limit[:, None]
-            sc = jnp.where(vis[:, None, None, :], sc, MASK_VALUE)
-            m_new = jnp.maximum(m, sc.max(-1))
-            pr = jnp.exp(sc - m_new[..., None])
-            alpha = jnp.exp(m - m_new)
-            return (m_new, alpha * l + pr.sum(-1),
-                    alpha[..., None] * acc + jnp.einsum("thgs,thsd->thgd", pr, v,
-                                                        precision=lax.Precision.HIGHEST))
-
-        g_shape = (G, Hkv, Gq)
-        g_init = (jnp.full(g_shape, MASK_VALUE, jnp.float32), jnp.zeros(g_shape, jnp.float32),
-                  jnp.zeros(g_shape + (D,), jnp.float32))
-        num_blocks = -(-jnp.max(limit) // (bp * S))
-        m, l, acc = lax.fori_loop(0, num_blocks, block, g_init)
+        num_blocks = -(-jnp.max(limit) // (bp * kv_pages.shape[3]))
+        m, l, acc = _paged_softmax(qg[rows], kv_pages, layer, table[req[rows]], limit,
+                                   num_blocks, bp)
         dest = jnp.where(live, rows, T)  # dead slots write nowhere
         om, ol, oacc = out
         return (om.at[dest].set(m, mode="drop"), ol.at[dest].set(l, mode="drop"),
                 oacc.at[dest].set(acc, mode="drop"))
 
-    m_a, l_a, acc_a = lax.fori_loop(0, -(-n_need // G), group, init)
+    m_a, l_a, acc_a = lax.fori_loop(0, -(-n_need // size), prefix_group,
+                                    _softmax_init(T, Hkv, group, D))
 
     m = jnp.maximum(m_a, m_b)
     wa, wb = jnp.exp(m_a - m), jnp.exp(m_b - m)
