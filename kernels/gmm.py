@@ -21,9 +21,9 @@ of other groups are masked to zero in the lhs tile. One fp32 accumulator per M t
 in VMEM across its visits.
 
 XLA path (``impl="xla"``, what ``"auto"`` picks off-TPU): the same visit idea in plain XLA.
-The sorted rows are cut into tiles of ``XLA_TILE_ROWS`` rows that each belong to one group
-(a static upper bound of ceil(M/tm) + G tiles); each tile's rows and its group's weights are
-gathered, one batched matmul computes every tile, and each row reads its result back. The
+The sorted rows are cut into tiles (``xla_tile_rows``) that each belong to one group; a loop
+over the tiles in use multiplies each tile's rows by its group's weights, sliced out of the
+stack (no gathered copy of every tile's weights), and each row reads its result back. The
 reference (one masked dense matmul per group over all M rows) stays the obvious oracle.
 
 TPU assumptions: tiles tm x tk x tn with tm a multiple of 16 and tk, tn multiples of 128
@@ -183,14 +183,22 @@ def ref_gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False,
 
 # --------------------------------------------------------------------------- XLA (off-TPU)
 
-# Rows per tile of the XLA path. Every tile gathers its group's [K, N] weights, and on
-# XLA:CPU that gather (an elementwise copy, ~1 GB/s here against ~10 GB/s for a streaming
-# read) is most of the cost; the tile count is bounded by ceil(M/tm) + G, so for a decode
-# step (~M/G rows per expert: 8 for 64 rows x top-8 over 64 experts) larger tiles barely
-# reduce the gathers while multiplying the wasted rows of partial tiles. On
-# benchmarks/bench_cpu_moe.py's decode shapes tm = 8, 16 and 32 were within run-to-run noise
-# of each other (a shared 2-core machine); 16 also keeps prefill's tile count at M/16 + G.
+# Rows per tile of the XLA path (the floor: larger M grows it, see ``xla_tile_rows``). Each
+# tile copies its group's [K, N] weights out of the stack (XLA:CPU materialises a dynamic
+# slice before a dot; the copy lands in cache, where the dot reads it), so a tile costs one
+# weight read whatever its rows; decode (~M/G rows per expert: 8 for 64 rows x top-8 over 64
+# experts) wants tiles that small groups fill, prefill wants few tiles per group.
+# benchmarks/bench_cpu_moe.py sweeps it (--tm).
 XLA_TILE_ROWS = 16
+XLA_MAX_TILE_ROWS = 128
+
+
+def xla_tile_rows(num_rows: int, num_groups: int, floor: int | None = None) -> int:
+    """Tile rows for M rows over G groups: the power of two >= M/G (the mean group), clamped
+    to [``XLA_TILE_ROWS``, ``XLA_MAX_TILE_ROWS``]."""
+    floor = floor or XLA_TILE_ROWS
+    mean = -(-num_rows // max(num_groups, 1))
+    return max(floor, min(XLA_MAX_TILE_ROWS, 1 << max(mean - 1, 0).bit_length()))
 
 
 def xla_tile_plan(group_sizes, num_rows: int, tm: int = XLA_TILE_ROWS):
@@ -234,28 +242,38 @@ def _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm):
     """f32[M, N]: the tiled grouped matmul (``silu(gate) * up`` per tile for SwiGLU).
 
     x [M, K] (f32, or bf16 when lhs and weights are bf16); rhs [Lyr, G, K, N'] (N' = 2N for
-    SwiGLU) and rhs_scale f32[Lyr, G, Kb, Nb'] or None, read at ``layer``. Gathers each
-    tile's rows [S, tm, K] and its group's weights [S, K, N'] in their stored dtype (FP8 tiles
-    dequantised to f32 after the gather, so only the weights the tiles use are converted),
-    one batched matmul with fp32 accumulation, then each row picks its tile slot back.
-    Products of bf16 values are exact in fp32, so bf16 operands give the reference's fp32 math.
+    SwiGLU) and rhs_scale f32[Lyr, G, Kb, Nb'] or None, read at ``layer``. A loop over the
+    tiles the groups use (a traced trip count: sum_g ceil(size_g / tm)) gathers each tile's
+    rows [tm, K], slices its group's weights [K, N'] out of the stack in their stored dtype
+    (FP8 dequantised to f32 after the slice, so only the weights the tiles use are
+    converted) and multiplies with fp32 accumulation; each row then picks its tile slot back.
+    One pass over a group's weights per tile: about ``M * K * N`` FLOPs and
+    (tiles x K x N) weight reads, and no [tiles, K, N] gathered copy in memory. Products of
+    bf16 values are exact in fp32, so bf16 operands give the reference's fp32 math.
     """
     m, k = x.shape
     tile_group, tile_rows, row_slot = xla_tile_plan(group_sizes, m, tm)
-    num_tiles = tile_group.shape[0]
-    xt = jnp.take(x, tile_rows, axis=0, mode="fill", fill_value=0)  # [S, tm, K]
-    wt = rhs[layer, tile_group]  # [S, K, N'] stored dtype
-    if rhs_scale is not None:
-        st = rhs_scale[layer, tile_group]  # f32[S, Kb, Nb']
-        st = jnp.repeat(jnp.repeat(st, WEIGHT_BLOCK, axis=1), WEIGHT_BLOCK, axis=2)
-        wt = wt.astype(jnp.float32) * st[:, :k, : wt.shape[2]]  # as dequantize_fp8_blockwise
-    wt = wt.astype(x.dtype)  # no-op unless f32 activations meet bf16 weights
-    y = jnp.einsum("smk,skn->smn", xt, wt, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST)  # f32[S, tm, N']
-    if swiglu:
-        n = y.shape[2] // 2
-        y = jax.nn.silu(y[..., :n]) * y[..., n:]
-    y = y.reshape(num_tiles * tm, y.shape[2])
+    num_tiles, width = tile_group.shape[0], rhs.shape[3]
+    n = width // 2 if swiglu else width
+    used = jnp.sum((jnp.minimum(group_sizes, m) + tm - 1) // tm)  # tiles holding rows
+
+    def tile(s, out):
+        g = tile_group[s]
+        w = jax.lax.dynamic_slice(rhs, (layer, g, 0, 0), (1, 1, k, width))[0, 0]  # [K, N']
+        if rhs_scale is not None:
+            sc = jax.lax.dynamic_slice(rhs_scale, (layer, g, 0, 0),
+                                       (1, 1, *rhs_scale.shape[2:]))[0, 0]  # f32[Kb, Nb']
+            sc = jnp.repeat(jnp.repeat(sc, WEIGHT_BLOCK, axis=0), WEIGHT_BLOCK, axis=1)
+            w = w.astype(jnp.float32) * sc[:k, :width]  # as dequantize_fp8_blockwise
+        w = w.astype(x.dtype)  # no-op unless f32 activations meet bf16 weights
+        xt = jnp.take(x, tile_rows[s], axis=0, mode="fill", fill_value=0)  # [tm, K]
+        y = jnp.dot(xt, w, preferred_element_type=jnp.float32,
+                    precision=jax.lax.Precision.HIGHEST)  # f32[tm, N']
+        if swiglu:
+            y = jax.nn.silu(y[:, :n]) * y[:, n:]
+        return jax.lax.dynamic_update_slice(out, y, (s * tm, 0))
+
+    y = jax.lax.fori_loop(0, used, tile, jnp.zeros((num_tiles * tm, n), jnp.float32))
     return jnp.where((row_slot >= 0)[:, None], y[jnp.maximum(row_slot, 0)], 0.0)
 
 
@@ -271,7 +289,7 @@ def xla_gmm_impl(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtyp
     n = rhs.shape[3] // 2 if swiglu else rhs.shape[3]
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
-    tm = tm or XLA_TILE_ROWS  # read at trace time, so a benchmark can sweep it
+    tm = tm or xla_tile_rows(m, rhs.shape[1])  # read at trace time: a benchmark sweeps it
     if quantize_lhs or rhs_scale is not None:
         x = quantize_lhs_reference(lhs) if quantize_lhs else lhs.astype(jnp.float32)
     else:  # bf16 x bf16 stays bf16 (exact products, fp32 sums); anything else in fp32

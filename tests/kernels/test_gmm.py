@@ -368,6 +368,20 @@ def test_xla_equals_reference(m, k, n, group_sizes, swiglu):
     _check(out_bf16, want_bf16, 1e-2)  # one bf16 rounding of the output
 
 
+def test_xla_tile_rows_and_small_tiles():
+    """Tile rows follow the mean group (clamped); a small tile forces several tiles per group
+    and the loop over them still equals the reference."""
+    assert G.xla_tile_rows(512, 64) == G.XLA_TILE_ROWS  # decode: 8 rows per expert -> floor
+    assert G.xla_tile_rows(2048, 64) == 32
+    assert G.xla_tile_rows(10**6, 64) == G.XLA_MAX_TILE_ROWS
+    m, k, n, sizes = 150, 64, 48, [0, 37, 0, 50, 20, 0]
+    lhs, rhs, gs = _inputs(m, k, n, sizes, jnp.float32, seed=32)
+    out = jax.jit(lambda a, b, g: G.xla_gmm_impl(a, b[None], g, None, 0, False, jnp.float32,
+                                                 False, tm=8))(lhs, rhs, gs)
+    _check(out, G.ref_gmm(lhs, rhs, gs), 1e-5)
+    np.testing.assert_array_equal(np.asarray(out[sum(sizes):]), 0.0)
+
+
 def test_auto_resolves_to_xla_off_tpu():
     from kernels import dispatch
 
