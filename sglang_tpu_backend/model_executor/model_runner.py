@@ -2,13 +2,17 @@
 turns a ScheduledBatch into bucketed device arrays and hands back per-chunk results.
 
 Buckets (so steady-state serving never recompiles; warm-up compiles every one):
-  DECODE:  T = R = L in ``req_buckets`` (powers of two from 8 up to max_running_requests).
+  DECODE:  T = R = L in ``req_buckets`` (powers of four from 8 up to max_running_requests).
   MIXED:   every other step (prefill chunks, with or without decodes: EXTEND steps run as
-           MIXED, one program for both); T in ``token_buckets`` (powers of four from 16 up
-           to max_tokens_per_step), R = L in ``extend_req_buckets`` (powers of four from 8 up
+           MIXED, one program for both); T in ``token_buckets`` (powers of four from 64 up
+           to max_tokens_per_step), R = L in ``extend_req_buckets`` (powers of eight from 8 up
            to max_running_requests), covering both the requests and the logits rows (the
            scheduler keeps logits rows per step <= max_running_requests, chunking
            prompt-logprob prefills).
+The ladders are coarse on purpose: every bucket is one more program to compile before the
+server answers (5-8 s each on a 2-core XLA:CPU host), and a padded row costs far less than
+that (padding rows route to no expert and read no pages). With the default limits (64
+requests, 256-token steps) that is 3 DECODE and 4 MIXED programs.
 The page table is always ``pages_per_seq`` wide (context length / page size): the attention
 kernels read only the pages a request holds (the Pallas kernel by its kv lengths, the XLA path
 by a loop over page blocks up to the batch's longest request), so the width costs an upload
@@ -120,9 +124,9 @@ def step_shapes(max_running_requests: int, max_tokens_per_step: int
                 ) -> list[tuple[ForwardMode, int, int, int]]:
     """Every bucketed (mode, T, R, L) a runner with these limits can step with.
 
-    DECODE: T = R = L in powers of two from 8 up to max_running_requests. MIXED: T in powers
-    of four from 16 up to max(max_tokens_per_step, max_running_requests), R = L in powers of
-    four from 8 up to max_running_requests, only where some request count n <= T picks that R.
+    DECODE: T = R = L in ``req_buckets``. MIXED: T in ``token_buckets`` x R = L in
+    ``extend_req_buckets``, only where some request count n <= T picks that R (see
+    ``_ladders``).
     """
     req_buckets, extend_req_buckets, token_buckets = _ladders(max_running_requests,
                                                               max_tokens_per_step)
@@ -136,11 +140,17 @@ def step_shapes(max_running_requests: int, max_tokens_per_step: int
     return out
 
 
+DECODE_FACTOR = 4  # decode request buckets: 8, 32, 128, ... (capped at the limit)
+PREFILL_MIN_TOKENS, PREFILL_TOKEN_FACTOR = 64, 4  # prefill token buckets: 64, 256, 1024, ...
+PREFILL_REQ_FACTOR = 8  # prefill request buckets: 8, 64, 512, ...
+
+
 def _ladders(max_running_requests: int, max_tokens_per_step: int):
     """(decode request buckets, prefill request buckets, prefill token buckets)."""
-    return (bucket_ladder(max_running_requests),
-            bucket_ladder(max_running_requests, factor=4),
-            bucket_ladder(max(max_tokens_per_step, max_running_requests), smallest=16, factor=4))
+    return (bucket_ladder(max_running_requests, factor=DECODE_FACTOR),
+            bucket_ladder(max_running_requests, factor=PREFILL_REQ_FACTOR),
+            bucket_ladder(max(max_tokens_per_step, max_running_requests),
+                          smallest=PREFILL_MIN_TOKENS, factor=PREFILL_TOKEN_FACTOR))
 
 
 def _resolve_input_ids(input_ids, from_slot, last_tokens):
@@ -672,21 +682,43 @@ class ModelRunner:
         )
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every forward and sampler variant; returns seconds taken."""
+        """Compile every forward and sampler variant; returns seconds taken.
+
+        The forward programs compile one after another on this thread (each runs on the real
+        cache, which it donates); each bucket's sampler programs then compile on a second
+        thread, against scratch copies of the penalty counts and last tokens, while the next
+        forward compiles (XLA:CPU leaves a core idle for part of a big compile, and the
+        sampler's small ones fill it). Same jitted functions, same argument shapes and
+        placements: serving reuses every program compiled here."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm import tqdm
 
         shapes = self.all_shapes()
         t0 = time.perf_counter()
         D = self.dp_size
-        for kind, T, R, L in tqdm(shapes, desc="warmup (compile)", disable=not progress):
-            if self.dp is None:
-                logits = self.forward(self.dummy_batch(kind, T, R, L))
-            else:
-                logits = self.forward_dp([self.dummy_batch(kind, T, R, L)] * D)
+        scratch = [jnp.copy(self.counts), jnp.copy(self.last_tokens)]
+
+        def warm_sampler(logits, R: int, L: int) -> None:
             for variant in self.sampler_variants():
                 inp = self.dummy_sampling_inputs(D * R, D * L, variant)
                 for K in (0, self.max_top_logprobs_num):
-                    self.sample(logits, inp, K, variant)
+                    out = sampler.sample_jit(logits, scratch[0], self.prompt_mask, inp,
+                                             num_top_logprobs=K, variant=variant)
+                    scratch[0] = out.pop("counts")
+                    scratch[1] = _record_tokens_jit(scratch[1], inp.slot, out["tokens"], inp.valid)
+            jax.block_until_ready(scratch)
+
+        with ThreadPoolExecutor(1, thread_name_prefix="warmup-sampler") as pool:
+            pending = []
+            for kind, T, R, L in tqdm(shapes, desc="warmup (compile)", disable=not progress):
+                if self.dp is None:
+                    logits = self.forward(self.dummy_batch(kind, T, R, L))
+                else:
+                    logits = self.forward_dp([self.dummy_batch(kind, T, R, L)] * D)
+                pending.append(pool.submit(warm_sampler, logits, R, L))
+            for f in pending:
+                f.result()  # re-raises a failed sampler compile here
         self.counts, self.prompt_mask = sampler.set_penalty_row_jit(
             self.counts, self.prompt_mask, np.int32(0), np.zeros(self.vocab_size, np.int32),
             np.zeros(self.vocab_size, np.bool_))  # slot 0 is free at warm-up
