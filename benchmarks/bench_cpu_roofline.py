@@ -41,20 +41,16 @@ from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.models.param_shapes import param_shapes
 from sglang_tpu_backend.tiny_model import tiny_config_dict
 
-MID = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2,
-           head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
-           linear_value_head_dim=64, num_experts=64, num_experts_per_tok=8,
-           moe_intermediate_size=256, shared_expert_intermediate_size=1024)
+from bench_vs_transformers import CONFIGS, LAYERS  # benchmarks/ is the script's path
+
 PAGE = 16
 
 
 def make_config(name: str):
+    """The model config ``bench_vs_transformers.py`` compares with transformers on."""
     d = tiny_config_dict(vocab_size=1216, eos_token_id=2)
-    if name == "mid":
-        t = d["text_config"]
-        t.update(MID)
-        t["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                            for i in range(t["num_hidden_layers"])]
+    d["text_config"].update(CONFIGS[name],
+                            layer_types=LAYERS(CONFIGS[name]["num_hidden_layers"]))
     return model_config_from_dict(d)
 
 
