@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import tempfile
 import time
@@ -83,14 +84,14 @@ def transformers_tok_s(path: Path, ps: list[list[int]], out_len: int, batch: int
     return len(ps) * out_len / (time.perf_counter() - t0)
 
 
-def engine_tok_s(path: Path, ps: list[list[int]], out_len: int, clients: int) -> float:
+def engine_tok_s(path: Path, ps: list[list[int]], out_len: int, clients: int, dp_size: int = 1) -> float:
     from sglang_tpu_backend.engine import Engine
     from sglang_tpu_backend.managers.io_struct import GenerateReqInput
     from sglang_tpu_backend.server_args import ServerArgs
 
     eng = Engine(ServerArgs(model_path=str(path), tokenizer_path=str(ASSETS), dtype="float32",
                             max_running_requests=clients, context_length=256, chunked_prefill_size=256,
-                            disable_radix_cache=True))
+                            disable_radix_cache=True, dp_size=dp_size))
 
     async def round_():
         sem = asyncio.Semaphore(clients)
@@ -119,16 +120,21 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--dp-size", type=int, default=1,
+                    help="engine data-parallel ranks (experts split over them), one CPU device each")
     args = ap.parse_args()
+    if args.dp_size > 1:  # before jax starts: one host CPU device per rank, each on its own thread
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={args.dp_size}")
     vocab = json.loads((ASSETS / "config.json").read_text())["text_config"]["vocab_size"]
     with tempfile.TemporaryDirectory(prefix="stb-bench-") as tmp:
         path = Path(tmp)
         make_checkpoint(args.config, path, vocab)
         ps = prompts(args.num_prompts, args.input_len, vocab)
         hf = transformers_tok_s(path, ps, args.output_len, args.concurrency)
-        ours = engine_tok_s(path, ps, args.output_len, args.concurrency)
+        ours = engine_tok_s(path, ps, args.output_len, args.concurrency, args.dp_size)
     print(f"config={args.config} prompts={args.num_prompts} in={args.input_len} out={args.output_len} "
-          f"clients/batch={args.concurrency} fp32 greedy")
+          f"clients/batch={args.concurrency} fp32 greedy engine dp={args.dp_size}")
     print(f"transformers generate: {hf:8.1f} output tok/s")
     print(f"this engine:           {ours:8.1f} output tok/s")
     print(f"engine / transformers: {ours / hf:.2f}x")

@@ -73,6 +73,7 @@ class RemoteEngine:
         self.roles = ["colocated"] if engine is not None else ["prefill", "decode"]
         self._inflight: dict[str, Any] = {}  # rid -> the replica call in progress
         self._aborted: set[str] = set()  # rids cancelled by abort_request, not yet ended
+        self._hub = None  # the application's metrics hub handle, looked up on first scrape
 
     async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
         """The engine's outputs for ``obj``. A request whose replica dies ends with
@@ -162,11 +163,19 @@ class RemoteEngine:
     async def metrics_text(self) -> bytes:
         """Every engine replica's metrics (each labelled ``replica``) from the application's
         metrics hub; before any replica has pushed, one replica of each deployment."""
-        hub = await asyncio.to_thread(get_hub, self.engines[0].app_name)
-        texts = await hub.collect.remote()
+        try:
+            texts = await (await self._metrics_hub()).collect.remote()
+        except ray.exceptions.RayActorError:  # the hub was restarted: look it up again
+            self._hub = None
+            texts = await (await self._metrics_hub()).collect.remote()
         if not texts:
             texts = await asyncio.gather(*(h.metrics_text.remote() for h in self.engines))
         return merge_exposition(list(texts))
+
+    async def _metrics_hub(self):
+        if self._hub is None:  # a named-actor lookup: once, not per scrape
+            self._hub = await asyncio.to_thread(get_hub, self.engines[0].app_name)
+        return self._hub
 
     async def health_generate(self) -> bool:
         return all(await asyncio.gather(*(h.health_generate.remote() for h in self.engines)))

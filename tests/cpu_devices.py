@@ -28,3 +28,48 @@ def run_on_cpu_devices(script: Path, *args: str, num_devices: int = 8, timeout: 
     proc = subprocess.run([sys.executable, str(script), *args], env=cpu_devices_env(num_devices),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a coordinator the children bind)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_peers(script: Path, runs: dict, log_dir: Path, deadline_s: float) -> None:
+    """Run ``python script *argv`` for every ``key: (argv, num_devices)`` of ``runs`` at once
+    (peers of one multi-process mesh, and whatever runs beside them), each logging to
+    ``log_dir/<key>.log``. Stops early when one exits non-zero (a dead peer would leave the
+    others blocked in a collective); kills what is left by pid; fails the test, with each
+    log's tail, unless all exited 0 within ``deadline_s``."""
+    import time
+
+    import pytest
+
+    procs, logs = {}, {}
+    try:
+        for key, (argv, num_devices) in runs.items():
+            logs[key] = open(log_dir / f"{key}.log", "w")
+            procs[key] = subprocess.Popen([sys.executable, str(script), *map(str, argv)],
+                                          env=cpu_devices_env(num_devices), stdout=logs[key],
+                                          stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + deadline_s
+        while any(p.poll() is None for p in procs.values()):
+            if any(p.poll() not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        codes = {k: p.poll() for k, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        for f in logs.values():
+            f.close()
+    if codes != {k: 0 for k in procs}:
+        tails = "\n".join(f"--- {k} (exit {codes[k]}):\n" + (log_dir / f"{k}.log").read_text()[-3000:]
+                          for k in procs)
+        pytest.fail(f"subprocesses failed or timed out after {deadline_s}s: {codes}\n{tails}")

@@ -9,16 +9,13 @@ subprocesses are killed by pid in a ``finally``; the whole run has a deadline.
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from sglang_tpu_backend.server_args import ServerArgs
-from tests.cpu_devices import cpu_devices_env
+from tests.cpu_devices import free_port, run_peers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -27,43 +24,15 @@ from multihost_engine_run import PROMPT_LENS  # noqa: E402
 DEADLINE_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multihost_engine")
-    coord = f"127.0.0.1:{_free_port()}"
+    coord = f"127.0.0.1:{free_port()}"
     runs = {"single": (["--single"], 8), 0: ([coord, "2", "0"], 4), 1: ([coord, "2", "1"], 4)}
-    procs, logs = {}, {}
-    try:
-        for key, (argv, devices) in runs.items():
-            logs[key] = open(tmp / f"{key}.log", "w")
-            procs[key] = subprocess.Popen(
-                [sys.executable, str(HERE / "multihost_engine_run.py"), *argv,
-                 str(tmp / f"{key}.json")], env=cpu_devices_env(devices), stdout=logs[key],
-                stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + DEADLINE_S
-        while any(p.poll() is None for p in procs.values()):
-            if any(p.poll() not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
-                break  # a dead peer would leave the other blocked in a collective
-            time.sleep(0.5)
-        codes = {k: p.poll() for k, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-        for f in logs.values():
-            f.close()
-    if codes != {k: 0 for k in procs}:
-        tails = "\n".join(f"--- {k} (exit {codes[k]}):\n"
-                          + (tmp / f"{k}.log").read_text()[-3000:] for k in procs)
-        pytest.fail(f"subprocesses failed or timed out after {DEADLINE_S}s: {codes}\n{tails}")
-    return {k: json.loads((tmp / f"{k}.json").read_text()) for k in procs}
+    run_peers(HERE / "multihost_engine_run.py",
+              {k: ([*argv, tmp / f"{k}.json"], devices) for k, (argv, devices) in runs.items()},
+              tmp, DEADLINE_S)
+    return {k: json.loads((tmp / f"{k}.json").read_text()) for k in runs}
 
 
 def test_two_processes_serve_the_same_greedy_outputs_as_one(results):

@@ -197,6 +197,19 @@ async def _first_token_then(engine, obj, outs: list):
         outs.append(o)
 
 
+async def _update_pending_mid_stream(eng, gate: Gate, ckpt):
+    """A long request streaming, the loop parked at ``gate``, then an update to ``ckpt``
+    started and pending. Returns (long request task, its chunks, update task)."""
+    long_outs: list = []
+    long_task = asyncio.ensure_future(_first_token_then(eng, _req(PROMPTS[0], LONG, stream=True), long_outs))
+    await _until(lambda: long_outs, "the long request's first token")
+    gate.close()
+    await _until(gate.parked.is_set, "the loop to park")
+    update = asyncio.ensure_future(asyncio.to_thread(eng.update_weights_from_disk, str(ckpt)))
+    await _until(lambda: eng._weight_swap is not None, "the update to be pending")
+    return long_task, long_outs, update
+
+
 @pytest.mark.parametrize("engine_fixture", ["eng", "eng_sync"])
 def test_inflight_requests_finish_on_old_weights(request, engine_fixture, ckpts, reference):
     eng = request.getfixturevalue(engine_fixture)
@@ -206,13 +219,7 @@ def test_inflight_requests_finish_on_old_weights(request, engine_fixture, ckpts,
     eng.fault_injector = gate
 
     async def scenario():
-        long_outs: list = []
-        long_task = asyncio.ensure_future(_first_token_then(eng, _req(PROMPTS[0], LONG, stream=True), long_outs))
-        await _until(lambda: long_outs, "the long request's first token")
-        gate.close()
-        await _until(gate.parked.is_set, "the loop to park")
-        update = asyncio.ensure_future(asyncio.to_thread(eng.update_weights_from_disk, str(ckpts["b"])))
-        await _until(lambda: eng._weight_swap is not None, "the update to be pending")
+        long_task, long_outs, update = await _update_pending_mid_stream(eng, gate, ckpts["b"])
         new = asyncio.ensure_future(_final(eng, _req(PROMPTS[0], GREEDY, return_logprob=True)))
         await _until(lambda: eng.pool_stats()["num_queued"] == 1, "the new request to be held")
         assert not long_task.done() and not update.done()
@@ -242,13 +249,7 @@ def test_held_request_can_leave(eng_sync, ckpts):
     eng.fault_injector = gate
 
     async def scenario():
-        long_outs: list = []
-        long_task = asyncio.ensure_future(_first_token_then(eng, _req(PROMPTS[0], LONG, stream=True), long_outs))
-        await _until(lambda: long_outs, "the long request's first token")
-        gate.close()
-        await _until(gate.parked.is_set, "the loop to park")
-        update = asyncio.ensure_future(asyncio.to_thread(eng.update_weights_from_disk, str(ckpts["b"])))
-        await _until(lambda: eng._weight_swap is not None, "the update to be pending")
+        long_task, _, update = await _update_pending_mid_stream(eng, gate, ckpts["b"])
         held = asyncio.ensure_future(_final(eng, _req(PROMPTS[1], GREEDY)))
         await _until(lambda: eng.pool_stats()["num_queued"] == 1, "the new request to be held")
         held.cancel()  # the consumer leaves

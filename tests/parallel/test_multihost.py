@@ -10,10 +10,6 @@ by pid in a ``finally`` and the whole run has a deadline.
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,56 +18,23 @@ import pytest
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.parallel import multihost as mh
-from tests.cpu_devices import cpu_devices_env
+from tests.cpu_devices import free_port, run_peers
 
 HERE = Path(__file__).resolve().parent
 NUM_PROCESSES = 2
 DEADLINE_S = 300  # the whole fixture: ~40 s of CPU per process, ~1-2 min on 2 busy cores
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multihost")
     mh_out, single_out = tmp / "multihost.npz", tmp / "single.npz"
-    coordinator = f"127.0.0.1:{_free_port()}"
-    procs, logs = {}, {}
-    try:
-        # One process with 8 devices (the same plan, plus every request alone), alongside.
-        logs["single"] = open(tmp / "single.log", "w")
-        procs["single"] = subprocess.Popen(
-            [sys.executable, str(HERE / "multihost_run.py"), "--single", str(single_out)],
-            env=cpu_devices_env(8),
-            stdout=logs["single"], stderr=subprocess.STDOUT)
-        for pid in range(NUM_PROCESSES):
-            logs[pid] = open(tmp / f"process{pid}.log", "w")
-            procs[pid] = subprocess.Popen(
-                [sys.executable, str(HERE / "multihost_run.py"), coordinator, str(NUM_PROCESSES),
-                 str(pid), str(mh_out)], env=cpu_devices_env(4), stdout=logs[pid], stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + DEADLINE_S
-        while any(p.poll() is None for p in procs.values()):
-            failed = [k for k, p in procs.items() if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                break  # a dead peer would leave the others blocked in a collective
-            time.sleep(0.5)
-        codes = {k: p.poll() for k, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-        for f in logs.values():
-            f.close()
-    if codes != {k: 0 for k in procs}:
-        tails = "\n".join(f"--- {k} (exit {codes[k]}):\n" + (tmp / (
-            "single.log" if k == "single" else f"process{k}.log")).read_text()[-3000:]
-            for k in procs)
-        pytest.fail(f"subprocesses failed or timed out after {DEADLINE_S}s: {codes}\n{tails}")
+    coordinator = f"127.0.0.1:{free_port()}"
+    # One process with 8 devices (the same plan, plus every request alone), alongside.
+    runs = {"single": (["--single", single_out], 8)}
+    for pid in range(NUM_PROCESSES):
+        runs[pid] = ([coordinator, NUM_PROCESSES, pid, mh_out], 4)
+    run_peers(HERE / "multihost_run.py", runs, tmp, DEADLINE_S)
     return dict(np.load(mh_out)), dict(np.load(single_out))
 
 
