@@ -91,7 +91,7 @@ def engine_tok_s(path: Path, ps: list[list[int]], out_len: int, clients: int, dp
 
     eng = Engine(ServerArgs(model_path=str(path), tokenizer_path=str(ASSETS), dtype="float32",
                             max_running_requests=clients, context_length=256, chunked_prefill_size=256,
-                            disable_radix_cache=True, dp_size=dp_size))
+                            disable_radix_cache=True, dp_size=dp_size, ep_size=dp_size))
 
     async def round_():
         sem = asyncio.Semaphore(clients)
