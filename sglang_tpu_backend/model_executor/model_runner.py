@@ -597,11 +597,17 @@ class ModelRunner:
                variant: sampler.SamplerVariant = sampler.FULL) -> dict[str, jax.Array]:
         """Dispatch the sampler (updating the penalty counts and ``last_tokens``); returns its
         outputs as device arrays."""
-        out = sampler.sample_jit(logits, self.counts, self.prompt_mask, inp, num_top_logprobs=K,
-                                 variant=variant)
-        self.counts = out.pop("counts")
-        self.last_tokens = _record_tokens_jit(self.last_tokens, inp.slot, out["tokens"], inp.valid)
+        out, self.counts, self.last_tokens = self._sample_with(
+            logits, self.counts, self.last_tokens, inp, K, variant)
         return out
+
+    def _sample_with(self, logits, counts, last_tokens, inp, K, variant):
+        """The sampler on given penalty counts / last tokens (both donated): (outputs, new
+        counts, new last tokens)."""
+        out = sampler.sample_jit(logits, counts, self.prompt_mask, inp, num_top_logprobs=K,
+                                 variant=variant)
+        counts = out.pop("counts")
+        return out, counts, _record_tokens_jit(last_tokens, inp.slot, out["tokens"], inp.valid)
 
     def run(self, batch: ScheduledBatch) -> list[ChunkResult]:
         """Run one step: forward, sample, and split the outputs per chunk."""
@@ -687,8 +693,8 @@ class ModelRunner:
         The forward programs compile one after another on this thread (each runs on the real
         cache, which it donates); each bucket's sampler programs then compile on a second
         thread, against scratch copies of the penalty counts and last tokens, while the next
-        forward compiles (XLA:CPU leaves a core idle for part of a big compile, and the
-        sampler's small ones fill it). Same jitted functions, same argument shapes and
+        forward compiles (on this repo's 2-core CPU the gain is within run-to-run noise; the
+        bucket count is what sets start-up time). Same jitted functions, same argument shapes and
         placements: serving reuses every program compiled here."""
         from concurrent.futures import ThreadPoolExecutor
 
@@ -703,10 +709,7 @@ class ModelRunner:
             for variant in self.sampler_variants():
                 inp = self.dummy_sampling_inputs(D * R, D * L, variant)
                 for K in (0, self.max_top_logprobs_num):
-                    out = sampler.sample_jit(logits, scratch[0], self.prompt_mask, inp,
-                                             num_top_logprobs=K, variant=variant)
-                    scratch[0] = out.pop("counts")
-                    scratch[1] = _record_tokens_jit(scratch[1], inp.slot, out["tokens"], inp.valid)
+                    _, scratch[0], scratch[1] = self._sample_with(logits, *scratch, inp, K, variant)
             jax.block_until_ready(scratch)
 
         with ThreadPoolExecutor(1, thread_name_prefix="warmup-sampler") as pool:
