@@ -70,6 +70,7 @@ from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor import weight_update
 from sglang_tpu_backend.model_executor.model_runner import (
     ModelRunner, deterministic_prefill_reqs, deterministic_prefill_rows)
+from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.profiler import StepProfiler
 from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
@@ -184,7 +185,8 @@ class Engine(OfflineAPI):
             cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
             num_state_slots=running, max_running_requests=running,
             max_tokens_per_step=args.max_tokens_per_step, context_length=context_length,
-            kv_dtype=DTYPES[args.dtype], impl=args.kernel_impl,
+            kv_dtype=qwen3_5_moe.cache_storage_dtype(DTYPES[args.dtype], jax.default_backend()),
+            impl=args.kernel_impl,
             max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp, tp_size=args.tp_size,
             num_gdn_snapshots=num_snapshots, deterministic=det,
         )

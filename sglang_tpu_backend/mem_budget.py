@@ -10,6 +10,9 @@ requests (= GDN state slots) and ``s`` GDN snapshots per rank, V the vocabulary:
     activations = plan.step_activation_bytes(max_tokens_per_step) + 4 * r * V   (f32 logits)
     pages       = (budget - weights - state - penalty - activations) // plan.kv_page_bytes
 
+On a CPU a 16-bit ``--dtype`` keeps the KV pages and conv states in f32
+(``qwen3_5_moe.cache_storage_dtype``); their bytes are counted so.
+
 The byte formulas are the TPU memory planner's (``plan.py``), so the two agree. Every running
 request must be able to hold one page: while ``pages < r``, ``r`` drops by one (logged); when
 even ``r = 1`` leaves no page, ValueError names the flag. ``--max-total-tokens`` caps the pool.
@@ -24,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.models.qwen3_5_moe import cache_storage_dtype
 from sglang_tpu_backend.plan import gdn_slot_bytes, kv_page_bytes, step_activation_bytes, weight_bytes
 from sglang_tpu_backend.server_args import ServerArgs
 
@@ -75,8 +79,9 @@ def size_pools(cfg: ModelConfig, args: ServerArgs, device_memory: int) -> PoolBu
     replicated, sharded = weight_bytes(cfg, ep=args.ep_size, tp=tp, expert_dtype="dense",
                                        dtype=jnp.dtype(args.dtype))
     weights = replicated + sharded
-    page = kv_page_bytes(cfg, tp=tp, page_size=args.page_size, kv_bytes=b)
-    slot = gdn_slot_bytes(cfg, tp=tp, kv_bytes=b, state_bytes=STATE_DTYPE_BYTES)
+    cache_b = jnp.dtype(cache_storage_dtype(args.dtype, jax.default_backend())).itemsize
+    page = kv_page_bytes(cfg, tp=tp, page_size=args.page_size, kv_bytes=cache_b)
+    slot = gdn_slot_bytes(cfg, tp=tp, kv_bytes=cache_b, state_bytes=STATE_DTYPE_BYTES)
     act_fixed = step_activation_bytes(cfg, ep=args.ep_size, tp=tp, tokens=args.max_tokens_per_step,
                                       dtype_bytes=b)
 
