@@ -245,7 +245,15 @@ def _unit_lower_inverse(n):
 
 def _ref_chunked(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
                  cu_q_lens, kv_lens, state_slots, num_seqs, num_k_heads, chunk_size, layer):
-    """decode=False reference: chunked (UT/WY) gated delta rule over a ragged batch."""
+    """decode=False reference: chunked (UT/WY) gated delta rule over a ragged batch.
+
+    A loop over the chunks in use (a traced count; a request's chunks run in order), each
+    doing its whole chunk: gather its rows [Hv, L, ...], the intra-chunk UT transform, then
+    output and state update from its request's running state. The static chunk-slot bound
+    ``num_chunk_slots`` (T/L + R) only sizes buffers, so a padded request bucket costs no
+    work (on XLA:CPU, tiny default, 64-token step of one request: 6.7 -> 0.5 ms per layer
+    at R = 64 against the former all-slots batch).
+    """
     T, _ = mixed_qkv.shape
     _, _, Hv, Dk, Dv = rec_state.shape
     R = state_slots.shape[0]
@@ -262,41 +270,44 @@ def _ref_chunked(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_s
     idx = lay.start[:, None] + jnp.arange(L)[None, :]  # i32[N, L]
     live = jnp.arange(L)[None, :] < lay.length[:, None]  # bool[N, L]
 
-    def chunked(x):  # [T, Hv, ...] -> [N, Hv, L, ...], zero past each chunk's length
-        xc = x[jnp.clip(idx, 0, T - 1)]
-        xc = jnp.where(live.reshape(N, L, *([1] * (x.ndim - 1))), xc, 0.0)
-        return jnp.moveaxis(xc, 1, 2)
-
-    qc, kc, vc, gc, bc = (chunked(t) for t in (q, k, v, g, beta))
-    gam = jnp.cumsum(gc, axis=-1)  # f32[N, Hv, L]
     tril = jnp.tril(jnp.ones((L, L), bool))
-    decay = jnp.exp(jnp.where(tril, gam[..., :, None] - gam[..., None, :], -jnp.inf))
-    kb = kc * bc[..., None]
-    kk = jnp.einsum("nhid,nhjd->nhij", kb, kc, precision=HI) * decay
-    ut_inv = _unit_lower_inverse(jnp.where(jnp.tril(jnp.ones((L, L), bool), -1), kk, 0.0))
-    u = jnp.einsum("nhij,nhjv->nhiv", ut_inv, vc * bc[..., None], precision=HI)  # f32[N, Hv, L, Dv]
-    w = jnp.einsum("nhij,nhjk->nhik", ut_inv, kb * jnp.exp(gam)[..., None], precision=HI)
-    attn = jnp.einsum("nhid,nhjd->nhij", qc, kc, precision=HI) * decay
-    qd = qc * jnp.exp(gam)[..., None]
-    kd = kc * jnp.exp(gam[..., -1:] - gam)[..., None]
-    cdec = jnp.exp(gam[..., -1])[..., None, None]  # f32[N, Hv, 1, 1]
 
-    def step(states, xs):
-        r, u_n, w_n, qd_n, attn_n, kd_n, cd_n = xs
+    def step(n, carry):  # chunk n of its request: output rows, then the request's new state
+        states, oc = carry
+        rows = jnp.clip(idx[n], 0, T - 1)  # i32[L]
+        keep = live[n]  # bool[L]
+
+        def chunk(x):  # [T, Hv, ...] -> [Hv, L, ...], zero past the chunk's length
+            xc = jnp.where(keep.reshape(L, *([1] * (x.ndim - 1))), x[rows], 0.0)
+            return jnp.moveaxis(xc, 0, 1)
+
+        qc, kc, vc, gc, bc = (chunk(t) for t in (q, k, v, g, beta))
+        gam = jnp.cumsum(gc, axis=-1)  # f32[Hv, L]
+        decay = jnp.exp(jnp.where(tril, gam[:, :, None] - gam[:, None, :], -jnp.inf))
+        kb = kc * bc[..., None]
+        kk = jnp.einsum("hid,hjd->hij", kb, kc, precision=HI) * decay
+        ut_inv = _unit_lower_inverse(jnp.where(jnp.tril(tril, -1), kk, 0.0))
+        u = jnp.einsum("hij,hjv->hiv", ut_inv, vc * bc[..., None], precision=HI)  # f32[Hv, L, Dv]
+        w = jnp.einsum("hij,hjk->hik", ut_inv, kb * jnp.exp(gam)[..., None], precision=HI)
+        attn = jnp.einsum("hid,hjd->hij", qc, kc, precision=HI) * decay
+        r = lay.req[n]
         s = states[r]
-        v_new = u_n - jnp.einsum("hck,hkv->hcv", w_n, s, precision=HI)
-        o = (jnp.einsum("hck,hkv->hcv", qd_n, s, precision=HI)
-             + jnp.einsum("hij,hjv->hiv", attn_n, v_new, precision=HI))
-        s = s * cd_n + jnp.einsum("hck,hcv->hkv", kd_n, v_new, precision=HI)
-        return states.at[r].set(s), o
+        v_new = u - jnp.einsum("hck,hkv->hcv", w, s, precision=HI)
+        o = (jnp.einsum("hck,hkv->hcv", qc * jnp.exp(gam)[..., None], s, precision=HI)
+             + jnp.einsum("hij,hjv->hiv", attn, v_new, precision=HI))
+        kd = kc * jnp.exp(gam[:, -1:] - gam)[..., None]
+        s = s * jnp.exp(gam[:, -1])[:, None, None] + jnp.einsum("hck,hcv->hkv", kd, v_new,
+                                                                 precision=HI)
+        return states.at[r].set(s), oc.at[n].set(o)
 
-    states0 = jnp.concatenate([rs0, jnp.zeros((1, Hv, Dk, Dv), F32)])  # row R: sink
-    r_eff = jnp.where((lay.flags & VALID) > 0, lay.req, R)
-    states, oc = lax.scan(step, states0, (r_eff, u, w, qd, attn, kd, cdec))
+    # Only the chunks in use (a traced count: the valid chunks come first); a padded request
+    # bucket adds chunk slots, not work.
+    num_used = jnp.sum((lay.flags & VALID) > 0)
+    states, oc = lax.fori_loop(0, num_used, step, (rs0, jnp.zeros((N, Hv, L, Dv), F32)))
     oc = jnp.moveaxis(oc, 1, 2)  # f32[N, L, Hv, Dv]
     o = jnp.zeros((T, Hv, Dv), F32).at[jnp.where(live, idx, T)].set(oc, mode="drop")
     conv_state, rec_state = _store_states(conv_state, rec_state, layer, state_slots, real,
-                                          new_cs, states[:R])
+                                          new_cs, states)
     return o.astype(mixed_qkv.dtype), conv_state, rec_state
 
 
