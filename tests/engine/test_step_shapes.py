@@ -23,12 +23,13 @@ def test_bucket_ladder_and_pick():
 
 
 def test_step_shapes_of_the_default_limits():
-    """64 running requests, 256-token steps: 3 decode shapes, 4 mixed ones (EXTEND steps
-    run as MIXED: one program for both); few enough to compile in under a minute."""
+    """64 running requests, 256-token steps: 3 decode shapes, 2 mixed ones (EXTEND steps
+    run as MIXED: one program for both; prefill steps pad their requests to the limit); few
+    enough to compile in under a minute."""
     shapes = step_shapes(64, 256)
     D, M = ForwardMode.DECODE, ForwardMode.MIXED
     assert shapes == [(D, 8, 8, 8), (D, 32, 32, 32), (D, 64, 64, 64),
-                      (M, 64, 8, 8), (M, 64, 64, 64), (M, 256, 8, 8), (M, 256, 64, 64)]
+                      (M, 64, 64, 64), (M, 256, 64, 64)]
     # A limit below the smallest bucket is the only bucket; a step larger than the limit
     # never exists, so no bucket exceeds it.
     assert step_shapes(4, 32) == [(D, 4, 4, 4), (M, 32, 4, 4)]
