@@ -43,7 +43,7 @@ def test_bf16_model_with_f32_cache_is_as_accurate():
 
     def run(params, kv_dtype):
         cache = init_cache(cfg, num_pages=9, page_size=PAGE, num_state_slots=2, kv_dtype=kv_dtype)
-        outs, ctx = [], [0, 0]
+        outs = []
         steps = [[SeqChunk(p, 0, pg, i) for i, (p, pg) in enumerate(zip(prompts, pages))]]
         for t in range(4):  # then decode steps, each request fed a fixed token
             steps.append([SeqChunk([5 + t + i], len(prompts[i]) + t, pages[i], i) for i in range(2)])
