@@ -18,6 +18,7 @@ from sglang_tpu_backend.config import load_model_config
 from sglang_tpu_backend.loader import load_model
 from sglang_tpu_backend.mem_budget import size_pools
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
+from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.models.qwen3_5_moe import cache_storage_dtype, forward_jit, init_cache
 from sglang_tpu_backend.server_args import ServerArgs
 from sglang_tpu_backend.tiny_model import default_model_path
@@ -48,7 +49,8 @@ def test_bf16_model_with_f32_cache_is_as_accurate():
         for t in range(4):  # then decode steps, each request fed a fixed token
             steps.append([SeqChunk([5 + t + i], len(prompts[i]) + t, pages[i], i) for i in range(2)])
         for chunks in steps:
-            batch, rows = build_forward_batch(chunks, page_size=PAGE, **BUCKETS)
+            batch, rows = build_forward_batch(chunks, page_size=PAGE, mode=ForwardMode.MIXED,
+                                              **BUCKETS)  # one program for every step
             logits, cache = forward_jit(params, cache, batch, cfg, impl="auto")
             outs.append(np.asarray(logits)[np.concatenate(rows)])
         assert cache.kv_pages.dtype == kv_dtype and cache.conv_state.dtype == kv_dtype
