@@ -20,7 +20,11 @@ shared expert, norms, embedding, lm_head, the layer loop). Printed per part besi
 roofline time. (A removed part's now-unused inputs may be dropped too, e.g. the router with
 the routed experts: a part's time is then slightly overstated and the rest's understated.)
 
+With ``--prefill-len N`` the step is a prefill instead: ``--num-requests`` fresh prompts of N
+tokens each in one MIXED step (as the engine's chunked prefill runs them).
+
     JAX_PLATFORMS=cpu python benchmarks/bench_cpu_roofline.py --config mid
+    JAX_PLATFORMS=cpu python benchmarks/bench_cpu_roofline.py --config mid --num-requests 4 --prefill-len 64
 """
 
 from __future__ import annotations
@@ -92,6 +96,24 @@ def decode_batch(num_requests: int, context: int, pages_per_seq: int, vocab: int
     )
 
 
+def prefill_batch(num_requests: int, prompt_len: int, pages_per_seq: int, vocab: int) -> ForwardBatch:
+    """``num_requests`` fresh prompts of ``prompt_len`` tokens; request r owns pages
+    r * pages_per_seq onwards and state slot r; each returns its last row's logits."""
+    R, n = num_requests, prompt_len
+    rng = np.random.default_rng(1)
+    return ForwardBatch(
+        input_ids=rng.integers(3, vocab, R * n).astype(np.int32),
+        positions=np.tile(np.arange(n, dtype=np.int32), R),
+        cu_q_lens=(np.arange(R + 1) * n).astype(np.int32),
+        kv_lens=np.full(R, n, np.int32),
+        page_table=(np.arange(R)[:, None] * pages_per_seq + np.arange(pages_per_seq)).astype(np.int32),
+        state_slots=np.arange(R, dtype=np.int32),
+        num_seqs=np.array([R], np.int32),
+        logits_indices=(np.arange(1, R + 1) * n - 1).astype(np.int32),
+        mode=ForwardMode.MIXED,
+    )
+
+
 def step_seconds(runner: ModelRunner, fb: ForwardBatch) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(runner.forward(fb))
@@ -135,25 +157,30 @@ def main() -> None:
     ap.add_argument("--config", choices=("tiny", "mid"), default="mid")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=96, help="tokens already in each request")
+    ap.add_argument("--prefill-len", type=int, default=0,
+                    help="time a prefill of --num-requests prompts of this many tokens instead")
     ap.add_argument("--steps", type=int, default=7)
     args = ap.parse_args()
     cfg = make_config(args.config)
-    R, ctx = args.num_requests, args.context
-    pages_per_seq = -(-(ctx + 1) // PAGE)
+    R, ctx, n = args.num_requests, args.context, args.prefill_len
+    T = R * n if n else R  # token rows in the step
+    pages_per_seq = -(-(n or ctx + 1) // PAGE)
     runner = ModelRunner(cfg, random_params(cfg), page_size=PAGE, num_pages=R * pages_per_seq + 1,
-                         num_state_slots=R, max_running_requests=R, max_tokens_per_step=R,
+                         num_state_slots=R, max_running_requests=R, max_tokens_per_step=T,
                          context_length=pages_per_seq * PAGE, kv_dtype=jnp.float32,
                          router_stats=False)
-    fb = decode_batch(R, ctx, runner.pages_per_seq, cfg.vocab_size)
+    fb = (prefill_batch(R, n, runner.pages_per_seq, cfg.vocab_size) if n
+          else decode_batch(R, ctx, runner.pages_per_seq, cfg.vocab_size))
     # The runner's page table is context_length / page wide: pad ours to it.
     fb = ForwardBatch(**{**{f: getattr(fb, f) for f in ForwardBatch.__dataclass_fields__},
                          "page_table": np.pad(fb.page_table, ((0, 0), (0, runner.pages_per_seq - pages_per_seq)))})
 
     hw = roofline.measure_cpu()
-    terms = roofline.step_terms(cfg, tokens=R, seqs=R, kv_len=ctx + 1, devices=1, decode=True,
-                                dtype="f32", expert_dtype="f32", kv_dtype="f32", state_dtype="f32")
+    terms = roofline.step_terms(cfg, tokens=T, seqs=R, kv_len=n / 2 if n else ctx + 1, devices=1,
+                                logits_rows=R, decode=not n, dtype="f32", expert_dtype="f32",
+                                kv_dtype="f32", state_dtype="f32")
     proj = dense_params_by_part(cfg)  # the mixers' projections go with their mixer
-    mm = lambda n: (2.0 * R * n, 4.0 * n)  # noqa: E731  f32 matmul of R rows: (FLOPs, weight bytes)
+    mm = lambda p: (2.0 * T * p, 4.0 * p)  # noqa: E731  f32 matmul of T rows: (FLOPs, weight bytes)
     kernels = {  # part -> [(FLOPs, bytes) per kernel group]
         "routed experts": [(terms["expert_flops"], terms["expert_weight_bytes"])],
         "gdn": [(terms["gdn_flops"], terms["gdn_state_bytes"]), mm(proj["gdn"])],
@@ -174,14 +201,15 @@ def main() -> None:
     measured = {part: full - median[part] for part in FAKES}
     measured["rest"] = full - sum(measured.values())
     total_roof = sum(roof.values())
-    print(f"config={args.config} requests={R} context={ctx} fp32 backend={jax.default_backend()}")
+    what = f"prefill of {R} x {n} tokens" if n else f"decode of {R} requests at context {ctx}"
+    print(f"config={args.config} {what} fp32 backend={jax.default_backend()}")
     print(f"measured peaks: matmul {hw.bf16_flops / 1e9:.0f} GFLOP/s, bandwidth {hw.hbm_bandwidth / 1e9:.1f} GB/s")
     print(f"{'part':16s} {'GFLOP':>8s} {'MB':>9s} {'roofline ms':>12s} {'measured ms':>12s} {'efficiency':>11s}")
     for k, v in kernels.items():
         f, b = sum(x[0] for x in v), sum(x[1] for x in v)
         print(f"{k:16s} {f / 1e9:8.2f} {b / 1e6:9.1f} {roof[k] * 1e3:12.2f} {measured[k] * 1e3:12.2f} "
               f"{roof[k] / measured[k]:11.1%}")
-    print(f"decode step: measured {full * 1e3:.1f} ms, roofline {total_roof * 1e3:.1f} ms "
+    print(f"{'prefill' if n else 'decode'} step: measured {full * 1e3:.1f} ms, roofline {total_roof * 1e3:.1f} ms "
           f"-> efficiency {total_roof / full:.1%}")
 
 

@@ -7,6 +7,12 @@ tokens each (EOS ignored): transformers in static batches of 32, this engine wit
 concurrent clients (the engine's own loop, in process; no HTTP). Both are timed warm (one
 untimed round first) and the ratio of output tokens/s is printed.
 
+Beside it: the workload's roofline ceiling on this machine (``roofline.ceiling`` with the
+matmul peak and memory bandwidth measured in this run, fp32; a batch's prefill as one step,
+then its decode steps, each max(FLOPs / peak, bytes / bandwidth)), and each side's share of it.
+No implementation can pass the ceiling, so ``ceiling / transformers`` bounds the ratio any
+engine can reach against transformers here.
+
     JAX_PLATFORMS=cpu python benchmarks/bench_vs_transformers.py --config tiny
 """
 
@@ -138,6 +144,21 @@ def main() -> None:
     print(f"transformers generate: {hf:8.1f} output tok/s")
     print(f"this engine:           {ours:8.1f} output tok/s")
     print(f"engine / transformers: {ours / hf:.2f}x")
+    cap = workload_ceiling(args.config, args.input_len, args.output_len, args.concurrency)
+    print(f"roofline ceiling:      {cap:8.1f} output tok/s (transformers at {hf / cap:.1%}, "
+          f"this engine at {ours / cap:.1%}; no engine can pass {cap / hf:.2f}x transformers here)")
+
+
+def workload_ceiling(config: str, input_len: int, output_len: int, batch: int) -> float:
+    """Output tok/s ceiling of the benchmark's workload on this machine (fp32, measured peaks)."""
+    from bench_cpu_roofline import make_config  # benchmarks/ is the script's path
+    from sglang_tpu_backend import roofline
+
+    hw = roofline.measure_cpu()
+    c = roofline.ceiling(make_config(config), hw, input_len=input_len, output_len=output_len,
+                         concurrency=batch, num_chips=1, dtype="f32", expert_dtype="f32",
+                         kv_dtype="f32", state_dtype="f32", prefill_tokens_per_device=batch * input_len)
+    return c.output_tokens_per_s_per_chip
 
 
 if __name__ == "__main__":

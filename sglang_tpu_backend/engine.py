@@ -122,7 +122,7 @@ class Engine(OfflineAPI):
         ``role`` labels the metrics: colocated (standalone server), prefill or decode."""
         from sglang_tpu_backend.config import load_model_config, resolve_dtype
         from sglang_tpu_backend.loader import load_params
-        from sglang_tpu_backend.tokenizer import load_tokenizer
+        from sglang_tpu_backend.tokenizer import ids_decoder, load_tokenizer
 
         if server_args is not None and kwargs:
             raise TypeError(f"Engine: pass server_args or ServerArgs fields, not both "
@@ -142,6 +142,7 @@ class Engine(OfflineAPI):
         if args.tokenizer_path is None:
             args = dataclasses.replace(args, tokenizer_path=args.model_path)
         self.tokenizer = load_tokenizer(args.tokenizer_path)
+        self._decode_ids = ids_decoder(self.tokenizer)
         cfg = load_model_config(args.model_path)
         args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
         args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
@@ -282,8 +283,10 @@ class Engine(OfflineAPI):
         seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
         skip = sp.skip_special_tokens
 
+        decode_ids = self._decode_ids
+
         def decode(tok_ids: list[int]) -> str:
-            return self.tokenizer.decode(tok_ids, skip_special_tokens=skip)
+            return decode_ids(tok_ids, skip)
 
         return Req(
             rid, ids, sp, max_new_tokens=max_new, seed=seed, eos_ids=self.eos_ids, context_length=ctx,
