@@ -5,7 +5,9 @@ embedded default's shapes; ``--config mid``: hidden 1024, 16 layers, 64 experts 
 saved; both sides then run 64 random-token prompts of 64 tokens with 32 greedy output
 tokens each (EOS ignored): transformers in static batches of 32, this engine with 32
 concurrent clients (the engine's own loop, in process; no HTTP). Both are timed warm (one
-untimed round first) and the ratio of output tokens/s is printed.
+untimed round each first), in turns (``--rounds`` of each, alternating, so the shared
+machine's drift hits both alike); the median rounds' output tokens/s and their ratio are
+printed.
 
 Beside it: the workload's roofline ceiling on this machine (``roofline.ceiling`` with the
 matmul peak and memory bandwidth measured in this run, fp32; a batch's prefill as one step,
@@ -24,6 +26,7 @@ import json
 import math
 import os
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -70,27 +73,28 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def transformers_tok_s(path: Path, ps: list[list[int]], out_len: int, batch: int) -> float:
+def transformers_runner(path: Path, ps: list[list[int]], out_len: int, batch: int):
+    """A function that runs every prompt through ``generate`` in static batches; returns seconds."""
     import torch
     from transformers import Qwen3_5MoeForCausalLM
 
-    torch.set_num_threads(torch.get_num_threads())
     model = Qwen3_5MoeForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
 
-    def round_():
+    def round_() -> float:
+        t0 = time.perf_counter()
         for i in range(0, len(ps), batch):
             ids = torch.tensor(ps[i:i + batch])
             with torch.no_grad():
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
                                min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t0
 
-    round_()  # warm
-    t0 = time.perf_counter()
-    round_()
-    return len(ps) * out_len / (time.perf_counter() - t0)
+    return round_
 
 
-def engine_tok_s(path: Path, ps: list[list[int]], out_len: int, clients: int, dp_size: int = 1) -> float:
+def engine_runner(path: Path, ps: list[list[int]], out_len: int, clients: int, dp_size: int = 1):
+    """(a function that runs every prompt through the engine with ``clients`` concurrent
+    clients and returns seconds, the engine)."""
     from sglang_tpu_backend.engine import Engine
     from sglang_tpu_backend.managers.io_struct import GenerateReqInput
     from sglang_tpu_backend.server_args import ServerArgs
@@ -99,7 +103,7 @@ def engine_tok_s(path: Path, ps: list[list[int]], out_len: int, clients: int, dp
                             max_running_requests=clients, context_length=256, chunked_prefill_size=256,
                             disable_radix_cache=True, dp_size=dp_size, ep_size=dp_size))
 
-    async def round_():
+    async def all_prompts():
         sem = asyncio.Semaphore(clients)
 
         async def one(ids):
@@ -111,12 +115,12 @@ def engine_tok_s(path: Path, ps: list[list[int]], out_len: int, clients: int, dp
         outs = await asyncio.gather(*(one(p) for p in ps))
         assert all(len(o["output_ids"]) == out_len for o in outs)
 
-    asyncio.run(round_())  # warm
-    t0 = time.perf_counter()
-    asyncio.run(round_())
-    dt = time.perf_counter() - t0
-    eng.shutdown()
-    return len(ps) * out_len / dt
+    def round_() -> float:
+        t0 = time.perf_counter()
+        asyncio.run(all_prompts())
+        return time.perf_counter() - t0
+
+    return round_, eng
 
 
 def main() -> None:
@@ -126,6 +130,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of each, taken in turns")
     ap.add_argument("--dp-size", type=int, default=1,
                     help="engine data-parallel ranks (experts split over them), one CPU device each")
     args = ap.parse_args()
@@ -133,17 +138,26 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.dp_size}")
     vocab = json.loads((ASSETS / "config.json").read_text())["text_config"]["vocab_size"]
+    tokens = args.num_prompts * args.output_len
     with tempfile.TemporaryDirectory(prefix="stb-bench-") as tmp:
         path = Path(tmp)
         make_checkpoint(args.config, path, vocab)
         ps = prompts(args.num_prompts, args.input_len, vocab)
-        hf = transformers_tok_s(path, ps, args.output_len, args.concurrency)
-        ours = engine_tok_s(path, ps, args.output_len, args.concurrency, args.dp_size)
+        hf_round = transformers_runner(path, ps, args.output_len, args.concurrency)
+        our_round, eng = engine_runner(path, ps, args.output_len, args.concurrency, args.dp_size)
+        hf_round(), our_round()  # warm: one untimed round each
+        hf_s, our_s = [], []
+        for _ in range(args.rounds):  # in turns, so the machine's drift hits both alike
+            hf_s.append(hf_round())
+            our_s.append(our_round())
+        eng.shutdown()
+    hf, ours = tokens / statistics.median(hf_s), tokens / statistics.median(our_s)
     print(f"config={args.config} prompts={args.num_prompts} in={args.input_len} out={args.output_len} "
-          f"clients/batch={args.concurrency} fp32 greedy engine dp={args.dp_size}")
-    print(f"transformers generate: {hf:8.1f} output tok/s")
-    print(f"this engine:           {ours:8.1f} output tok/s")
-    print(f"engine / transformers: {ours / hf:.2f}x")
+          f"clients/batch={args.concurrency} fp32 greedy engine dp={args.dp_size} rounds={args.rounds}")
+    print(f"transformers generate: {hf:8.1f} output tok/s (median round)")
+    print(f"this engine:           {ours:8.1f} output tok/s (median round)")
+    print(f"engine / transformers: {ours / hf:.2f}x  (per round: "
+          f"{' '.join(f'{h / o:.2f}' for h, o in zip(hf_s, our_s))})")
     cap = workload_ceiling(args.config, args.input_len, args.output_len, args.concurrency)
     print(f"roofline ceiling:      {cap:8.1f} output tok/s (transformers at {hf / cap:.1%}, "
           f"this engine at {ours / cap:.1%}; no engine can pass {cap / hf:.2f}x transformers here)")

@@ -13,7 +13,7 @@ from sglang_tpu_backend.assets.build_tiny_tokenizer import build_tokenizer
 from sglang_tpu_backend.loader import load_model
 from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.tiny_model import ASSET_DIR, default_model_path, tiny_config_dict
-from sglang_tpu_backend.tokenizer import load_tokenizer
+from sglang_tpu_backend.tokenizer import ids_decoder, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,22 @@ def test_tokenizer_round_trips_text():
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     im_start = tok.convert_tokens_to_ids("<|im_start|>")
     assert tok.encode("<|im_start|>user")[0] == im_start
+
+
+def test_ids_decoder_equals_decode():
+    """The detokeniser's fast decode gives what ``tok.decode`` gives, special tokens kept or
+    skipped, partial UTF-8 included; with clean-up of tokenization spaces on it is tok.decode."""
+    tok = load_tokenizer(ASSET_DIR)
+    ids = tok.encode("<|im_start|>user\nÜnïcödé 東京 🙂 , ok .<|im_end|>")
+    decode = ids_decoder(tok)
+    for cut in range(len(ids) + 1):  # every prefix, so some end inside a multi-byte character
+        for skip in (False, True):
+            assert decode(ids[:cut], skip) == tok.decode(ids[:cut], skip_special_tokens=skip)
+    assert "<|im_start|>" in decode(ids, False) and "<|im_start|>" not in decode(ids, True)
+    tok.clean_up_tokenization_spaces = True
+    calls = []
+    tok.decode = lambda i, skip_special_tokens=False: calls.append(i) or "wrapped"
+    assert ids_decoder(tok)(ids, False) == "wrapped" and calls == [ids]
 
 
 def test_chat_template_renders_qwen35_chatml():
