@@ -2,7 +2,7 @@
 
 XLA:CPU has no bf16 scatter: every KV write and GDN conv-state store into a bf16 cache
 converts the whole cache to f32 and back. The engine therefore stores a 16-bit model's KV
-pages and conv states in f32 on a CPU (``qwen3_5_moe.cache_storage_dtype``). This times the
+pages and conv states in f32 on a CPU (``config.cache_storage_dtype``). This times the
 jitted forward of the embedded default in bf16 with both cache dtypes, in turns, on a decode
 step of ``--num-requests`` requests at ``--context`` tokens and on a prefill step of 4 prompts
 of 64 tokens, and prints the ratios.

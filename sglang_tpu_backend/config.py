@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -205,6 +207,7 @@ def load_model_config(checkpoint_dir: str | Path) -> ModelConfig:
 
 
 # Serving dtype ---------------------------------------------------------------------------
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}  # served
 DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
                "float32": "float32", "float": "float32"}
 
@@ -231,3 +234,20 @@ def resolve_dtype(dtype: str, checkpoint_dir: str | Path) -> str:
         return dtype
     raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     return config_dtype(raw) or "bfloat16"
+
+
+def cache_storage_dtype(dtype, backend: str):
+    """The dtype to keep the KV pages and conv states in, for a model computing in ``dtype``
+    on ``backend`` (``jax.default_backend()``).
+
+    On XLA:CPU a 16-bit float cache is stored as f32: XLA:CPU has no bf16 / f16 scatter or
+    dynamic-update-slice, so it converts the whole cache to f32 and back for every write into
+    it (``benchmarks/bench_cache_dtype.py`` measures the cost). The values stored are the
+    step's own, no longer rounded to ``dtype`` on the way in, so logits move within bf16 noise
+    and get no less accurate (``tests/model/test_cache_storage.py``); the pools take twice
+    the bytes. Elsewhere (TPU) the cache keeps ``dtype``. Every process of a replica (the
+    engine and multi-host followers) must use this one rule.
+    """
+    if backend == "cpu" and jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+        return jnp.float32
+    return dtype

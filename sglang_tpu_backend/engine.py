@@ -53,8 +53,8 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 import jax
-import jax.numpy as jnp
 
+from sglang_tpu_backend.config import DTYPES, cache_storage_dtype
 from sglang_tpu_backend.constrained.grammar import GrammarBackend
 from sglang_tpu_backend.entrypoints.offline import OfflineAPI
 from sglang_tpu_backend.managers.handover import RequestHandover
@@ -70,13 +70,11 @@ from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor import weight_update
 from sglang_tpu_backend.model_executor.model_runner import (
     ModelRunner, deterministic_prefill_reqs, deterministic_prefill_rows)
-from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.profiler import StepProfiler
 from sglang_tpu_backend.sampling.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
 
 logger = logging.getLogger(__name__)
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 CPU_CONTEXT_CAP = 4096  # default context length on CPU (the reference attention reads P pages)
 TPU_CONTEXT_CAP = 32768
 PHASES = ("schedule", "model", "process_result", "deliver")  # a step's phases (fault_injector)
@@ -186,7 +184,7 @@ class Engine(OfflineAPI):
             cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
             num_state_slots=running, max_running_requests=running,
             max_tokens_per_step=args.max_tokens_per_step, context_length=context_length,
-            kv_dtype=qwen3_5_moe.cache_storage_dtype(DTYPES[args.dtype], jax.default_backend()),
+            kv_dtype=cache_storage_dtype(DTYPES[args.dtype], jax.default_backend()),
             impl=args.kernel_impl,
             max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp, tp_size=args.tp_size,
             num_gdn_snapshots=num_snapshots, deterministic=det,

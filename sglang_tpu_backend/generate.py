@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sglang_tpu_backend.config import DTYPES
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 
 log = logging.getLogger("sglang_tpu_backend.generate")
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
 def sample_next(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:

@@ -11,7 +11,7 @@ requests (= GDN state slots) and ``s`` GDN snapshots per rank, V the vocabulary:
     pages       = (budget - weights - state - penalty - activations) // plan.kv_page_bytes
 
 On a CPU a 16-bit ``--dtype`` keeps the KV pages and conv states in f32
-(``qwen3_5_moe.cache_storage_dtype``); their bytes are counted so.
+(``config.cache_storage_dtype``); their bytes are counted so.
 
 The byte formulas are the TPU memory planner's (``plan.py``), so the two agree. Every running
 request must be able to hold one page: while ``pages < r``, ``r`` drops by one (logged); when
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_backend.config import ModelConfig
-from sglang_tpu_backend.models.qwen3_5_moe import cache_storage_dtype
+from sglang_tpu_backend.config import cache_storage_dtype
 from sglang_tpu_backend.plan import gdn_slot_bytes, kv_page_bytes, step_activation_bytes, weight_bytes
 from sglang_tpu_backend.server_args import ServerArgs
 

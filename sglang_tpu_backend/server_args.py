@@ -10,9 +10,11 @@ import argparse
 import dataclasses
 from typing import Any
 
-from sglang_tpu_backend.entrypoints.chat_parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
+from sglang_tpu_backend.config import DTYPES
 
-DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: config.resolve_dtype
+DTYPE_CHOICES = ("auto", *DTYPES)  # auto: config.resolve_dtype
+REASONING_PARSERS = ("qwen3",)  # entrypoints/chat_parsing.py implements each
+TOOL_CALL_PARSERS = ("qwen3_coder", "qwen25")
 KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DETERMINISTIC_MIN_CHUNK = 64  # a multiple of every GDN chunk size (kernels/gdn.py: 64 TPU, 32 XLA)
@@ -173,8 +175,8 @@ class ServerArgs:
             raise ValueError(
                 f"--max-running-requests {self.max_running_requests} is split over --dp-size "
                 f"{self.dp_size} ranks: it must be at least {self.dp_size}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.kernel_impl not in KERNEL_IMPLS:
             raise ValueError(f"--kernel-impl must be one of {KERNEL_IMPLS}, got {self.kernel_impl!r}")
         if self.log_level not in LOG_LEVELS:
@@ -268,7 +270,7 @@ class ServerArgs:
           help="data-parallel attention ranks, one per device (each with its own KV pool)")
         a("--ep-size", type=int, default=d.ep_size,
           help="expert-parallel ranks: must equal --dp-size (experts split over the DP ranks)")
-        a("--dtype", type=str, default=d.dtype, choices=DTYPES,
+        a("--dtype", type=str, default=d.dtype, choices=DTYPE_CHOICES,
           help="weights and KV cache dtype; auto: the checkpoint config's dtype "
                "as stated (float32 too), bfloat16 when it states none")
         a("--kernel-impl", type=str, default=d.kernel_impl, choices=KERNEL_IMPLS)

@@ -109,23 +109,6 @@ def init_cache(
     )
 
 
-def cache_storage_dtype(dtype, backend: str):
-    """The dtype to keep the KV pages and conv states in, for a model computing in ``dtype``.
-
-    On XLA:CPU a 16-bit float cache is stored as f32. XLA:CPU has no bf16 / f16 scatter or
-    dynamic-update-slice: it converts the whole operand to f32, updates it and converts it
-    back, so writing 64 new rows into a 64 MiB bf16 KV cache took 59 ms per attention layer on
-    this repo's 2-core CPU, against 0.01 ms in f32. The values stored are the step's own; they
-    are no longer rounded to ``dtype`` on the way in (XLA:CPU may carry 16-bit intermediates in
-    f32), so logits move within bf16 noise and get no less accurate
-    (``tests/model/test_cache_storage.py``). The pools take twice the bytes. Elsewhere (TPU)
-    the cache keeps ``dtype``.
-    """
-    if backend == "cpu" and jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
-        return jnp.float32
-    return dtype
-
-
 # Parameters: per-layer dicts <-> groups stacked for the layer scan ---------------------------
 
 

@@ -255,8 +255,7 @@ def run_follower(args) -> int:
     The leader (``Engine`` in node 0) makes the matching calls in the same order: the sizes
     broadcast, ``init_cache``, then every step (warm-up included) and the final stop.
     """
-    from sglang_tpu_backend.config import load_model_config, resolve_dtype
-    from sglang_tpu_backend.engine import DTYPES
+    from sglang_tpu_backend.config import DTYPES, cache_storage_dtype, load_model_config, resolve_dtype
     from sglang_tpu_backend.loader import load_params
     from sglang_tpu_backend.parallel.mesh import make_mesh
 
@@ -277,7 +276,8 @@ def run_follower(args) -> int:
                    batch_invariant=args.enable_deterministic_inference)
     params = dp.shard_params(params)
     cache = dp.init_cache(num_pages=num_pages, page_size=args.page_size,
-                          num_state_slots=num_slots, kv_dtype=DTYPES[args.dtype])
+                          num_state_slots=num_slots,
+                          kv_dtype=cache_storage_dtype(DTYPES[args.dtype], jax.default_backend()))
     logger.info("node %d follows: %d pages + %d state slots per rank", args.node_rank,
                 num_pages, num_slots)
     _, steps = follower_loop(dp, params, cache)

@@ -1,7 +1,7 @@
 """A 16-bit model keeps its KV pages and conv states in f32 on a CPU, and loses no accuracy.
 
 XLA:CPU converts a whole bf16 array to f32 for every scatter into it, so the engine stores
-these caches in f32 there (``qwen3_5_moe.cache_storage_dtype``). The values stored are the
+these caches in f32 there (``config.cache_storage_dtype``). The values stored are the
 step's own (computed in bf16, which XLA:CPU may carry in f32 between ops), no longer rounded
 to bf16 on the way into the cache: the logits move within bf16 noise, and no further from an
 f32 run of the same weights than a bf16 cache's.
@@ -19,7 +19,8 @@ from sglang_tpu_backend.loader import load_model
 from sglang_tpu_backend.mem_budget import size_pools
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
-from sglang_tpu_backend.models.qwen3_5_moe import cache_storage_dtype, forward_jit, init_cache
+from sglang_tpu_backend.config import cache_storage_dtype
+from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 from sglang_tpu_backend.server_args import ServerArgs
 from sglang_tpu_backend.tiny_model import default_model_path
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 from sglang_tpu_backend.config import config_dtype, resolve_dtype  # noqa: E402
-from sglang_tpu_backend.models.qwen3_5_moe import cache_storage_dtype  # noqa: E402
+from sglang_tpu_backend.config import cache_storage_dtype  # noqa: E402
 from sglang_tpu_backend.server_args import ServerArgs  # noqa: E402
 from sglang_tpu_backend.tiny_model import default_model_path  # noqa: E402
 
@@ -68,7 +68,7 @@ def test_engine_loads_and_reports_the_resolved_dtype(tmp_path, stated, served):
         assert eng.get_server_info()["dtype"] == served
         leaves = jax.tree_util.tree_leaves(eng.runner.params)
         assert str(max(leaves, key=lambda x: x.size).dtype) == served
-        # The caches of a 16-bit model are f32 on a CPU (qwen3_5_moe.cache_storage_dtype).
+        # The caches of a 16-bit model are f32 on a CPU (config.cache_storage_dtype).
         stored = cache_storage_dtype(jnp.dtype(served), jax.default_backend())
         assert eng.runner.cache.kv_pages.dtype == stored == eng.runner.cache.conv_state.dtype
     finally:
