@@ -34,7 +34,7 @@ def run_traffic(engine: Engine, n: int, prompt_len: int, max_new: int) -> dict[s
     """Queue ``n`` requests, step to the end; seconds and tokens of prefill and decode steps."""
     for i in range(n):
         ids = [3 + (7 * i + 13 * j) % 997 for j in range(prompt_len)]
-        req = engine._make_req(GenerateReqInput(input_ids=ids, sampling_params={
+        req = engine.requests.build(GenerateReqInput(input_ids=ids, sampling_params={
             "max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}))
         engine.scheduler.add_request(req)
     t = {"prefill_s": 0.0, "decode_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0}

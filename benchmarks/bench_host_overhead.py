@@ -58,15 +58,15 @@ def main() -> None:
             batch = eng.step()
             t_step.append(time.perf_counter() - t0)
             assert batch.kind == ForwardMode.DECODE and len(batch.chunks) == n
-        launched = eng._launch()  # overlapped, as Engine._loop runs them: launch i+1, complete i
+        launched = eng.loop._launch()  # overlapped, as Engine._loop runs them: launch i+1, complete i
         for _ in range(per_round):
             t0 = time.perf_counter()
-            nxt = eng._launch()
-            eng._complete(launched)
+            nxt = eng.loop._launch()
+            eng.loop._complete(launched)
             launched = nxt
             t_over.append(time.perf_counter() - t0)
             assert nxt.batch.kind == ForwardMode.DECODE and len(nxt.batch.chunks) == n
-        eng._complete(launched)
+        eng.loop._complete(launched)
         # The pure forward on the last step's arrays (same bucket; it rewrites that step's KV
         # rows and advances GDN states, which only changes the tokens the timing ignores).
         fb = eng.runner.prepare(launched.batch)[0]

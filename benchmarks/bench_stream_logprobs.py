@@ -3,7 +3,7 @@
 A request with ``top_logprobs_num=5`` and ``return_text_in_logprobs`` grows one token per
 step (synthetic token ids, logprobs and top-5 alternatives appended as the scheduler does);
 each step runs what the engine does under its lock for a streamed delivery:
-``req.update_text()`` and ``Engine._output(req)`` (new logprob entries built, the cumulative
+``req.update_text()`` and ``OutputBuilder.snapshot(req)`` (new logprob entries built, the cumulative
 lists only measured: an ``OutputSnapshot``). Reports the median per-step time around 100,
 1,000 and 2,000 output tokens, and the 2,000 / 100 ratio, for the engine's path, for the
 consumer's ``OutputSnapshot.materialize()`` (the list copies, on the event loop, off the
@@ -29,7 +29,7 @@ MARKS = (100, 1000, 2000)
 
 
 def legacy_output(eng: Engine, req) -> dict:
-    """The previous ``Engine._output``: every entry (and its text) rebuilt at each delivery."""
+    """The previous ``OutputBuilder.snapshot``: every entry (and its text) rebuilt at each delivery."""
     meta: dict[str, Any] = {
         "id": req.rid, "finish_reason": dict(req.finish_reason) if req.finish_reason else None,
         "prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
@@ -38,12 +38,12 @@ def legacy_output(eng: Engine, req) -> dict:
     s = req.logprob_start_len
     in_toks = req.prompt_ids[s:]
     in_vals = [None] + req.input_logprobs[: len(in_toks) - 1]
-    meta["input_token_logprobs"] = [[lp, t, eng._token_text(req, t)] for lp, t in zip(in_vals, in_toks)]
+    meta["input_token_logprobs"] = [[lp, t, eng.outputs._token_text(req, t)] for lp, t in zip(in_vals, in_toks)]
     meta["output_token_logprobs"] = [
-        [lp, t, eng._token_text(req, t)] for lp, t in zip(req.output_logprobs, req.output_ids)]
+        [lp, t, eng.outputs._token_text(req, t)] for lp, t in zip(req.output_logprobs, req.output_ids)]
     meta["input_top_logprobs"] = [None] + [
-        eng._top_entries(req, tops) for tops in req.input_top_logprobs[: len(in_toks) - 1]]
-    meta["output_top_logprobs"] = [eng._top_entries(req, tops) for tops in req.output_top_logprobs]
+        eng.outputs._top_entries(req, tops) for tops in req.input_top_logprobs[: len(in_toks) - 1]]
+    meta["output_top_logprobs"] = [eng.outputs._top_entries(req, tops) for tops in req.output_top_logprobs]
     return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 
@@ -56,7 +56,7 @@ def per_step_times(eng: Engine, build, num_tokens: int, window: int, seed: int,
     obj = GenerateReqInput(input_ids=[rng.randrange(3, V) for _ in range(32)], return_logprob=True,
                            logprob_start_len=0, top_logprobs_num=5, return_text_in_logprobs=True,
                            stream=True, sampling_params={"max_new_tokens": num_tokens + 1})
-    req = eng._make_req(obj)
+    req = eng.requests.build(obj)
     req.return_text_in_logprobs = True
     req.input_logprobs = [-rng.random() for _ in range(len(req.prompt_ids) - 1)]
     req.input_top_logprobs = [[(-rng.random(), rng.randrange(3, V)) for _ in range(5)]
@@ -84,8 +84,8 @@ def main() -> None:
     eng = Engine(ServerArgs(model_path=args.model_path, max_running_requests=4, context_length=4096,
                             max_total_tokens=8192, dtype="float32", skip_warmup=True), start_loop=False)
     n = max(MARKS)
-    rows = {"under the lock (Engine._output)": per_step_times(eng, eng._output, n, args.window, 0),
-            "consumer (materialize)": per_step_times(eng, eng._output, n, args.window, 0,
+    rows = {"under the lock (OutputBuilder.snapshot)": per_step_times(eng, eng.outputs.snapshot, n, args.window, 0),
+            "consumer (materialize)": per_step_times(eng, eng.outputs.snapshot, n, args.window, 0,
                                                      consumer=True),
             "full rebuild (first version)": per_step_times(eng, lambda r: legacy_output(eng, r), n,
                                                            args.window, 0)}

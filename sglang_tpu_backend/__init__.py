@@ -10,7 +10,7 @@ __all__ = ["Engine"]
 
 def __getattr__(name: str):
     if name == "Engine":
-        from sglang_tpu_backend.engine import Engine
+        from sglang_tpu_backend.entrypoints.offline import OfflineEngine
 
-        return Engine
+        return OfflineEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

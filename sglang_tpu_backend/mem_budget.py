@@ -111,3 +111,29 @@ def size_pools(cfg: ModelConfig, args: ServerArgs, device_memory: int) -> PoolBu
                        "--max-running-requests needs; running requests per rank reduced %d -> %d",
                        F, got.num_pages_per_rank, r0, r)
     return got
+
+
+CPU_CONTEXT_CAP = 4096  # default context length on CPU (the reference attention reads P pages)
+TPU_CONTEXT_CAP = 32768
+
+
+def size_serving_args(args: ServerArgs, cfg: ModelConfig, backend: str
+                      ) -> tuple[ServerArgs, PoolBudget | None]:
+    """``args`` with every size resolved for ``cfg`` on ``backend``: ``context_length`` (the
+    model's, capped per backend), the pools from ``--mem-fraction-static`` when given
+    (``max_total_tokens`` and ``max_running_requests`` lowered to what fits), else
+    ``max_total_tokens`` = ``max_running_requests * min(context_length, 1024)``; and the
+    budget (None without ``--mem-fraction-static``)."""
+    cap = TPU_CONTEXT_CAP if backend == "tpu" else CPU_CONTEXT_CAP
+    context_length = args.context_length or min(cfg.max_position_embeddings, cap)
+    budget = None
+    if args.mem_fraction_static is not None:
+        budget = size_pools(cfg, args, device_memory_bytes(args))
+        fit = budget.num_pages_per_rank * args.page_size * args.dp_size
+        args = dataclasses.replace(
+            args, max_total_tokens=min(fit, args.max_total_tokens or fit),
+            max_running_requests=budget.max_running_requests_per_rank * args.dp_size)
+    max_total = args.max_total_tokens or args.max_running_requests * min(context_length, 1024)
+    return dataclasses.replace(
+        args, context_length=context_length, max_total_tokens=max_total,
+        served_model_name=args.served_model_name or args.model_path), budget

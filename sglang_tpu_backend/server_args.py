@@ -114,6 +114,8 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0's coordinator (nnodes > 1)
     handover_wait_timeout: float = 300.0  # seconds a handed-over request may wait for decode room
+    max_consecutive_step_errors: int = 5  # failed steps in a row that make /health answer 503
+    weight_update_timeout: float = 300.0  # seconds a weight update waits for running requests
     mem_fraction_static: float | None = None  # None: pools sized by max_total_tokens
     device_memory_bytes: int | None = None  # None: the device's bytes_limit
     enable_deterministic_inference: bool = False
@@ -144,7 +146,8 @@ class ServerArgs:
         positive("ep_size", self.ep_size)
         positive("max_gdn_snapshots", self.max_gdn_snapshots, allow_none=True)
         positive("max_queued_requests", self.max_queued_requests, allow_none=True)
-        for name in ("watchdog_timeout", "handover_wait_timeout"):
+        positive("max_consecutive_step_errors", self.max_consecutive_step_errors)
+        for name in ("watchdog_timeout", "handover_wait_timeout", "weight_update_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of "
@@ -303,6 +306,12 @@ class ServerArgs:
         a("--handover-wait-timeout", type=float, default=d.handover_wait_timeout,
           help="decode role: seconds a request handed over by a prefill replica may wait for "
                "free KV pages and a state slot before it ends with finish_reason abort")
+        a("--max-consecutive-step-errors", type=int, default=d.max_consecutive_step_errors,
+          help="steps failing in a row (each fails only its own requests) after which /health "
+               "answers 503 until a step succeeds: the replica is broken, not one request")
+        a("--weight-update-timeout", type=float, default=d.weight_update_timeout,
+          help="seconds a weight update waits for the requests running on the old weights; "
+               "then it aborts them (finish_reason abort) and swaps")
 
         a("--mem-fraction-static", type=float, default=d.mem_fraction_static,
           help="fraction of device memory for weights + KV pages + GDN state (sizes the KV "

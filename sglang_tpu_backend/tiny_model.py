@@ -9,6 +9,7 @@ builds random checkpoints of any other config for tests (qwen3_next included).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -180,6 +181,16 @@ def _tokenizer_size() -> int:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(ASSET_DIR / "tokenizer.json")).get_vocab_size()
+
+
+def with_default_model(args):
+    """``args`` (a ServerArgs) with ``model_path`` set (the embedded tiny model when unset)
+    and ``tokenizer_path`` (``model_path`` when unset)."""
+    if args.model_path is None:
+        args = dataclasses.replace(args, model_path=str(default_model_path()))
+    if args.tokenizer_path is None:
+        args = dataclasses.replace(args, tokenizer_path=args.model_path)
+    return args
 
 
 def default_model_path(cache_dir: str | Path | None = None) -> Path:

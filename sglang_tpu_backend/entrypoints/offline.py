@@ -1,5 +1,6 @@
-"""The offline API of ``Engine`` (SGLang's ``sglang.Engine``): generate without a server.
+"""The offline API (SGLang's ``sglang.Engine``): generate without a server.
 
+    from sglang_tpu_backend import Engine       # this module's OfflineEngine
     with Engine(model_path=..., dtype="float32") as engine:
         out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
         outs = engine.generate(["a", "b"], {"max_new_tokens": 8})           # a list
@@ -12,10 +13,12 @@ lists) and return exactly what that route returns: one dict ``{"text", "output_i
 route's chunks (cumulative ``text``, incremental output logprobs, ``index`` in a batch).
 Bad input raises ``InvalidRequestError`` (a ValueError naming the field).
 
+``OfflineEngine`` wraps an ``engine.Engine`` (it builds one from ServerArgs fields, or takes
+one: ``OfflineEngine(engine=...)``) and adds only this API; the engine core knows nothing of it.
 The sync calls run their coroutines on a private event loop in a daemon thread
-(``engine-offline``, started on first use, stopped by ``shutdown``), so they work from a
-plain script and from code that already runs an event loop. ``async_generate`` runs on the
-caller's loop. The engine's scheduler loop is its own thread either way.
+(``engine-offline``, started on first use, stopped by ``close`` / ``shutdown``), so they work
+from a plain script and from code that already runs an event loop. ``async_generate`` runs on
+the caller's loop. The engine's scheduler loop is its own thread either way.
 """
 
 from __future__ import annotations
@@ -60,19 +63,29 @@ async def _anext(agen: AsyncIterator[dict]) -> dict:
     return await agen.__anext__()
 
 
-class OfflineAPI:
-    """Mixin of ``Engine``: needs ``generate_request``, ``abort_request``, ``args``."""
+class OfflineEngine:
+    """SGLang's offline ``Engine`` API over an ``engine.Engine``.
 
-    _offline_loop: asyncio.AbstractEventLoop | None = None
-    _offline_thread: threading.Thread | None = None
-    _offline_rng: random.Random | None = None
+    ``OfflineEngine(server_args)`` / ``OfflineEngine(**ServerArgs fields)`` builds the engine
+    (and ``shutdown`` stops it); ``OfflineEngine(engine=e)`` wraps an existing one.
+    """
+
+    def __init__(self, server_args: Any = None, *, engine: Any = None, **kwargs):
+        if engine is None:
+            from sglang_tpu_backend.engine import Engine
+
+            engine = Engine(server_args, **kwargs)
+        elif server_args is not None or kwargs:
+            raise TypeError("OfflineEngine: pass engine= or the engine's arguments, not both")
+        self.engine = engine
+        self._offline_loop: asyncio.AbstractEventLoop | None = None
+        self._offline_thread: threading.Thread | None = None
+        self._offline_rng = random.Random(engine.args.random_seed)
 
     # Generation ------------------------------------------------------------------------------
     def _parse(self, body: dict):
         """``parse_generate`` with its APIError as InvalidRequestError; the base seed of an
         n > 1 request without one comes from a ``--random-seed`` generator, as the server's."""
-        if self._offline_rng is None:
-            self._offline_rng = random.Random(self.args.random_seed)
         try:
             return parse_generate(body, self._offline_rng)
         except APIError as e:
@@ -82,7 +95,7 @@ class OfflineAPI:
         """The final outputs, shaped as the ``/generate`` route returns them."""
         parsed = self._parse(body)
         accs = [LogprobAccumulator() for _ in parsed.reqs]
-        fan = Fanout([self.generate_request(r) for r in parsed.reqs],
+        fan = Fanout([self.engine.generate_request(r) for r in parsed.reqs],
                      transform=lambda i, out: accs[i](out))
         try:
             outs = await fan.last()
@@ -96,7 +109,7 @@ class OfflineAPI:
         """The stream chunks the ``/generate`` route sends (without the SSE framing)."""
         accs = [LogprobAccumulator() for _ in parsed.reqs]
         states = [StreamState() for _ in parsed.reqs]
-        fan = Fanout([self.generate_request(r) for r in parsed.reqs],
+        fan = Fanout([self.engine.generate_request(r) for r in parsed.reqs],
                      transform=lambda i, out: accs[i](out))
 
         def fmt(i: int, out: dict) -> dict:
@@ -144,6 +157,11 @@ class OfflineAPI:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def shutdown(self) -> None:
+        """Stop the engine (every request aborted), then the private event loop."""
+        self.engine.shutdown()
+        self.close()
+
     # The private event loop --------------------------------------------------------------------
     def _loop_for_sync(self) -> asyncio.AbstractEventLoop:
         if self._offline_loop is None:
@@ -169,8 +187,8 @@ class OfflineAPI:
             if loop.is_running():
                 asyncio.run_coroutine_threadsafe(agen.aclose(), loop).result(SHUTDOWN_TIMEOUT_S)
 
-    def _close_offline(self) -> None:
-        """Stop the private loop (``shutdown``, after every request was aborted)."""
+    def close(self) -> None:
+        """Stop the private event loop (the engine keeps running)."""
         loop, thread = self._offline_loop, self._offline_thread
         if loop is None:
             return

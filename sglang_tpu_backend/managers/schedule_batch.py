@@ -68,9 +68,12 @@ class Req:
         return_logprob: bool = False,
         logprob_start_len: int = 0,
         top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
         stream: bool = False,
         grammar: Any = None,
         decode: Callable[[list[int]], str] | None = None,
+        export_after_prefill: bool = False,
+        request: Any = None,
     ):
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
@@ -84,6 +87,7 @@ class Req:
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
+        self.return_text_in_logprobs = return_text_in_logprobs
         self.stream = stream
         self.grammar = grammar
 
@@ -104,7 +108,8 @@ class Req:
         self.cached_tokens = 0
         self.finish_reason: dict | None = None
         self.num_retractions = 0
-        self.export_after_prefill = False  # prefill side of a handover: stop after the first token
+        self.export_after_prefill = export_after_prefill  # prefill side of a handover: stop after the first token
+        self.request = request  # prefill side of a handover: the GenerateReqInput to hand over
         self.detok = IncrementalDetokenizer(decode or (lambda ids: ""))
         self.max_stop_len = max((len(s) for s in sampling.stop), default=0)
         self.text = ""  # visible cumulative text (stop strings trimmed / held back)
@@ -113,14 +118,36 @@ class Req:
         self.input_top_logprobs: list[list[tuple[float, int]]] = []
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
-        self.logprob_entries: Any = None  # the engine's already-built output entries (engine.LogprobEntries)
+        self.logprob_entries: Any = None  # output entries built so far (output_builder.LogprobEntries)
         # Timing (seconds, time.monotonic()).
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.admit_time: float | None = None
         self.num_sent_tokens = 0  # output tokens already delivered to the consumer
-        self.final_delivered = False  # the final output went to the consumer (engine._deliver)
+        self.final_delivered = False  # the final output went to the consumer (Delivery.deliver)
+        # What the metrics have observed of this request (metrics/collector.py).
+        self.metrics_queue_observed = False
+        self.metrics_num_tokens = 0
+        self.metrics_last_token_time: float | None = None
+        self.metrics_finish_observed = False
+
+    def resume_from(self, h: Any) -> None:
+        """Decode side of a handover (``managers/handover.RequestHandover``): continue from
+        what the prefill side computed (its first token(s), seed, logprobs; the KV and GDN
+        state of ``h.num_computed`` tokens are installed into this request's pages / slot)."""
+        self.seed = h.seed
+        self.output_ids = list(h.output_ids)
+        self.num_computed = h.num_computed
+        self.num_sent_tokens = len(self.output_ids)  # the prefill side delivered those
+        self.input_logprobs, self.input_top_logprobs = list(h.input_logprobs), list(h.input_top_logprobs)
+        self.output_logprobs = list(h.output_logprobs)
+        self.output_top_logprobs = list(h.output_top_logprobs)
+        if self.grammar is not None:
+            for tok in self.output_ids:
+                self.grammar.accept(tok)
+        self.first_token_time = self.last_token_time = time.monotonic()
+        self.update_text()
 
     # Sequence bookkeeping -----------------------------------------------------------
     @property

@@ -4,12 +4,13 @@ Names and labels follow SGLang's exporter (``sglang:`` prefix, ``model_name`` la
 series also carries ``role`` (``colocated`` for the standalone server; ``prefill`` / ``decode``
 for disaggregated replicas) and, where a number belongs to one data-parallel rank, ``dp_rank``.
 
-Fed by the engine through four calls (all cheap, plain Python):
+Fed by the engine through five calls (all cheap, plain Python):
 
 - ``on_step(chunks, touched, now)`` after each model step: queue time at first admission,
   time to first token, inter-token latency, generation tokens;
 - ``on_finish(req)`` once per finished / aborted request: request and prompt-token counters,
   end-to-end latency;
+- ``on_step_error(phase)`` when a phase of the scheduler loop raised;
 - ``on_router_stats(stats)`` with the step's per-layer expert-load summary (``router_stats.py``);
 - ``render(pool_stats)`` at scrape time: gauges and cumulative scheduler counters read from
   the engine's ``pool_stats()`` snapshot, then the text exposition.
@@ -128,6 +129,9 @@ class EngineMetrics:
                                      lab + ["reason"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.finish_reason.labels(*self._lv, reason)
+        self.step_errors = Counter("sglang:num_step_errors",
+                                   "Engine phases that raised (each failed only the requests it "
+                                   "involved), by phase", lab + ["phase"], registry=r)
         # Latencies (seconds).
         self.ttft = hist("sglang:time_to_first_token_seconds", "Time to first token (s)", TTFT_BUCKETS)
         self.itl = hist("sglang:inter_token_latency_seconds", "Time between output tokens (s)", ITL_BUCKETS)
@@ -170,20 +174,20 @@ class EngineMetrics:
         now = time.monotonic() if now is None else now
         for c in chunks:
             req = c.req
-            if req.admit_time is not None and not getattr(req, "_m_queued", False):
-                req._m_queued = True
+            if req.admit_time is not None and not req.metrics_queue_observed:
+                req.metrics_queue_observed = True
                 self.queue_time.observe(max(0.0, req.admit_time - req.arrival_time))
         n_new = 0
         for req in touched:
             n_out = len(req.output_ids)
-            seen = getattr(req, "_m_tokens", 0)
+            seen = req.metrics_num_tokens
             if n_out <= seen or req.first_token_time is None:
                 continue
             if seen == 0:
                 self.ttft.observe(req.first_token_time - req.arrival_time)
             else:
-                self.itl.observe(max(0.0, req.last_token_time - req._m_last))
-            req._m_tokens, req._m_last = n_out, req.last_token_time
+                self.itl.observe(max(0.0, req.last_token_time - req.metrics_last_token_time))
+            req.metrics_num_tokens, req.metrics_last_token_time = n_out, req.last_token_time
             n_new += n_out - seen
         if n_new:
             self.generation_tokens.inc(n_new)
@@ -194,9 +198,9 @@ class EngineMetrics:
 
     def on_finish(self, req: Any, now: float | None = None) -> None:
         """Once per request that finished for any reason (idempotent)."""
-        if getattr(req, "_m_finished", False) or not req.finished:
+        if req.metrics_finish_observed or not req.finished:
             return
-        req._m_finished = True
+        req.metrics_finish_observed = True
         now = time.monotonic() if now is None else now
         self.num_requests.inc()
         self.prompt_tokens.inc(len(req.prompt_ids))
@@ -222,6 +226,10 @@ class EngineMetrics:
                 self.expert_load_ratio.labels(*lv).set(float(ratio))
                 self.router_entropy.labels(*lv).set(float(entropy))
                 self.router_top1.labels(*lv).set(float(top1))
+
+    def on_step_error(self, phase: str) -> None:
+        """A phase of the scheduler loop raised (``managers/scheduler_loop.py``)."""
+        self.step_errors.labels(*self._lv, phase).inc()
 
     def observe_handover(self, seconds: float, num_bytes: int, ok: bool = True) -> None:
         """One prefill -> decode handover of ``num_bytes`` (KV pages + GDN state)."""

@@ -57,7 +57,7 @@ def small_page_pool(engine, num_pages: int):
     cache = engine.scheduler.prefix.caches[0] if engine.scheduler.prefix else None
 
     def use(pool):
-        with engine._lock:
+        with engine.loop.lock:
             pools.page_pool = pool
             if cache is not None:
                 cache.page_pool = pool

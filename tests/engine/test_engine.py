@@ -159,7 +159,7 @@ def test_output_snapshot_materialises_the_lengths_at_delivery(clean_engine):
     """``_output`` (under the engine lock) only measures the cumulative lists; the consumer
     copies them later, after more tokens were appended, and still gets the delivery's state."""
     eng = clean_engine
-    req = eng._make_req(GenerateReqInput(
+    req = eng.requests.build(GenerateReqInput(
         input_ids=[5, 9, 17], return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
         sampling_params={"max_new_tokens": 8}))
     req.input_logprobs = [-0.5, -0.25]
@@ -170,7 +170,7 @@ def test_output_snapshot_materialises_the_lengths_at_delivery(clean_engine):
         req.output_logprobs.append(-0.1 * tok)
         req.output_top_logprobs.append([(-0.1 * tok, tok), (-3.0, 1)])
         req.update_text()
-        return eng._output(req)
+        return eng.outputs.snapshot(req)
 
     first = step(7)
     second = step(8)

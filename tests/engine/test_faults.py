@@ -199,7 +199,7 @@ def test_stalled_then_dead_loop_turns_health_to_503(lone_engine, monkeypatch):
             # Now kill the loop thread for real.
             eng.fault_injector = lambda phase: (_ for _ in ()).throw(LoopKilled("injected"))
             doomed = await c.post("/generate", json={"input_ids": [8, 9]})
-            eng._thread.join(10)
+            eng.loop.thread.join(10)
             dead = [await c.get("/health"), await c.get("/health_generate"),
                     await c.post("/generate", json={"input_ids": [8, 9]})]
             return stalled, out, recovered, doomed, dead
@@ -215,7 +215,7 @@ def test_stalled_then_dead_loop_turns_health_to_503(lone_engine, monkeypatch):
     assert doomed.status_code == 200
     assert doomed.json()["meta_info"]["finish_reason"] == {
         "type": "abort", "message": "internal error: scheduler loop died: LoopKilled: injected"}
-    assert not eng._thread.is_alive()
+    assert not eng.loop.thread.is_alive()
     for r in dead:
         assert r.status_code == 503, r.text
         assert r.headers["content-type"].startswith("application/json")

@@ -142,7 +142,7 @@ def test_handover_waiting_for_room_times_out(engine, decode_engine, monkeypatch)
     reason = outs[-1]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "--handover-wait-timeout" in reason["message"], reason
     assert 0.5 <= waited < 10, waited
-    assert not decode_engine._installs
+    assert not decode_engine.handover.pending
     s = wait_pools_empty(decode_engine)
     assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0
     text = decode_engine.metrics_text().decode()

@@ -15,31 +15,47 @@ from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidReque
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
 
 
-def test_package_exports_the_engine(engine):
+@pytest.fixture(scope="module")
+def offline(engine):
+    """The offline API over the shared engine (closing it leaves the engine running)."""
+    from sglang_tpu_backend.entrypoints.offline import OfflineEngine
+
+    api = OfflineEngine(engine=engine)
+    yield api
+    api.close()
+
+
+@pytest.fixture
+def clean_offline(offline, clean_engine):
+    yield offline
+
+
+def test_package_exports_the_offline_engine():
     import sglang_tpu_backend
+    from sglang_tpu_backend.entrypoints.offline import OfflineEngine
 
-    assert sglang_tpu_backend.Engine is type(engine)
+    assert sglang_tpu_backend.Engine is OfflineEngine
 
 
-def test_single_and_batch_shapes(clean_engine):
-    one = clean_engine.generate("offline one", GREEDY)
+def test_single_and_batch_shapes(clean_offline, clean_engine):
+    one = clean_offline.generate("offline one", GREEDY)
     assert set(one) == {"text", "output_ids", "meta_info"}
     assert one["meta_info"]["completion_tokens"] == len(one["output_ids"]) == 6
     assert one["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
-    batch = clean_engine.generate(["offline one", "offline two"], GREEDY)
+    batch = clean_offline.generate(["offline one", "offline two"], GREEDY)
     assert isinstance(batch, list) and len(batch) == 2
     assert batch[0]["output_ids"] == one["output_ids"]  # greedy: the batch does not change it
     ids = clean_engine.tokenizer.encode("offline one")
-    by_ids = clean_engine.generate(input_ids=ids, sampling_params=GREEDY)
+    by_ids = clean_offline.generate(input_ids=ids, sampling_params=GREEDY)
     assert by_ids["output_ids"] == one["output_ids"]
-    n = clean_engine.generate("offline n", {"max_new_tokens": 4, "temperature": 1.0, "n": 2, "seed": 5})
+    n = clean_offline.generate("offline n", {"max_new_tokens": 4, "temperature": 1.0, "n": 2, "seed": 5})
     assert isinstance(n, list) and len(n) == 2  # n > 1: a list, as /generate answers
 
 
-def test_stream_and_async_match_non_stream(clean_engine):
+def test_stream_and_async_match_non_stream(clean_offline, clean_engine):
     sp = {"max_new_tokens": 8, "temperature": 0.8, "seed": 11}
-    ref = clean_engine.generate("stream me", sp, return_logprob=True)
-    chunks = list(clean_engine.generate("stream me", sp, return_logprob=True, stream=True))
+    ref = clean_offline.generate("stream me", sp, return_logprob=True)
+    chunks = list(clean_offline.generate("stream me", sp, return_logprob=True, stream=True))
     assert len(chunks) > 1 and chunks[-1]["text"] == ref["text"]
     assert chunks[-1]["output_ids"] == ref["output_ids"]
     # Output logprobs stream incrementally (as the route's chunks): together they are the list.
@@ -47,48 +63,48 @@ def test_stream_and_async_match_non_stream(clean_engine):
     assert streamed == ref["meta_info"]["output_token_logprobs"]
 
     async def run():
-        out = await clean_engine.async_generate("stream me", sp, return_logprob=True)
-        agen = await clean_engine.async_generate("stream me", sp, stream=True)
+        out = await clean_offline.async_generate("stream me", sp, return_logprob=True)
+        agen = await clean_offline.async_generate("stream me", sp, stream=True)
         return out, [c async for c in agen]
 
     out, achunks = asyncio.run(run())
     assert out["text"] == ref["text"] and out["output_ids"] == ref["output_ids"]
     assert out["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
     assert achunks[-1]["text"] == ref["text"]
-    batch = list(clean_engine.generate(["s one", "s two"], GREEDY, stream=True))
+    batch = list(clean_offline.generate(["s one", "s two"], GREEDY, stream=True))
     assert {c["index"] for c in batch} == {0, 1}
 
 
-def test_sync_generate_inside_a_running_event_loop(clean_engine):
+def test_sync_generate_inside_a_running_event_loop(clean_offline, clean_engine):
     """A sync call from a coroutine (a notebook cell) runs on the engine's own loop."""
-    ref = clean_engine.generate("loop inside", GREEDY)
+    ref = clean_offline.generate("loop inside", GREEDY)
 
     async def inside():
-        return clean_engine.generate("loop inside", GREEDY)
+        return clean_offline.generate("loop inside", GREEDY)
 
     assert asyncio.run(inside())["output_ids"] == ref["output_ids"]
 
 
-def test_leaving_a_stream_early_aborts(clean_engine):
-    it = clean_engine.generate("leave early", {"max_new_tokens": 100, "temperature": 0}, stream=True)
+def test_leaving_a_stream_early_aborts(clean_offline, clean_engine):
+    it = clean_offline.generate("leave early", {"max_new_tokens": 100, "temperature": 0}, stream=True)
     next(it)
     it.close()
     s = wait_pools_empty(clean_engine)
     assert s["kv_pages_used"] == 0 and s["num_running"] == 0
 
 
-def test_bad_input_raises_naming_the_field(clean_engine):
+def test_bad_input_raises_naming_the_field(clean_offline, clean_engine):
     with pytest.raises(InvalidRequestError) as e:
-        clean_engine.generate("x", {"temperature": -1})
+        clean_offline.generate("x", {"temperature": -1})
     assert e.value.field == "sampling_params.temperature"
     with pytest.raises(InvalidRequestError) as e:
-        clean_engine.generate()
+        clean_offline.generate()
     assert e.value.field == "text"
     with pytest.raises(InvalidRequestError) as e:
-        clean_engine.generate("x", lora_path="adapter")
+        clean_offline.generate("x", lora_path="adapter")
     assert e.value.field == "lora_path"
     with pytest.raises(TypeError, match="generate_request"):
-        clean_engine.generate(GenerateReqInput(text="x"))
+        clean_offline.generate(GenerateReqInput(text="x"))
 
 
 def test_constructor_forms(engine):
@@ -106,7 +122,7 @@ def test_context_manager_stops_the_threads():
 
     with Engine(**ENGINE_ARGS) as eng:
         out = eng.generate("context", GREEDY)
-        threads = (eng._thread, eng._offline_thread)
+        threads = (eng.engine.loop.thread, eng._offline_thread)
         assert all(t.is_alive() for t in threads)
     assert out["meta_info"]["completion_tokens"] == 6
     assert not any(t.is_alive() for t in threads)

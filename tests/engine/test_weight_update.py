@@ -206,7 +206,7 @@ async def _update_pending_mid_stream(eng, gate: Gate, ckpt):
     gate.close()
     await _until(gate.parked.is_set, "the loop to park")
     update = asyncio.ensure_future(asyncio.to_thread(eng.update_weights_from_disk, str(ckpt)))
-    await _until(lambda: eng._weight_swap is not None, "the update to be pending")
+    await _until(lambda: eng.weights.pending is not None, "the update to be pending")
     return long_task, long_outs, update
 
 
@@ -281,7 +281,7 @@ def test_abort_all_requests(eng, ckpts, reference):
         await _until(gate.parked.is_set, "the loop to park")
         update = asyncio.ensure_future(asyncio.to_thread(
             eng.update_weights_from_disk, str(ckpts["b"]), abort_all_requests=True))
-        await _until(lambda: eng._weight_swap is not None, "the update to be pending")
+        await _until(lambda: eng.weights.pending is not None, "the update to be pending")
         gate.open.set()
         res = await asyncio.wait_for(update, TIMEOUT_S)
         await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
@@ -352,7 +352,7 @@ def test_without_loop_thread_swaps_only_when_idle(ckpts):
         res = e.update_weights_from_disk(str(ckpts["b"]))
         assert not res["success"] and "no scheduler loop" in res["message"], res
         assert e.get_model_info()["weight_version"] == "default"
-        assert e.pool_stats()["num_queued"] == 1 and e._weight_swap is None
+        assert e.pool_stats()["num_queued"] == 1 and e.weights.pending is None
         res = e.update_weights_from_disk(str(ckpts["b"]), abort_all_requests=True)
         assert res["success"] and e.get_model_info()["weight_version"] == "1", res
         assert req.finish_reason["type"] == "abort"

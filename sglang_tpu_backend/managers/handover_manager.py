@@ -1,0 +1,154 @@
+"""Disaggregated prefill / decode inside one engine: prefill export and decode install.
+
+Prefill side: a request created with ``export_after_prefill`` stops after its first token;
+right after that step the loop copies its KV pages and GDN states out
+(``ModelRunner.export_request_state``) into a ``RequestHandover``, frees its pages and slot
+(with a prefix cache, the prompt stays cached) and hands the handover to its consumer.
+
+Decode side: a ``RequestHandover`` waits in ``pending`` until the scheduler admits it (pages
+and a slot owned by the request alone, never shared with the prefix cache); the loop then
+scatters its arrays into them and the request decodes to the end. One that waits longer
+than ``--handover-wait-timeout`` ends with finish_reason abort (the prefill replica has
+already freed its copy).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from sglang_tpu_backend.managers.handover import RequestHandover
+from sglang_tpu_backend.managers.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
+
+
+class HandoverManager:
+    """The handovers of one engine; its methods run on the loop thread unless noted.
+
+    Args:
+      loop: the engine's ``SchedulerLoop`` (lock, scheduler, delivery, metrics).
+      runner: ``ModelRunner`` (state export / install).
+      page_size: the engine's KV page size in tokens.
+      wait_timeout: seconds a handover may wait for room before it is aborted.
+    """
+
+    def __init__(self, loop: Any, runner: Any, *, page_size: int, wait_timeout: float):
+        self.loop, self.runner = loop, runner
+        self.page_size, self.wait_timeout = page_size, wait_timeout
+        self.pending: list[tuple[Req, RequestHandover]] = []  # waiting for room
+        self._installing: list[Req] = []  # admitted, state not installed yet
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    has_pending_installs = has_pending
+
+    # Decode side -----------------------------------------------------------------------------
+    def queue_install(self, req: Req, h: RequestHandover) -> None:
+        """Any thread, lock held: ``req`` (built from ``h.request``) waits for room."""
+        self.pending.append((req, h))
+
+    def install_pending(self) -> None:
+        """Admit waiting handovers while pages and slots allow, install their states."""
+        loop = self.loop
+        with loop.lock:
+            now = time.monotonic()
+            for req, h in [x for x in self.pending if now - x[0].arrival_time > self.wait_timeout]:
+                self.pending.remove((req, h))
+                loop.metrics.observe_handover(0.0, 0, ok=False)
+                req.abort(f"no KV pages / state slot free on the decode replica within "
+                          f"{self.wait_timeout:g} s (--handover-wait-timeout)")
+                loop.delivery.deliver_final(req)
+            admitted = []
+            while self.pending and loop.scheduler.admit_installed(self.pending[0][0]):
+                admitted.append(self.pending.pop(0))
+            self._installing = [req for req, _ in admitted]
+        for req, h in admitted:
+            try:
+                self.runner.install_request_state(h.kv, h.conv, h.rec, req.pages,
+                                                  req.state_slot, req)
+            except Exception as e:
+                logger.exception("handover install failed")
+                self._fail_one(req, f"handover install failed: {type(e).__name__}: {e}")
+                continue
+            finally:
+                self._installing.remove(req)
+            with loop.lock:
+                loop.metrics.observe_handover(max(0.0, time.time() - h.export_time), h.nbytes)
+
+    def _fail_one(self, req: Req, message: str) -> None:
+        with self.loop.lock:
+            self.loop.metrics.observe_handover(0.0, 0, ok=False)
+            if self.loop.scheduler.abort(req.rid, message) is None:
+                req.abort(message)
+            self.loop.delivery.deliver_final(req)
+
+    def fail_installs(self, message: str) -> None:
+        """``install_pending`` raised: end the requests it was admitting (lock held)."""
+        for req in self._installing:
+            self._fail_one(req, message)
+        self._installing = []
+
+    def abort_pending(self, message: str) -> None:
+        """Abort every handover still waiting for room (lock held)."""
+        for req, _ in self.pending:
+            req.abort(message)
+            self.loop.delivery.deliver_final(req)
+        self.pending.clear()
+
+    def abort(self, rid: str, message: str) -> bool:
+        """Abort the waiting handover of ``rid`` (lock held); False when there is none."""
+        for i, (req, _) in enumerate(self.pending):
+            if req.rid == rid:
+                del self.pending[i]
+                req.abort(message)
+                self.loop.delivery.deliver_final(req)
+                return True
+        return False
+
+    # Prefill side ----------------------------------------------------------------------------
+    def export_finished(self) -> None:
+        """Right after a step: copy out the state of requests that stopped after their first
+        token and hand it to their consumers; then free their pages and slot."""
+        loop = self.loop
+        with loop.lock:
+            reqs = list(loop.scheduler.exported)
+        for req in reqs:
+            t0 = time.time()
+            try:
+                kv, conv, rec = self.runner.export_request_state(req.pages, req.state_slot)
+            except Exception as e:
+                logger.exception("handover export failed")
+                with loop.lock:
+                    loop.scheduler.release_exported(req)
+                    loop.metrics.observe_handover(0.0, 0, ok=False)
+                    req.abort(f"handover export failed: {type(e).__name__}: {e}")
+                    loop.delivery.deliver_final(req)
+                continue
+            with loop.lock:
+                loop.scheduler.release_exported(req)
+                h = self._handover(req, kv, conv, rec, t0)
+                item = {"handover": h, "output": loop.delivery.outputs.snapshot(req).materialize(),
+                        "meta_info": {"finish_reason": None}}
+                loop.delivery.push(req.rid, item)
+
+    def _handover(self, req: Req, kv, conv, rec, export_time: float) -> RequestHandover:
+        return RequestHandover(
+            request=req.request, prompt_ids=list(req.prompt_ids), output_ids=list(req.output_ids),
+            seed=req.seed, num_computed=req.num_computed, page_size=self.page_size,
+            kv=kv, conv=conv, rec=rec, input_logprobs=list(req.input_logprobs),
+            input_top_logprobs=list(req.input_top_logprobs),
+            output_logprobs=list(req.output_logprobs),
+            output_top_logprobs=list(req.output_top_logprobs), export_time=export_time)
+
+    def fail_exports(self, message: str) -> None:
+        """``export_finished`` raised: end every request still waiting for export (lock held)."""
+        loop = self.loop
+        for req in list(loop.scheduler.exported):
+            loop.scheduler.release_exported(req)
+            loop.metrics.observe_handover(0.0, 0, ok=False)
+            req.abort(message)
+            loop.delivery.deliver_final(req)

@@ -1,0 +1,199 @@
+"""Weight updates without a restart (``/update_weights_from_disk``).
+
+The new checkpoint is loaded on the host, checked against the serving params and placed like
+them while the old weights keep serving. Then new requests are held (at most
+``--max-queued-requests``; more get HTTP 503), the requests already in the engine finish on
+the old weights for at most ``--weight-update-timeout`` seconds (then they are aborted with a
+message saying so; ``abort_all_requests`` aborts them at once), and with no step in flight and
+the pools idle the loop swaps the params (same shapes, shardings and layouts: nothing
+recompiles), flushes the prefix cache (its pages and snapshots came from the old weights),
+sets the weight version and releases the held requests onto the new weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+
+from sglang_tpu_backend.config import DTYPES
+from sglang_tpu_backend.managers.io_struct import ServiceUnavailableError
+from sglang_tpu_backend.managers.schedule_batch import Req
+from sglang_tpu_backend.model_executor import weight_update
+
+logger = logging.getLogger(__name__)
+
+
+class WeightUpdater:
+    """One engine's weight version, pending swap and held requests.
+
+    Args:
+      loop: the engine's ``SchedulerLoop`` (lock, scheduler, delivery).
+      runner: ``ModelRunner`` (param spec, placement, ``replace_params``).
+      model_config: the served model's config (an update must match it).
+      args: the engine's ServerArgs (dtype, nnodes, queue bound, timeout, weight_version).
+    """
+
+    def __init__(self, loop: Any, runner: Any, model_config: Any, args: Any):
+        self.loop, self.runner, self.model_config, self.args = loop, runner, model_config, args
+        self.version = args.weight_version
+        self.pending: weight_update.PendingSwap | None = None  # waiting for the loop
+        self.held: list[tuple[Req, Callable[[], None]]] = []  # requests held during a swap
+        self._serialize = threading.Lock()  # one update at a time
+
+    @property
+    def has_pending(self) -> bool:
+        return self.pending is not None
+
+    # Requests arriving during an update -------------------------------------------------------
+    def submit(self, req: Req, submit: Callable[[], None]) -> None:
+        """``submit()`` a new request now, or hold it until the pending swap is done (it then
+        runs on the new weights). Lock held. ServiceUnavailableError when the held requests
+        reach ``--max-queued-requests``."""
+        if self.pending is None:
+            submit()
+            return
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.held) >= limit:
+            raise ServiceUnavailableError(
+                f"{len(self.held)} requests are already held for a weight update "
+                f"(--max-queued-requests {limit}); retry later")
+        self.held.append((req, submit))
+
+    def abort_held(self, message: str) -> None:
+        """Abort every held request (lock held)."""
+        held, self.held = self.held, []
+        for req, _ in held:
+            req.abort(message)
+            self.loop.delivery.deliver_final(req)
+
+    def abort(self, rid: str, message: str) -> bool:
+        """Abort the held request ``rid`` (lock held); False when none is held."""
+        for i, (req, _) in enumerate(self.held):
+            if req.rid == rid:
+                del self.held[i]
+                req.abort(message)
+                self.loop.delivery.deliver_final(req)
+                return True
+        return False
+
+    # The update ------------------------------------------------------------------------------
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False,
+                                 weight_version: str | None = None) -> dict:
+        """Load, check and place ``model_path``, then wait for the loop to swap it in.
+        Blocks (call it from any thread but the loop's); returns SGLang's answer
+        ``{"success", "message", "num_paused_requests"}``. Any problem before the swap
+        answers ``success: False`` naming it and changes nothing."""
+        with self._serialize:
+            t0 = time.perf_counter()
+            try:
+                placed = self._load(model_path, load_format)
+            except weight_update.WeightUpdateError as e:
+                return weight_update.update_result(False, str(e))
+            except Exception as e:  # e.g. out of device memory while placing: nothing changed
+                logger.exception("loading weights from %s failed", model_path)
+                return weight_update.update_result(
+                    False, f"loading weights from {model_path} failed: {type(e).__name__}: {e}")
+            load_s = time.perf_counter() - t0
+            swap = weight_update.PendingSwap(
+                placed, weight_update.next_weight_version(self.version, weight_version), model_path)
+            del placed
+            loop = self.loop
+            with loop.lock:
+                if loop.stopping or loop.is_dead:
+                    return weight_update.update_result(False, "the scheduler loop is not running")
+                self.pending = swap
+                if abort_all_requests:
+                    loop.abort_all("Aborted for a weight update (abort_all_requests)", held=False)
+                loop.wake.notify_all()
+            if not loop.is_running:  # step() callers: no loop thread swaps it
+                self._swap_without_loop(swap)
+            while not swap.done.wait(0.1):
+                if loop.stopping or loop.is_dead:
+                    self._cancel(swap, "the scheduler loop stopped before the swap")
+            result = swap.result
+            if result["success"]:
+                result["message"] += f" (loaded in {load_s:.2f} s)"
+                logger.info("weight update: %s", result["message"])
+            return result
+
+    def _swap_without_loop(self, swap: weight_update.PendingSwap) -> None:
+        try:
+            if not self.swap_if_idle():
+                self._cancel(swap, "requests are running and no scheduler loop steps them")
+        except Exception as e:
+            logger.exception("swapping in the new weights failed")
+            self.fail(f"{type(e).__name__}: {e}")
+
+    def _load(self, model_path: str, load_format: str | None) -> Any:
+        if load_format not in weight_update.LOAD_FORMATS:
+            raise weight_update.WeightUpdateError(
+                f"load_format {load_format!r} is not supported (safetensors checkpoints: "
+                "'auto' or 'safetensors')")
+        if self.args.nnodes > 1:
+            raise weight_update.WeightUpdateError("weight updates are not supported with --nnodes > 1")
+        host = weight_update.load_host_params(model_path, self.model_config, self.runner.param_spec,
+                                              dtype=DTYPES[self.args.dtype])
+        placed = self.runner.place_params(host)
+        del host
+        weight_update.check_placed(self.runner.params, placed)
+        jax.block_until_ready(placed)
+        return placed
+
+    def swap_if_idle(self, step_in_flight: bool = False) -> bool:
+        """Loop thread (or an update's caller without one): past ``--weight-update-timeout``
+        abort the requests still on the old weights; swap in the pending weights once no
+        request is left and no step is in flight. True when it swapped."""
+        loop = self.loop
+        with loop.lock:
+            swap = self.pending
+            if swap is None:
+                return False
+            idle = loop.scheduler.is_idle() and not loop.handover.has_pending
+            limit = self.args.weight_update_timeout
+            if not idle and time.monotonic() - swap.queued_at > limit:
+                loop.abort_all(f"Aborted for a weight update: still running {limit:g} s after it "
+                               f"was requested (--weight-update-timeout)", held=False)
+                idle = True
+            if step_in_flight or not idle:
+                return False
+        self.runner.replace_params(swap.params)  # raises: the old params are still the runner's
+        with loop.lock:
+            if loop.scheduler.prefix is not None:
+                loop.scheduler.prefix.flush()  # nothing runs: every entry is freed now
+            self.version = swap.version
+            held, self.held, self.pending = self.held, [], None
+            for _, submit in held:
+                submit()
+            waited = time.monotonic() - swap.queued_at
+            swap.finish(True, f"Succeeded to update model weights from {swap.model_path}: "
+                        f"weight_version {swap.version!r}; waited {waited:.2f} s for running "
+                        f"requests", num_paused_requests=len(held))
+            loop.wake.notify_all()
+        return True
+
+    def fail(self, message: str) -> None:
+        """The swap phase raised: the old weights stay, the update answers failure."""
+        if self.pending is not None:
+            self._cancel(self.pending, f"swapping in the new weights failed: {message}")
+
+    def _cancel(self, swap: weight_update.PendingSwap, message: str) -> None:
+        """Give up a pending swap (old weights stay): held requests are queued now, or aborted
+        when the loop is gone; the update answers failure with ``message``."""
+        loop = self.loop
+        with loop.lock:
+            if self.pending is not swap:
+                return  # done meanwhile
+            self.pending = None
+            if loop.stopping or loop.is_dead:
+                self.abort_held(f"weight update failed: {message}")
+            else:
+                held, self.held = self.held, []
+                for _, submit in held:
+                    submit()
+            loop.wake.notify_all()
+            swap.finish(False, message)
