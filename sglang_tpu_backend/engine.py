@@ -68,6 +68,17 @@ def deterministic_limits(args: ServerArgs) -> dict:
                 max_logits_rows=deterministic_prefill_rows(running, args.max_tokens_per_step))
 
 
+async def _last(outputs: AsyncIterator[dict]) -> dict | None:
+    """The last output of ``outputs``; a caller cancelled meanwhile closes (aborts) it at once."""
+    last = None
+    try:
+        async for last in outputs:
+            pass
+    finally:
+        await outputs.aclose()
+    return last
+
+
 class Engine:
     """One model, one scheduler loop thread.
 
@@ -282,10 +293,8 @@ class Engine:
         async def build() -> Req:
             return await self.requests.build_async(obj, export_after_prefill=True)
 
-        last = None
-        async for out in self._serve(build, lambda req: self.scheduler.add_request(req),
-                                     queue_limit=True):
-            last = out
+        last = await _last(self._serve(build, lambda req: self.scheduler.add_request(req),
+                                       queue_limit=True))
         if "handover" in last:
             return last["output"], last["handover"]
         return last, None
@@ -333,9 +342,7 @@ class Engine:
         async def build() -> Req:
             return self.requests.build(obj)
 
-        last = None
-        async for out in self._serve(build, lambda req: self.scheduler.add_request(req)):
-            last = out
+        last = await _last(self._serve(build, lambda req: self.scheduler.add_request(req)))
         return last is not None and last["meta_info"]["finish_reason"]["type"] != "abort"
 
     # Reports -----------------------------------------------------------------------------------

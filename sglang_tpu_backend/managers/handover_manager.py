@@ -87,10 +87,14 @@ class HandoverManager:
             self.loop.delivery.deliver_final(req)
 
     def fail_installs(self, message: str) -> None:
-        """``install_pending`` raised: end the requests it was admitting (lock held)."""
+        """``install_pending`` raised: end the handovers it was admitting or installing, and
+        those waiting behind them (lock held)."""
         for req in self._installing:
             self._fail_one(req, message)
         self._installing = []
+        for _ in self.pending:
+            self.loop.metrics.observe_handover(0.0, 0, ok=False)
+        self.abort_pending(message)
 
     def abort_pending(self, message: str) -> None:
         """Abort every handover still waiting for room (lock held)."""

@@ -133,8 +133,7 @@ def test_handover_waiting_for_room_times_out(engine, decode_engine, monkeypatch)
                            sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
     _, h = asyncio.run(engine.prefill_for_handover(obj))
     assert h is not None
-    monkeypatch.setattr(decode_engine, "args",
-                        dataclasses.replace(decode_engine.args, handover_wait_timeout=0.5))
+    monkeypatch.setattr(decode_engine.handover, "wait_timeout", 0.5)
     monkeypatch.setattr(decode_engine.scheduler, "admit_installed", lambda req: False)
     t0 = time.monotonic()
     outs = asyncio.run(asyncio.wait_for(_collect(decode_engine.generate_from_handover(h)), 30))

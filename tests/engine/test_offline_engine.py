@@ -167,9 +167,9 @@ def test_profile_stops_after_num_steps(stepped, tmp_path):
     req = stepped.add_request(GenerateReqInput(input_ids=[5, 6, 7], sampling_params={
         "max_new_tokens": 8, "temperature": 0}))
     stepped.step()
-    assert stepped.profiler.running  # one step of two
+    assert stepped.loop.profiler.running  # one step of two
     stepped.step()
-    assert not stepped.profiler.running  # stopped by itself after the second step
+    assert not stepped.loop.profiler.running  # stopped by itself after the second step
     assert glob.glob(str(tmp_path / "plugins" / "profile" / "*" / "*.xplane.pb"))
     with pytest.raises(InvalidRequestError, match="not in progress"):
         stepped.stop_profile()

@@ -302,6 +302,48 @@ def test_abort_all_requests(eng, ckpts, reference):
     assert _tokens_and_logprobs(_run_each(eng)) == reference["b"][0]
 
 
+def test_update_deadline_aborts_stragglers_and_held_requests_are_bounded(eng_sync, ckpts, reference):
+    """Requests still running ``--weight-update-timeout`` s after the update was asked for
+    are aborted with a message naming the flag, and the swap goes ahead; meanwhile at most
+    ``--max-queued-requests`` new requests are held, more get ServiceUnavailableError."""
+    import dataclasses
+
+    from sglang_tpu_backend.managers.io_struct import ServiceUnavailableError
+
+    eng = eng_sync
+    _use(eng, ckpts["a"])
+    args = eng.weights.args
+    eng.weights.args = dataclasses.replace(args, weight_update_timeout=0.3, max_queued_requests=1)
+    gate = Gate()
+    eng.fault_injector = gate
+
+    async def scenario():
+        long_task, long_outs, update = await _update_pending_mid_stream(eng, gate, ckpts["b"])
+        held = asyncio.ensure_future(_final(eng, _req(PROMPTS[1], GREEDY)))
+        await _until(lambda: eng.pool_stats()["num_queued"] == 1, "the new request to be held")
+        with pytest.raises(ServiceUnavailableError, match="held for a weight update"):
+            await _final(eng, _req(PROMPTS[0], GREEDY))
+        await asyncio.sleep(0.4)  # past the deadline, with the long request still running
+        gate.open.set()
+        res = await asyncio.wait_for(update, TIMEOUT_S)
+        await asyncio.wait_for(long_task, TIMEOUT_S)
+        return res, long_outs[-1], await asyncio.wait_for(held, TIMEOUT_S)
+
+    try:
+        res, long_out, held_out = asyncio.run(scenario())
+    finally:
+        eng.fault_injector = None
+        eng.weights.args = args
+        gate.open.set()
+    assert res["success"] and res["num_paused_requests"] == 1, res
+    reason = long_out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "--weight-update-timeout" in reason["message"], reason
+    assert len(long_out["output_ids"]) < LONG["max_new_tokens"]
+    assert held_out["meta_info"]["finish_reason"]["type"] == "length"
+    assert eng.get_model_info()["weight_version"] != "default"
+    _idle(eng)
+
+
 @pytest.mark.parametrize("name, problem, field", [
     ("wider", "hidden_size", None),
     ("missing", "lacks 1 tensor(s): model.language_model.norm.weight", None),
