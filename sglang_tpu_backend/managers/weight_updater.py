@@ -161,10 +161,10 @@ class WeightUpdater:
                 idle = True
             if step_in_flight or not idle:
                 return False
+            if loop.scheduler.prefix is not None:  # its pages and snapshots are the old weights'
+                loop.scheduler.prefix.flush()  # nothing runs: every entry is freed now
         self.runner.replace_params(swap.params)  # raises: the old params are still the runner's
         with loop.lock:
-            if loop.scheduler.prefix is not None:
-                loop.scheduler.prefix.flush()  # nothing runs: every entry is freed now
             self.version = swap.version
             held, self.held, self.pending = self.held, [], None
             for _, submit in held:
