@@ -269,21 +269,9 @@ class Scheduler:
                 c.req.num_inflight += 1
 
     def _try_schedule(self) -> ScheduledBatch | None:
-        chunks: list[ScheduledChunk] = []
         self._loads, self._saves = [], []
         retracted_before = self.num_retracted_total
-        # 1. Decodes, oldest first; retract the newest requests of the same rank when its
-        #    pages run out.
-        for req in [r for r in self.running if r.is_decode_ready]:
-            if req not in self.running:
-                continue  # retracted below for an older request
-            while not self._ensure_pages(req, req.num_computed + 1):
-                victim = self.running_on(req.dp_rank)[-1]
-                self._retract(victim)
-                if victim is req:
-                    break
-            else:
-                chunks.append(self._chunk(req, 1))
+        chunks = self._schedule_decodes()
         steps = [RankStep(self.max_tokens_per_step, self.max_logits_rows)
                  for _ in range(self.dp_size)]
         separate = self.prefill_align is not None  # decodes drop out of a step with prefill
@@ -291,66 +279,8 @@ class Scheduler:
             steps[c.dp_rank].budget -= 1
             steps[c.dp_rank].rows_left -= 1
         num_decodes = len(chunks)
-        # 2. Running requests in the middle of a (chunked) prefill.
-        for req in self.running:
-            step = steps[req.dp_rank]
-            step.running += 1
-            if req.is_decode_ready:
-                step.reserve += 1  # admission keeps a page per running decode in reserve
-            if (step.budget <= 0 or step.rows_left <= 0 or req.is_decode_ready
-                    or req.num_inflight or req.num_pending <= 0):
-                continue  # (a request with a token in flight only ever decodes)
-            n = self._tokens_that_fit(req, req.dp_rank, min(req.num_pending, step.budget))
-            n = self._limit_chunk(req, n, step.rows_left)
-            if n > 0 and self._ensure_pages(req, req.num_computed + n):
-                chunks.append(self._prefill_chunk(req, n, step))
-        # 3. Admit waiting requests (FIFO), each on the least-loaded rank that can take it
-        #    (with a prefix cache: on the rank with the longest cached prefix).
-        i = 0
-        while i < len(self.waiting) and self.num_retracted_total == retracted_before:  # no thrash
-            req = self.waiting[i]
-            if self.prefix is not None and self.prefix.should_wait(req, self.running):
-                i += 1  # a running request is prefilling its prompt's prefix: reuse it later
-                continue
-            fits = {}  # rank -> (tokens of the first chunk there, prefix match or None)
-            for k, step in enumerate(steps):
-                if (step.budget <= 0 or step.rows_left <= 0
-                        or step.running >= self.max_running_requests
-                        or not self.pools[k].state_pool.can_allocate()):
-                    continue
-                m = self.prefix.match(req, k) if self.prefix is not None else None
-                start = m.length if m else req.num_computed
-                n = self._tokens_that_fit(
-                    req, k, min(req.num_fill - start, step.budget),
-                    step.reserve + (m.num_unlocked_pages if m else 0), start=start,
-                    num_pages=len(m.pages) if m else None)
-                n = self._limit_chunk(req, n, step.rows_left, start=start)
-                if n > 0:
-                    fits[k] = (n, m)
-            if not fits:
-                break
-            best = max(m.length if m else 0 for _, m in fits.values())
-            cands = [k for k, (_, m) in fits.items() if (m.length if m else 0) == best]
-            if len(cands) == 1:
-                k = cands[0]
-            else:
-                k = pick_rank(cands, [rank_load(p, self.running_on(r))
-                                      for r, p in enumerate(self.pools)])
-            del self.waiting[i]
-            req.dp_rank = k
-            req.state_slot = self.pools[k].state_pool.allocate()
-            if req.admit_time is None:
-                req.admit_time = time.monotonic()
-            self.running.append(req)
-            self.num_admitted_per_rank[k] += 1
-            steps[k].running += 1
-            n, m = fits[k]
-            if m is not None:
-                self.prefix.admit(req, k, m, self._loads)
-                self.num_cached_tokens_total += m.length
-            if not self._ensure_pages(req, req.num_computed + n):  # checked above
-                raise RuntimeError("page accounting error")
-            chunks.append(self._prefill_chunk(req, n, steps[k]))
+        chunks += self._schedule_prefills(steps)
+        chunks += self._admit_waiting(steps, retracted_before)
         if separate and 0 < num_decodes < len(chunks):
             chunks, num_decodes = chunks[num_decodes:], 0  # their pages stay for the next step
         if not chunks:
@@ -363,6 +293,101 @@ class Scheduler:
             kind = ForwardMode.MIXED
         return ScheduledBatch(chunks=chunks, kind=kind, state_loads=self._loads,
                               state_saves=self._saves)
+
+    def _schedule_decodes(self) -> list[ScheduledChunk]:
+        """1. Decodes, oldest first; retract the newest requests of the same rank when its
+        pages run out."""
+        chunks = []
+        for req in [r for r in self.running if r.is_decode_ready]:
+            if req not in self.running:
+                continue  # retracted below for an older request
+            while not self._ensure_pages(req, req.num_computed + 1):
+                victim = self.running_on(req.dp_rank)[-1]
+                self._retract(victim)
+                if victim is req:
+                    break
+            else:
+                chunks.append(self._chunk(req, 1))
+        return chunks
+
+    def _schedule_prefills(self, steps: list[RankStep]) -> list[ScheduledChunk]:
+        """2. Running requests in the middle of a (chunked) prefill."""
+        chunks = []
+        for req in self.running:
+            step = steps[req.dp_rank]
+            step.running += 1
+            if req.is_decode_ready:
+                step.reserve += 1  # admission keeps a page per running decode in reserve
+            if (step.budget <= 0 or step.rows_left <= 0 or req.is_decode_ready
+                    or req.num_inflight or req.num_pending <= 0):
+                continue  # (a request with a token in flight only ever decodes)
+            n = self._tokens_that_fit(req, req.dp_rank, min(req.num_pending, step.budget))
+            n = self._limit_chunk(req, n, step.rows_left)
+            if n > 0 and self._ensure_pages(req, req.num_computed + n):
+                chunks.append(self._prefill_chunk(req, n, step))
+        return chunks
+
+    def _admit_waiting(self, steps: list[RankStep], retracted_before: int) -> list[ScheduledChunk]:
+        """3. Admit waiting requests (FIFO), each on the least-loaded rank that can take it
+        (with a prefix cache: on the rank with the longest cached prefix); none in a step
+        that retracted (no thrash)."""
+        chunks = []
+        i = 0
+        while i < len(self.waiting) and self.num_retracted_total == retracted_before:
+            req = self.waiting[i]
+            if self.prefix is not None and self.prefix.should_wait(req, self.running):
+                i += 1  # a running request is prefilling its prompt's prefix: reuse it later
+                continue
+            fits = self._fits(req, steps)
+            if not fits:
+                break
+            best = max(m.length if m else 0 for _, m in fits.values())
+            cands = [k for k, (_, m) in fits.items() if (m.length if m else 0) == best]
+            if len(cands) == 1:
+                k = cands[0]
+            else:
+                k = pick_rank(cands, [rank_load(p, self.running_on(r))
+                                      for r, p in enumerate(self.pools)])
+            del self.waiting[i]
+            chunks.append(self._admit(req, k, *fits[k], steps[k]))
+        return chunks
+
+    def _fits(self, req: Req, steps: list[RankStep]) -> dict:
+        """rank -> (tokens of ``req``'s first chunk there, prefix match or None), for every
+        rank that can take it now."""
+        fits = {}
+        for k, step in enumerate(steps):
+            if (step.budget <= 0 or step.rows_left <= 0
+                    or step.running >= self.max_running_requests
+                    or not self.pools[k].state_pool.can_allocate()):
+                continue
+            m = self.prefix.match(req, k) if self.prefix is not None else None
+            start = m.length if m else req.num_computed
+            n = self._tokens_that_fit(
+                req, k, min(req.num_fill - start, step.budget),
+                step.reserve + (m.num_unlocked_pages if m else 0), start=start,
+                num_pages=len(m.pages) if m else None)
+            n = self._limit_chunk(req, n, step.rows_left, start=start)
+            if n > 0:
+                fits[k] = (n, m)
+        return fits
+
+    def _admit(self, req: Req, k: int, n: int, m, step: RankStep) -> ScheduledChunk:
+        """Admit ``req`` on rank ``k`` (a state slot, the prefix match ``m``'s pages) with a
+        first chunk of ``n`` tokens."""
+        req.dp_rank = k
+        req.state_slot = self.pools[k].state_pool.allocate()
+        if req.admit_time is None:
+            req.admit_time = time.monotonic()
+        self.running.append(req)
+        self.num_admitted_per_rank[k] += 1
+        step.running += 1
+        if m is not None:
+            self.prefix.admit(req, k, m, self._loads)
+            self.num_cached_tokens_total += m.length
+        if not self._ensure_pages(req, req.num_computed + n):  # checked in _fits
+            raise RuntimeError("page accounting error")
+        return self._prefill_chunk(req, n, step)
 
     # Results -------------------------------------------------------------------------
     def process_result(self, batch: ScheduledBatch, results: list[ChunkResult]) -> list[Req]:
