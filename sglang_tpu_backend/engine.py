@@ -38,15 +38,12 @@ from sglang_tpu_backend.managers.handover import RequestHandover
 from sglang_tpu_backend.managers.handover_manager import HandoverManager
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError, ServiceUnavailableError
 from sglang_tpu_backend.managers.output_builder import OutputBuilder, OutputSnapshot
-from sglang_tpu_backend.managers.prefix_cache import PrefixCache
 from sglang_tpu_backend.managers.request_builder import RequestBuilder
 from sglang_tpu_backend.managers.schedule_batch import Req
 from sglang_tpu_backend.managers.scheduler import Scheduler
 from sglang_tpu_backend.managers.scheduler_loop import PHASES, SchedulerLoop  # noqa: F401
 from sglang_tpu_backend.managers.engine_status import EngineStatus
 from sglang_tpu_backend.managers.weight_updater import WeightUpdater
-from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
-from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.mem_budget import size_serving_args
 from sglang_tpu_backend.model_executor.model_runner import (
@@ -59,8 +56,8 @@ ABORTED_BY_CLIENT = "Aborted by the client or the server"
 
 
 def deterministic_limits(args: ServerArgs) -> dict:
-    """Scheduler arguments of ``--enable-deterministic-inference``: prefill chunks aligned to
-    the GDN chunk size, as many chunks and logits rows per step as the runner's fixed prefill
+    """Scheduler limits of ``--enable-deterministic-inference``: prefill chunks aligned to the
+    GDN chunk size, as many chunks and logits rows per step as the runner's fixed prefill
     shape has."""
     running = args.max_running_requests_per_rank
     return dict(prefill_align=DETERMINISTIC_MIN_CHUNK,
@@ -117,7 +114,8 @@ class Engine:
         self.num_pages = self.num_pages_per_rank * dp  # all ranks
         self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
-        self.scheduler = self._build_scheduler(args)
+        self.scheduler = Scheduler.from_args(args, **(
+            deterministic_limits(args) if args.enable_deterministic_inference else {}))
         det = args.enable_deterministic_inference
         self.runner = ModelRunner(
             cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
@@ -151,20 +149,6 @@ class Engine:
         self.warmup_seconds = 0.0 if args.skip_warmup else self.runner.warmup()
         if start_loop:
             self.loop.start()
-
-    @staticmethod
-    def _build_scheduler(args: ServerArgs) -> Scheduler:
-        running = args.max_running_requests_per_rank
-        pools = RankPools.per_rank(args.dp_size, num_pages=args.max_total_tokens // (
-            args.page_size * args.dp_size), page_size=args.page_size, num_slots=running)
-        num_snapshots = args.num_gdn_snapshots_per_rank
-        prefix = None
-        if num_snapshots > 0:  # (0 with --enable-deterministic-inference)
-            prefix = PrefixCache([RadixCache(p.page_pool, SnapshotPool(num_snapshots))
-                                  for p in pools])
-        det = deterministic_limits(args) if args.enable_deterministic_inference else {}
-        return Scheduler(pools, max_running_requests=running,
-                         max_tokens_per_step=args.max_tokens_per_step, prefix=prefix, **det)
 
     @staticmethod
     def _enable_compilation_cache(args: ServerArgs) -> None:

@@ -39,6 +39,7 @@ from sglang_tpu_backend.managers.schedule_batch import (
     SnapshotSave,
 )
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
+from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 
@@ -94,6 +95,22 @@ class Scheduler:
         self._saves: list[SnapshotSave] = []
 
     # Queue ---------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args, **limits) -> "Scheduler":
+        """The scheduler of a ServerArgs: per-rank pools of ``max_total_tokens`` split over
+        the DP ranks, a prefix cache unless it has no GDN snapshots (``--disable-radix-cache``,
+        deterministic inference); ``limits``: extra keyword arguments (deterministic limits)."""
+        running = args.max_running_requests_per_rank
+        pools = RankPools.per_rank(args.dp_size, num_pages=args.max_total_tokens // (
+            args.page_size * args.dp_size), page_size=args.page_size, num_slots=running)
+        num_snapshots = args.num_gdn_snapshots_per_rank
+        prefix = None
+        if num_snapshots > 0:
+            prefix = PrefixCache([RadixCache(p.page_pool, SnapshotPool(num_snapshots))
+                                  for p in pools])
+        return cls(pools, max_running_requests=running,
+                   max_tokens_per_step=args.max_tokens_per_step, prefix=prefix, **limits)
+
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
 
