@@ -14,9 +14,9 @@ from kernels.ragged_paged_attention.common import (MASK_VALUE, _layer_index, _to
 from kernels.ragged_paged_attention.kv_write import write_new_kv
 
 # KV tokens per block of the XLA path: small, so a short context reads little past its end.
-# Every row of a step reads as many blocks as the step's longest request, and XLA computes
-# every row of a block, so a decode step of short contexts would spend most of a large block
-# on masked keys.
+# Every row of a step reads as many blocks as the step's longest request, and XLA scores
+# every key of a block, masked or not, so with large blocks a decode step of short contexts
+# would mostly score masked keys.
 XLA_KV_BLOCK_TOKENS = 128
 PREFIX_GROUP = 16  # tokens per group of the prefix pass (the tokens that have cached keys)
 
@@ -123,8 +123,8 @@ def _xla_attention_split(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, n
     kn = new_k.astype(kv_pages.dtype).astype(jnp.float32)  # f32[T, Hkv, D], as cached
     vn = new_v.astype(kv_pages.dtype).astype(jnp.float32)  # f32[T, Hkv, D]
     s = jnp.einsum("thgd,shd->thgs", qg, kn, precision=lax.Precision.HIGHEST)  # [T,Hkv,G,T]
+    # see bool[T, T]: query t sees the in-step key of token s
     see = (req[:, None] == req[None, :]) & (t_idx[None, :] <= t_idx[:, None]) & valid[None, :]
-    # see bool[T, T]: query row t sees in-step key s
     s = jnp.where(see[:, None, None, :], s, MASK_VALUE)
     m_b = s.max(-1)  # f32[T, Hkv, G]
     p = jnp.exp(s - m_b[..., None])
@@ -133,8 +133,8 @@ def _xla_attention_split(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, n
 
     # Cached keys (positions < step_start), for the compacted tokens that have any.
     needs = valid & (step_start > 0)  # bool[T]
-    order = jnp.pad(jnp.argsort(~needs, stable=True).astype(jnp.int32), (0, PREFIX_GROUP))
     # order i32[T + PREFIX_GROUP]: the tokens that need the pass first
+    order = jnp.pad(jnp.argsort(~needs, stable=True).astype(jnp.int32), (0, PREFIX_GROUP))
     n_need = jnp.sum(needs)
     size = min(PREFIX_GROUP, T)
     table = _padded_table(page_indices, bp)
