@@ -34,9 +34,9 @@ Implementations (``impl``, see ``kernels.dispatch``; the Pallas kernels are in
     request's state (UT/WY chunked form).
   * ``impl="xla"`` (what ``"auto"`` picks off-TPU): the reference with ``XLA_CHUNK_SIZE``-token
     chunks unless ``chunk_size`` is given. The chunk's unit-lower inverse is a loop of L
-    matrix-vector rows, and XLA:CPU pays per iteration: the tiny default's fp32 mixed step
-    (4 prompts x 64 tokens, 6 GDN layers) took 87 ms with 64-token chunks, 55 ms with 32 or
-    16 (best of 10, ``benchmarks/bench_gdn_chunk.py``).
+    matrix-vector rows, and XLA:CPU pays per iteration, so a chunk shorter than the Pallas
+    kernels' makes a prefill step cheaper there (``benchmarks/bench_gdn_chunk.py`` times one
+    mixed step per chunk size).
 
 State slots: rows ``r >= num_seqs`` and real requests with no tokens leave their slots
 untouched. A request with ``kv_lens[r] == q_len[r]`` is fresh: its slots are read as zeros.
@@ -251,8 +251,7 @@ def _ref_chunked(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_s
     doing its whole chunk: gather its rows [Hv, L, ...], the intra-chunk UT transform, then
     output and state update from its request's running state. The static chunk-slot bound
     ``num_chunk_slots`` (T/L + R) only sizes buffers, so a padded request bucket costs no
-    work (on XLA:CPU, tiny default, 64-token step of one request: 6.7 -> 0.5 ms per layer
-    at R = 64 against the former all-slots batch).
+    work: the loop runs over the chunks real tokens fill, not over all N slots.
     """
     T, _ = mixed_qkv.shape
     _, _, Hv, Dk, Dv = rec_state.shape

@@ -187,10 +187,8 @@ def ref_gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False,
 # tile copies its group's [K, N] weights out of the stack (XLA:CPU materialises a dynamic
 # slice before a dot; the copy lands in cache, where the dot reads it) and multiplies all its
 # rows, padding included. At decode sizes XLA:CPU's dot costs more with more rows even with
-# the weights in cache ([M, 1024] x [1024, 512] on this project's 2-core CPU, several noisy
-# runs: 0.07-0.17 ms at M = 4 or 8, 0.20-0.28 ms at M = 16), so tiles should be no larger than
-# the groups they hold: decode
-# has ~M/G rows per expert (8 at 64 rows x top-8 over 64 experts, 4 at 32), prefill wants few
+# the weights in cache, so tiles should be no larger than the groups they hold: decode has
+# ~M/G rows per expert (8 at 64 rows x top-8 over 64 experts, 4 at 32), prefill wants few
 # tiles per group. benchmarks/bench_cpu_moe.py sweeps it (--tm).
 XLA_TILE_ROWS = 8
 XLA_MAX_TILE_ROWS = 128

@@ -1,4 +1,4 @@
-"""ragged_paged_attention (kernels/ragged_paged_attention.py) compiled by Mosaic for one TPU7x
+"""ragged_paged_attention (kernels/ragged_paged_attention/) compiled by Mosaic for one TPU7x
 TensorCore, with the new K/V written into the stacked cache and the layer a traced scalar.
 
 Tiny model: Hq=4, Hkv=2, D=64, page 16, 2 layers x 256 pages, up to 8 pages (128 tokens) per

@@ -1,0 +1,397 @@
+"""The Pallas TPU kernel of ragged paged attention, its wrapper and its cost model.
+
+Dimension letters and the metadata contract: see the package docstring. The new K/V are
+written into the cache before this kernel runs, by the kernel in ``kv_write``.
+
+Kernel layout:
+  * grid: one step per work item = (request, q block); the wrapper lists the items of the real
+    requests in order (at most ``R + cdiv(T, prefill_q_tokens)`` of them) and the trailing grid
+    steps are idle. Requests with ``q_len <= decode_q_tokens`` get one small block (a decode
+    row: ``decode_q_tokens * G`` score rows), longer ones blocks of ``prefill_q_tokens``.
+  * scalar prefetch (SMEM): the layer index, the metadata and the work-item list.
+  * q and o stay in HBM (``pl.ANY``) laid out ``[T, Hkv, G, D]`` by the wrapper; each item DMAs
+    exactly its own q rows (one ``[Hkv, G, D]`` row per token, indexed on the leading T dim)
+    into a double-buffered VMEM tile (the next item's rows are fetched while this one
+    computes) and DMAs exactly its own output rows back, so items never write rows of other
+    requests and the output needs no padding (it aliases a zero buffer, so padding tokens
+    read zero).
+  * K/V pages stay in HBM; blocks of ``kv_pages_per_block`` pages are DMA'd one whole page per
+    DMA (``kv_hbm.at[layer, page]``) into a double-buffered VMEM scratch
+    ``[2, pages_per_block, 2 * Hkv, S, D]``; the first block of the next item is prefetched
+    during the last block of the current one. Only pages up to the causal bound of the
+    block's last query are fetched.
+  * online softmax per kv head over ``[q_tokens * G, D]`` query rows (the G query heads of a
+    kv head stacked token-major), running max / sum / accumulator in fp32 VMEM scratch.
+  * both grid steps and the KV loop are sequential ("arbitrary"): the cross-item prefetch
+    carries a buffer slot from one step to the next.
+Mosaic constraints this layout meets: only the last two dims of a buffer are tiled, and every
+dynamic DMA offset (layer, page, token row, buffer slot, page within block) is on a leading
+dim. In-kernel value reshapes only merge/split a leading dim with the second-minor dim:
+``[pages, S, D] -> [pages * S, D]`` (layout-free: S in {16, 256} is a multiple of the sublane
+tile) and ``[q_tokens, G, D] <-> [q_tokens * G, D]`` (layout-free for G = 16, the production
+ratio; Mosaic relayouts other G: checked to compile for G in {1, 2, 3, 4, 6, 8, 12, 16}, bf16
+and f32, D 64 and 128).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.cost import Cost
+from kernels.ragged_paged_attention.common import MASK_VALUE
+
+# Target query rows (tokens * G) of a prefill block and kv tokens of a kv block.
+PREFILL_Q_ROWS = 512
+DECODE_Q_ROWS = 16
+KV_BLOCK_TOKENS = 512
+# Scoped VMEM for the kernel: Mosaic reports 8.4 MiB used at 16:1 GQA, D 256, page 256, bf16,
+# 512-row q and kv blocks (the largest default tiling; tests/tpu/test_attention_compile.py
+# compiles it and checks the VMEM used); the default 32 MiB leaves headroom.
+VMEM_LIMIT_BYTES = 32 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling of the Pallas kernel.
+
+    decode_q_tokens: q tokens of the block of a request with ``q_len <= decode_q_tokens``.
+    prefill_q_tokens: q tokens per block of longer requests (>= decode_q_tokens).
+    kv_pages_per_block: pages per streamed K/V block.
+    """
+
+    decode_q_tokens: int
+    prefill_q_tokens: int
+    kv_pages_per_block: int
+
+    @classmethod
+    def get_default(cls, num_tokens: int, group: int, page_size: int, pages_per_seq: int):
+        decode = max(1, DECODE_Q_ROWS // group)
+        prefill = max(decode, min(PREFILL_Q_ROWS // group, _round_up(num_tokens, 8)))
+        pages = max(1, min(KV_BLOCK_TOKENS // page_size, pages_per_seq))
+        return cls(decode, prefill, pages)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _work_items(cu_q_lens, num_seqs, num_rows, block: BlockSizes, max_items: int):
+    """The (request, q block) items of the real requests, in order.
+
+    Returns (i32[max_items] request, i32[max_items] q block, i32[1] item count); entries past
+    the count repeat the last request and are never used.
+    """
+    ns = jnp.clip(num_seqs[0], 0, num_rows)
+    cu = jnp.where(jnp.arange(num_rows + 1) <= ns, cu_q_lens, cu_q_lens[ns])
+    q_lens = jnp.maximum(cu[1:] - cu[:-1], 0)  # i32[R]
+    bq = jnp.where(q_lens <= block.decode_q_tokens, block.decode_q_tokens, block.prefill_q_tokens)
+    nblk = (q_lens + bq - 1) // bq  # i32[R]; 0 for empty and padding rows
+    ends = jnp.cumsum(nblk)  # i32[R]
+    i = jnp.arange(max_items, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(ends, i, side="right"), 0, num_rows - 1).astype(jnp.int32)
+    qblk = (i - (ends[seq] - nblk[seq])).astype(jnp.int32)
+    return seq, qblk, ends[-1:].astype(jnp.int32)
+
+
+def _compute_dtype(q_dtype, kv_dtype):
+    """Matmul operand dtype: the wider of q's and the cache's; an 8-bit (FP8) cache is upcast
+    to q's dtype in VMEM (FP8 K/V halve the pages' HBM bytes, the math stays bf16/f32)."""
+    if jnp.dtype(kv_dtype).itemsize == 1:
+        return jnp.dtype(q_dtype)
+    return jnp.promote_types(q_dtype, kv_dtype)
+
+
+def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, block, max_items,
+                 compute_dtype, precision):
+    ppb = block.kv_pages_per_block
+    bkv = ppb * page_size
+
+    def kernel(
+        # Prefetch (SMEM)
+        layer_ref,  # i32[1]  layer of kv_hbm to read
+        kv_lens_ref,  # i32[R]
+        page_indices_ref,  # i32[R * P] (flattened: 2-D SMEM arrays pad their last dim)
+        cu_q_lens_ref,  # i32[R + 1]
+        num_seqs_ref,  # i32[1]
+        item_seq_ref,  # i32[max_items]
+        item_qblk_ref,  # i32[max_items]
+        num_items_ref,  # i32[1]
+        # Input (HBM)
+        q_hbm,  # [T, Hkv, G, D]
+        kv_hbm,  # [Lyr, N, 2*Hkv, S, D]
+        _zeros_hbm,  # [T, Hkv, G, D], aliased to the output
+        # Output (HBM)
+        o_hbm,  # [T, Hkv, G, D]
+        # Scratch
+        q_buf,  # [2, prefill_q_tokens, Hkv, G, D]  q rows of this / the next item
+        o_buf,  # [2, prefill_q_tokens, Hkv, G, D]  output rows on their way to HBM
+        kv_buf,  # [2, ppb, 2*Hkv, S, D]  K/V block being computed / being fetched
+        m_scr,  # f32[Hkv, rows, 1]  running max
+        l_scr,  # f32[Hkv, rows, 1]  running sum
+        acc_scr,  # f32[Hkv, rows, D]  running numerator
+        q_sem,  # DMA[2]
+        o_sem,  # DMA[2]
+        kv_sem,  # DMA[2]
+        kv_state,  # i32[2] SMEM: [slot of the current item's first K/V block, already fetched]
+    ):
+        step = pl.program_id(0)
+        num_items = num_items_ref[0]
+        layer = layer_ref[0]
+
+        def item(i):
+            """Scalars of work item i (clamped into range)."""
+            i = jnp.minimum(i, max_items - 1)
+            r = item_seq_ref[i]
+            q_start = cu_q_lens_ref[r]
+            q_len = cu_q_lens_ref[r + 1] - q_start
+            small = q_len <= block.decode_q_tokens
+            bq = jnp.where(small, block.decode_q_tokens, block.prefill_q_tokens)
+            row0 = item_qblk_ref[i] * bq  # first q row of the block within its request
+            n = jnp.minimum(bq, q_len - row0)  # real q rows of the block
+            ctx = kv_lens_ref[r] - q_len  # tokens before the request's first new token
+            kv_end = ctx + row0 + n  # positions the block needs: [0, kv_end)
+            return dict(r=r, row=q_start + row0, n=n, small=small, q_pos0=ctx + row0,
+                        num_kv_blocks=(kv_end + bkv - 1) // bkv,
+                        last_page=jnp.clip((kv_end + page_size - 1) // page_size - 1,
+                                           0, pages_per_seq - 1))
+
+        # ---- q / o row DMAs: one [Hkv, G, D] token row each (dynamic index on the leading T
+        # dim), so nothing outside the item is touched.
+        def q_copy(it, slot, t):
+            return pltpu.make_async_copy(q_hbm.at[it["row"] + t], q_buf.at[slot, t], q_sem.at[slot])
+
+        def o_copy(it, slot, t):
+            return pltpu.make_async_copy(o_buf.at[slot, t], o_hbm.at[it["row"] + t], o_sem.at[slot])
+
+        def each_row(it, fn):
+            def body(t, c):
+                fn(t)
+                return c
+            lax.fori_loop(0, it["n"], body, 0)
+
+        # ---- K/V block DMAs: one whole [2*Hkv, S, D] page per DMA. Pages past the block's
+        # causal bound re-fetch its last needed page (masked anyway), so page-table entries
+        # beyond a request's pages are never read.
+        def for_each_kv_copy(it, blk, slot, fn):
+            def body(j, c):
+                page_pos = jnp.minimum(blk * ppb + j, it["last_page"])
+                page = page_indices_ref[it["r"] * pages_per_seq + page_pos]
+                fn(pltpu.make_async_copy(kv_hbm.at[layer, page], kv_buf.at[slot, j],
+                                         kv_sem.at[slot]))
+                return c
+            lax.fori_loop(0, ppb, body, 0)
+
+        def start_kv(it, blk, slot):
+            for_each_kv_copy(it, blk, slot, lambda c: c.start())
+
+        def wait_kv(it, blk, slot):
+            for_each_kv_copy(it, blk, slot, lambda c: c.wait())
+
+        def attend_block(qslot, slot, q_tokens, visible):
+            """Online-softmax update of every kv head with K/V block ``kv_buf[slot]``."""
+            rows = q_tokens * group
+            for h in range(num_kv_heads):
+                q = q_buf[qslot, :q_tokens, h].reshape(rows, -1)  # [rows, D], token-major
+                k = kv_buf[slot, :, 2 * h].reshape(bkv, -1)  # [bkv, D]
+                v = kv_buf[slot, :, 2 * h + 1].reshape(bkv, -1)  # [bkv, D]
+                # Mosaic matmuls need one operand dtype (no-ops when q and cache agree).
+                q, k, v = (a.astype(compute_dtype) for a in (q, k, v))
+                s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                    preferred_element_type=jnp.float32) * sm_scale
+                s = jnp.where(visible, s, MASK_VALUE)  # f32[rows, bkv]
+                m_prev = m_scr[h, :rows]  # f32[rows, 1]
+                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                p = jnp.exp(s - m_new)  # f32[rows, bkv]
+                alpha = jnp.exp(m_prev - m_new)  # f32[rows, 1]
+                l_scr[h, :rows] = alpha * l_scr[h, :rows] + jnp.sum(p, axis=1, keepdims=True)
+                pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                                     precision=precision, preferred_element_type=jnp.float32)
+                acc_scr[h, :rows] = alpha * acc_scr[h, :rows] + pv  # f32[rows, D]
+                m_scr[h, :rows] = m_new
+
+        def run_item(it, nxt, has_next, qslot, q_tokens):
+            """Attend q_buf[qslot, :q_tokens] of item ``it``; write o_buf[qslot]."""
+            rows = q_tokens * group
+            m_scr[:, :rows] = jnp.full((num_kv_heads, rows, 1), MASK_VALUE, jnp.float32)
+            l_scr[:, :rows] = jnp.zeros((num_kv_heads, rows, 1), jnp.float32)
+            acc_scr[:, :rows] = jnp.zeros((num_kv_heads, rows, acc_scr.shape[2]), jnp.float32)
+            slot0 = kv_state[0]
+            nb = it["num_kv_blocks"]
+
+            @pl.when(kv_state[1] == 0)
+            def _():
+                start_kv(it, 0, slot0)
+
+            # Row i is query token i // G at position q_pos0 + i // G; it sees kv position p iff
+            # p - q_pos0 <= i // G, i.e. (p - q_pos0) * G <= i (no vector division).
+            row = lax.broadcasted_iota(jnp.int32, (rows, bkv), 0)
+            col = lax.broadcasted_iota(jnp.int32, (rows, bkv), 1)
+
+            def kv_block(b, carry):
+                slot = (slot0 + b) % 2
+
+                @pl.when(b + 1 < nb)
+                def _():
+                    start_kv(it, b + 1, 1 - slot)
+
+                @pl.when((b + 1 == nb) & has_next)
+                def _():
+                    start_kv(nxt, 0, 1 - slot)
+
+                wait_kv(it, b, slot)
+                visible = (b * bkv - it["q_pos0"] + col) * group <= row  # bool[rows, bkv]
+                attend_block(qslot, slot, q_tokens, visible)
+                return carry
+
+            lax.fori_loop(0, nb, kv_block, 0)
+            kv_state[0] = (slot0 + nb) % 2
+            kv_state[1] = has_next.astype(jnp.int32)
+            for h in range(num_kv_heads):
+                out = acc_scr[h, :rows] / l_scr[h, :rows]  # f32[rows, D]
+                o_buf[qslot, :q_tokens, h] = out.reshape(q_tokens, group, -1).astype(o_buf.dtype)
+
+        @pl.when(step == 0)
+        def _init():
+            kv_state[0] = 0
+            kv_state[1] = 0
+
+            @pl.when(num_items > 0)
+            def _():
+                first = item(0)
+                each_row(first, lambda t: q_copy(first, 0, t).start())
+
+        @pl.when((step < num_items) & (item(step)["r"] < num_seqs_ref[0]))
+        def _step():
+            cur, nxt = item(step), item(step + 1)
+            has_next = step + 1 < num_items
+            qslot = step % 2
+
+            @pl.when(has_next)
+            def _():
+                each_row(nxt, lambda t: q_copy(nxt, 1 - qslot, t).start())
+
+            each_row(cur, lambda t: q_copy(cur, qslot, t).wait())
+
+            @pl.when(cur["small"])
+            def _():
+                run_item(cur, nxt, has_next, qslot, block.decode_q_tokens)
+
+            @pl.when(jnp.logical_not(cur["small"]))
+            def _():
+                run_item(cur, nxt, has_next, qslot, block.prefill_q_tokens)
+
+            each_row(cur, lambda t: o_copy(cur, qslot, t).start())
+
+            @pl.when(step > 0)
+            def _():
+                prev = item(step - 1)
+                each_row(prev, lambda t: o_copy(prev, 1 - qslot, t).wait())
+
+            @pl.when(jnp.logical_not(has_next))
+            def _():
+                each_row(cur, lambda t: o_copy(cur, qslot, t).wait())
+
+    return kernel
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _pallas_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                      sm_scale, block: BlockSizes | None, interpret):
+    """q [T, Hq, D] -> o [T, Hq, D]; layer an i32 scalar."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, two_hkv, page_size, _ = kv_pages.shape
+    num_kv_heads = two_hkv // 2
+    num_rows, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    if block is None:
+        block = BlockSizes.get_default(num_tokens, group, page_size, pages_per_seq)
+    if not (1 <= block.decode_q_tokens <= block.prefill_q_tokens and block.kv_pages_per_block >= 1):
+        raise ValueError(f"bad block sizes {block}")
+    max_items = num_rows + pl.cdiv(num_tokens, block.prefill_q_tokens)
+    item_seq, item_qblk, num_items = _work_items(cu_q_lens, num_seqs, num_rows, block, max_items)
+    ppb = block.kv_pages_per_block
+    rows = block.prefill_q_tokens * group
+    compute_dtype = _compute_dtype(q.dtype, kv_pages.dtype)  # matmul operand dtype
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    kernel = _make_kernel(sm_scale=sm_scale, group=group, num_kv_heads=num_kv_heads,
+                          page_size=page_size, pages_per_seq=pages_per_seq, block=block,
+                          max_items=max_items, compute_dtype=compute_dtype,
+                          precision=precision)
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, Hkv, G, D]
+    q_rows = (block.prefill_q_tokens, num_kv_heads, group, head_dim)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=8,
+        grid=(max_items,),
+        in_specs=[any_spec] * 3,
+        out_specs=any_spec,
+        scratch_shapes=[
+            pltpu.VMEM((2, *q_rows), q.dtype),  # q_buf
+            pltpu.VMEM((2, *q_rows), q.dtype),  # o_buf
+            pltpu.VMEM((2, ppb, two_hkv, page_size, head_dim), kv_pages.dtype),  # kv_buf
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),  # m_scr
+            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),  # l_scr
+            pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # acc_scr
+            pltpu.SemaphoreType.DMA((2,)),  # q_sem
+            pltpu.SemaphoreType.DMA((2,)),  # o_sem
+            pltpu.SemaphoreType.DMA((2,)),  # kv_sem
+            pltpu.SMEM((2,), jnp.int32),  # kv_state
+        ],
+    )
+    cost = ragged_paged_attention_cost(q.shape, kv_pages.shape, page_indices.shape,
+                                       q_dtype=q.dtype, kv_dtype=kv_pages.dtype)
+    zeros = jnp.zeros(q4.shape, q.dtype)  # [T, Hkv, G, D]
+    o4 = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
+        # zeros is operand 8 + 2 (after the 8 scalar-prefetch operands, q and kv_pages).
+        input_output_aliases={10: 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             vmem_limit_bytes=VMEM_LIMIT_BYTES),
+        cost_estimate=cost.to_pallas(),
+        interpret=interpret,
+    )(jnp.reshape(layer, (1,)), kv_lens.astype(jnp.int32),
+      page_indices.reshape(-1).astype(jnp.int32), cu_q_lens.astype(jnp.int32),
+      num_seqs.astype(jnp.int32), item_seq, item_qblk, num_items, q4, kv_pages, zeros)
+    return o4.reshape(q.shape)
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+def ragged_paged_attention_cost(q_shape, kv_pages_shape, page_indices_shape, *,
+                                q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
+                                write_new_kv: bool = False) -> Cost:
+    """Upper-bound cost from shapes alone: every token attends to a full row of pages.
+
+    q_shape [T, Hq, D], kv_pages_shape [Lyr, N, 2*Hkv, S, D], page_indices_shape [R, P]. Bytes:
+    q read, o written, each request's pages of one layer read once (K and V, at most T * P
+    pages in all), metadata; plus the new K/V rows written when ``write_new_kv``.
+    """
+    num_tokens, num_q_heads, head_dim = q_shape
+    _, _, two_hkv, page_size, _ = kv_pages_shape
+    num_rows, pages_per_seq = page_indices_shape
+    q_bytes = jnp.dtype(q_dtype).itemsize
+    kv_bytes = jnp.dtype(kv_dtype).itemsize
+    max_kv = pages_per_seq * page_size
+    pages_read = min(num_rows, max(num_tokens, 1)) * max_kv
+    flops = 4 * num_tokens * num_q_heads * max_kv * head_dim  # QK^T and PV
+    nbytes = (2 * num_tokens * num_q_heads * head_dim * q_bytes
+              + pages_read * two_hkv * head_dim * kv_bytes
+              + 4 * (num_rows * (pages_per_seq + 2) + 3))
+    if write_new_kv:
+        nbytes += num_tokens * two_hkv * head_dim * kv_bytes
+    return Cost(flops=int(flops), bytes_accessed=int(nbytes),
+                transcendentals=int(num_tokens * num_q_heads * max_kv))
