@@ -173,7 +173,8 @@ class RemoteEngine:
         async for out in stream:
             yield out
 
-    async def _prefill(self, obj: GenerateReqInput, flight: _Flight, attempts: int = 2) -> dict[str, Any]:
+    async def _prefill(self, obj: GenerateReqInput, flight: _Flight,
+                       attempts: int = 2) -> dict[str, Any]:
         """A prefill replica's ``{"first", "ticket"}``; retried on another replica when the
         one serving it dies (nothing was streamed to the client yet)."""
         for attempt in range(attempts):

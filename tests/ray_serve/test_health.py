@@ -73,7 +73,7 @@ class FakeDeployment:
         class Answers:
             async def results_async(self, timeout_s=None, return_exceptions=False):
                 if not replicas:
-                    raise serve.exceptions.DeploymentUnavailableError(DeploymentID(name=name, app_name="app"))
+                    raise serve.exceptions.DeploymentUnavailableError(DeploymentID(name, "app"))
                 return [getattr(r, method)(*args, **kwargs) for r in replicas]
 
         return Answers()
@@ -115,8 +115,8 @@ def test_stuck_or_dead_engine_loop_fails_the_replica_and_the_app_health():
 
     engine.runner.launch = stuck_step
     server = replica(engine, "r-decode", role="decode", stall_timeout_s=0.3)
-    pd = RemoteEngine(args, prefill=FakeDeployment("PrefillServer", [replica(engine, "r-prefill", role="prefill")]),
-                      decode=FakeDeployment("DecodeServer", [server]))
+    pd = RemoteEngine(args, decode=FakeDeployment("DecodeServer", [server]),
+                      prefill=FakeDeployment("PrefillServer", [replica(engine, "r-prefill", "prefill")]))
     client = TestClient(create_app(pd))
 
     def app_health() -> tuple[int, str]:
@@ -134,7 +134,8 @@ def test_stuck_or_dead_engine_loop_fails_the_replica_and_the_app_health():
         with pytest.raises(RuntimeError, match="no progress"):
             server.check_health()
         code, message = app_health()
-        assert code == 503 and "DecodeServer replica r-decode: decode engine loop made no progress" in message
+        assert code == 503
+        assert "DecodeServer replica r-decode: decode engine loop made no progress" in message
         release.set()  # the step fails, its request is aborted: the loop is idle again
         deadline = time.monotonic() + 10
         while engine.loop_stalled_for() > 0 and time.monotonic() < deadline:
@@ -150,12 +151,14 @@ def test_stuck_or_dead_engine_loop_fails_the_replica_and_the_app_health():
         with pytest.raises(RuntimeError, match="scheduler loop died"):
             server.check_health()
         code, message = app_health()
-        assert code == 503 and "DecodeServer replica r-decode: decode engine: the scheduler loop died" in message
+        assert code == 503
+        assert "DecodeServer replica r-decode: decode engine: the scheduler loop died" in message
         assert "PrefillServer replica r-prefill: prefill engine: the scheduler loop died" in message
 
         none_running = RemoteEngine(args, engine=FakeDeployment("EngineServer", []))
         r = TestClient(create_app(none_running)).get("/health")
-        assert r.status_code == 503 and "EngineServer: no running replica" in r.json()["error"]["message"]
+        assert r.status_code == 503
+        assert "EngineServer: no running replica" in r.json()["error"]["message"]
     finally:
         release.set()
         engine.shutdown()
