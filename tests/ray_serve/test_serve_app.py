@@ -6,14 +6,18 @@ both answer native ``/generate`` (plain and streaming) and OpenAI ``/v1/completi
 outputs of disaggregated == colocated == an in-process standalone engine for prompts of
 several KV pages (16 tokens) and GDN chunks (64 tokens); handover bytes and latency on
 ``/pd/metrics`` with ``role="decode"``; abort_request and client disconnect end a request
-that is decoding on the decode replica and free its pages and slot; killing the decode
-replica ends its in-flight request with finish_reason abort and a message, and Serve's
+that is decoding on the decode replica and free its pages and slot; a second request with the
+rid of one in flight is a 400 naming ``rid`` and leaves the first abortable; an abort reaches a
+request the ingress did not route (sent to the engine deployment directly, as by another
+ingress replica); killing the decode replica ends its in-flight request with finish_reason
+abort and a message and turns ``/pd/health`` into 503 naming ``DecodeServer`` until Serve's
 replacement serves the next request; killing the prefill replica mid-burst ends every request
-(completed after a retry, or aborted with a message when its handover was lost); under a burst of concurrent requests the decode
-deployment scales from 1 to 2 replicas and back to 1 after the load ends (last: it leaves
-two decode replicas for a while).
+(completed after a retry, or aborted with a message when its handover was lost); under a burst
+of concurrent requests the decode deployment scales from 1 to 2 replicas (a cache flush and a
+profile reach both) and back to 1 after the load ends (last: it leaves two decode replicas for
+a while). Without the cluster, over in-process replicas: admin calls reach every replica and
+name the failing one; a duplicate rid does not cancel the first request.
 """
-
 from __future__ import annotations
 
 import asyncio
