@@ -4,10 +4,14 @@ Methods the ingress calls through its deployment handles:
   ``generate(obj)`` (streaming, colocated), ``prefill(obj) -> {"first", "ticket"}`` (prefill
   role: prompt + first token, state handed over through the transport), ``decode(ticket)``
   (streaming, decode role), and the engine's info / stats / cache / abort calls.
+``on_replica(method, ...)`` runs one of ``BROADCAST_METHODS`` (health, abort, cache flush,
+profiling) for the ingress's ``DeploymentHandle.broadcast``, which reaches every running replica
+but returns their answers unlabelled: each answer carries this replica's id.
 Every replica pushes its metrics (labelled ``replica``) to the application's metrics hub
 (``ray_app/metrics_hub.py``), which the ingress's ``/metrics`` reads.
-Serve calls ``check_health`` every ``health_check_period_s``: it raises when the engine loop
-thread died or has had work without finishing a step for ``stall_timeout_s``. On shutdown
+Serve calls ``check_health`` every ``health_check_period_s``: it raises ``health_error()``, set
+when the engine reports one (its loop thread died, or stalled past ``--watchdog-timeout``) or the
+loop has had work without finishing a step for ``stall_timeout_s``. On shutdown
 Serve first drains (stops routing, waits up to ``graceful_shutdown_timeout_s`` for running
 requests), then ``__del__`` stops the engine loop (aborting anything left).
 A multi-host replica (``hosts > 1``) leads follower actors on the other hosts
@@ -25,10 +29,11 @@ from ray import serve
 
 from ray_app.handover import make_transport
 from ray_app.metrics_hub import MetricsPusher
-from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
 from sglang_tpu_backend.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
+BROADCAST_METHODS = ("health_error", "abort_request", "flush_cache", "start_profile", "stop_profile")
 
 
 @serve.deployment
@@ -56,6 +61,7 @@ class EngineServer:
         self.transport = make_transport(transport)
         self.stall_timeout_s = stall_timeout_s
         replica = serve.get_replica_context().replica_id
+        self.replica_id = replica.unique_id
         self.metrics_pusher = MetricsPusher(replica.deployment_id.app_name, replica.unique_id,
                                             self.engine.metrics_text)
 
@@ -113,6 +119,20 @@ class EngineServer:
     async def health_generate(self) -> bool:
         return await self.engine.health_generate()
 
+    def on_replica(self, method: str, *args, **kwargs) -> dict[str, Any]:
+        """``method`` (one of ``BROADCAST_METHODS``) here, labelled with this replica's id:
+        ``{"replica", "result"}``, or ``{"replica", "error", "field"}`` when it raised (``field``:
+        the request field an ``InvalidRequestError`` names, None for any other exception)."""
+        if method not in BROADCAST_METHODS:
+            raise ValueError(f"{method!r} is not one of {BROADCAST_METHODS}")
+        try:
+            return {"replica": self.replica_id, "result": getattr(self, method)(*args, **kwargs)}
+        except InvalidRequestError as e:
+            return {"replica": self.replica_id, "error": e.message, "field": e.field}
+        except Exception as e:
+            log.exception("%s failed on this replica", method)
+            return {"replica": self.replica_id, "error": f"{type(e).__name__}: {e}", "field": None}
+
     # Serve lifecycle -----------------------------------------------------------------------
     def multihost_info(self) -> dict[str, Any]:
         """This replica's placement group id (hex, None outside one) and its follower
@@ -122,15 +142,25 @@ class EngineServer:
         return {"placement_group_id": ray.get_runtime_context().get_placement_group_id(),
                 "followers": [] if self.followers is None else list(self.followers.names)}
 
-    def check_health(self) -> None:
+    def health_error(self) -> str | None:
+        """Why this replica cannot serve, or None: a follower host stopped, the engine reports
+        a health error, or its loop has had work without finishing a step for longer than
+        ``stall_timeout_s``."""
         followers = getattr(self, "followers", None)
         if followers is not None and (dead := followers.dead()):
-            raise RuntimeError(f"follower host(s) of this multi-host replica stopped: "
-                               f"{', '.join(dead)}")
+            return f"follower host(s) of this multi-host replica stopped: {', '.join(dead)}"
+        if (err := self.engine.health_error()) is not None:
+            return f"{self.role} engine: {err}"
         stalled = self.engine.loop_stalled_for()
         if stalled > self.stall_timeout_s:
-            raise RuntimeError(f"{self.role} engine loop made no progress for {stalled:.0f} s "
-                               f"(limit {self.stall_timeout_s:.0f} s)")
+            return (f"{self.role} engine loop made no progress for {stalled:.0f} s "
+                    f"(limit {self.stall_timeout_s:.0f} s)")
+        return None
+
+    def check_health(self) -> None:
+        """Serve's periodic probe: raises ``health_error()`` (Serve then replaces the replica)."""
+        if (err := self.health_error()) is not None:
+            raise RuntimeError(err)
 
     def __del__(self) -> None:
         pusher = getattr(self, "metrics_pusher", None)

@@ -6,8 +6,15 @@ ingress, ``__serve_build_asgi_app__``), once the engine handles exist.
 Colocated: ``generate_request`` streams from one engine replica. Disaggregated: a prefill replica
 runs the prompt and the first token and returns a transport ticket; a decode replica
 installs the state and streams the rest; the first output is yielded in between (streaming
-requests see the first token before decoding starts). ``abort_request`` cancels the
-request's in-flight replica call (Serve cancels the replica task, the engine aborts it).
+requests see the first token before decoding starts). A ``rid`` already in flight at this
+ingress is refused (400).
+A handle call reaches one replica; what concerns every replica is broadcast to all running
+replicas of every engine deployment (``DeploymentHandle.broadcast`` to
+``EngineServer.on_replica``, answers labelled by replica): ``health_error`` (``/health`` is
+503 naming the deployment that has no running replica or a replica that is unhealthy or
+silent), cache flushes and profiles (failures named by replica), and aborts of requests this
+ingress does not serve. ``abort_request`` of a request it serves cancels its in-flight
+replica call (Serve cancels the replica task, the engine aborts it).
 ``/metrics`` merges every engine replica's metrics (``ray_app/metrics_hub.py``; families by
 name, samples labelled ``replica``).
 """
@@ -15,6 +22,8 @@ name, samples labelled ``replica``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 from typing import Any, AsyncIterator
 
@@ -24,7 +33,9 @@ from ray import serve
 
 from ray_app.metrics_hub import get_hub
 from sglang_tpu_backend.entrypoints.http_server import create_app
-from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
+from sglang_tpu_backend.managers.io_struct import (
+    GenerateReqInput, InvalidRequestError, ServiceUnavailableError)
+from sglang_tpu_backend.managers.output_builder import abort_output
 from sglang_tpu_backend.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -34,6 +45,9 @@ RAY_TASK_ERROR = ray.exceptions.RayTaskError  # an exception raised inside a rep
 HANDOVER_LOST = (ray.exceptions.ObjectLostError,)
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 serve.exceptions.ReplicaUnavailableError, serve.exceptions.DeploymentUnavailableError)
+HEALTH_TIMEOUT_S = 5.0  # a replica that does not answer a health broadcast within this is unhealthy
+ADMIN_TIMEOUT_S = 120.0  # aborts, cache flushes and profile starts / stops on every replica
+
 
 def merge_exposition(texts: list[bytes]) -> bytes:
     """Prometheus text expositions of several engines as one: each family's HELP / TYPE once,
@@ -52,11 +66,47 @@ def merge_exposition(texts: list[bytes]) -> bytes:
     return "".join(line + "\n" for fam in families.values() for line in fam).encode()
 
 
-def _aborted(obj: GenerateReqInput, message: str, last: dict | None) -> dict:
-    out = dict(last or {"text": "", "output_ids": []})
-    out["meta_info"] = {**(last or {}).get("meta_info", {"id": obj.rid}),
-                        "finish_reason": {"type": "abort", "message": message}}
-    return out
+@dataclasses.dataclass
+class ReplicaReply:
+    """One engine replica's answer to a broadcast (``EngineServer.on_replica``): ``result``, or
+    ``error`` with the refused request ``field`` (None: the replica failed or was unreachable).
+    ``replica`` is None for an answer of no known replica (none running, no answer, died)."""
+
+    deployment: str
+    replica: str | None = None
+    result: Any = None
+    error: str | None = None
+    field: str | None = None
+
+    def __str__(self) -> str:
+        where = self.deployment if self.replica is None else f"{self.deployment} replica {self.replica}"
+        return f"{where}: {self.result if self.error is None else self.error}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+class _Flight:
+    """A request this ingress serves: its replica call in progress (prefill, decode or
+    colocated generate), whether ``abort_request`` cancelled it, and its latest output."""
+
+    def __init__(self):
+        self.call = None
+        self.aborted = False
+        self.last: dict | None = None
+
+    def start(self, call):
+        """Track ``call``; one started after an abort is cancelled at once."""
+        self.call = call
+        if self.aborted:
+            call.cancel()
+        return call
+
+    def cancel(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
 
 
 class RemoteEngine:
@@ -71,79 +121,157 @@ class RemoteEngine:
         self.engine, self.prefill, self.decode = engine, prefill, decode
         self.engines = [h for h in (engine, prefill, decode) if h is not None]
         self.roles = ["colocated"] if engine is not None else ["prefill", "decode"]
-        self._inflight: dict[str, Any] = {}  # rid -> the replica call in progress
-        self._aborted: set[str] = set()  # rids cancelled by abort_request, not yet ended
+        self._flights: dict[str, _Flight] = {}  # rid -> the request this ingress serves
         self._hub = None  # the application's metrics hub handle, looked up on first scrape
 
+    # Requests ------------------------------------------------------------------------------
     async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
         """The engine's outputs for ``obj``. A request whose replica dies ends with
         ``finish_reason`` abort and a message (a prefill is retried once first); a request
-        the engine refuses raises its ``InvalidRequestError`` (400 at the routes)."""
-        last = None
+        the engine refuses raises its ``InvalidRequestError`` (400 at the routes), as does a
+        ``rid`` this ingress already serves."""
+        if obj.rid in self._flights:
+            raise InvalidRequestError("rid", f"rid {obj.rid!r} is already in flight")
+        flight = self._flights[obj.rid] = _Flight()
         try:
-            if self.engine is not None:
-                async for out in self._stream(obj, self.engine.options(stream=True).generate.remote(obj)):
-                    last = out
+            async with contextlib.aclosing(self._outputs(obj, flight)) as outs:
+                async for out in outs:
+                    flight.last = out
                     yield out
-                return
-            res = await self._prefill(obj)
-            last = res["first"]
-            if res["ticket"] is None or obj.stream:
-                yield last
-            if res["ticket"] is None:
-                return
-            async for out in self._stream(obj, self.decode.options(stream=True).decode.remote(res["ticket"])):
-                last = out
-                yield out
         except (asyncio.CancelledError, serve.exceptions.RequestCancelledError) as e:
-            if isinstance(e, asyncio.CancelledError) and obj.rid not in self._aborted:
+            if isinstance(e, asyncio.CancelledError) and not flight.aborted:
                 raise  # this task itself is being cancelled
-            yield _aborted(obj, "Aborted by the client or the server", last)
+            yield abort_output(obj.rid, "Aborted by the client or the server", flight.last)
         except RAY_TASK_ERROR as e:
             if isinstance(e.cause, InvalidRequestError):
                 raise e.cause from None
-            if isinstance(e.cause, HANDOVER_LOST):  # its prefill replica died after the prefill
-                log.warning("request %s: handover lost: %s", obj.rid, e.cause)
-                yield _aborted(obj, "the request's prefilled state was lost with its prefill "
-                               f"replica ({type(e.cause).__name__})", last)
-                return
-            raise
+            if not isinstance(e.cause, HANDOVER_LOST):
+                raise
+            log.warning("request %s: handover lost: %s", obj.rid, e.cause)  # its prefill replica died
+            yield abort_output(obj.rid, "the request's prefilled state was lost with its prefill "
+                               f"replica ({type(e.cause).__name__})", flight.last)
         except REPLICA_GONE as e:
             log.warning("request %s: replica failed: %s", obj.rid, e)
-            yield _aborted(obj, f"the serving replica failed: {type(e).__name__}", last)
+            yield abort_output(obj.rid, f"the serving replica failed: {type(e).__name__}", flight.last)
         finally:
-            self._aborted.discard(obj.rid)
-            call = self._inflight.pop(obj.rid, None)
-            if call is not None:
-                call.cancel()  # the client left: stop the replica's work
+            del self._flights[obj.rid]
+            flight.cancel()  # the client left: stop the replica's work
 
-    async def _prefill(self, obj: GenerateReqInput, attempts: int = 2) -> dict[str, Any]:
+    async def _outputs(self, obj: GenerateReqInput, flight: _Flight) -> AsyncIterator[dict]:
+        """Colocated: one replica's stream. Disaggregated: the prefill replica's first output
+        (yielded when streaming, or when it is the final one), then the decode replica's."""
+        if self.engine is not None:
+            stream = flight.start(self.engine.options(stream=True).generate.remote(obj))
+        else:
+            res = await self._prefill(obj, flight)
+            flight.last = res["first"]
+            if res["ticket"] is None or obj.stream:
+                yield res["first"]
+            if res["ticket"] is None:
+                return
+            stream = flight.start(self.decode.options(stream=True).decode.remote(res["ticket"]))
+        async for out in stream:
+            yield out
+
+    async def _prefill(self, obj: GenerateReqInput, flight: _Flight,
+                       attempts: int = 2) -> dict[str, Any]:
         """A prefill replica's ``{"first", "ticket"}``; retried on another replica when the
         one serving it dies (nothing was streamed to the client yet)."""
         for attempt in range(attempts):
-            call = self.prefill.prefill.remote(obj)
-            self._inflight[obj.rid] = call
             try:
-                return await call
+                return await flight.start(self.prefill.prefill.remote(obj))
             except REPLICA_GONE as e:
                 if attempt + 1 == attempts:
                     raise
                 log.warning("request %s: prefill replica failed (%s), retrying", obj.rid, e)
         raise AssertionError("unreachable")
 
-    async def _stream(self, obj: GenerateReqInput, gen) -> AsyncIterator[dict]:
-        self._inflight[obj.rid] = gen
-        async for out in gen:
-            yield out
+    async def abort_request(self, rid: str) -> bool:
+        """Abort ``rid``: a request this ingress serves is cancelled here (its replica call;
+        the engine aborts it); any other is aborted by rid on every engine replica (one that
+        another ingress replica routed). True when it was found."""
+        flight = self._flights.get(rid)
+        if flight is not None:
+            flight.aborted = True
+            flight.cancel()
+            return True
+        replies = await self._broadcast("abort_request", rid)
+        for r in replies:
+            if r.error is not None:
+                log.warning("abort of %s: %s", rid, r)
+        return any(r.result for r in replies if r.error is None)
 
-    def abort_request(self, rid: str) -> bool:
-        call = self._inflight.pop(rid, None)
-        if call is None:
-            return False
-        self._aborted.add(rid)
-        call.cancel()
-        return True
+    # Every replica ---------------------------------------------------------------------------
+    async def health_error(self) -> str | None:
+        """Why the application cannot serve (``/health`` answers 503 with it), or None: an
+        engine deployment has no running replica, or one of its replicas reports a health
+        error (``EngineServer.health_error``), fails, or does not answer within
+        ``HEALTH_TIMEOUT_S``. Each cause is named by deployment (and replica when known)."""
+        replies = await self._broadcast("health_error", timeout_s=HEALTH_TIMEOUT_S)
+        bad = [str(r) for r in replies if r.error is not None or r.result is not None]
+        return "; ".join(bad) or None
 
+    async def flush_cache(self) -> bool:
+        """True when every engine replica flushed its prefix cache; False when one declined
+        (logged by replica); ServiceUnavailableError naming the replicas that failed."""
+        replies = await self._broadcast("flush_cache")
+        self._raise_failures("flush_cache", replies)
+        declined = [r for r in replies if not r.result]
+        if declined:
+            log.warning("cache not flushed on: %s", "; ".join(map(str, declined)))
+        return not declined
+
+    async def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        """A trace on every engine replica (written on its replica's node); raises naming the
+        replicas that refused (e.g. a trace runs there already: 400) or failed (503); those
+        that started keep tracing until ``stop_profile``."""
+        replies = await self._broadcast("start_profile", output_dir=output_dir, num_steps=num_steps)
+        self._raise_failures("start_profile", replies)
+        return ", ".join(map(str, replies))
+
+    async def stop_profile(self) -> str:
+        """Stop the trace on every replica that runs one: ``"<deployment> replica <id>:
+        <directory>"`` each; InvalidRequestError when none runs one."""
+        replies = await self._broadcast("stop_profile")
+        stopped = [r for r in replies if r.error is None]
+        self._raise_failures("stop_profile", replies, ignore_refusals=bool(stopped))
+        return ", ".join(map(str, stopped))
+
+    async def _broadcast(self, method: str, *args, timeout_s: float = ADMIN_TIMEOUT_S,
+                         **kwargs) -> list[ReplicaReply]:
+        """``EngineServer.<method>`` on every running replica of every engine deployment."""
+        per_deployment = await asyncio.gather(
+            *(self._broadcast_to(h, method, args, kwargs, timeout_s) for h in self.engines))
+        return [reply for replies in per_deployment for reply in replies]
+
+    @staticmethod
+    async def _broadcast_to(handle, method: str, args: tuple, kwargs: dict,
+                            timeout_s: float) -> list[ReplicaReply]:
+        name = handle.deployment_name
+        try:
+            answers = await handle.broadcast("on_replica", method, *args, **kwargs).results_async(
+                timeout_s=timeout_s, return_exceptions=True)
+        except serve.exceptions.DeploymentUnavailableError:
+            return [ReplicaReply(name, error="no running replica")]
+        except TimeoutError:
+            return [ReplicaReply(name, error=f"no answer from its replicas within {timeout_s:g} s")]
+        return [ReplicaReply(name, **a) if isinstance(a, dict)
+                else ReplicaReply(name, error=f"a replica failed: {_first_line(a)}") for a in answers]
+
+    @staticmethod
+    def _raise_failures(action: str, replies: list[ReplicaReply], ignore_refusals: bool = False) -> None:
+        """Raise when replicas failed ``action`` (ServiceUnavailableError, a 503) or refused it
+        (the engine's InvalidRequestError, a 400, unless ``ignore_refusals``), naming them."""
+        failed = [r for r in replies if r.error is not None and r.field is None]
+        refused = [r for r in replies if r.error is not None and r.field is not None]
+        if failed:
+            raise ServiceUnavailableError(f"{action} failed on {len(failed)} of {len(replies)} "
+                                          f"replicas: {'; '.join(map(str, failed + refused))}")
+        if refused and not ignore_refusals:
+            raise InvalidRequestError(refused[0].field, f"{action} refused by {len(refused)} of "
+                                      f"{len(replies)} replicas: {'; '.join(map(str, refused))}")
+
+    # One replica per deployment ------------------------------------------------------------
     async def get_model_info(self) -> dict:
         return await self.engines[-1].get_model_info.remote()
 
@@ -156,9 +284,6 @@ class RemoteEngine:
 
     async def pool_stats(self) -> dict:
         return await self.engines[-1].pool_stats.remote()
-
-    async def flush_cache(self) -> bool:
-        return all(await asyncio.gather(*(h.flush_cache.remote() for h in self.engines)))
 
     async def metrics_text(self) -> bytes:
         """Every engine replica's metrics (each labelled ``replica``) from the application's
@@ -195,14 +320,6 @@ class RemoteEngine:
         """Every engine deployment's per-DP-rank load entries, each with its ``role``."""
         loads = await self._on_every_deployment("get_load")
         return [dict(entry, role=role) for role, load in zip(self.roles, loads) for entry in load]
-
-    async def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
-        """A trace on one replica of each engine deployment (written on that replica's node)."""
-        return ", ".join(await self._on_every_deployment(
-            "start_profile", output_dir=output_dir, num_steps=num_steps))
-
-    async def stop_profile(self) -> str:
-        return ", ".join(await self._on_every_deployment("stop_profile"))
 
     def _replica_counts(self) -> dict[str, int]:
         """Running or starting replicas of each engine deployment of this application."""

@@ -6,14 +6,18 @@ both answer native ``/generate`` (plain and streaming) and OpenAI ``/v1/completi
 outputs of disaggregated == colocated == an in-process standalone engine for prompts of
 several KV pages (16 tokens) and GDN chunks (64 tokens); handover bytes and latency on
 ``/pd/metrics`` with ``role="decode"``; abort_request and client disconnect end a request
-that is decoding on the decode replica and free its pages and slot; killing the decode
-replica ends its in-flight request with finish_reason abort and a message, and Serve's
+that is decoding on the decode replica and free its pages and slot; a second request with the
+rid of one in flight is a 400 naming ``rid`` and leaves the first abortable; an abort reaches a
+request the ingress did not route (sent to the engine deployment directly, as by another
+ingress replica); killing the decode replica ends its in-flight request with finish_reason
+abort and a message and turns ``/pd/health`` into 503 naming ``DecodeServer`` until Serve's
 replacement serves the next request; killing the prefill replica mid-burst ends every request
-(completed after a retry, or aborted with a message when its handover was lost); under a burst of concurrent requests the decode
-deployment scales from 1 to 2 replicas and back to 1 after the load ends (last: it leaves
-two decode replicas for a while).
+(completed after a retry, or aborted with a message when its handover was lost); under a burst
+of concurrent requests the decode deployment scales from 1 to 2 replicas (a cache flush and a
+profile reach both) and back to 1 after the load ends (last: it leaves two decode replicas for
+a while). Without the cluster, over in-process replicas: admin calls reach every replica and
+name the failing one; a duplicate rid does not cancel the first request.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -239,6 +243,9 @@ def _start_decoding(base_url: str, **fields) -> tuple[threading.Thread, dict]:
 
 def test_abort_request_ends_a_disaggregated_request(base_url):
     t, result = _start_decoding(base_url, rid="abort-me")
+    dup = requests.post(f"{base_url}/pd/generate", timeout=300, json={
+        "input_ids": _prompt(7), "rid": "abort-me", "sampling_params": {"max_new_tokens": 2}})
+    assert dup.status_code == 400 and dup.json()["error"]["param"] == "rid", dup.text
     r = requests.post(f"{base_url}/pd/abort_request", json={"rid": "abort-me"}, timeout=60)
     assert r.json() == {"success": True}
     t.join(60)
@@ -247,6 +254,27 @@ def test_abort_request_ends_a_disaggregated_request(base_url):
     assert len(out["output_ids"]) < 200
     s = _wait_decode_idle(base_url)
     assert s["num_running"] == 0 and s["state_slots_used"] == 0
+
+
+def test_abort_reaches_a_request_another_ingress_routed(base_url):
+    """A request sent to the engine deployment directly (as another ingress replica would) is
+    aborted by rid through this ingress: the abort reaches every engine replica."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=_prompt(30), rid="routed-elsewhere", stream=True,
+                           sampling_params={"max_new_tokens": 200, "temperature": 0, "ignore_eos": True})
+    outs: list[dict] = []
+    handle = serve.get_deployment_handle("EngineServer", "colo").options(stream=True)
+    t = threading.Thread(target=lambda: outs.extend(handle.generate.remote(obj)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while not outs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = requests.post(f"{base_url}/colo/abort_request", json={"rid": "routed-elsewhere"}, timeout=60)
+    t.join(60)
+    assert r.json() == {"success": True}
+    assert outs[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(outs[-1]["output_ids"]) < 200
 
 
 def test_client_disconnect_frees_the_decode_replica(base_url):
@@ -270,6 +298,8 @@ def test_decode_replica_death_aborts_in_flight_then_recovers(base_url):
     (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                if "pd#DecodeServer#" in a["name"]]
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    health = requests.get(f"{base_url}/pd/health", timeout=60)  # before Serve's replacement runs
+    assert health.status_code == 503 and "DecodeServer" in health.json()["error"]["message"], health.text
     t.join(120)
     assert not t.is_alive(), "the in-flight request hung"
     out = result["r"].json()
@@ -279,6 +309,7 @@ def test_decode_replica_death_aborts_in_flight_then_recovers(base_url):
     # Serve replaces the replica; a new request waits for it and succeeds.
     again = _generate(base_url + "/pd", _prompt(7))
     assert again["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+    assert requests.get(f"{base_url}/pd/health", timeout=60).status_code == 200
 
 
 def test_prefill_replica_death_every_request_accounted(base_url):
@@ -362,12 +393,118 @@ def test_prometheus_scrapes_the_ray_app(base_url):
         assert all(r["value"][1] == "1" for r in up)
 
 
+class RecordingEngine:
+    """The Engine API calls the ingress broadcasts, recorded; ``generate_request`` streams
+    ``n`` outputs, one every 10 ms."""
+
+    def __init__(self, running: tuple[str, ...] = (), flush_error: str | None = None):
+        self.calls: list[str] = []
+        self.running, self.flush_error, self.profiling = set(running), flush_error, False
+
+    def flush_cache(self) -> bool:
+        self.calls.append("flush_cache")
+        if self.flush_error:
+            raise RuntimeError(self.flush_error)
+        return True
+
+    def abort_request(self, rid: str) -> bool:
+        self.calls.append(f"abort_request {rid}")
+        return rid in self.running
+
+    def start_profile(self, output_dir=None, num_steps=None) -> str:
+        from sglang_tpu_backend.managers.io_struct import InvalidRequestError
+
+        if self.profiling:
+            raise InvalidRequestError("profile", "profiling is already in progress")
+        self.profiling = True
+        return output_dir
+
+    def stop_profile(self) -> str:
+        self.profiling = False
+        return "/traces"
+
+    def shutdown(self) -> None:  # (EngineServer.__del__ stops its engine)
+        pass
+
+    async def generate_request(self, obj, n: int = 3):
+        for i in range(n):
+            if i:
+                await asyncio.sleep(0.01)
+            yield {"text": "", "output_ids": list(range(i + 1)), "meta_info": {
+                "id": obj.rid, "finish_reason": {"type": "length"} if i + 1 == n else None}}
+
+
+def _remote_engine(*engines: RecordingEngine):
+    """A RemoteEngine over one deployment whose replicas r0, r1, ... run ``engines``."""
+    from ray_app.config import parse_app_args
+    from ray_app.ingress import RemoteEngine
+    from tests.ray_serve.test_health import FakeDeployment, replica
+
+    replicas = [replica(e, f"r{i}") for i, e in enumerate(engines)]
+    return RemoteEngine(parse_app_args(ARGS).server_args,
+                        engine=FakeDeployment("EngineServer", replicas))
+
+
+def test_admin_calls_reach_every_replica_and_name_failures():
+    """No cluster: flush, profile and abort (of a request another ingress routed) reach every
+    replica of a deployment, not the one a handle call picks; failures name the replica."""
+    from sglang_tpu_backend.managers.io_struct import InvalidRequestError, ServiceUnavailableError
+
+    engines = [RecordingEngine(), RecordingEngine(running=("elsewhere",))]
+    remote = _remote_engine(*engines)
+    assert asyncio.run(remote.flush_cache()) is True
+    assert [e.calls for e in engines] == [["flush_cache"], ["flush_cache"]]
+    assert asyncio.run(remote.abort_request("elsewhere")) is True  # runs on r1, not here
+    assert asyncio.run(remote.abort_request("nowhere")) is False
+    for e in engines:
+        assert e.calls[1:] == ["abort_request elsewhere", "abort_request nowhere"]
+
+    asyncio.run(remote.start_profile(output_dir="/traces"))
+    assert all(e.profiling for e in engines)
+    with pytest.raises(InvalidRequestError, match="refused by 2 of 2 replicas") as refused:
+        asyncio.run(remote.start_profile(output_dir="/traces"))
+    assert refused.value.field == "profile" and "EngineServer replica r1" in refused.value.message
+    stopped = asyncio.run(remote.stop_profile())
+    assert stopped == "EngineServer replica r0: /traces, EngineServer replica r1: /traces"
+
+    partial = _remote_engine(RecordingEngine(), RecordingEngine(flush_error="device lost"))
+    with pytest.raises(ServiceUnavailableError, match="1 of 2 replicas: EngineServer replica r1: "
+                                                      "RuntimeError: device lost"):
+        asyncio.run(partial.flush_cache())  # a partial flush is not a success
+
+
+def test_a_duplicate_rid_in_flight_is_refused_and_the_first_request_runs_on():
+    """No cluster: a second request with the rid of one in flight is a 400 naming ``rid``; the
+    first is neither cancelled by it nor lost to aborts."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
+
+    remote = _remote_engine(RecordingEngine())
+
+    async def scenario():
+        first = remote.generate_request(GenerateReqInput(input_ids=[5], rid="same"))
+        outs = [await first.__anext__()]
+        with pytest.raises(InvalidRequestError) as dup:
+            await remote.generate_request(GenerateReqInput(input_ids=[6], rid="same")).__anext__()
+        assert dup.value.field == "rid" and "already in flight" in dup.value.message
+        outs.append(await first.__anext__())
+        assert await remote.abort_request("same") is True  # still this ingress's request
+        outs.extend([o async for o in first])
+        return outs
+
+    outs = asyncio.run(scenario())
+    assert [len(o["output_ids"]) for o in outs[:2]] == [1, 2]
+    assert outs[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert outs[-1]["output_ids"] == [0, 1]  # the last output the client saw, ended
+
+
 def _num_decode_replicas(states=("RUNNING",)) -> int:
     dep = serve.status().applications["pd"].deployments["DecodeServer"]
     return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) in states)
 
 
-def test_decode_scales_up_under_burst_and_back_down(base_url):
+def test_decode_scales_up_under_burst_and_back_down(base_url, tmp_path):
+    """Under a burst the decode deployment scales 1 -> 2 replicas (both in /metrics; a cache
+    flush and a profile reach both) and back to 1 after the load ends."""
     deadline = time.monotonic() + 60
     while _num_decode_replicas() != 1 and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -394,12 +531,20 @@ def test_decode_scales_up_under_burst_and_back_down(base_url):
         while timeline[-1][1] == 2 and len(in_metrics) < 2 and time.monotonic() < deadline:
             in_metrics = _decode_replicas_in_metrics(base_url)
             time.sleep(0.5)
+        if len(in_metrics) == 2:
+            flushed = requests.post(f"{base_url}/pd/flush_cache", timeout=120)
+            started = requests.post(f"{base_url}/pd/start_profile", timeout=120,
+                                    json={"output_dir": str(tmp_path)})
+            stopped = requests.post(f"{base_url}/pd/stop_profile", timeout=120)
     finally:
         stop.set()
         for t in threads:
             t.join(300)
     assert timeline[-1][1] == 2, timeline  # scaled up under load
     assert len(in_metrics) == 2, in_metrics  # /metrics shows every replica, not one of them
+    assert flushed.json() == {"success": True, "message": "Cache flushed."}, flushed.text
+    assert started.status_code == 200 and stopped.status_code == 200, (started.text, stopped.text)
+    assert all(replica in stopped.text for replica in in_metrics), stopped.text  # traced on both
     assert codes and set(codes) == {200}  # every request of the burst answered
     deadline = time.monotonic() + 120
     while _num_decode_replicas(("RUNNING", "STOPPING")) != 1 and time.monotonic() < deadline:
