@@ -334,3 +334,109 @@ def test_unhealthy_engine_health_is_503_json():
         assert r.status_code == 503
         err = r.json()["error"]
         assert err["type"] == "service_unavailable" and "scheduler loop died" in err["message"]
+
+
+# Access: --api-key / --admin-api-key (SGLang's semantics, entrypoints/auth.py) -------------
+ADMIN_CALLS = [("POST", "/flush_cache", None), ("POST", "/start_profile", {}), ("POST", "/stop_profile", None),
+               ("POST", "/update_weights_from_disk", {"model_path": "/anywhere"}),
+               ("POST", "/abort_request", {"abort_all": True})]
+
+
+async def _call_all(eng, calls, key):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with _client(eng) as c:
+        return [await c.request(m, p, json=b, headers=headers) for m, p, b in calls]
+
+
+@pytest.mark.parametrize("api_key,admin_key,unlocks,refused", [
+    ("user", "admin", ["admin"], [None, "user", "wrong"]),  # only the admin key, not the plain one
+    (None, "admin", ["admin"], [None, "user"]),
+    ("user", None, ["user"], [None, "admin"]),  # no admin key: the plain key guards them
+    (None, None, [None], []),  # neither: open (the start-up warning says so)
+])
+def test_admin_routes_take_the_admin_key(api_key, admin_key, unlocks, refused):
+    eng = FakeEngine(ServerArgs(context_length=256, api_key=api_key, admin_api_key=admin_key))
+    for key in refused:
+        for r in run(_call_all(eng, ADMIN_CALLS, key)):
+            _error(r, 401, "authorization")
+    assert eng.calls == []  # nothing reached the engine
+    for key in unlocks:
+        assert [r.status_code for r in run(_call_all(eng, ADMIN_CALLS, key))] == [200] * len(ADMIN_CALLS)
+    assert [c[0] for c in eng.calls] == ["flush_cache", "start_profile", "stop_profile",
+                                         "update_weights_from_disk"] * len(unlocks)
+
+
+def test_serving_routes_take_the_plain_key_and_probes_stay_open():
+    eng = FakeEngine(ServerArgs(context_length=256, api_key="user", admin_api_key="admin"))
+    gen = [("POST", "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}}),
+           ("GET", "/get_model_info", None), ("POST", "/abort_request", {"rid": "nope"})]
+    assert [r.status_code for r in run(_call_all(eng, gen, "user"))] == [200, 200, 200]
+    for r in run(_call_all(eng, gen, "admin")):  # as in SGLang: the admin key is not a user key
+        _error(r, 401, "authorization")
+    probes = [("GET", "/health", None), ("GET", "/health_generate", None), ("GET", "/metrics", None)]
+    assert [r.status_code for r in run(_call_all(eng, probes, None))] == [200, 200, 200]
+    info = run(_call_all(eng, [("GET", "/get_server_info", None)], "user"))[0].json()
+    assert info["api_key"] == info["admin_api_key"] == "***"
+
+
+def test_profile_output_dir_is_confined_to_the_root(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    (root / "link").symlink_to(outside)
+    eng = FakeEngine(ServerArgs(context_length=256, profile_dir_root=str(root)))
+    for bad in ["../outside", str(outside), "link/trace", str(root / "link"), "/etc"]:
+        r = run(_post(eng, "/start_profile", {"output_dir": bad}))
+        err = _error(r, 400, "output_dir")
+        assert "outside the profile root" in err["message"], err
+    assert eng.calls == []
+    for good, want in [("sub/trace", root / "sub" / "trace"), (str(root / "abs"), root / "abs"), (None, root)]:
+        assert run(_post(eng, "/start_profile", {"output_dir": good})).status_code == 200
+        assert eng.calls[-1] == ("start_profile", str(want.resolve()), None)
+
+
+def test_health_generate_runs_one_probe_at_a_time():
+    eng = FakeEngine(ServerArgs(context_length=256))
+    eng.health_delay = 0.2
+
+    async def go():
+        async with _client(eng) as c:
+            return await asyncio.gather(*(c.get("/health_generate") for _ in range(6)))
+
+    assert [r.status_code for r in run(go())] == [200] * 6
+    assert eng.health_max_running == 1
+    assert eng.calls.count(("health_generate",)) == 1  # the callers shared one probe
+
+
+def test_an_engine_without_the_engine_api_is_refused():
+    from sglang_tpu_backend.entrypoints.engine_protocol import EngineAPI, missing_members
+
+    class NoHealthError:  # the fake engine without health_error
+        def __init__(self):
+            self._engine = FakeEngine()
+
+        def __getattr__(self, name):
+            if name == "health_error":
+                raise AttributeError(name)
+            return getattr(self._engine, name)
+
+    with pytest.raises(TypeError, match="missing health_error"):
+        create_app(NoHealthError())
+    assert missing_members(FakeEngine()) == [] and isinstance(FakeEngine(), EngineAPI)
+
+
+@pytest.mark.parametrize("host,keys,warned", [
+    ("0.0.0.0", {}, True), ("10.1.2.3", {}, True), ("::", {}, True),
+    ("0.0.0.0", {"api_key": "k"}, False), ("0.0.0.0", {"admin_api_key": "k"}, False),
+    ("127.0.0.1", {}, False), ("localhost", {}, False), ("::1", {}, False),
+])
+def test_startup_warns_when_exposed_without_a_key(monkeypatch, caplog, host, keys, warned):
+    from sglang_tpu_backend import launch_server
+
+    monkeypatch.setattr(launch_server._Server, "run", lambda self: None)  # no socket
+    args = ServerArgs(context_length=256, host=host, **keys)
+    with caplog.at_level("WARNING", logger="sglang_tpu_backend.launch_server"):
+        launch_server.serve(args, engine=FakeEngine(args))
+    hits = [r for r in caplog.records if "SECURITY WARNING" in r.getMessage()]
+    assert bool(hits) == warned
+    if warned:
+        assert "/update_weights_from_disk" in hits[0].getMessage() and host in hits[0].getMessage()
