@@ -440,3 +440,22 @@ def test_startup_warns_when_exposed_without_a_key(monkeypatch, caplog, host, key
     assert bool(hits) == warned
     if warned:
         assert "/update_weights_from_disk" in hits[0].getMessage() and host in hits[0].getMessage()
+
+
+# Stop strings: capped in count and length (sampling_params.MAX_STOP_STRINGS / _LEN) ---------
+def test_stop_string_caps_answer_400_naming_the_field(engine):
+    from sglang_tpu_backend.sampling.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+
+    too_many = [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]
+    too_long = ["x" * (MAX_STOP_STRING_LEN + 1)]
+    ok = [f"s{i}" for i in range(MAX_STOP_STRINGS - 1)] + ["x" * MAX_STOP_STRING_LEN]
+    for stop, what in [(too_many, "stop strings"), (too_long, "characters")]:
+        err = _error(run(_post(engine, "/generate", {"text": "a", "sampling_params": {"stop": stop}})),
+                     400, "sampling_params.stop")
+        assert what in err["message"]
+        for path, body in [("/v1/completions", {"model": "m", "prompt": "a", "stop": stop}),
+                           ("/v1/chat/completions", {"model": "m", "stop": stop,
+                                                     "messages": [{"role": "user", "content": "a"}]})]:
+            assert _error(run(_post(engine, path, body)), 400, "stop")["param"] == "stop"
+    body = {"text": "a", "sampling_params": {"stop": ok, "max_new_tokens": 2}}
+    assert run(_post(engine, "/generate", body)).status_code == 200
