@@ -319,6 +319,43 @@ def test_limit_flags_are_validated(kwargs, flag):
         ServerArgs(**kwargs)
 
 
+def _cli_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def test_flags_without_effect_are_gone_and_help_is_true():
+    parser = _cli_parser()
+    with pytest.raises(SystemExit):  # no reader: /metrics is always served (SGLang gates it)
+        parser.parse_args(["--enable-metrics"])
+    helps = {a.dest: a.help or "" for a in parser._actions}
+    assert "not supported" not in helps["tp_size"] and "tensor-parallel" in helps["tp_size"]
+    eng = FakeEngine(ServerArgs(context_length=256))
+    assert run(_call_all(eng, [("GET", "/metrics", None)], None))[0].status_code == 200
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(tp_size=4, ep_size=1), "--ep-size 1 with --tp-size 4"),  # was silently made 4
+    (dict(tp_size=4, ep_size=2), "--ep-size 2 with --tp-size 4"),
+    (dict(dp_size=2, ep_size=1), "--ep-size 1 with --dp-size 2"),
+])
+def test_explicit_ep_size_conflict_is_an_error(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        ServerArgs(**kwargs)
+
+
+def test_ep_size_and_queue_defaults():
+    from sglang_tpu_backend.server_args import DEFAULT_MAX_QUEUED_REQUESTS
+
+    assert ServerArgs(tp_size=4).ep_size == 4 and ServerArgs(dp_size=2).ep_size == 2
+    assert ServerArgs().ep_size == 1
+    assert _cli_parser().parse_args([]).max_queued_requests == DEFAULT_MAX_QUEUED_REQUESTS
+    assert ServerArgs().max_queued_requests == DEFAULT_MAX_QUEUED_REQUESTS > 0  # finite
+
+
 def test_unhealthy_engine_health_is_503_json():
     class Dead(FakeEngine):
         def health_error(self):
