@@ -37,7 +37,8 @@ class EngineAPI(Protocol):
         """Abort request ``rid``; False when no such request runs."""
 
     def flush_cache(self) -> MaybeAwaitable[bool]:
-        """Empty the prefix cache; False (nothing done) while requests run."""
+        """Empty the prefix cache (at any time). True; a remote engine: False when some
+        replica did not flush (the route answers 500)."""
 
     def get_model_info(self) -> MaybeAwaitable[dict]:
         """``{"model_path", "tokenizer_path", "is_generation", "weight_version", ...}``."""

@@ -262,8 +262,9 @@ async def stop_profile(request: Request) -> Response:
 @admin_route
 async def flush_cache(request: Request) -> JSONResponse:
     """Empty the prefix cache (at any time: pages running requests use are freed when they
-    end)."""
-    await _call(_engine(request).flush_cache())
+    end); 500 when a remote engine reports that some replica did not flush."""
+    if not await _call(_engine(request).flush_cache()):
+        return _error_response(500, "Cache not flushed on every engine replica", None, "server_error")
     return JSONResponse({"success": True, "message": "Cache flushed."})
 
 

@@ -496,3 +496,13 @@ def test_stop_string_caps_answer_400_naming_the_field(engine):
             assert _error(run(_post(engine, path, body)), 400, "stop")["param"] == "stop"
     body = {"text": "a", "sampling_params": {"stop": ok, "max_new_tokens": 2}}
     assert run(_post(engine, "/generate", body)).status_code == 200
+
+
+def test_flush_cache_succeeds_while_requests_run_and_reports_a_partial_flush():
+    eng = FakeEngine(ServerArgs(context_length=256))
+    eng.held["running"] = 1  # a running request does not stop a flush (Engine.flush_cache)
+    r = run(_post(eng, "/flush_cache"))
+    assert r.status_code == 200 and r.json() == {"success": True, "message": "Cache flushed."}
+    eng.flush_cache = lambda: False  # a remote engine with a replica that did not flush
+    r = run(_post(eng, "/flush_cache"))
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
