@@ -8,8 +8,8 @@ routes are marked ``@admin_route``). Every client mistake is a 4xx JSON body
 ``{"error": {"message", "type": "invalid_request_error", "param": <field>, "code"}}``:
 malformed JSON or JSON nested deeper than ``MAX_JSON_DEPTH``, bad fields, ``n`` or a
 prompt batch over the limits in ``request_fields`` , engine ``InvalidRequestError`` (400),
-missing/wrong API key (401), ``output_dir`` outside the profile root (400), unknown route (404), wrong method (405), body over
-``max_request_body_bytes`` (413). The server's own state answers 503 (``type``
+``output_dir`` outside the profile root (400), missing/wrong API key (401), unknown route
+(404), wrong method (405), body over ``max_request_body_bytes`` (413). The server's own state answers 503 (``type``
 ``service_unavailable``): a full waiting queue (``--max-queued-requests``), and on
 ``/health`` / ``/health_generate`` a dead or stalled scheduler loop (``Engine.health_error``;
 ``/health_generate`` also when its one-token request does not finish within
