@@ -14,8 +14,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit; sampler.MAX_LOGIT_BIAS pads to it)
 LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI
 # Stop strings per request and characters per stop string. Every generated token is checked
-# against them under the engine lock, so they are bounded (OpenAI allows 4 stop sequences;
-# SGLang and vLLM set no bound).
+# against them under the engine lock, so they are bounded (OpenAI's API allows 4).
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 256
 # Accepted for SGLang compatibility but without effect here.
