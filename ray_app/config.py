@@ -1,7 +1,13 @@
 """``serve run ray_app:app key=value ...`` arguments -> engine ServerArgs + deployment options.
 
 Keys (values arrive as strings from the command line, typed from a Serve config file):
-  any ``ServerArgs`` field under its own name (``model_path``, ``dtype``, ``page_size``, ...);
+  any ``ServerArgs`` field under its own name (``model_path``, ``dtype``, ``page_size``, ...)
+  except ``host`` / ``port``: the Serve proxy listens where the Serve config's
+  ``http_options`` (or ``serve start --http-host/--http-port``) say, so they are refused here.
+  ``api_key`` / ``admin_api_key`` (``entrypoints/auth.py``) default to the environment's
+  ``SGLANG_API_KEY`` / ``SGLANG_ADMIN_API_KEY`` (the deploy manifests set them from a
+  Kubernetes Secret, so no key is written in a Serve config); with neither, the builder logs
+  a warning: every route, the admin routes too, is open to whoever reaches the proxy;
   ``mode``: ``colocated`` (default: one engine deployment) or ``disaggregated`` (prefill and
   decode deployments, KV pages + GDN state handed over per request);
   per engine deployment ``<d>`` in ``engine`` / ``prefill`` / ``decode``: ``<d>_replicas``
@@ -28,12 +34,17 @@ each of those processes that many CPU devices (``JAX_PLATFORMS=cpu`` + ``XLA_FLA
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import types
 import typing
 from typing import Any
 
 from sglang_tpu_backend.server_args import ServerArgs
 
+log = logging.getLogger(__name__)
+KEY_ENV_VARS = {"api_key": "SGLANG_API_KEY", "admin_api_key": "SGLANG_ADMIN_API_KEY"}
+PROXY_KEYS = ("host", "port")  # ServerArgs fields the Serve proxy's http_options replace
 MODES = ("colocated", "disaggregated")
 ENGINE_DEPLOYMENTS = {"colocated": ("engine",), "disaggregated": ("prefill", "decode")}
 APP_KEYS = {
@@ -142,6 +153,9 @@ def parse_app_args(args: dict[str, Any] | None) -> AppConfig:
     fields = {f.name: _field_type(f.type) for f in dataclasses.fields(ServerArgs)}
     server, options = {}, {}
     for key, value in args.items():
+        if key in PROXY_KEYS:
+            raise ValueError(f"{key}: the Serve proxy's address is the Serve config's "
+                             f"http_options.{key} (or serve start --http-{key}), not an app argument")
         if key in fields:
             server[key] = _convert(key, value, fields[key])
         elif key in APP_KEYS:
@@ -154,7 +168,15 @@ def parse_app_args(args: dict[str, Any] | None) -> AppConfig:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if options.get("transport", "object_store") != "object_store":
         raise ValueError(f"transport must be 'object_store', got {options['transport']!r}")
+    for key, env in KEY_ENV_VARS.items():
+        if server.get(key) is None and os.environ.get(env):
+            server[key] = os.environ[env]
     sa = ServerArgs(**server)
+    if not sa.api_key and not sa.admin_api_key:
+        log.warning("SECURITY WARNING: neither api_key nor admin_api_key is set (app arguments, or "
+                    "%s / %s): whoever reaches the Serve proxy can generate and call the admin "
+                    "routes (/update_weights_from_disk, /start_profile, /flush_cache, abort_all)",
+                    *KEY_ENV_VARS.values())
     if mode == "disaggregated" and (sa.dp_size != 1 or sa.tp_size != 1):
         raise ValueError("mode=disaggregated needs dp_size == tp_size == 1 per replica")
     _check_multihost(sa, mode, options)

@@ -140,7 +140,7 @@ class Engine:
             self.scheduler, self.runner, Delivery(self.outputs, self.metrics, args.stream_interval),
             self.metrics, overlap=overlap, watchdog_timeout=args.watchdog_timeout,
             max_consecutive_errors=args.max_consecutive_step_errors,
-            fatal_step_faults=args.nnodes > 1)
+            fatal_step_faults=args.nnodes > 1, profile_max_seconds=args.profile_max_seconds)
         self.loop.handover = self.handover = HandoverManager(
             self.loop, self.runner, page_size=args.page_size, wait_timeout=args.handover_wait_timeout)
         self.loop.weights = self.weights = WeightUpdater(self.loop, self.runner, cfg, args)

@@ -4,7 +4,8 @@
 
 Flags are SGLang's (see ``ServerArgs.add_cli_args``); without ``--model-path`` the embedded
 tiny model is served. Prints ``The server is fired up and ready to roll! URL: http://...``
-once the port accepts connections. With ``--nnodes N`` run it once per node (the same flags,
+once the port accepts connections; binding a non-loopback ``--host`` with neither ``--api-key``
+nor ``--admin-api-key`` logs a loud warning first (``entrypoints/auth.py``). With ``--nnodes N`` run it once per node (the same flags,
 ``--node-rank 0..N-1``, ``--dist-init-addr`` of node 0); only node 0 serves HTTP.
 """
 
@@ -16,8 +17,10 @@ import sys
 
 import uvicorn
 
+from sglang_tpu_backend.entrypoints.auth import exposure_warning
 from sglang_tpu_backend.server_args import ServerArgs
 
+log = logging.getLogger(__name__)
 READY_MESSAGE = "The server is fired up and ready to roll!"
 
 
@@ -43,6 +46,8 @@ def serve(args: ServerArgs, engine=None) -> None:
 
         engine = Engine(args)
     app = create_app(engine)
+    if (warning := exposure_warning(args.host, args.api_key, args.admin_api_key)) is not None:
+        log.warning(warning)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_keep_alive=5, access_log=args.log_level == "debug")
     host = f"[{args.host}]" if ":" in args.host else args.host

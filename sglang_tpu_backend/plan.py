@@ -1,7 +1,7 @@
 """Per-device memory plan of one serving host: weights, KV pages, GDN state, activations.
 
     python -m sglang_tpu_backend.plan --model-config CONFIG --topology tpu7x:2x2x1 \\
-        --dp 8 --ep 8 --context-len 9216 [--tp 8] [--expert-dtype fp8] [--json]
+        --dp 8 --ep 8 --context-length 9216 [--tp 8] [--expert-dtype fp8] [--json]
 
 One device is one JAX device (one TensorCore). All sizes are bytes per device unless named
 otherwise; the table prints GiB (2**30 B). Letters: H hidden, V vocab, E experts, k top-k,
@@ -120,7 +120,7 @@ class MemoryPlan:
     dp: int
     ep: int
     tp: int
-    context_len: int
+    context_length: int
     page_size: int
     running_requests: int  # R, per host
     requests_per_device: int  # r = ceil(R * hosts / dp)
@@ -227,7 +227,7 @@ def step_activation_bytes(cfg: ModelConfig, *, ep: int, tp: int, tokens: int,
 
 def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int | None = None,
          ep: int | None = None, tp: int | None = None, running_requests: int | None = None,
-         context_len: int = 9216, page_size: int = 256, expert_dtype: str = "fp8",
+         context_length: int = 9216, page_size: int = 256, expert_dtype: str = "fp8",
          dtype: str = "bf16", kv_dtype: str = "bf16", state_dtype: str = "bf16",
          max_num_batched_tokens: int = 1024) -> MemoryPlan:
     """Memory per device for ``running_requests`` per host (default: the most that fit).
@@ -240,7 +240,7 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
     for (flag, choices), val in zip(DTYPE_FLAGS.items(),
                                    (expert_dtype, dtype, kv_dtype, state_dtype)):
         _check(val in choices, f"{flag} {val!r}: expected one of {', '.join(choices)}")
-    for flag, val in (("--dp", dp), ("--ep", ep), ("--tp", tp), ("--context-len", context_len),
+    for flag, val in (("--dp", dp), ("--ep", ep), ("--tp", tp), ("--context-length", context_length),
                       ("--page-size", page_size),
                       ("--max-num-batched-tokens", max_num_batched_tokens)):
         _check(val is None or val >= 1, f"{flag} {val} must be >= 1")
@@ -258,7 +258,7 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
     replicated, sharded = weight_bytes(cfg, ep=ep, tp=tp, expert_dtype=expert_dtype)
 
     b_kv, b_state, b = DTYPE_BYTES[kv_dtype], DTYPE_BYTES[state_dtype], DTYPE_BYTES[dtype]
-    kv_per_req = (-(-context_len // page_size)) * kv_page_bytes(cfg, tp=tp, page_size=page_size,
+    kv_per_req = (-(-context_length // page_size)) * kv_page_bytes(cfg, tp=tp, page_size=page_size,
                                                                  kv_bytes=b_kv)
     gdn_per_req = gdn_slot_bytes(cfg, tp=tp, kv_bytes=b_kv, state_bytes=b_state)
     act_fixed = step_activation_bytes(cfg, ep=ep, tp=tp, tokens=max_num_batched_tokens,
@@ -281,7 +281,7 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
     _check(R >= 0, f"--max-running-requests {R} must be >= 0")
     r, kv, gdn, act = per_device(R)
     return MemoryPlan(topology=topo.name, devices=n, hosts=topo.hosts, dp=dp, ep=ep, tp=tp,
-                      context_len=context_len, page_size=page_size, running_requests=R,
+                      context_length=context_length, page_size=page_size, running_requests=R,
                       requests_per_device=r, weights_replicated=replicated,
                       weights_sharded=sharded, kv_pages=kv, gdn_state=gdn, activations=act,
                       hbm=hbm, max_running_requests=max_r)
@@ -291,7 +291,7 @@ def format_plan(p: MemoryPlan) -> str:
     """A readable table, GiB per device."""
     mode = "+".join([f"DP{p.dp}"] * (p.dp > 1) + [f"TP{p.tp}"] * (p.tp > 1) + [f"EP{p.ep}"])
     head = (f"{p.topology}: {p.devices} devices on {p.hosts} host(s), {mode}, context "
-            f"{p.context_len} tokens, page {p.page_size}\n"
+            f"{p.context_length} tokens, page {p.page_size}\n"
             f"running requests per host {p.running_requests} "
             f"({p.requests_per_device} per DP rank, held on each of its {p.tp} device(s))\n")
     rows = [("weights, replicated", p.weights_replicated), ("weights, sharded", p.weights_sharded),
@@ -323,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, help="tensor-parallel attention width (default 1)")
     ap.add_argument("--max-running-requests", type=int,
                     help="running requests per host (default: the most that fit)")
-    ap.add_argument("--context-len", type=int, default=9216)
+    ap.add_argument("--context-length", "--context-len", dest="context_length", type=int, default=9216,
+                    help="tokens of one request (the server's --context-length; --context-len "
+                         "is accepted too)")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     for flag, choices in DTYPE_FLAGS.items():
@@ -341,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(cfg, num_hidden_layers=a.layers,
                                       layer_types=cfg.layer_types[:a.layers])
         p = plan(cfg, a.topology, dp=a.dp, ep=a.ep, tp=a.tp,
-                 running_requests=a.max_running_requests, context_len=a.context_len,
+                 running_requests=a.max_running_requests, context_length=a.context_length,
                  page_size=a.page_size, expert_dtype=a.expert_dtype, dtype=a.dtype,
                  kv_dtype=a.kv_dtype, state_dtype=a.state_dtype,
                  max_num_batched_tokens=a.max_num_batched_tokens)
@@ -373,7 +375,7 @@ def compile_and_compare(cfg: ModelConfig, p: MemoryPlan, a) -> int:
 
     jdt = {"fp8": jnp.float8_e4m3fn, "bf16": jnp.bfloat16, "fp32": jnp.float32}
     r = p.requests_per_device
-    pages = -(-p.context_len // p.page_size)
+    pages = -(-p.context_length // p.page_size)
     spec = StepSpec(ForwardMode.DECODE, r, r, r, pages, r * pages, p.page_size, r)
     mesh = make_mesh(p.devices, topology_devices(p.topology))
     step = compile_dp_step if p.tp == 1 else compile_tp_step

@@ -18,6 +18,11 @@ TOOL_CALL_PARSERS = ("qwen3_coder", "qwen25")
 KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DETERMINISTIC_MIN_CHUNK = 64  # a multiple of every GDN chunk size (kernels/gdn.py: 64 TPU, 32 XLA)
+# Waiting requests (queued, not yet running) beyond which a new request gets HTTP 503. SGLang's
+# default is unbounded; here a finite bound keeps a burst from growing host memory and
+# time-to-first-token without limit.
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_PROFILE_MAX_SECONDS = 600.0  # a trace without num_steps stops by itself after this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,13 @@ class ServerArgs:
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
     directory being ``$STB_CACHE_DIR`` or ``~/.cache/sglang_tpu_backend``; ``""`` turns it
     off), so a restart with the same model and flags loads its warm-up instead of compiling.
+
+    Access (SGLang's ``--api-key`` / ``--admin-api-key``, ``entrypoints/auth.py``): ``api_key``
+    guards the serving routes; the admin routes (weight updates, profiling, cache flush,
+    abort-all) take ``admin_api_key`` when it is set (the plain key is refused there), else
+    ``api_key``; health checks and ``/metrics`` are always open. Profile traces are written
+    only under ``profile_dir_root`` (``None`` -> ``$SGLANG_TORCH_PROFILER_DIR``, else the
+    temp directory) and stop after ``profile_max_seconds`` unless ``num_steps`` ends them first.
     """
 
     model_path: str | None = None
@@ -90,10 +102,10 @@ class ServerArgs:
     max_total_tokens: int | None = None
     context_length: int | None = None
     api_key: str | None = None
-    enable_metrics: bool = False
+    admin_api_key: str | None = None
     tp_size: int = 1
     dp_size: int = 1
-    ep_size: int = 1
+    ep_size: int | None = None  # None: --tp-size when > 1, else --dp-size
     dtype: str = "auto"
     kernel_impl: str = "auto"
     random_seed: int = 0
@@ -108,7 +120,9 @@ class ServerArgs:
     max_gdn_snapshots: int | None = None
     compilation_cache_dir: str | None = None
     disable_overlap_schedule: bool = False
-    max_queued_requests: int | None = None  # None: unlimited waiting queue
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS  # None: unlimited
+    profile_dir_root: str | None = None  # None: $SGLANG_TORCH_PROFILER_DIR, else the temp dir
+    profile_max_seconds: float = DEFAULT_PROFILE_MAX_SECONDS
     watchdog_timeout: float = 300.0  # seconds a loop with work may go without finishing a step
     nnodes: int = 1  # processes (hosts) forming one engine's mesh; node 0 leads
     node_rank: int = 0
@@ -126,7 +140,10 @@ class ServerArgs:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the flag for any unusable value."""
+        """Raise ValueError naming the flag for any unusable value; an unset ``ep_size``
+        becomes the size its parallel layout implies."""
+        if self.ep_size is None:  # frozen: set once, before the checks
+            object.__setattr__(self, "ep_size", self.tp_size if self.tp_size != 1 else self.dp_size)
         def positive(name: str, value: int | None, allow_none: bool = False) -> None:
             if value is None and allow_none:
                 return
@@ -147,7 +164,8 @@ class ServerArgs:
         positive("max_gdn_snapshots", self.max_gdn_snapshots, allow_none=True)
         positive("max_queued_requests", self.max_queued_requests, allow_none=True)
         positive("max_consecutive_step_errors", self.max_consecutive_step_errors)
-        for name in ("watchdog_timeout", "handover_wait_timeout", "weight_update_timeout"):
+        for name in ("watchdog_timeout", "handover_wait_timeout", "weight_update_timeout",
+                     "profile_max_seconds"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive number of "
@@ -164,16 +182,14 @@ class ServerArgs:
                     f"--tp-size {self.tp_size} with --dp-size {self.dp_size}: choose data-parallel "
                     "attention (--dp-size N --ep-size N) or tensor-parallel attention "
                     "(--tp-size N --ep-size N), not both")
-            if self.ep_size not in (1, self.tp_size):
+            if self.ep_size != self.tp_size:
                 raise ValueError(
                     f"--ep-size {self.ep_size} with --tp-size {self.tp_size}: experts are split "
-                    "over the tensor-parallel devices: --ep-size must equal --tp-size")
-            # Experts always split over the TP devices: --ep-size defaults to --tp-size.
-            object.__setattr__(self, "ep_size", self.tp_size)
+                    "over the tensor-parallel devices: --ep-size must equal --tp-size (or be left out)")
         elif self.ep_size != self.dp_size:
             raise ValueError(
                 f"--ep-size {self.ep_size} with --dp-size {self.dp_size}: experts are split over "
-                "the DP ranks: --ep-size must equal --dp-size")
+                "the DP ranks: --ep-size must equal --dp-size (or be left out)")
         if self.max_running_requests < self.dp_size:
             raise ValueError(
                 f"--max-running-requests {self.max_running_requests} is split over --dp-size "
@@ -265,14 +281,19 @@ class ServerArgs:
           help="max prefill tokens per step")
         a("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV cache capacity in tokens")
         a("--context-length", type=int, default=d.context_length)
-        a("--api-key", type=str, default=d.api_key)
-        a("--enable-metrics", action="store_true", default=d.enable_metrics)
+        a("--api-key", type=str, default=d.api_key,
+          help="Bearer key every route but /health* and /metrics requires")
+        a("--admin-api-key", type=str, default=d.admin_api_key,
+          help="Bearer key of the admin routes (weight updates, profiling, /flush_cache, "
+               "abort_all); when set, --api-key does not unlock them (default: --api-key)")
         a("--tp-size", type=int, default=d.tp_size,
-          help="tensor-parallel attention: not supported, only 1 (use --dp-size)")
+          help="tensor-parallel attention devices: every request on all of them, heads and "
+               "experts split (with --dp-size 1)")
         a("--dp-size", type=int, default=d.dp_size,
           help="data-parallel attention ranks, one per device (each with its own KV pool)")
         a("--ep-size", type=int, default=d.ep_size,
-          help="expert-parallel ranks: must equal --dp-size (experts split over the DP ranks)")
+          help="expert-parallel devices: must equal --tp-size (TP) or --dp-size (DP), its "
+               "default")
         a("--dtype", type=str, default=d.dtype, choices=DTYPE_CHOICES,
           help="weights and KV cache dtype; auto: the checkpoint config's dtype "
                "as stated (float32 too), bfloat16 when it states none")
@@ -299,7 +320,13 @@ class ServerArgs:
           help="persistent XLA compilation cache (default: <cache dir>/jax-compilation-cache; "
                "'' turns it off)")
         a("--max-queued-requests", type=int, default=d.max_queued_requests,
-          help="waiting-queue bound: a new request beyond it gets HTTP 503 (default: unlimited)")
+          help="waiting-queue bound: a new request beyond it gets HTTP 503 (default: "
+               f"{DEFAULT_MAX_QUEUED_REQUESTS})")
+        a("--profile-dir-root", type=str, default=d.profile_dir_root,
+          help="/start_profile's output_dir must resolve inside this directory (default: "
+               "$SGLANG_TORCH_PROFILER_DIR, else the temp directory)")
+        a("--profile-max-seconds", type=float, default=d.profile_max_seconds,
+          help="a profile trace without num_steps stops by itself after this many seconds")
         a("--watchdog-timeout", type=float, default=d.watchdog_timeout,
           help="seconds the scheduler loop may have work without finishing a step before "
                "/health and /health_generate answer 503 (a dead loop: at once)")
@@ -342,7 +369,9 @@ class ServerArgs:
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields, keys masked (``/get_server_info`` reports this)."""
         d = dataclasses.asdict(self)
-        if d.get("api_key"):
-            d["api_key"] = "***"
+        for key in ("api_key", "admin_api_key"):
+            if d.get(key):
+                d[key] = "***"
         return d

@@ -1,26 +1,26 @@
 """All HTTP routes (SGLang native + OpenAI) on one ``APIRouter`` over an Engine.
 
 ``create_app(engine)`` mounts :data:`router` on a FastAPI app; the Ray Serve ingress reuses
-the same router and :func:`install` (``app.state.engine`` may be any object with the Engine
-API; its methods may also return awaitables, as the Ray ingress's remote engine does).
-Every client mistake is a 4xx JSON body
+the same router and :func:`install` (``app.state.engine`` is any ``EngineAPI``,
+``engine_protocol.py``: the Engine, or the Ray ingress's remote engine whose methods return
+awaitables). Access follows SGLang's ``--api-key`` / ``--admin-api-key`` (``auth.py``; admin
+routes are marked ``@admin_route``). Every client mistake is a 4xx JSON body
 ``{"error": {"message", "type": "invalid_request_error", "param": <field>, "code"}}``:
 malformed JSON or JSON nested deeper than ``MAX_JSON_DEPTH``, bad fields, ``n`` or a
 prompt batch over the limits in ``request_fields`` , engine ``InvalidRequestError`` (400),
-missing/wrong API key (401), unknown route (404), wrong method (405), body over
-``max_request_body_bytes`` (413). The server's own state answers 503 (``type``
+``output_dir`` outside the profile root (400), missing/wrong API key (401), unknown route
+(404), wrong method (405), body over ``max_request_body_bytes`` (413). The server's own state answers 503 (``type``
 ``service_unavailable``): a full waiting queue (``--max-queued-requests``), and on
 ``/health`` / ``/health_generate`` a dead or stalled scheduler loop (``Engine.health_error``;
 ``/health_generate`` also when its one-token request does not finish within
-``HEALTH_CHECK_TIMEOUT_S``, default ``--watchdog-timeout``). A client that disconnects stops its engine generators, which
-aborts the requests.
+``HEALTH_CHECK_TIMEOUT_S``, default ``--watchdog-timeout``; concurrent probes share one probe
+request). A client that disconnects stops its engine generators, which aborts the requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import inspect
 import json
 import logging
@@ -34,16 +34,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang_tpu_backend.entrypoints import openai_protocol as oai
+from sglang_tpu_backend.entrypoints.auth import Access, access_in_route, admin_route, authorize
+from sglang_tpu_backend.entrypoints.engine_protocol import EngineAPI, missing_members
 from sglang_tpu_backend.entrypoints.fanout import ClientDisconnected, Fanout, run_until_disconnect
 from sglang_tpu_backend.entrypoints.native_protocol import (
     LogprobAccumulator, StreamState, new_rid, parse_generate)
 from sglang_tpu_backend.entrypoints.request_fields import MAX_JSON_DEPTH, APIError, json_depth, opt_field
 from sglang_tpu_backend.managers.io_struct import (
     GenerateReqInput, InvalidRequestError, ServiceUnavailableError)
+from sglang_tpu_backend.profiler import confine_output_dir
 
 log = logging.getLogger(__name__)
 
-UNAUTHENTICATED_PATHS = ("/health", "/health_generate", "/metrics")
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # /health_generate's bound on its one-token request (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT);
@@ -56,7 +58,7 @@ HEALTH_POLL_S = 0.5
 
 
 # Plumbing -------------------------------------------------------------------------------
-def _engine(request: Request):
+def _engine(request: Request) -> EngineAPI:
     return request.app.state.engine
 
 
@@ -70,18 +72,8 @@ def _arg(engine, name: str, default: Any = None) -> Any:
 
 
 async def verify_api_key(request: Request) -> None:
-    """Router dependency: with ``--api-key`` every route but the health checks needs the key."""
-    key = _arg(_engine(request), "api_key")
-    route = request.scope.get("route")
-    path = getattr(route, "path", request.url.path)
-    if not key or path in UNAUTHENTICATED_PATHS:
-        return
-    auth = request.headers.get("authorization")
-    if auth is None:
-        raise APIError("Missing API key: send 'Authorization: Bearer <key>'", "authorization", 401)
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError("Invalid API key", "authorization", 401)
+    """Router dependency: the key the route's access level asks for (``auth.py``)."""
+    authorize(request, _engine(request).args)
 
 
 async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
@@ -161,10 +153,9 @@ def _unavailable(message: str) -> JSONResponse:
     return _error_response(503, message, None, "service_unavailable")
 
 
-async def _health_error(engine) -> str | None:
-    """The engine's reason not to serve (``health_error``; engines without one: None)."""
-    check = getattr(engine, "health_error", None)
-    return None if check is None else await _call(check())
+async def _health_error(engine: EngineAPI) -> str | None:
+    """The engine's reason not to serve, or None."""
+    return await _call(engine.health_error())
 
 
 @router.get("/health")
@@ -174,14 +165,12 @@ async def health(request: Request) -> Response:
     return Response(status_code=200) if err is None else _unavailable(f"Unhealthy: {err}")
 
 
-@router.get("/health_generate")
-async def health_generate(request: Request) -> Response:
-    """200 once a one-token request finishes; 503 as soon as the engine is unhealthy (before or
-    while waiting), or when the request fails or takes longer than ``HEALTH_CHECK_TIMEOUT_S``."""
-    engine = _engine(request)
-    err = await _health_error(engine)
-    if err is not None:
-        return _unavailable(f"Unhealthy: {err}")
+async def _probe(engine: EngineAPI) -> str | None:
+    """One health probe: None once a one-token request finishes; else why not, as soon as the
+    engine is unhealthy (before or while waiting), or when the request fails or takes longer
+    than ``HEALTH_CHECK_TIMEOUT_S``."""
+    if (err := await _health_error(engine)) is not None:
+        return err
     limit = HEALTH_CHECK_TIMEOUT_S or _arg(engine, "watchdog_timeout", 300.0)
     deadline = time.monotonic() + limit
     task = asyncio.ensure_future(_call(engine.health_generate()))
@@ -191,16 +180,27 @@ async def health_generate(request: Request) -> Response:
             if task.done():
                 break
             if (err := await _health_error(engine)) is not None:
-                return _unavailable(f"Unhealthy: {err}")
+                return err
             if time.monotonic() >= deadline:
-                return _unavailable(f"Unhealthy: no token generated within {limit:g} s")
-        ok = task.result()
+                return f"no token generated within {limit:g} s"
+        return None if task.result() else "the health request was aborted"
     except ServiceUnavailableError as e:
-        return _unavailable(f"Unhealthy: {e}")
+        return str(e)
     finally:
         if not task.done():
             task.cancel()  # its generator aborts the health request
-    return Response(status_code=200) if ok else _unavailable("Unhealthy: the health request was aborted")
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """200 once a one-token request finishes, else 503 with the reason (``_probe``). One probe
+    runs at a time: a call while one runs waits for that probe's answer, so any number of
+    callers put at most one request into the engine."""
+    state = request.app.state
+    if state.health_probe is None or state.health_probe.done():
+        state.health_probe = asyncio.ensure_future(_probe(_engine(request)))
+    err = await asyncio.shield(state.health_probe)  # a caller leaving does not end the probe
+    return Response(status_code=200) if err is None else _unavailable(f"Unhealthy: {err}")
 
 
 @router.get("/metrics")
@@ -208,10 +208,7 @@ async def metrics(request: Request) -> Response:
     """Prometheus text exposition (``sglang:*`` families); open like the health checks."""
     from sglang_tpu_backend.metrics.collector import CONTENT_TYPE
 
-    engine = _engine(request)
-    if not hasattr(engine, "metrics_text"):
-        raise APIError("This engine exports no metrics", "path", 404)
-    return Response(await _call(engine.metrics_text()), media_type=CONTENT_TYPE)
+    return Response(await _call(_engine(request).metrics_text()), media_type=CONTENT_TYPE)
 
 
 @router.get("/get_model_info")
@@ -232,48 +229,47 @@ async def get_server_info(request: Request) -> dict:
 @router.get("/get_load")
 async def get_load(request: Request) -> list:
     """SGLang's load report: ``[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]``."""
-    engine = _engine(request)
-    if not hasattr(engine, "get_load"):
-        raise APIError("This engine reports no load", "path", 404)
-    return await _call(engine.get_load())
+    return await _call(_engine(request).get_load())
 
 
 @router.post("/start_profile")
 @router.get("/start_profile")
+@admin_route
 async def start_profile(request: Request) -> Response:
-    """Start a ``jax.profiler`` trace. Body (optional): ``output_dir`` (default
-    ``$SGLANG_TORCH_PROFILER_DIR`` or /tmp), ``num_steps`` (stop by itself after that many
-    engine steps). 400 when one is already running."""
+    """Start a ``jax.profiler`` trace. Body (optional): ``output_dir`` (inside
+    ``--profile-dir-root``, its default; a relative path is taken under it; anything that
+    resolves outside: 400), ``num_steps`` (stop by itself after that many engine steps). 400
+    when one is already running."""
     body = {} if request.method == "GET" else await read_json(request, allow_empty=True)
     engine = _engine(request)
-    if not hasattr(engine, "start_profile"):
-        raise APIError("This engine cannot profile", "path", 404)
+    out = confine_output_dir(opt_field(body, "output_dir", "str"), _arg(engine, "profile_dir_root"))
     await _call(await asyncio.to_thread(  # starting and stopping a trace block: off the loop
-        engine.start_profile, output_dir=opt_field(body, "output_dir", "str"),
-        num_steps=opt_field(body, "num_steps", "int", minimum=1)))
+        engine.start_profile, output_dir=out, num_steps=opt_field(body, "num_steps", "int", minimum=1)))
     return Response(content="Start profiling.\n", status_code=200)
 
 
 @router.post("/stop_profile")
 @router.get("/stop_profile")
+@admin_route
 async def stop_profile(request: Request) -> Response:
     """Stop the trace and write it under ``<output_dir>/plugins/profile/``; 400 when none runs."""
-    engine = _engine(request)
-    if not hasattr(engine, "stop_profile"):
-        raise APIError("This engine cannot profile", "path", 404)
-    out = await _call(await asyncio.to_thread(engine.stop_profile))
+    out = await _call(await asyncio.to_thread(_engine(request).stop_profile))
     return Response(content=f"Stop profiling. The trace is in {out}.\n", status_code=200)
 
 
 @router.post("/flush_cache")
 @router.get("/flush_cache")
+@admin_route
 async def flush_cache(request: Request) -> JSONResponse:
-    ok = await _call(_engine(request).flush_cache())
-    msg = "Cache flushed." if ok else "Cache not flushed: requests are running."
-    return JSONResponse({"success": bool(ok), "message": msg}, status_code=200 if ok else 400)
+    """Empty the prefix cache (at any time: pages running requests use are freed when they
+    end); 500 when a remote engine reports that some replica did not flush."""
+    if not await _call(_engine(request).flush_cache()):
+        return _error_response(500, "Cache not flushed on every engine replica", None, "server_error")
+    return JSONResponse({"success": True, "message": "Cache flushed."})
 
 
 @router.post("/update_weights_from_disk")
+@admin_route
 async def update_weights_from_disk(request: Request) -> JSONResponse:
     """SGLang's weight update: ``{"model_path", "load_format"?, "abort_all_requests"?,
     "weight_version"?}`` -> ``{"success", "message", "num_paused_requests"}``, 200 or 400 (a
@@ -281,8 +277,6 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
     the new weights serve (``Engine.update_weights_from_disk``)."""
     body = await read_json(request)
     engine = _engine(request)
-    if not hasattr(engine, "update_weights_from_disk"):
-        raise APIError("This engine does not support weight updates", "path", 404)
     model_path = opt_field(body, "model_path", "str")
     if not model_path:
         raise APIError("'model_path' (a checkpoint directory) is required", "model_path")
@@ -302,10 +296,15 @@ async def get_weight_version(request: Request) -> dict:
 
 
 @router.post("/abort_request")
+@access_in_route
 async def abort_request(request: Request) -> dict:
+    """``{"rid"}`` aborts one request (NORMAL access); ``{"abort_all": true}`` every request of
+    this server (ADMIN access, ``auth.py``)."""
     body = await read_json(request)
     engine = _engine(request)
-    if opt_field(body, "abort_all", "bool", False):
+    abort_all = opt_field(body, "abort_all", "bool", False)
+    authorize(request, engine.args, Access.ADMIN if abort_all else Access.NORMAL)
+    if abort_all:
         rids = sorted(request.app.state.inflight)
         return {"success": True, "aborted": sum([bool(await _call(engine.abort_request(r))) for r in rids])}
     rid = opt_field(body, "rid", "str")
@@ -404,8 +403,15 @@ def _error_response(status: int, message: str, param: str | None, err_type: str 
 
 
 def install(app: FastAPI, engine) -> None:
-    """Attach ``engine``, the routes and the JSON error handlers to ``app``."""
+    """Attach ``engine``, the routes and the JSON error handlers to ``app``.
+
+    Raises TypeError naming what ``engine`` lacks of ``EngineAPI``."""
+    missing = missing_members(engine)
+    if missing:
+        raise TypeError(f"{type(engine).__name__} does not provide the EngineAPI "
+                        f"(engine_protocol.py): missing {', '.join(missing)}")
     app.state.engine = engine
+    app.state.health_probe = None  # the /health_generate probe in progress (an asyncio task)
     app.state.seed_rng = random.Random(_arg(engine, "random_seed", 0))
     app.state.inflight = set()  # rids of requests being served, for abort_all
     app.include_router(router)

@@ -20,7 +20,8 @@ from typing import Any
 from sglang_tpu_backend.entrypoints.chat_parsing import ChatParser, ParsedMessage, forced_call_schema
 from sglang_tpu_backend.entrypoints.native_protocol import new_rid
 from sglang_tpu_backend.entrypoints.request_fields import APIError, check_fanout, is_int_list, opt_field
-from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
+from sglang_tpu_backend.sampling.sampling_params import check_stop_limits
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # apply_chat_template arguments a request's chat_template_kwargs may not override.
@@ -85,6 +86,10 @@ def _sampling_params(body: dict, max_tokens_default: int | None) -> dict[str, An
         if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
             raise APIError("'stop' must be a string or a list of strings", "stop")
         sp["stop"] = [stop] if isinstance(stop, str) else stop
+        try:
+            check_stop_limits(sp["stop"], "stop")
+        except InvalidRequestError as e:
+            raise APIError(e.message, "stop") from e
     json_schema = body.get("json_schema")
     if json_schema is not None:
         sp["json_schema"] = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)

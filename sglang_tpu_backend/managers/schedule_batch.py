@@ -224,16 +224,20 @@ class Req:
             self.finish_reason = {"type": "length", "length": n_out}
 
     def update_text(self) -> None:
-        """Detokenise the new tokens, finish on a stop string, set the visible text."""
+        """Detokenise the new tokens, finish on a stop string, set the visible text.
+
+        Only the text after the previous visible text is searched: everything before it was
+        shown because no stop string begins there, and the held-back tail is what may still
+        begin one. So a step costs the held-back tail plus the new text, whatever the length
+        of the output (the earliest match wins, then the smallest stop string)."""
+        shown = min(len(self.text), len(self.detok.text))
         old_len = len(self.detok.text)
         self.detok.step(self.output_ids)
-        stops = self.sampling.stop
-        if stops and not self.finished:
+        if self.sampling.stop and not self.finished:
             text = self.detok.text
-            begin = max(0, old_len - self.max_stop_len + 1)
-            hits = [(i, s) for s in stops if (i := text.find(s, begin)) >= 0]
-            if hits:
-                i, s = min(hits)
+            hit = self.sampling.stop_strings().find(text, max(shown, old_len - self.max_stop_len + 1))
+            if hit is not None:
+                i, s = hit
                 self.finish_reason = {"type": "stop", "matched": s}
                 self.text = text[: i + len(s)] if self.sampling.no_stop_trim else text[:i]
                 return
@@ -242,15 +246,16 @@ class Req:
                 return  # text already trimmed at the stop string
             self.text = self.detok.finish(self.output_ids)
             return
-        self.text = self._hold_back_stop_prefix(self.detok.text)
+        self.text = self._hold_back_stop_prefix(self.detok.text, len(self.detok.text) - shown)
 
-    def _hold_back_stop_prefix(self, text: str) -> str:
-        """Do not show a tail that may turn out to start a stop string."""
-        for k in range(min(self.max_stop_len - 1, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.sampling.stop):
-                return text[:-k]
-        return text
+    def _hold_back_stop_prefix(self, text: str, at_most: int) -> str:
+        """``text`` without a tail that may turn out to begin a stop string. That tail is at
+        most ``at_most`` long: the previous held-back tail plus the new text (a tail that
+        begins a stop string extends one that did)."""
+        if not self.sampling.stop:
+            return text
+        k = self.sampling.stop_strings().held_back(text, at_most)
+        return text[:-k] if k else text
 
     def abort(self, message: str) -> None:
         if not self.finished:

@@ -50,7 +50,8 @@ class SchedulerLoop:
       overlap: launch step i+1 before completing step i.
       watchdog_timeout: seconds with work and no completed step before health fails.
       max_consecutive_errors: failed steps in a row before health fails.
-      fatal_step_faults: a model-phase fault ends the loop (multi-host replicas).
+      fatal_step_faults: a step fault ends the loop (multi-host replicas).
+      profile_max_seconds: a profile trace stops itself after this long.
 
     ``handover`` and ``weights`` (the managers of those loop phases) are attached by the
     engine after construction; both take ``lock`` for their own state.
@@ -58,7 +59,7 @@ class SchedulerLoop:
 
     def __init__(self, scheduler: Scheduler, runner: Any, delivery: Delivery, metrics: Any, *,
                  overlap: bool, watchdog_timeout: float, max_consecutive_errors: int,
-                 fatal_step_faults: bool):
+                 fatal_step_faults: bool, profile_max_seconds: float):
         self.scheduler, self.runner, self.delivery, self.metrics = scheduler, runner, delivery, metrics
         self.overlap = overlap
         self.watchdog_timeout = watchdog_timeout
@@ -68,7 +69,7 @@ class SchedulerLoop:
         self.wake = threading.Condition(self.lock)
         self.handover: Any = None  # HandoverManager
         self.weights: Any = None  # WeightUpdater
-        self.profiler = StepProfiler()
+        self.profiler = StepProfiler(max_seconds=profile_max_seconds)
         self.stats = {"num_requests_total": 0, "prompt_tokens_total": 0,
                       "generation_tokens_total": 0, "num_steps": 0, "num_errors": 0}
         self.consecutive_errors = 0

@@ -8,13 +8,30 @@ from typing import Any
 import numpy as np
 
 from sglang_tpu_backend.managers.io_struct import InvalidRequestError
+from sglang_tpu_backend.sampling.stop_strings import StopStrings
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit; sampler.MAX_LOGIT_BIAS pads to it)
 LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI
+# Stop strings per request and characters per stop string. Every generated token is checked
+# against them under the engine lock, so they are bounded (OpenAI's API allows 4).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_LEN = 256
 # Accepted for SGLang compatibility but without effect here.
 _IGNORED_KEYS = frozenset({"n", "stream_interval", "custom_params", "sampling_seed"})
 _UNSUPPORTED_KEYS = frozenset({"ebnf", "structural_tag", "lora_path"})
+
+
+def check_stop_limits(stop: list[str], field: str) -> None:
+    """Raise InvalidRequestError(``field``) for more than ``MAX_STOP_STRINGS`` stop strings or
+    one longer than ``MAX_STOP_STRING_LEN`` characters."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(field, f"{field} has {len(stop)} stop strings; at most "
+                                  f"{MAX_STOP_STRINGS} are allowed")
+    longest = max(stop, key=len, default="")
+    if len(longest) > MAX_STOP_STRING_LEN:
+        raise InvalidRequestError(field, f"{field} has a stop string of {len(longest)} characters; "
+                                  f"at most {MAX_STOP_STRING_LEN} are allowed")
 
 
 @dataclasses.dataclass
@@ -103,6 +120,7 @@ class SamplingParams:
                 bad(name, "a boolean")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             bad("stop", "a string or a list of strings")
+        check_stop_limits(self.stop, "sampling_params.stop")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) for t in self.stop_token_ids):
             bad("stop_token_ids", "a list of integers")
         if self.regex is not None and not isinstance(self.regex, str):
@@ -160,6 +178,13 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     bad("stop_token_ids", f"contains {t}, outside the vocabulary [0, {vocab_size})")
+
+    def stop_strings(self) -> StopStrings:
+        """The matcher of ``stop`` (validated), built once."""
+        cached = self.__dict__.get("_stop_strings")
+        if cached is None:
+            cached = self.__dict__["_stop_strings"] = StopStrings(self.stop)
+        return cached
 
     def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
         """(token ids i32[n], biases f32[n]) of ``logit_bias`` (validated), or None when it

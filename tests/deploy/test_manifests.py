@@ -132,3 +132,58 @@ def test_rayservice(path):
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         for m in container.get("volumeMounts", []):
             assert m["name"] in {v["name"] for v in pod["volumes"]}
+
+
+SECRET = "sglang-api-keys"
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.glob("rayservice-*.yaml")), ids=lambda p: p.name)
+def test_api_keys_come_from_a_secret_not_the_serve_config(path, monkeypatch):
+    """Every Ray container gets both keys from the Secret (the application may be built on any
+    node), under the names the builder reads; no key is written in the Serve config."""
+    from ray_app.config import KEY_ENV_VARS, parse_app_args
+
+    svc = yaml.safe_load(path.read_text())
+    for name, template in _pod_templates(svc):
+        for container in template["spec"]["containers"]:
+            env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+                   if "secretKeyRef" in e.get("valueFrom", {})}
+            assert set(env) == set(KEY_ENV_VARS.values()), (name, container["name"])
+            assert {r["name"] for r in env.values()} == {SECRET}
+            assert not any(r.get("optional") for r in env.values())  # no Secret: no pods
+            assert env["SGLANG_API_KEY"]["key"] != env["SGLANG_ADMIN_API_KEY"]["key"]
+    (app,) = _serve_config(SERVE_CONFIGS[path.name])["applications"]
+    assert not set(app["args"]) & set(KEY_ENV_VARS)
+    monkeypatch.setenv("SGLANG_API_KEY", "u")
+    monkeypatch.setenv("SGLANG_ADMIN_API_KEY", "a")
+    sa = parse_app_args(app["args"]).server_args
+    assert (sa.api_key, sa.admin_api_key) == ("u", "a")
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.glob("rayservice-*.yaml")), ids=lambda p: p.name)
+def test_ray_ports_are_cluster_internal(path):
+    """The dashboard (jobs API) and Ray's other ports: a ClusterIP head service, and the
+    NetworkPolicy selects every pod of the RayService and opens only Serve's port to clients."""
+    svc = yaml.safe_load(path.read_text())
+    cluster = svc["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"].get("serviceType") == "ClusterIP"
+    policy = yaml.safe_load((DEPLOY / "networkpolicy-ray.yaml").read_text())
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    for name, template in _pod_templates(svc):
+        assert selector.items() <= template["metadata"]["labels"].items(), name
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    port = _serve_config(SERVE_CONFIGS[path.name])["http_options"]["port"]
+    for rule in policy["spec"]["ingress"]:
+        if "from" not in rule:  # open to any client: Serve's port only
+            assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+            continue
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer
+            assert (peer["podSelector"]["matchLabels"] == selector
+                    or peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"})
+
+
+def test_networkpolicy_validates_against_kubernetes_schema():
+    kv = pytest.importorskip("kubernetes_validate")
+    kv.validate(yaml.safe_load((DEPLOY / "networkpolicy-ray.yaml").read_text()), KUBERNETES_VERSION,
+                strict=True)

@@ -251,6 +251,66 @@ def test_stop_strings_trim_and_hold_back():
     assert r.finish_reason == {"type": "stop", "matched": "o Wor"} and r.text == "Hell"
 
 
+def _reference_stop_text(pieces: list[str], stops: list[str]) -> list[tuple[str, str | None]]:
+    """(visible text, matched stop) after each piece, searching the whole text every time:
+    the earliest occurrence wins (then the smallest string); a tail that begins a stop string
+    is held back."""
+    out, text = [], ""
+    for piece in pieces:
+        text += piece
+        hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+        if hits:
+            i, s = min(hits)
+            out.append((text[:i], s))
+            return out
+        k = next((k for k in range(min(len(text), max(map(len, stops)) - 1), 0, -1)
+                  if any(s.startswith(text[-k:]) for s in stops)), 0)
+        out.append((text[:len(text) - k], None))
+    return out
+
+
+def _run_stop_req(pieces: list[str], stops: list[str]) -> list[tuple[str, str | None]]:
+    vocab = dict(enumerate(pieces, start=100))
+    decode = lambda ids: "".join(vocab[i] for i in ids)  # noqa: E731
+    r = Req("s", [1], SamplingParams.from_dict({"stop": stops}), max_new_tokens=10**6, seed=0, decode=decode)
+    out = []
+    for t in vocab:
+        r.output_ids.append(t)
+        r.update_text()
+        out.append((r.text, r.finish_reason["matched"] if r.finished else None))
+        if r.finished:
+            break
+    return out
+
+
+def test_stop_string_spanning_several_tokens():
+    pieces = ["The", " end", " is", " n", "e", "ar", " here", "!"]
+    got = _run_stop_req(pieces, ["is near", "end is nigh"])
+    assert got == _reference_stop_text(pieces, ["is near", "end is nigh"])
+    # "e", "end", ..., "end is n" may begin "end is nigh": held back until "e" rules that out;
+    # then "is ne" may begin "is near", which the next token completes over four tokens
+    assert got == [("Th", None), ("The ", None), ("The ", None), ("The ", None), ("The end ", None),
+                   ("The end ", "is near")]
+
+
+def test_many_stop_strings_match_like_a_full_search():
+    """The tail-only search (held-back tail + new text) finds what a search of the whole text
+    finds, over random texts and the maximum number of overlapping stop strings."""
+    from sglang_tpu_backend.sampling.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+
+    rng = random.Random(0)
+    for trial in range(200):
+        alphabet = "ab" if trial % 2 else "abc "
+        stops = list({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 9)))
+                      for _ in range(MAX_STOP_STRINGS)})
+        if trial % 50 == 0:
+            stops[0] = "a" * (MAX_STOP_STRING_LEN - 1) + "b"  # long prefix held back, then matched
+        pieces = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(80)]
+        if trial % 50 == 0:
+            pieces = ["a" * 7] * 40 + ["b"] + pieces
+        assert _run_stop_req(pieces, stops) == _reference_stop_text(pieces, stops), (stops, pieces)
+
+
 def test_incremental_detokenizer_matches_full_decode_and_holds_partial_utf8():
     pieces = {1: b"a", 2: b"\xe2\x82", 3: b"\xac", 4: b" b"}
     decode = lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")  # noqa: E731

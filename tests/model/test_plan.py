@@ -7,6 +7,7 @@ E 512 experts of width 1024, shared expert 1024), not from the planner's helpers
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.plan import DEFAULT_CONFIG, main, plan
 
 CFG = model_config_from_dict(json.loads(DEFAULT_CONFIG.read_text()))
-COMMON = dict(context_len=9216, page_size=256, expert_dtype="fp8", kv_dtype="bf16",
+COMMON = dict(context_length=9216, page_size=256, expert_dtype="fp8", kv_dtype="bf16",
               state_dtype="bf16")
 
 # Weights, bytes (bf16 = 2 B/element, FP8 = 1 B + f32 scales per 128x128 block).
@@ -111,6 +112,20 @@ def test_cli_table_and_json(capsys):
     got = json.loads(capsys.readouterr().out)
     assert got["tp"] == 8 and got["headroom"] < 0 and got["max_running_requests"] < 512
     assert got["kv_pages"] == 512 * 36 * 15 * (2 * 1 * 256 * 256 * 2)
+
+
+def test_cli_context_length_is_the_servers_flag(capsys):
+    """One spelling with the server (SGLang's --context-length); the old --context-len too."""
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(["--context-length", "4096"]).context_length == 4096
+    plans = []
+    for flag in ("--context-length", "--context-len"):
+        assert main(["--dp", "8", "--ep", "8", flag, "4096", "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0] == plans[1] and plans[0]["context_length"] == 4096
 
 
 @pytest.mark.parametrize("kwargs, flag", [

@@ -78,3 +78,30 @@ def test_invalid_request_error_survives_pickling():
 
     e = pickle.loads(pickle.dumps(InvalidRequestError("input_ids", "token 5 is bad")))
     assert (e.field, e.message) == ("input_ids", "input_ids: token 5 is bad")
+
+
+@pytest.mark.parametrize("key", ["host", "port"])
+def test_proxy_address_is_not_an_app_argument(key):
+    """host / port would be accepted and ignored (the Serve proxy binds http_options'): refused."""
+    with pytest.raises(ValueError, match=f"{key}: the Serve proxy's address is the Serve config's "
+                                         f"http_options.{key}"):
+        parse_app_args({key: "8001" if key == "port" else "0.0.0.0"})
+
+
+def test_keys_come_from_arguments_or_the_environment(monkeypatch, caplog):
+    monkeypatch.delenv("SGLANG_API_KEY", raising=False)
+    monkeypatch.delenv("SGLANG_ADMIN_API_KEY", raising=False)
+    with caplog.at_level("WARNING", logger="ray_app.config"):
+        sa = parse_app_args({}).server_args
+    assert sa.api_key is None and sa.admin_api_key is None
+    assert any("SECURITY WARNING" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("SGLANG_API_KEY", "user-env")
+    monkeypatch.setenv("SGLANG_ADMIN_API_KEY", "admin-env")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ray_app.config"):
+        sa = parse_app_args({}).server_args
+    assert (sa.api_key, sa.admin_api_key) == ("user-env", "admin-env")
+    assert not any("SECURITY WARNING" in r.getMessage() for r in caplog.records)
+    sa = parse_app_args({"api_key": "user-arg"}).server_args  # an argument wins
+    assert (sa.api_key, sa.admin_api_key) == ("user-arg", "admin-env")
+    assert sa.to_dict()["admin_api_key"] == "***"

@@ -1,9 +1,10 @@
-"""TEST DOUBLE: an object with the Engine API (see ``sglang_tpu_backend.engine.Engine``) and no model.
+"""TEST DOUBLE: an ``EngineAPI`` (``entrypoints/engine_protocol.py``) with no model.
 
 Used only by route-level unit tests (tests/server/test_routes_fake.py). It tokenizes with
 the embedded tiny tokenizer, validates through the real ``SamplingParams``, "generates"
 seeded pseudo-random token ids one per ``step_delay`` seconds, and books pages/slots so
 abort-on-disconnect can be checked. Constrained decoding (regex / json_schema) is ignored.
+Profiling, weight updates and health are recorded (``calls``) instead of done.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ class FakeEngine:
         self.held: dict[str, int] = {}  # rid -> pages held
         self.aborted: set[str] = set()
         self.requests_seen: list[GenerateReqInput] = []
+        self.calls: list[tuple] = []  # (method, args) of the admin calls, in order
+        self.health_delay = 0.0  # seconds health_generate takes
+        self.health_running = self.health_max_running = 0  # concurrent health_generate calls
 
     # Validation ---------------------------------------------------------------------------
     def _prompt_ids(self, req: GenerateReqInput) -> list[int]:
@@ -122,7 +126,8 @@ class FakeEngine:
         return False
 
     def flush_cache(self) -> bool:
-        return not self.held
+        self.calls.append(("flush_cache",))
+        return True
 
     def get_model_info(self) -> dict:
         return {"model_path": str(TOKENIZER_DIR), "tokenizer_path": str(TOKENIZER_DIR), "is_generation": True}
@@ -131,7 +136,36 @@ class FakeEngine:
         return {**self.args.to_dict(), "version": "fake"}
 
     async def health_generate(self) -> bool:
+        self.health_running += 1
+        self.health_max_running = max(self.health_max_running, self.health_running)
+        try:
+            await asyncio.sleep(self.health_delay)
+        finally:
+            self.health_running -= 1
+        self.calls.append(("health_generate",))
         return True
+
+    def health_error(self) -> str | None:
+        return None
+
+    def get_load(self) -> list[dict]:
+        return [{"dp_rank": 0, "num_reqs": len(self.held), "num_waiting_reqs": 0,
+                 "num_tokens": sum(self.held.values()) * self.args.page_size}]
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        self.calls.append(("start_profile", output_dir, num_steps))
+        return output_dir or ""
+
+    def stop_profile(self) -> str:
+        self.calls.append(("stop_profile",))
+        return ""
+
+    def update_weights_from_disk(self, model_path: str, **kwargs) -> dict:
+        self.calls.append(("update_weights_from_disk", model_path))
+        return {"success": True, "message": "updated (fake)", "num_paused_requests": 0}
+
+    def metrics_text(self) -> bytes:
+        return b"# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 0\n"
 
     def pool_stats(self) -> dict:
         used = sum(self.held.values())

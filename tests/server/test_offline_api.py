@@ -147,3 +147,22 @@ def test_profile_num_steps_stops_by_itself(live_server, tmp_path):
         time.sleep(0.1)
     assert glob.glob(f"{out}/plugins/profile/*/*.xplane.pb")
     assert _post(live_server, "/stop_profile").status_code == 400  # already stopped
+
+
+def test_profile_without_num_steps_stops_after_max_seconds(tmp_path):
+    """A trace nobody stops ends by itself after ``max_seconds`` (--profile-max-seconds) and is
+    written; a stop afterwards is a 400."""
+    from sglang_tpu_backend.managers.io_struct import InvalidRequestError
+    from sglang_tpu_backend.profiler import StepProfiler
+
+    prof = StepProfiler(max_seconds=0.3)
+    out = str(tmp_path / "timed")
+    prof.start(out, None, current_step=0)
+    assert prof.running
+    deadline = time.monotonic() + 30
+    while not glob.glob(f"{out}/plugins/profile/*/*.xplane.pb") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert glob.glob(f"{out}/plugins/profile/*/*.xplane.pb")  # written by the timer's stop
+    with pytest.raises(InvalidRequestError, match="not in progress"):
+        prof.stop()
+    assert not prof.running

@@ -319,6 +319,43 @@ def test_limit_flags_are_validated(kwargs, flag):
         ServerArgs(**kwargs)
 
 
+def _cli_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def test_flags_without_effect_are_gone_and_help_is_true():
+    parser = _cli_parser()
+    with pytest.raises(SystemExit):  # no reader: /metrics is always served (SGLang gates it)
+        parser.parse_args(["--enable-metrics"])
+    helps = {a.dest: a.help or "" for a in parser._actions}
+    assert "not supported" not in helps["tp_size"] and "tensor-parallel" in helps["tp_size"]
+    eng = FakeEngine(ServerArgs(context_length=256))
+    assert run(_call_all(eng, [("GET", "/metrics", None)], None))[0].status_code == 200
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(tp_size=4, ep_size=1), "--ep-size 1 with --tp-size 4"),  # was silently made 4
+    (dict(tp_size=4, ep_size=2), "--ep-size 2 with --tp-size 4"),
+    (dict(dp_size=2, ep_size=1), "--ep-size 1 with --dp-size 2"),
+])
+def test_explicit_ep_size_conflict_is_an_error(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        ServerArgs(**kwargs)
+
+
+def test_ep_size_and_queue_defaults():
+    from sglang_tpu_backend.server_args import DEFAULT_MAX_QUEUED_REQUESTS
+
+    assert ServerArgs(tp_size=4).ep_size == 4 and ServerArgs(dp_size=2).ep_size == 2
+    assert ServerArgs().ep_size == 1
+    assert _cli_parser().parse_args([]).max_queued_requests == DEFAULT_MAX_QUEUED_REQUESTS
+    assert ServerArgs().max_queued_requests == DEFAULT_MAX_QUEUED_REQUESTS > 0  # finite
+
+
 def test_unhealthy_engine_health_is_503_json():
     class Dead(FakeEngine):
         def health_error(self):
@@ -334,3 +371,138 @@ def test_unhealthy_engine_health_is_503_json():
         assert r.status_code == 503
         err = r.json()["error"]
         assert err["type"] == "service_unavailable" and "scheduler loop died" in err["message"]
+
+
+# Access: --api-key / --admin-api-key (SGLang's semantics, entrypoints/auth.py) -------------
+ADMIN_CALLS = [("POST", "/flush_cache", None), ("POST", "/start_profile", {}), ("POST", "/stop_profile", None),
+               ("POST", "/update_weights_from_disk", {"model_path": "/anywhere"}),
+               ("POST", "/abort_request", {"abort_all": True})]
+
+
+async def _call_all(eng, calls, key):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with _client(eng) as c:
+        return [await c.request(m, p, json=b, headers=headers) for m, p, b in calls]
+
+
+@pytest.mark.parametrize("api_key,admin_key,unlocks,refused", [
+    ("user", "admin", ["admin"], [None, "user", "wrong"]),  # only the admin key, not the plain one
+    (None, "admin", ["admin"], [None, "user"]),
+    ("user", None, ["user"], [None, "admin"]),  # no admin key: the plain key guards them
+    (None, None, [None], []),  # neither: open (the start-up warning says so)
+])
+def test_admin_routes_take_the_admin_key(api_key, admin_key, unlocks, refused):
+    eng = FakeEngine(ServerArgs(context_length=256, api_key=api_key, admin_api_key=admin_key))
+    for key in refused:
+        for r in run(_call_all(eng, ADMIN_CALLS, key)):
+            _error(r, 401, "authorization")
+    assert eng.calls == []  # nothing reached the engine
+    for key in unlocks:
+        assert [r.status_code for r in run(_call_all(eng, ADMIN_CALLS, key))] == [200] * len(ADMIN_CALLS)
+    assert [c[0] for c in eng.calls] == ["flush_cache", "start_profile", "stop_profile",
+                                         "update_weights_from_disk"] * len(unlocks)
+
+
+def test_serving_routes_take_the_plain_key_and_probes_stay_open():
+    eng = FakeEngine(ServerArgs(context_length=256, api_key="user", admin_api_key="admin"))
+    gen = [("POST", "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}}),
+           ("GET", "/get_model_info", None), ("POST", "/abort_request", {"rid": "nope"})]
+    assert [r.status_code for r in run(_call_all(eng, gen, "user"))] == [200, 200, 200]
+    for r in run(_call_all(eng, gen, "admin")):  # as in SGLang: the admin key is not a user key
+        _error(r, 401, "authorization")
+    probes = [("GET", "/health", None), ("GET", "/health_generate", None), ("GET", "/metrics", None)]
+    assert [r.status_code for r in run(_call_all(eng, probes, None))] == [200, 200, 200]
+    info = run(_call_all(eng, [("GET", "/get_server_info", None)], "user"))[0].json()
+    assert info["api_key"] == info["admin_api_key"] == "***"
+
+
+def test_profile_output_dir_is_confined_to_the_root(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    (root / "link").symlink_to(outside)
+    eng = FakeEngine(ServerArgs(context_length=256, profile_dir_root=str(root)))
+    for bad in ["../outside", str(outside), "link/trace", str(root / "link"), "/etc"]:
+        r = run(_post(eng, "/start_profile", {"output_dir": bad}))
+        err = _error(r, 400, "output_dir")
+        assert "outside the profile root" in err["message"], err
+    assert eng.calls == []
+    for good, want in [("sub/trace", root / "sub" / "trace"), (str(root / "abs"), root / "abs"), (None, root)]:
+        assert run(_post(eng, "/start_profile", {"output_dir": good})).status_code == 200
+        assert eng.calls[-1] == ("start_profile", str(want.resolve()), None)
+
+
+def test_health_generate_runs_one_probe_at_a_time():
+    eng = FakeEngine(ServerArgs(context_length=256))
+    eng.health_delay = 0.2
+
+    async def go():
+        async with _client(eng) as c:
+            return await asyncio.gather(*(c.get("/health_generate") for _ in range(6)))
+
+    assert [r.status_code for r in run(go())] == [200] * 6
+    assert eng.health_max_running == 1
+    assert eng.calls.count(("health_generate",)) == 1  # the callers shared one probe
+
+
+def test_an_engine_without_the_engine_api_is_refused():
+    from sglang_tpu_backend.entrypoints.engine_protocol import EngineAPI, missing_members
+
+    class NoHealthError:  # the fake engine without health_error
+        def __init__(self):
+            self._engine = FakeEngine()
+
+        def __getattr__(self, name):
+            if name == "health_error":
+                raise AttributeError(name)
+            return getattr(self._engine, name)
+
+    with pytest.raises(TypeError, match="missing health_error"):
+        create_app(NoHealthError())
+    assert missing_members(FakeEngine()) == [] and isinstance(FakeEngine(), EngineAPI)
+
+
+@pytest.mark.parametrize("host,keys,warned", [
+    ("0.0.0.0", {}, True), ("10.1.2.3", {}, True), ("::", {}, True),
+    ("0.0.0.0", {"api_key": "k"}, False), ("0.0.0.0", {"admin_api_key": "k"}, False),
+    ("127.0.0.1", {}, False), ("localhost", {}, False), ("::1", {}, False),
+])
+def test_startup_warns_when_exposed_without_a_key(monkeypatch, caplog, host, keys, warned):
+    from sglang_tpu_backend import launch_server
+
+    monkeypatch.setattr(launch_server._Server, "run", lambda self: None)  # no socket
+    args = ServerArgs(context_length=256, host=host, **keys)
+    with caplog.at_level("WARNING", logger="sglang_tpu_backend.launch_server"):
+        launch_server.serve(args, engine=FakeEngine(args))
+    hits = [r for r in caplog.records if "SECURITY WARNING" in r.getMessage()]
+    assert bool(hits) == warned
+    if warned:
+        assert "/update_weights_from_disk" in hits[0].getMessage() and host in hits[0].getMessage()
+
+
+# Stop strings: capped in count and length (sampling_params.MAX_STOP_STRINGS / _LEN) ---------
+def test_stop_string_caps_answer_400_naming_the_field(engine):
+    from sglang_tpu_backend.sampling.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+
+    too_many = [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]
+    too_long = ["x" * (MAX_STOP_STRING_LEN + 1)]
+    ok = [f"s{i}" for i in range(MAX_STOP_STRINGS - 1)] + ["x" * MAX_STOP_STRING_LEN]
+    for stop, what in [(too_many, "stop strings"), (too_long, "characters")]:
+        err = _error(run(_post(engine, "/generate", {"text": "a", "sampling_params": {"stop": stop}})),
+                     400, "sampling_params.stop")
+        assert what in err["message"]
+        for path, body in [("/v1/completions", {"model": "m", "prompt": "a", "stop": stop}),
+                           ("/v1/chat/completions", {"model": "m", "stop": stop,
+                                                     "messages": [{"role": "user", "content": "a"}]})]:
+            assert _error(run(_post(engine, path, body)), 400, "stop")["param"] == "stop"
+    body = {"text": "a", "sampling_params": {"stop": ok, "max_new_tokens": 2}}
+    assert run(_post(engine, "/generate", body)).status_code == 200
+
+
+def test_flush_cache_succeeds_while_requests_run_and_reports_a_partial_flush():
+    eng = FakeEngine(ServerArgs(context_length=256))
+    eng.held["running"] = 1  # a running request does not stop a flush (Engine.flush_cache)
+    r = run(_post(eng, "/flush_cache"))
+    assert r.status_code == 200 and r.json() == {"success": True, "message": "Cache flushed."}
+    eng.flush_cache = lambda: False  # a remote engine with a replica that did not flush
+    r = run(_post(eng, "/flush_cache"))
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"

@@ -107,7 +107,7 @@ def relaid_out_weights(hlo: str, cfg) -> list[str]:
 def test_full_397b_dp_ep_step_fits_with_one_routing_all_gather_per_layer(
         record, topology, D, mode, T):
     cfg = config_397b()
-    p = plan(cfg, topology, dp=D, ep=D, tp=1, running_requests=512, context_len=9216,
+    p = plan(cfg, topology, dp=D, ep=D, tp=1, running_requests=512, context_length=9216,
              page_size=256, expert_dtype="fp8", dtype="bf16", kv_dtype="bf16",
              state_dtype="bf16", max_num_batched_tokens=1024)
     r = p.requests_per_device

@@ -31,7 +31,7 @@ TOPOLOGY = "tpu7x:2x2x1"
 
 def tp_plan(cfg, running_requests: int):
     return plan(cfg, TOPOLOGY, dp=1, ep=8, tp=8, running_requests=running_requests,
-                context_len=9216, page_size=256, expert_dtype="fp8", dtype="bf16",
+                context_length=9216, page_size=256, expert_dtype="fp8", dtype="bf16",
                 kv_dtype="bf16", state_dtype="bf16", max_num_batched_tokens=1024)
 
 
