@@ -191,8 +191,7 @@ class ModelRunner:
             lambda *xs: np.concatenate(xs, axis=0), *inps)
         want_lp = any(c.req.return_logprob for c in batch.chunks)
         return StepInputs(
-            fbs=fbs, from_slot=from_slots[0] if len(fbs) == 1 else _none_in_flight(from_slots),
-            inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
+            fbs=fbs, from_slot=_in_flight_rows(from_slots), inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
             sample_idx=[k * R + j for k, j in where],
             K=self.max_top_logprobs_num if want_lp else 0)
 
@@ -304,7 +303,10 @@ def _num_rows(chunks: list[ScheduledChunk]) -> int:
     return sum({"all": c.num_tokens, "last": 1, "none": 0}[c.logits] for c in chunks)
 
 
-def _none_in_flight(from_slots: list[np.ndarray | None]) -> None:
+def _in_flight_rows(from_slots: list[np.ndarray | None]) -> np.ndarray | None:
+    """The step's ``from_slot`` from each rank's: in-flight inputs exist on one rank only."""
+    if len(from_slots) == 1:
+        return from_slots[0]
     if any(f is not None for f in from_slots):
         raise ValueError("in-flight decode inputs need one device (no DP / TP)")
     return None
