@@ -117,6 +117,8 @@ class ModelRunner:
         # Shape / dtype of each param as loaded (before placement): what a weight update's
         # checkpoint must match (``weight_update.load_host_params``).
         self.param_spec = param_spec(params)
+        # The cache before the params: a multi-host leader's start-up collectives (sizes, then
+        # the param check) come in the order its followers make them (``run_follower``).
         self.cache = self.backend.init_cache(
             num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
             kv_dtype=kv_dtype, state_dtype=state_dtype)
