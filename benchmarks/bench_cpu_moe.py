@@ -109,12 +109,12 @@ def bench_decode_step(num_requests: int, reps: int, dtype: str) -> None:
         batch = eng.step()
         if batch.kind == ForwardMode.DECODE and len(batch.chunks) == n:
             break
-    fb, _, _, _ = eng.runner.prepare(eng.scheduler.schedule())
+    fbs = eng.runner.prepare(eng.scheduler.schedule()).fbs
     rounds = {"reference": [], "auto": []}
     for _ in range(3):  # alternate, so load changes on a shared machine hit both alike
         for impl in rounds:
-            eng.runner.impl = impl  # static under jit: a separate compilation per impl
-            rounds[impl].append(median_seconds(lambda: eng.runner.forward(fb), reps))
+            eng.runner.backend.impl = impl  # static under jit: a separate compilation per impl
+            rounds[impl].append(median_seconds(lambda: eng.runner.forward(fbs), reps))
     times = {impl: statistics.median(ts) for impl, ts in rounds.items()}
     print(f"== tiny model decode step (ModelRunner.forward), {n} requests, {dtype}")
     print(f"  reference {times['reference'] * 1e3:9.2f} ms | auto {times['auto'] * 1e3:8.2f} ms "

@@ -22,12 +22,13 @@ import numpy as np
 from kernels import gdn
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
+from sglang_tpu_backend.model_executor.warmup import dummy_batch
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.server_args import ServerArgs
 
 
 def mixed_batch(runner, prompts: int = 4, length: int = 64, T: int = 256, R: int = 32):
-    fb = runner.dummy_batch(ForwardMode.MIXED, T, R, R)
+    fb = dummy_batch(ForwardMode.MIXED, T, R, R, runner.pages_per_seq)
     fb.num_seqs[:] = prompts
     fb.kv_lens[:prompts] = length
     fb.cu_q_lens[: prompts + 1] = np.arange(prompts + 1) * length

@@ -45,9 +45,25 @@ def run_peers(script: Path, runs: dict, log_dir: Path, deadline_s: float) -> Non
     ``log_dir/<key>.log``. Stops early when one exits non-zero (a dead peer would leave the
     others blocked in a collective); kills what is left by pid; fails the test, with each
     log's tail, unless all exited 0 within ``deadline_s``."""
-    import time
-
     import pytest
+
+    codes = run_peers_for_codes(script, runs, log_dir, deadline_s)
+    if codes != {k: 0 for k in runs}:
+        pytest.fail(f"subprocesses failed or timed out after {deadline_s}s: {codes}\n"
+                    f"{log_tails(runs, log_dir, codes)}")
+
+
+def log_tails(runs: dict, log_dir: Path, codes: dict) -> str:
+    """The last lines of every run's log, headed by its key and exit code."""
+    return "\n".join(f"--- {k} (exit {codes[k]}):\n" + (log_dir / f"{k}.log").read_text()[-3000:]
+                     for k in runs)
+
+
+def run_peers_for_codes(script: Path, runs: dict, log_dir: Path, deadline_s: float,
+                        stop_on_failure: bool = True) -> dict:
+    """Run the peers as ``run_peers`` does; return each one's exit code, None for one still
+    running at the deadline (or, with ``stop_on_failure``, when another failed): killed."""
+    import time
 
     procs, logs = {}, {}
     try:
@@ -58,7 +74,8 @@ def run_peers(script: Path, runs: dict, log_dir: Path, deadline_s: float) -> Non
                                           stderr=subprocess.STDOUT)
         deadline = time.monotonic() + deadline_s
         while any(p.poll() is None for p in procs.values()):
-            if any(p.poll() not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
+            failed = any(p.poll() not in (None, 0) for p in procs.values())
+            if (stop_on_failure and failed) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         codes = {k: p.poll() for k, p in procs.items()}
@@ -69,7 +86,4 @@ def run_peers(script: Path, runs: dict, log_dir: Path, deadline_s: float) -> Non
                 p.wait(timeout=30)
         for f in logs.values():
             f.close()
-    if codes != {k: 0 for k in procs}:
-        tails = "\n".join(f"--- {k} (exit {codes[k]}):\n" + (log_dir / f"{k}.log").read_text()[-3000:]
-                          for k in procs)
-        pytest.fail(f"subprocesses failed or timed out after {deadline_s}s: {codes}\n{tails}")
+    return codes

@@ -239,12 +239,18 @@ def broadcast_ints(values: Sequence[int] | None, n: int) -> list[int]:
 # Engine processes ---------------------------------------------------------------------------
 def join(args) -> None:
     """Join the engine's process group from ``ServerArgs`` (``nnodes`` > 1): before anything
-    touches a JAX device. CPU processes (``JAX_PLATFORMS=cpu``, the tests) use gloo."""
+    touches a JAX device. CPU processes (``JAX_PLATFORMS=cpu``, the tests) use gloo. Then
+    every node checks that all were started with the same model and step-shaping arguments
+    (``agreement.py``): on a mismatch every node leaves the group and raises
+    ``agreement.MismatchError`` naming the first argument that differs."""
     import os
+
+    from sglang_tpu_backend.parallel import agreement
 
     platforms = (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").split(",")
     initialize(args.dist_init_addr, args.nnodes, args.node_rank,
                cpu_collectives=platforms[0] == "cpu")
+    agreement.require_agreement("server arguments", agreement.server_arg_items(args))
 
 
 def run_follower(args) -> int:
@@ -252,11 +258,14 @@ def run_follower(args) -> int:
     the same DP x EP step and caches as the leader's ``ModelRunner`` (whose cache sizes and
     stats flag it receives), run the leader's steps until it stops; returns the steps run.
 
-    The leader (``Engine`` in node 0) makes the matching calls in the same order: the sizes
-    broadcast, ``init_cache``, then every step (warm-up included) and the final stop.
+    The leader (``Engine`` in node 0, its ``backends.MultiHostDPBackend``) makes the matching
+    collectives in the same order: the argument check at join, the sizes broadcast,
+    ``init_cache``, the parameter check (``agreement.py``), then every step (warm-up
+    included) and the final stop.
     """
     from sglang_tpu_backend.config import DTYPES, cache_storage_dtype, load_model_config, resolve_dtype
     from sglang_tpu_backend.loader import load_params
+    from sglang_tpu_backend.parallel import agreement
     from sglang_tpu_backend.parallel.mesh import make_mesh
 
     if args.nnodes < 2 or args.node_rank < 1:
@@ -274,10 +283,11 @@ def run_follower(args) -> int:
     dp = DPForward(cfg, make_mesh(args.dp_size), impl=args.kernel_impl,
                    with_stats=bool(with_stats),
                    batch_invariant=args.enable_deterministic_inference)
-    params = dp.shard_params(params)
     cache = dp.init_cache(num_pages=num_pages, page_size=args.page_size,
                           num_state_slots=num_slots,
                           kv_dtype=cache_storage_dtype(DTYPES[args.dtype], jax.default_backend()))
+    agreement.require_agreement("parameters", agreement.param_items(params))
+    params = dp.shard_params(params)
     logger.info("node %d follows: %d pages + %d state slots per rank", args.node_rank,
                 num_pages, num_slots)
     _, steps = follower_loop(dp, params, cache)

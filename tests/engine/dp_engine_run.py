@@ -82,15 +82,15 @@ def main(out_path: str) -> None:
     other = write_random_model(Path(tempfile.mkdtemp()) / "seed1", seed=1)
     dp = Engine(ServerArgs(dp_size=8, ep_size=8, **ARGS))  # warms up the DP step shapes
     seen = []
-    real_forward_dp = dp.runner.forward_dp
+    real_forward = dp.runner.forward
 
-    def recording_forward_dp(fbs):
+    def recording_forward(fbs, from_slot=None):
         fb = fbs[0]
         seen.append((fb.mode.name, fb.input_ids.shape[0], fb.kv_lens.shape[0],
                      fb.logits_indices.shape[0]))
-        return real_forward_dp(fbs)
+        return real_forward(fbs, from_slot)
 
-    dp.runner.forward_dp = recording_forward_dp
+    dp.runner.forward = recording_forward
     t0 = time.perf_counter()
     result["dp_outputs"] = serve(dp)
     result["dp_serve_seconds"] = time.perf_counter() - t0

@@ -1,14 +1,16 @@
 """An engine over 2 processes x 4 CPU devices vs one process with 8 (run as a script).
 
     multihost_engine_run.py --single OUT.json              # one process, 8 devices
-    multihost_engine_run.py COORDINATOR NNODES RANK OUT.json  # node RANK of an --nnodes engine
+    multihost_engine_run.py COORDINATOR NNODES RANK OUT.json [PAGE_SIZE]  # node RANK of an
+                                                                          # --nnodes engine
 
 Started by tests/engine/test_multihost_engine.py. Both engines are ``--dp-size 8 --ep-size 8``
 with the same flags; node 0 (and the single process) serves the same greedy requests
 (different lengths, one longer than a prefill chunk, one with penalties) and writes their
 outputs as JSON; node 0 also tries a weight update (refused with --nnodes > 1) and then shuts
 down, which stops the follower. A follower (rank > 0) runs ``multihost.run_follower`` and
-writes the number of steps it ran.
+writes the number of steps it ran. ``PAGE_SIZE`` overrides that flag on this node (the
+mismatch test: every node must then refuse to start).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def main(argv: list[str]) -> None:
         args, out_path = ServerArgs(**ARGS), argv[1]
     else:
         coord, nnodes, rank, out_path = argv[0], int(argv[1]), int(argv[2]), argv[3]
-        args = ServerArgs(**ARGS, nnodes=nnodes, node_rank=rank, dist_init_addr=coord)
+        flags = dict(ARGS, page_size=int(argv[4])) if len(argv) > 4 else ARGS
+        args = ServerArgs(**flags, nnodes=nnodes, node_rank=rank, dist_init_addr=coord)
     if args.node_rank > 0:
         from sglang_tpu_backend.parallel.multihost import run_follower
 

@@ -85,10 +85,11 @@ def test_48_concurrent_requests_equal_their_runs_alone(det_engine):
     runner, seen_shapes = det_engine.runner, set()
     real_forward = runner.forward
 
-    def recording_forward(fb, from_slot=None):
+    def recording_forward(fbs, from_slot=None):
+        fb, = fbs
         seen_shapes.add((fb.mode, fb.input_ids.shape[0], fb.kv_lens.shape[0],
                          fb.logits_indices.shape[0]))
-        return real_forward(fb, from_slot)
+        return real_forward(fbs, from_slot)
 
     runner.forward = recording_forward
     try:
@@ -221,7 +222,7 @@ def test_aligned_chunks_and_no_mixed_steps():
 def test_deterministic_shapes_and_flag_validation():
     from kernels import gdn
     from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
-    from sglang_tpu_backend.model_executor.model_runner import deterministic_shapes
+    from sglang_tpu_backend.model_executor.step_buckets import deterministic_shapes
     from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
 
     # chunk ends on the 64 grid are on every GDN path's chunk grid (Pallas 64, XLA 32)

@@ -78,7 +78,7 @@ def model_logprobs(eng, ids):
     cache = init_cache(cfg, num_pages=n_pages, page_size=ps, num_state_slots=1,
                        kv_dtype=jnp.float32, state_dtype=jnp.float32)
     fb, _ = build_forward_batch([SeqChunk(ids, 0, list(range(n_pages)), 0, "all")], page_size=ps)
-    logits, _ = forward_jit(eng.runner.params, cache, fb, cfg=cfg, impl=eng.runner.impl)
+    logits, _ = forward_jit(eng.runner.params, cache, fb, cfg=cfg, impl=eng.runner.backend.impl)
     return np.asarray(jax.nn.log_softmax(logits, axis=-1))
 
 

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 
 from sglang_tpu_backend.server_args import ServerArgs
-from tests.cpu_devices import free_port, run_peers
+from tests.cpu_devices import free_port, log_tails, run_peers, run_peers_for_codes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from multihost_engine_run import PROMPT_LENS  # noqa: E402
 
 DEADLINE_S = 300
+MISMATCH_DEADLINE_S = 150  # both nodes stop at join: no params loaded, nothing compiled
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,25 @@ def test_follower_ran_every_step_and_stopped(results):
 def test_weight_update_refused_across_processes(results):
     res = results[0]["weight_update"]
     assert res["success"] is False and "--nnodes" in res["message"], res
+
+
+def test_nodes_started_with_different_arguments_both_refuse_to_start(tmp_path):
+    # Node 1 gets another --page-size: at join both nodes compare their arguments, name the
+    # one that differs with both values, leave the group and exit non-zero before the deadline
+    # (None would mean still running: a node left waiting in a collective).
+    coord = f"127.0.0.1:{free_port()}"
+    runs = {0: ([coord, "2", "0", tmp_path / "0.json"], 4),
+            1: ([coord, "2", "1", tmp_path / "1.json", "32"], 4)}
+    codes = run_peers_for_codes(HERE / "multihost_engine_run.py", runs, tmp_path,
+                                MISMATCH_DEADLINE_S, stop_on_failure=False)
+    tails = log_tails(runs, tmp_path, codes)
+    assert codes[0] not in (None, 0) and codes[1] not in (None, 0), tails
+    for k in runs:
+        log = (tmp_path / f"{k}.log").read_text()
+        assert "MismatchError" in log, tails
+        assert (f"node {k}: the nodes' server arguments differ at --page-size "
+                f"(node 0: 16, node 1: 32)") in log, tails
+    assert not (tmp_path / "0.json").exists() and not (tmp_path / "1.json").exists()
 
 
 @pytest.mark.parametrize("kw, match", [

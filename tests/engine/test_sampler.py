@@ -178,7 +178,7 @@ def mixed_inputs(kinds, V, rng, L=8):
 
 
 def needs_of(kinds) -> sampler.SamplerVariant:
-    """The stages rows of these kinds need (what ModelRunner.sampler_variant reports)."""
+    """The stages rows of these kinds need (what sampler_state.sampler_variant reports)."""
     return sampler.SamplerVariant(
         draw=any(ROW_KINDS[k]["temperature"] > 0 for k in kinds),
         filter=any(k in ("top_k", "top_p", "min_p") for k in kinds),

@@ -11,7 +11,7 @@ import random
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
-from sglang_tpu_backend.model_executor.model_runner import bucket_ladder, pick_bucket, step_shapes
+from sglang_tpu_backend.model_executor.step_buckets import bucket_ladder, pick_bucket, step_shapes
 
 
 def test_bucket_ladder_and_pick():
@@ -45,10 +45,11 @@ def test_no_compilation_after_warmup(clean_engine):
     sampled: list[tuple] = []
     real_forward, real_sample = runner.forward, runner.sample
 
-    def recording_forward(fb, from_slot=None):
+    def recording_forward(fbs, from_slot=None):
+        fb, = fbs
         seen.append((fb.mode, fb.input_ids.shape[0], fb.kv_lens.shape[0],
                      fb.logits_indices.shape[0], fb.page_table.shape[1]))
-        return real_forward(fb, from_slot)
+        return real_forward(fbs, from_slot)
 
     def recording_sample(logits, inp, K, variant):
         sampled.append((K, variant, inp.bitmask is None))

@@ -10,6 +10,7 @@ by pid in a ``finally`` and the whole run has a deadline.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +115,49 @@ def test_broadcast_step_rejects_mixed_buckets():
 def test_initialize_rejects_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):
         mh.initialize(*args, cpu_collectives=True)
+
+
+def test_agreement_items_name_what_differs():
+    from sglang_tpu_backend.parallel import agreement
+    from sglang_tpu_backend.server_args import ServerArgs
+    from sglang_tpu_backend.tiny_model import default_model_path
+
+    base = dict(model_path=str(default_model_path()), nnodes=2, dist_init_addr="h:1",
+                dp_size=8, ep_size=8, disable_radix_cache=True)
+    a = agreement.server_arg_items(ServerArgs(**base))
+    assert "model.hidden_size" in a and "--page-size" in a and "--kernel-impl" in a
+    assert agreement.describe_mismatch("server arguments", [a, dict(a)]) is None
+    # "auto" resolves to the checkpoint's dtype: the same served dtype agrees
+    resolved = agreement.server_arg_items(ServerArgs(**base, dtype="auto"))["--dtype"]
+    explicit = agreement.server_arg_items(ServerArgs(**base, dtype=json.loads(resolved)))
+    assert explicit["--dtype"] == resolved
+    b = agreement.server_arg_items(ServerArgs(**base, page_size=32, max_running_requests=32))
+    msg = agreement.describe_mismatch("server arguments", [a, b])
+    assert "differ at --max-running-requests (node 0: 64, node 1: 32)" in msg  # first in order
+    experts = a["model.num_experts"]
+    c = dict(a, **{"model.num_experts": str(2 * int(experts))})
+    assert (f"at model.num_experts (node 0: {experts}, node 1: {experts}, "
+            f"node 2: {2 * int(experts)})") in agreement.describe_mismatch("x", [a, a, c])
+
+
+def test_param_agreement_names_the_first_differing_param():
+    import jax.numpy as jnp
+
+    from sglang_tpu_backend.parallel import agreement
+
+    params = {"embed": np.zeros((8, 4), np.float32), "layers": [{"w": jnp.zeros((4, 4), jnp.bfloat16)}]}
+    a = agreement.param_items(params)
+    assert a == {"['embed']": "[8, 4] float32", "['layers'][0]['w']": "[4, 4] bfloat16"}
+    b = agreement.param_items({**params, "layers": [{"w": np.zeros((4, 4), np.float32)}]})
+    assert agreement.describe_mismatch("parameters", [a, b]) == (
+        "the nodes' parameters differ at ['layers'][0]['w'] (node 0: [4, 4] bfloat16, "
+        "node 1: [4, 4] float32); start every node with the same model and the same arguments")
+    c = {k: v for k, v in a.items() if k != "['embed']"}
+    assert "['embed'] (node 0: [8, 4] float32, node 1: <missing>)" in \
+        agreement.describe_mismatch("parameters", [a, c])
+
+
+def test_agreement_of_one_process_passes():
+    from sglang_tpu_backend.parallel import agreement
+
+    agreement.require_agreement("parameters", {"w": "[2] float32"})  # one process: no peers

@@ -19,7 +19,7 @@ from sglang_tpu_backend.config import ModelConfig, load_model_config, model_conf
 from sglang_tpu_backend.engine import CPU_CONTEXT_CAP
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
-from sglang_tpu_backend.model_executor.model_runner import step_shapes
+from sglang_tpu_backend.model_executor.step_buckets import step_shapes
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_step
 from sglang_tpu_backend.server_args import ServerArgs
 from sglang_tpu_backend.tiny_model import ASSET_DIR

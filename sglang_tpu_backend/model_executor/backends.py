@@ -1,0 +1,249 @@
+"""Where and how a step runs: one device, data-parallel ranks, tensor-parallel heads, or DP
+ranks over several processes. ``ModelRunner`` picks one backend (``make_backend``) and talks
+to it through ``StepBackend`` alone.
+
+Every backend steps on ``num_ranks`` rank-local ForwardBatches of one bucket (one batch
+unless DP) and returns (logits, cache, router stats):
+  SingleDeviceBackend  everything on the first device; logits f32[L, V]. The only one that
+                       reads in-flight decode inputs on the device (overlap scheduling).
+  TPBackend            ``parallel.TPForward``: one pool and one batch, every device runs every
+                       request on its share of the heads and experts; logits f32[L, V]
+                       replicated, the sampler state replicated beside them.
+  DPBackend            ``parallel.DPForward``: one rank per device, each with its own pages
+                       and slots (``num_pages`` / ``num_state_slots`` per rank); logits
+                       f32[D*L, V], rank r's rows at r*L .. r*L+L-1; the sampler state split
+                       by global slot ``rank * num_state_slots + slot`` like the caches.
+  MultiHostDPBackend   DPBackend over the devices of several processes (this one the leader,
+                       ``jax.process_index() == 0``): every step program over the mesh is one
+                       all processes enter in the same order, so a step first broadcasts the
+                       rank batches to the followers (``parallel/multihost.py``), and logits
+                       and router stats are gathered to the host; the sampler and its state
+                       live on the leader's first device. Weight updates and state transfer
+                       are refused; ``close`` stops the followers.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
+from sglang_tpu_backend.models import qwen3_5_moe
+
+StepOutput = tuple[jax.Array, qwen3_5_moe.ModelCache, Any]  # logits, cache, stats or None
+
+
+class StepBackend(abc.ABC):
+    """Places params, caches and sampler state, and runs the model step, for one layout."""
+
+    num_ranks: int = 1  # DP ranks: rank-local batches per step, logits row blocks
+    in_flight_inputs: bool = False  # ``forward`` reads decode inputs from ``last_tokens``
+    state_transfer: bool = False  # request state export / install (handover)
+    weight_updates: bool = True  # ``place_params`` after start-up
+    dp = None  # the DPForward whose rank layout the caches follow (None: one pool)
+
+    def __init__(self, cfg: ModelConfig, *, impl: str, with_stats: bool, batch_invariant: bool):
+        """``with_stats``: steps also return the routers' health (``metrics/router_stats.py``).
+        ``batch_invariant``: see ``qwen3_5_moe.forward``."""
+        self.cfg, self.impl = cfg, impl
+        self.with_stats, self.batch_invariant = with_stats, batch_invariant
+
+    @abc.abstractmethod
+    def place_params(self, params: Any) -> Any:
+        """Loaded host params placed for the step (shardings, TPU weight layouts)."""
+
+    @abc.abstractmethod
+    def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int, kv_dtype: Any,
+                   state_dtype: Any) -> qwen3_5_moe.ModelCache:
+        """Zeroed KV pages and GDN state slots (sizes per rank)."""
+
+    @abc.abstractmethod
+    def place_sampler_state(self, counts: jax.Array, prompt_mask: jax.Array,
+                            last_tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The sampler state (``sampler_state.SamplerState``) placed beside the logits."""
+
+    @abc.abstractmethod
+    def forward(self, params: Any, cache: qwen3_5_moe.ModelCache, batches: Sequence[ForwardBatch],
+                from_slot: np.ndarray | None = None, last_tokens: jax.Array | None = None
+                ) -> StepOutput:
+        """One step on ``num_ranks`` numpy batches of one bucket (cache donated): (logits
+        f32[num_ranks*L, V], new cache, router stats f32[num_ranks*layers, 3] or None).
+        ``from_slot`` i32[T] / ``last_tokens`` i32[S]: see ``in_flight_inputs``."""
+
+    def close(self) -> None:
+        """Release what the backend holds beyond arrays (multi-host: the followers)."""
+
+    def _split(self, out: tuple) -> StepOutput:
+        return out[0], out[1], (out[2] if self.with_stats else None)
+
+    @staticmethod
+    def _no_in_flight(from_slot: np.ndarray | None) -> None:
+        if from_slot is not None:
+            raise ValueError("in-flight decode inputs need one device (no DP / TP)")
+
+
+class SingleDeviceBackend(StepBackend):
+    """Everything committed to the first device, as step outputs are: a jit's cache key
+    includes whether an argument is committed, so warm-up (fresh arrays) and serving (step
+    outputs) must agree or the first real steps compile again."""
+
+    in_flight_inputs = True
+    state_transfer = True
+
+    def __init__(self, cfg: ModelConfig, **kw):
+        super().__init__(cfg, **kw)
+        self.device = jax.devices()[0]
+        # One module-level jit (static cfg/impl, cache donated): runners of equal shapes share
+        # compilations. Benchmarks swap in variants of it.
+        self.forward_fn = qwen3_5_moe.forward_jit
+
+    def place_params(self, params):
+        from jax.sharding import SingleDeviceSharding
+
+        from sglang_tpu_backend.model_executor.weight_layout import place_weights
+
+        where = SingleDeviceSharding(self.device)
+        return place_weights(params, jax.tree.map(lambda _: where, params))
+
+    def init_cache(self, **sizes):
+        return jax.device_put(qwen3_5_moe.init_cache(self.cfg, **sizes), self.device)
+
+    def place_sampler_state(self, counts, prompt_mask, last_tokens):
+        return jax.device_put((counts, prompt_mask, last_tokens), self.device)
+
+    def forward(self, params, cache, batches, from_slot=None, last_tokens=None):
+        from sglang_tpu_backend.model_executor.sampler_state import resolve_input_ids
+
+        (fb,) = batches
+        fb = resolve_input_ids(fb, from_slot, last_tokens)
+        return self._split(self.forward_fn(params, cache, fb, cfg=self.cfg, impl=self.impl,
+                                           with_stats=self.with_stats,
+                                           batch_invariant=self.batch_invariant))
+
+
+class TPBackend(StepBackend):
+    """``parallel.TPForward`` over the first ``tp_size`` devices."""
+
+    def __init__(self, cfg: ModelConfig, tp_size: int, **kw):
+        from sglang_tpu_backend.parallel.mesh import make_mesh
+        from sglang_tpu_backend.parallel.tp_forward import TPForward
+
+        super().__init__(cfg, **kw)
+        self.tp = TPForward(cfg, make_mesh(tp_size), impl=self.impl, with_stats=self.with_stats,
+                            batch_invariant=self.batch_invariant)
+
+    def place_params(self, params):
+        return self.tp.shard_params(params)
+
+    def init_cache(self, **sizes):
+        return self.tp.init_cache(**sizes)
+
+    def place_sampler_state(self, counts, prompt_mask, last_tokens):
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        everywhere = NamedSharding(self.tp.mesh, PartitionSpec())
+        return jax.device_put(counts, everywhere), jax.device_put(prompt_mask, everywhere), last_tokens
+
+    def forward(self, params, cache, batches, from_slot=None, last_tokens=None):
+        self._no_in_flight(from_slot)
+        (fb,) = batches
+        return self._split(self.tp(params, cache, self.tp.put_batch(fb)))
+
+
+class DPBackend(StepBackend):
+    """``parallel.DPForward`` over the first ``dp_size`` devices (of every process)."""
+
+    def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
+        from sglang_tpu_backend.parallel.dp_forward import DPForward
+        from sglang_tpu_backend.parallel.mesh import make_mesh
+
+        super().__init__(cfg, **kw)
+        self.dp = DPForward(cfg, make_mesh(dp_size), impl=self.impl, with_stats=self.with_stats,
+                            batch_invariant=self.batch_invariant)
+        self.num_ranks = self.dp.dp_size
+
+    def place_params(self, params):
+        return self.dp.shard_params(params)
+
+    def init_cache(self, **sizes):
+        return self.dp.init_cache(**sizes)
+
+    def place_sampler_state(self, counts, prompt_mask, last_tokens):
+        from jax.sharding import NamedSharding
+
+        from sglang_tpu_backend.parallel.mesh import rank_spec
+
+        by_slot = NamedSharding(self.dp.mesh, rank_spec(self.dp.ep, 0))
+        return jax.device_put(counts, by_slot), jax.device_put(prompt_mask, by_slot), last_tokens
+
+    def forward(self, params, cache, batches, from_slot=None, last_tokens=None):
+        self._no_in_flight(from_slot)
+        return self._split(self.dp(params, cache, self.dp.put_batch(batches)))
+
+
+class MultiHostDPBackend(DPBackend):
+    """DPBackend of the leader (process 0) of several processes; the followers run
+    ``multihost.run_follower``, which makes the matching collectives in the same order:
+    ``init_cache`` (its sizes broadcast first), ``place_params`` (the param specs checked
+    for agreement first), every step, and ``close``."""
+
+    weight_updates = False
+
+    def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
+        super().__init__(cfg, dp_size, **kw)
+        self.local_device = jax.local_devices()[0]  # where the sampler runs
+        self.closed = False
+
+    def init_cache(self, *, num_pages: int, num_state_slots: int, **rest):
+        from sglang_tpu_backend.parallel import multihost
+
+        multihost.broadcast_ints([num_pages, num_state_slots, int(self.with_stats)], 3)
+        return super().init_cache(num_pages=num_pages, num_state_slots=num_state_slots, **rest)
+
+    def place_params(self, params):
+        from sglang_tpu_backend.parallel import agreement
+
+        agreement.require_agreement("parameters", agreement.param_items(params))
+        return super().place_params(params)
+
+    def place_sampler_state(self, counts, prompt_mask, last_tokens):
+        return jax.device_put((counts, prompt_mask, last_tokens), self.local_device)
+
+    def forward(self, params, cache, batches, from_slot=None, last_tokens=None):
+        from sglang_tpu_backend.parallel import multihost
+
+        self._no_in_flight(from_slot)
+        if self.closed:
+            raise RuntimeError("the multi-host backend is closed: the followers have stopped")
+        batches = multihost.broadcast_step(batches, self.num_ranks)
+        logits, cache, stats = multihost.step(self.dp, params, cache, batches)
+        return jax.device_put(logits, self.local_device), cache, stats
+
+    def close(self) -> None:
+        """Tell the followers to stop and leave the process group (once; the caller makes
+        sure no step runs any more)."""
+        from sglang_tpu_backend.parallel import multihost
+
+        if self.closed:
+            return
+        self.closed = True
+        multihost.broadcast_step(None, self.num_ranks)
+        multihost.shutdown()
+
+
+def make_backend(cfg: ModelConfig, *, dp_size: int = 1, tp_size: int = 1, impl: str = "auto",
+                 with_stats: bool = True, batch_invariant: bool = False) -> StepBackend:
+    """The backend of a runner: TP when ``tp_size`` > 1, one device when ``dp_size`` == 1,
+    else DP (over several processes when this one is part of a multi-process group)."""
+    kw = dict(impl=impl, with_stats=with_stats, batch_invariant=batch_invariant)
+    if tp_size > 1:
+        return TPBackend(cfg, tp_size, **kw)
+    if dp_size == 1:
+        return SingleDeviceBackend(cfg, **kw)
+    if jax.process_count() > 1:
+        return MultiHostDPBackend(cfg, dp_size, **kw)
+    return DPBackend(cfg, dp_size, **kw)

@@ -1,0 +1,74 @@
+"""Warm-up: compile every program a runner can serve with before the first request.
+
+Every step bucket (``step_buckets``) of the forward, each with every sampler variant
+(``sampling.sampler.VARIANTS``) and top-logprob count (0, max_top_logprobs_num), the penalty
+row program and the GDN snapshot copies. Same jitted functions, same argument shapes and
+placements as serving, so serving reuses every program compiled here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_backend.model_executor.sampler_state import dummy_sampling_inputs
+
+if TYPE_CHECKING:
+    from sglang_tpu_backend.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def dummy_batch(kind: ForwardMode, T: int, R: int, L: int, pages_per_seq: int) -> ForwardBatch:
+    """An all-padding batch (num_seqs = 0) of bucket (T, R, L): writes nothing."""
+    return ForwardBatch(
+        input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+        cu_q_lens=np.zeros(R + 1, np.int32), kv_lens=np.zeros(R, np.int32),
+        page_table=np.zeros((R, pages_per_seq), np.int32), state_slots=np.zeros(R, np.int32),
+        num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(L, np.int32), mode=kind,
+    )
+
+
+def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
+    """Compile every forward and sampler program of ``runner``; returns seconds taken.
+
+    The forward programs compile one after another on this thread (each runs on the real
+    cache, which it donates); each bucket's sampler programs then compile on a second thread,
+    against scratch copies of the penalty counts and last tokens, while the next forward
+    compiles. The bucket count, not this overlap, is what sets start-up time.
+    """
+    from tqdm import tqdm
+
+    shapes = runner.all_shapes()
+    t0 = time.perf_counter()
+    D, state = runner.dp_size, runner.sampler
+    scratch = [jnp.copy(state.counts), jnp.copy(state.last_tokens)]
+
+    def warm_sampler(logits, R: int, L: int) -> None:
+        for variant in runner.sampler_variants():
+            inp = dummy_sampling_inputs(D * R, D * L, runner.vocab_size, variant)
+            for K in (0, runner.max_top_logprobs_num):
+                _, scratch[0], scratch[1] = state.sample_with(logits, *scratch, inp, K, variant)
+        jax.block_until_ready(scratch)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="warmup-sampler") as pool:
+        pending = []
+        for kind, T, R, L in tqdm(shapes, desc="warmup (compile)", disable=not progress):
+            logits = runner.forward([dummy_batch(kind, T, R, L, runner.pages_per_seq)] * D)
+            pending.append(pool.submit(warm_sampler, logits, R, L))
+        for f in pending:
+            f.result()  # re-raises a failed sampler compile here
+    state.clear_row(0)  # slot 0 is free at warm-up
+    if runner.snapshots is not None:
+        runner.cache = runner.snapshots.warmup(runner.cache)
+    jax.block_until_ready(runner.cache)
+    dt = time.perf_counter() - t0
+    logger.info("warmup compiled %d step shapes in %.1f s", len(shapes), dt)
+    return dt
