@@ -46,8 +46,9 @@ from sglang_tpu_backend.managers.engine_status import EngineStatus
 from sglang_tpu_backend.managers.weight_updater import WeightUpdater
 from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.mem_budget import size_serving_args
-from sglang_tpu_backend.model_executor.model_runner import (
-    ModelRunner, deterministic_prefill_reqs, deterministic_prefill_rows)
+from sglang_tpu_backend.model_executor.model_runner import ModelRunner
+from sglang_tpu_backend.model_executor.step_buckets import (
+    deterministic_prefill_reqs, deterministic_prefill_rows)
 from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
 from sglang_tpu_backend.tiny_model import with_default_model
 
@@ -135,7 +136,7 @@ class Engine:
                                      num_moe_layers=cfg.num_hidden_layers)
         self.outputs = OutputBuilder(self.requests.decode_token)
         # Overlap scheduling needs decode inputs read on the device (one device, no DP / TP).
-        overlap = not args.disable_overlap_schedule and dp == 1 and args.tp_size == 1
+        overlap = not args.disable_overlap_schedule and self.runner.backend.in_flight_inputs
         self.loop = SchedulerLoop(
             self.scheduler, self.runner, Delivery(self.outputs, self.metrics, args.stream_interval),
             self.metrics, overlap=overlap, watchdog_timeout=args.watchdog_timeout,

@@ -35,8 +35,7 @@ from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forw
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.sampler_state import (SamplerState, sampler_variant,
                                                              sampling_inputs, uses_penalties)
-from sglang_tpu_backend.model_executor.step_buckets import (  # noqa: F401  (engine imports these)
-    StepBuckets, deterministic_prefill_reqs, deterministic_prefill_rows)
+from sglang_tpu_backend.model_executor.step_buckets import StepBuckets
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.sampling import sampler
 

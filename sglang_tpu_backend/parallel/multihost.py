@@ -271,10 +271,9 @@ def run_follower(args) -> int:
     if args.nnodes < 2 or args.node_rank < 1:
         raise ValueError("run_follower is for --node-rank >= 1 of --nnodes >= 2")
     join(args)
-    if args.model_path is None:
-        from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.tiny_model import with_default_model
 
-        args = dataclasses.replace(args, model_path=str(default_model_path()))
+    args = with_default_model(args)
     cfg = load_model_config(args.model_path)
     args.check_devices(len(jax.devices()), cfg.num_experts)
     args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
