@@ -50,7 +50,7 @@ def assert_idle_then_flush(eng: Engine, timeout=30.0) -> None:
     assert eng.flush_cache() is True
     s = eng.pool_stats()
     assert (s["kv_pages_cached"], s["gdn_snapshots_used"]) == (0, 0), s
-    assert all(p.page_pool.num_used == 0 and p.state_pool.num_used == 0 for p in eng.pools)
+    assert all(p.page_pool.num_used == 0 and p.state_pool.num_used == 0 for p in eng.scheduler.pools)
 
 
 def serve(eng: Engine, waves: list[list[dict]]) -> list[dict]:
