@@ -68,6 +68,7 @@ def test_route_metadata_consistent_under_jit():
 # ----------------------------------------------------------------------------- kernels
 
 
+@pytest.mark.jax_versions
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gather_rows_kernel(dtype):
     rng = np.random.default_rng(1)
@@ -81,6 +82,7 @@ def test_gather_rows_kernel(dtype):
     np.testing.assert_array_equal(np.asarray(R.ref_gather_rows(x, jnp.asarray(idx)), np.float32), expected)
 
 
+@pytest.mark.jax_versions
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
 def test_gather_reduce_kernel(dtype, tol):
     rng = np.random.default_rng(2)
@@ -245,6 +247,7 @@ def test_composed_moe_all_local():
     _check(out, _dense_moe(x, wgu, wd, ids, w, range(8)), 1e-4)
 
 
+@pytest.mark.jax_versions  # gather_rows, gmm_swiglu, gmm, gather_reduce composed
 def test_composed_moe_partial_local_ranges():
     x, wgu, wd, ids, w = _moe_problem(seed=4)
     dense = _dense_moe(x, wgu, wd, ids, w, range(8))
