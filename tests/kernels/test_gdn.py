@@ -225,6 +225,7 @@ def test_chunked_equals_recurrent(chunk_size):
     assert float(jnp.max(jnp.abs(want[0]))) > 0.05  # the comparison is not vacuous
 
 
+@pytest.mark.jax_versions
 def test_xla_path_is_the_reference_with_its_own_chunk():
     """impl="xla" (auto off-TPU) runs the chunked reference with XLA_CHUNK_SIZE-token chunks:
     the same results as the recurrence, and exactly the reference at that chunk size."""

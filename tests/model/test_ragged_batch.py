@@ -18,8 +18,6 @@ from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 from sglang_tpu_backend.tiny_model import default_model_path
 
-pytestmark = pytest.mark.jax_versions  # the model forward on the XLA path, both jax legs
-
 PAGE = 8
 BUCKETS = dict(num_tokens=64, num_seqs=4, pages_per_seq=8, num_logits=4)
 ATOL = 1e-4
