@@ -34,13 +34,15 @@ fi
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 
-# The Python 3.12 / jax 0.12 leg runs only what can differ between jax versions: the tests
-# marked `jax_versions` in tests/kernels and tests/model (at least one Pallas-interpret test per
-# kernel, the multi-device collectives, the model forward on the kernels and on the XLA path,
-# see tests/conftest.py). The rest of those directories exercises code that does not
-# depend on the jax version beyond what the marked tests reach (more shapes of the same kernels,
-# checkpoint loading, configs); it runs on the main leg. No torch there: transformers-parity
-# skips itself. tests/parallel runs on the main leg only.
+# The Python 3.12 / jax 0.12 leg runs only what can differ between jax versions, the tests
+# marked `jax_versions` in tests/kernels and tests/model: for every Pallas kernel (attention and
+# its K/V write, GDN decode and chunked, grouped matmul plain / SwiGLU / FP8 / quantised lhs,
+# gather_rows, gather_reduce) at least one interpret-mode case and its XLA path, the
+# multi-device collectives worker, the whole model forward on the reference and Pallas paths
+# (test_model_on_kernels), and jax's layout API (test_weight_layout). The rest (the same kernels
+# at more shapes, dtypes and block sizes; checkpoint loading, configs, engine-level model tests)
+# repeats jax operations the marked tests already run on 0.12, so it runs on the main leg only,
+# as does tests/parallel. No torch on this leg (the transformers-parity tests would skip).
 LEG312=()
 if [ -x .venv312/bin/python ]; then
   LEG312=(312:tests/kernels 312:tests/model)
