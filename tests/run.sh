@@ -5,6 +5,15 @@
 # One process per directory: a single process accumulating every compiled program of the suite
 # crashed inside an XLA:CPU compile late in the run (see max_map_count below); separate
 # processes keep each one's state bounded.
+#
+# Two lanes of directories run side by side. Most of the suite's time is XLA compiles, and an
+# XLA compile (XLA:CPU's and libtpu's) runs on one thread, so one pytest process at a time
+# leaves the second core of a two-core CI machine mostly idle. Each lane runs its directories
+# one after another; the lanes are balanced by the directories' measured times (the slowest
+# first, so the tail is the small ones). Every directory's output goes to its own log, printed
+# whole at the end in lane order; a one-line status per directory is printed as it finishes.
+# Ray: tests/ray_serve and tests/monitoring each start a local Ray cluster (and Prometheus);
+# they share lane B so that two clusters never run at once. Everything else binds free ports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh --test
@@ -17,27 +26,68 @@ if [ -w /proc/sys/vm/max_map_count ] && [ "$(cat /proc/sys/vm/max_map_count)" -l
   echo 1048576 > /proc/sys/vm/max_map_count || true
 fi
 
-run_dirs() {  # python, then test directories: one pytest process each; fails if any fails
-  local py=$1 status=0
-  shift
-  for d in "$@"; do
-    compgen -G "$d/test_*.py" >/dev/null || continue  # e.g. __pycache__/
-    echo "== $d ($py)"
-    "$py" -m pytest -q -ra "$d" || status=1
-  done
-  return $status
-}
-
 if [ $# -gt 0 ]; then
   .venv/bin/python -m pytest -q -ra "$@"
   exit
 fi
-status=0
-run_dirs .venv/bin/python tests/*/ || status=1
-# The kernels and the model on jax 0.12 / Python 3.12 as well (no torch: the transformers-parity
-# tests skip themselves). tests/parallel runs on the main leg only (its jax 0.12 run cost
-# 1.8 minutes of a CI budget of 40 on 2 cores).
+
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+
+# The Python 3.12 / jax 0.12 leg runs only what can differ between jax versions, the tests
+# marked `jax_versions` in tests/kernels and tests/model: for every Pallas kernel (attention and
+# its K/V write, GDN decode and chunked, grouped matmul plain / SwiGLU / FP8 / quantised lhs,
+# gather_rows, gather_reduce) at least one interpret-mode case and its XLA path, the
+# multi-device collectives worker, the whole model forward on the reference and Pallas paths
+# (test_model_on_kernels), and jax's layout API (test_weight_layout). The rest (the same kernels
+# at more shapes, dtypes and block sizes; checkpoint loading, configs, engine-level model tests)
+# repeats jax operations the marked tests already run on 0.12, so it runs on the main leg only,
+# as does tests/parallel. No torch on this leg (the transformers-parity tests would skip).
+LEG312=()
 if [ -x .venv312/bin/python ]; then
-  run_dirs .venv312/bin/python tests/kernels tests/model || status=1
+  LEG312=(312:tests/kernels 312:tests/model)
 fi
+
+# Lane A: the TPU compile leg, the model, the jax 0.12 leg and tests/parallel; lane B: the
+# kernels, the engine, the server and the Ray-based directories. A directory neither lane names
+# (a new one) runs in lane B.
+LANE_A=(tests/tpu tests/model tests/metrics tests/mem_cache "${LEG312[@]}" tests/parallel)
+LANE_B=(tests/kernels tests/engine tests/server tests/ray_serve tests/monitoring)
+for d in tests/*/; do
+  d=${d%/}
+  [[ " ${LANE_A[*]} ${LANE_B[*]} " == *" $d "* ]] || LANE_B+=("$d")
+done
+
+run_dir() {  # [312:]directory: one pytest process; its output in $LOGS/<name>.log
+  local py=.venv/bin/python d=$1 flags=() name start rc=0
+  if [[ $d == 312:* ]]; then
+    py=.venv312/bin/python d=${d#312:} flags=(-m jax_versions)
+  fi
+  compgen -G "$d/test_*.py" >/dev/null || return 0  # e.g. __pycache__/
+  name=$(echo "$1" | tr ':/' '__')
+  start=$SECONDS
+  "$py" -m pytest -q -ra "${flags[@]}" "$d" >"$LOGS/$name.log" 2>&1 || rc=$?
+  echo "$(date -u +%T) $1 ($py): $([ $rc -eq 0 ] && echo passed || echo "FAILED ($rc)") in $((SECONDS - start)) s"
+  return $rc
+}
+
+run_lane() {  # directories, one after another; fails if any fails
+  local status=0
+  for d in "$@"; do
+    run_dir "$d" || status=1
+  done
+  return $status
+}
+
+status=0
+run_lane "${LANE_A[@]}" & lane_a=$!
+run_lane "${LANE_B[@]}" & lane_b=$!
+wait $lane_a || status=1
+wait $lane_b || status=1
+for d in "${LANE_A[@]}" "${LANE_B[@]}"; do
+  name=$(echo "$d" | tr ':/' '__')
+  [ -f "$LOGS/$name.log" ] || continue
+  echo "== $d"
+  cat "$LOGS/$name.log"
+done
 exit $status

@@ -25,6 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# Every test reads the one multi-device worker run: all of them on the jax 0.12 leg too.
+pytestmark = pytest.mark.jax_versions
+
 REPO = Path(__file__).resolve().parents[2]
 NUM_CHIPS, NUM_DIES = 4, 2
 NUM_DEVICES = NUM_CHIPS * NUM_DIES

@@ -142,6 +142,7 @@ def numpy_gdn(case, hk, layer=0):
     return o, cs_all, rs_all
 
 
+@pytest.mark.jax_versions
 def test_reference_matches_numpy_loop():
     # a fresh prompt, a continuing chunk, a continuing decode row, a 2-token fresh request,
     # and a padding request row; chunk 4 so the 9-token prompt spans 3 chunks.
@@ -153,6 +154,7 @@ def test_reference_matches_numpy_loop():
     assert np.all(np.asarray(run(ref_chunked, case, hk, chunk_size=4)[0])[14:] == 0)
 
 
+@pytest.mark.jax_versions
 def test_decode_reference_matches_numpy_loop():
     case, hk = make_case(1, [1, 1, 1], hk=1, hv=2, dk=4, dv=4, num_reqs=4, context=[5, 0, 2],
                          num_tokens=4, slots=[2, 5, 1])
@@ -223,6 +225,7 @@ def test_chunked_equals_recurrent(chunk_size):
     assert float(jnp.max(jnp.abs(want[0]))) > 0.05  # the comparison is not vacuous
 
 
+@pytest.mark.jax_versions
 def test_xla_path_is_the_reference_with_its_own_chunk():
     """impl="xla" (auto off-TPU) runs the chunked reference with XLA_CHUNK_SIZE-token chunks:
     the same results as the recurrence, and exactly the reference at that chunk size."""
@@ -354,7 +357,8 @@ def _assert_slots_untouched(got, case, slots, layer=0):
 @pytest.mark.parametrize("dtype,state_dtype,d,k_heads_per_block", [
     (jnp.float32, jnp.float32, 32, None),  # one head block (Dk < 128)
     (jnp.bfloat16, jnp.bfloat16, 32, None),
-    (jnp.float32, jnp.bfloat16, 128, 1),  # two lane-aligned head blocks
+    pytest.param(jnp.float32, jnp.bfloat16, 128, 1,  # two lane-aligned head blocks
+                 marks=pytest.mark.jax_versions),
 ])
 def test_pallas_decode_matches_reference(dtype, state_dtype, d, k_heads_per_block):
     # 4 real rows (fresh and continuing), 2 padding rows pointing at slot 0.
@@ -371,7 +375,7 @@ def test_pallas_decode_matches_reference(dtype, state_dtype, d, k_heads_per_bloc
 
 @pytest.mark.parametrize("dtype,state_dtype,d,k_heads_per_block", [
     (jnp.float32, jnp.float32, 32, None),  # one head block (Dk < 128)
-    (jnp.float32, jnp.bfloat16, 32, 2),
+    pytest.param(jnp.float32, jnp.bfloat16, 32, 2, marks=pytest.mark.jax_versions),
     (jnp.bfloat16, jnp.bfloat16, 32, None),
     (jnp.float32, jnp.float32, 128, 1),  # two lane-aligned head blocks
 ])
@@ -414,7 +418,8 @@ LAYER_CASES = {  # name: (make_case kwargs, run kwargs)
 
 @pytest.mark.parametrize("path,impl", [("chunked", "reference"), ("chunked", "recurrent"),
                                        ("chunked", "interpret"), ("decode", "reference"),
-                                       ("decode", "interpret")])
+                                       pytest.param("decode", "interpret",
+                                                    marks=pytest.mark.jax_versions)])
 def test_layer_index_updates_only_its_layer(path, impl):
     # Lyr=3, layer 1 passed as a traced scalar: the result equals the single-layer call and
     # layers 0 and 2 come back bit-identical.

@@ -11,6 +11,7 @@ import kernels
 from kernels import dispatch
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.jax_versions  # cheap: all of them on the jax 0.12 leg too
 
 
 def test_kernels_is_this_repository():

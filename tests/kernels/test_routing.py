@@ -68,6 +68,7 @@ def test_route_metadata_consistent_under_jit():
 # ----------------------------------------------------------------------------- kernels
 
 
+@pytest.mark.jax_versions
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gather_rows_kernel(dtype):
     rng = np.random.default_rng(1)
@@ -81,6 +82,7 @@ def test_gather_rows_kernel(dtype):
     np.testing.assert_array_equal(np.asarray(R.ref_gather_rows(x, jnp.asarray(idx)), np.float32), expected)
 
 
+@pytest.mark.jax_versions
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
 def test_gather_reduce_kernel(dtype, tol):
     rng = np.random.default_rng(2)

@@ -14,6 +14,8 @@ from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forw
 from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 from sglang_tpu_backend.tiny_model import default_model_path
 
+pytestmark = pytest.mark.jax_versions  # the model forward on the Pallas kernels, both jax legs
+
 PAGE = 16
 DECODE_STEPS = 8
 

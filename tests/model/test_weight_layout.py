@@ -8,6 +8,7 @@ behaviour (default layouts, values untouched).
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.experimental.layout import Format
 from jax.sharding import SingleDeviceSharding
 
@@ -22,6 +23,9 @@ from sglang_tpu_backend.model_executor.weight_layout import (
 from sglang_tpu_backend.models.param_shapes import param_shapes
 from sglang_tpu_backend.tiny_model import ASSET_DIR
 from sglang_tpu_backend import plan
+
+# jax's layout API (Format, Layout) moves between versions: both jax legs.
+pytestmark = pytest.mark.jax_versions
 
 
 def test_native_tiling_packs_narrow_dtypes_into_taller_tiles():
