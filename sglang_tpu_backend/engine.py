@@ -41,7 +41,7 @@ from sglang_tpu_backend.managers.output_builder import OutputBuilder, OutputSnap
 from sglang_tpu_backend.managers.request_builder import RequestBuilder
 from sglang_tpu_backend.managers.schedule_batch import Req
 from sglang_tpu_backend.managers.scheduler import Scheduler
-from sglang_tpu_backend.managers.scheduler_loop import PHASES, SchedulerLoop  # noqa: F401
+from sglang_tpu_backend.managers.scheduler_loop import BETWEEN_STEPS, PHASES, SchedulerLoop
 from sglang_tpu_backend.managers.engine_status import EngineStatus
 from sglang_tpu_backend.managers.weight_updater import WeightUpdater
 from sglang_tpu_backend.metrics import EngineMetrics
@@ -133,7 +133,8 @@ class Engine:
             grammar_backend=GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids)),
             random_seed=args.random_seed, per_rank=dp > 1)
         self.metrics = EngineMetrics(args.served_model_name, role=role, dp_size=dp,
-                                     num_moe_layers=cfg.num_hidden_layers)
+                                     num_moe_layers=cfg.num_hidden_layers,
+                                     step_phases=PHASES + BETWEEN_STEPS)
         self.outputs = OutputBuilder(self.requests.decode_token)
         # Overlap scheduling needs decode inputs read on the device (one device, no DP / TP).
         overlap = not args.disable_overlap_schedule and self.runner.backend.in_flight_inputs

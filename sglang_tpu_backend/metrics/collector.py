@@ -100,10 +100,12 @@ class EngineMetrics:
       role: ``colocated`` | ``prefill`` | ``decode`` (label ``role``).
       dp_size: data-parallel ranks (label values ``dp_rank`` = 0..dp_size-1).
       num_moe_layers: MoE layers whose router health is exported (label ``layer``).
+      step_phases: the scheduler loop's phases (label ``phase`` of the step-error counter,
+        exported at 0 from the start).
     """
 
     def __init__(self, model_name: str, *, role: str = "colocated", dp_size: int = 1,
-                 num_moe_layers: int = 0):
+                 num_moe_layers: int = 0, step_phases: tuple[str, ...] = ()):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.model_name, self.role, self.dp_size = model_name, role, dp_size
@@ -132,6 +134,8 @@ class EngineMetrics:
         self.step_errors = Counter("sglang:num_step_errors",
                                    "Engine phases that raised (each failed only the requests it "
                                    "involved), by phase", lab + ["phase"], registry=r)
+        for phase in step_phases:
+            self.step_errors.labels(*self._lv, phase)
         # Latencies (seconds).
         self.ttft = hist("sglang:time_to_first_token_seconds", "Time to first token (s)", TTFT_BUCKETS)
         self.itl = hist("sglang:inter_token_latency_seconds", "Time between output tokens (s)", ITL_BUCKETS)
