@@ -119,8 +119,10 @@ class SchedulerLoop:
                         self.last_step_end = time.monotonic()  # idle is progress
                     if self.stopping:
                         return
-                if launched is None and self.weights.has_pending:
-                    ok, swapped = self.guarded("swap", self.weights.swap_if_idle, self.weights.fail)
+                if self.weights.has_pending:  # (its deadline also runs with a step in flight)
+                    in_flight = launched is not None
+                    ok, swapped = self.guarded("swap", lambda: self.weights.swap_if_idle(in_flight),
+                                               self.weights.fail)
                     if swapped:
                         continue
                 nxt = self._launch()

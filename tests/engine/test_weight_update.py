@@ -302,7 +302,9 @@ def test_abort_all_requests(eng, ckpts, reference):
     assert _tokens_and_logprobs(_run_each(eng)) == reference["b"][0]
 
 
-def test_update_deadline_aborts_stragglers_and_held_requests_are_bounded(eng_sync, ckpts, reference):
+@pytest.mark.parametrize("engine_fixture", ["eng", "eng_sync"])
+def test_update_deadline_aborts_stragglers_and_held_requests_are_bounded(request, engine_fixture,
+                                                                          ckpts, reference):
     """Requests still running ``--weight-update-timeout`` s after the update was asked for
     are aborted with a message naming the flag, and the swap goes ahead; meanwhile at most
     ``--max-queued-requests`` new requests are held, more get ServiceUnavailableError."""
@@ -310,7 +312,7 @@ def test_update_deadline_aborts_stragglers_and_held_requests_are_bounded(eng_syn
 
     from sglang_tpu_backend.managers.io_struct import ServiceUnavailableError
 
-    eng = eng_sync
+    eng = request.getfixturevalue(engine_fixture)
     _use(eng, ckpts["a"])
     args = eng.weights.args
     eng.weights.args = dataclasses.replace(args, weight_update_timeout=0.3, max_queued_requests=1)

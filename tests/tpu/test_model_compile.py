@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from sglang_tpu_backend.config import ModelConfig, load_model_config, model_config_from_dict
-from sglang_tpu_backend.engine import CPU_CONTEXT_CAP
+from sglang_tpu_backend.mem_budget import CPU_CONTEXT_CAP
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_buckets import step_shapes
