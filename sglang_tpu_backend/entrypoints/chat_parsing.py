@@ -38,8 +38,6 @@ import json
 import re
 from typing import Any
 
-from sglang_tpu_backend.server_args import REASONING_PARSERS, TOOL_CALL_PARSERS  # noqa: F401
-
 THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.DOTALL)

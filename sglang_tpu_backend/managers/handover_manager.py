@@ -44,7 +44,6 @@ class HandoverManager:
     def has_pending(self) -> bool:
         return bool(self.pending)
 
-    has_pending_installs = has_pending
 
     # Decode side -----------------------------------------------------------------------------
     def queue_install(self, req: Req, h: RequestHandover) -> None:

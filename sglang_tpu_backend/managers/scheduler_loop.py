@@ -121,7 +121,7 @@ class SchedulerLoop:
                         return
                 if self.weights.has_pending:  # (its deadline also runs with a step in flight)
                     in_flight = launched is not None
-                    ok, swapped = self.guarded("swap", lambda: self.weights.swap_if_idle(in_flight),
+                    _, swapped = self.guarded("swap", lambda: self.weights.swap_if_idle(in_flight),
                                                self.weights.fail)
                     if swapped:
                         continue
@@ -154,7 +154,7 @@ class SchedulerLoop:
 
     def _launch(self):
         """Schedule a step and dispatch it to the device; None when nothing runs now."""
-        if self.handover.has_pending_installs:
+        if self.handover.has_pending:
             self.guarded("install", self.handover.install_pending, self.handover.fail_installs)
         with self.lock:
             ok, batch = self.guarded("schedule", self.scheduler.schedule, self._fail_scheduled)
