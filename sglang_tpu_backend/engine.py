@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import AsyncIterator, Awaitable, Callable
 
 import jax
@@ -148,9 +149,18 @@ class Engine:
         self.loop.weights = self.weights = WeightUpdater(self.loop, self.runner, cfg, args)
         self.status = EngineStatus(self)
         self._enable_compilation_cache(args)
-        self.warmup_seconds = 0.0 if args.skip_warmup else self.runner.warmup()
+        self.warmup_seconds = 0.0 if args.skip_warmup else self._warm_up(role)
         if start_loop:
             self.loop.start()
+
+    def _warm_up(self, role: str) -> float:
+        """Compile every step program, and a disaggregated role's handover programs (export on
+        a prefill engine, install on a decode engine); returns seconds taken."""
+        t0 = time.perf_counter()
+        self.runner.warmup()
+        if role in ("prefill", "decode") and self.runner.backend.state_transfer:
+            self.runner.warm_up_state_transfer(gather=role == "prefill", scatter=role == "decode")
+        return time.perf_counter() - t0
 
     @staticmethod
     def _enable_compilation_cache(args: ServerArgs) -> None:
@@ -258,6 +268,7 @@ class Engine:
             req = self.scheduler.abort(rid, ABORTED_BY_CLIENT)
             if req is not None:
                 self.loop.delivery.deliver([req])
+                self.loop.wake.notify()  # its pages may admit a waiting handover
             return req is not None
 
     def step(self):
@@ -267,8 +278,9 @@ class Engine:
 
     # Disaggregated prefill / decode ----------------------------------------------------------
     def _check_handover(self) -> None:
-        if self.args.dp_size != 1 or self.args.tp_size != 1:
-            raise NotImplementedError("prefill/decode handover needs --dp-size 1 --tp-size 1")
+        if not self.runner.backend.state_transfer:
+            raise NotImplementedError("prefill/decode handover needs one device or --dp-size "
+                                      "ranks of one process (not --tp-size > 1 or --nnodes > 1)")
 
     async def prefill_for_handover(self, obj: GenerateReqInput) -> tuple[dict, RequestHandover | None]:
         """Prefill ``obj`` and sample its first token. Returns the output so far and the
@@ -303,6 +315,7 @@ class Engine:
         with self.loop.lock:
             if self.scheduler.prefix is not None:
                 self.scheduler.prefix.flush()
+            self.loop.wake.notify()  # freed pages may admit a waiting handover
         return True
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,

@@ -1,8 +1,8 @@
 """What a prefill engine hands to a decode engine: one request after its first token.
 
 Plain numpy + metadata (picklable; no JAX): the request as it arrived, what the prefill
-produced (first token(s), logprobs, the resolved seed) and the cache state computed for the
-prompt (``model_executor/state_transfer.py`` layouts):
+produced (first token(s), logprobs, the resolved seed), the weight version it ran with, and
+the cache state computed for the prompt (``model_executor/state_transfer.py`` layouts):
   kv:   [La, n, 2*G, page_size, D]  KV pages of every attention layer, n = pages_for(P)
   conv: [Lg, rows, C]               conv state of every GDN layer after the P prompt tokens
   rec:  [Lg, Hv, Dk, Dv]            recurrent state of every GDN layer after them
@@ -29,6 +29,7 @@ class RequestHandover:
     kv: np.ndarray
     conv: np.ndarray
     rec: np.ndarray
+    weight_version: str  # the prefill engine's weights; the decode engine must serve the same
     input_logprobs: list[float] = dataclasses.field(default_factory=list)
     input_top_logprobs: list[Any] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)

@@ -5,9 +5,11 @@ right after that step the loop copies its KV pages and GDN states out
 (``ModelRunner.export_request_state``) into a ``RequestHandover``, frees its pages and slot
 (with a prefix cache, the prompt stays cached) and hands the handover to its consumer.
 
-Decode side: a ``RequestHandover`` waits in ``pending`` until the scheduler admits it (pages
-and a slot owned by the request alone, never shared with the prefix cache); the loop then
-scatters its arrays into them and the request decodes to the end. One that waits longer
+Decode side: a ``RequestHandover`` computed with the weights this engine serves (else it
+ends with an abort) waits in ``pending`` until the scheduler admits it on the least-loaded
+DP rank with room (pages and a slot owned by the request alone, never shared with the prefix
+cache); the loop then scatters its arrays into that rank's pools and the request decodes to
+the end. One that waits longer
 than ``--handover-wait-timeout`` ends with finish_reason abort (the prefill replica has
 already freed its copy).
 """
@@ -44,10 +46,24 @@ class HandoverManager:
     def has_pending(self) -> bool:
         return bool(self.pending)
 
+    @property
+    def next_deadline(self) -> float | None:
+        """``time.monotonic()`` at which the oldest waiting handover times out (None: none waits)."""
+        if not self.pending:
+            return None
+        return min(req.arrival_time for req, _ in self.pending) + self.wait_timeout
 
     # Decode side -----------------------------------------------------------------------------
     def queue_install(self, req: Req, h: RequestHandover) -> None:
-        """Any thread, lock held: ``req`` (built from ``h.request``) waits for room."""
+        """Any thread, lock held: ``req`` (built from ``h.request``) waits for room; or ends
+        with an abort when ``h`` was computed with other weights than this engine serves."""
+        version = self.loop.weights.version
+        if h.weight_version != version:
+            self.loop.metrics.observe_handover(0.0, 0, ok=False)
+            req.abort(f"the prefill replica ran weight_version {h.weight_version!r}, this decode "
+                      f"replica serves {version!r}: its KV cache cannot be continued here")
+            self.loop.delivery.deliver_final(req)
+            return
         self.pending.append((req, h))
 
     def install_pending(self) -> None:
@@ -68,7 +84,7 @@ class HandoverManager:
         for req, h in admitted:
             try:
                 self.runner.install_request_state(h.kv, h.conv, h.rec, req.pages,
-                                                  req.state_slot, req)
+                                                  req.state_slot, req, rank=req.dp_rank)
             except Exception as e:
                 logger.exception("handover install failed")
                 self._fail_one(req, f"handover install failed: {type(e).__name__}: {e}")
@@ -122,7 +138,8 @@ class HandoverManager:
         for req in reqs:
             t0 = time.time()
             try:
-                kv, conv, rec = self.runner.export_request_state(req.pages, req.state_slot)
+                kv, conv, rec = self.runner.export_request_state(req.pages, req.state_slot,
+                                                                 rank=req.dp_rank)
             except Exception as e:
                 logger.exception("handover export failed")
                 with loop.lock:
@@ -142,7 +159,8 @@ class HandoverManager:
         return RequestHandover(
             request=req.request, prompt_ids=list(req.prompt_ids), output_ids=list(req.output_ids),
             seed=req.seed, num_computed=req.num_computed, page_size=self.page_size,
-            kv=kv, conv=conv, rec=rec, input_logprobs=list(req.input_logprobs),
+            kv=kv, conv=conv, rec=rec, weight_version=self.loop.weights.version,
+            input_logprobs=list(req.input_logprobs),
             input_top_logprobs=list(req.input_top_logprobs),
             output_logprobs=list(req.output_logprobs),
             output_top_logprobs=list(req.output_top_logprobs), export_time=export_time)

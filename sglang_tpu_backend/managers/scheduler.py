@@ -462,22 +462,26 @@ class Scheduler:
 
     def admit_installed(self, req: Req) -> bool:
         """Admit a request whose first ``req.num_computed`` tokens were computed elsewhere
-        (decode side of a handover) on rank 0: a state slot and ``pages_for(num_computed)``
-        pages, or False (nothing taken) when they are not free now. The request owns all its
-        pages (the prefix cache never shares them); it is decode-ready on return."""
-        pools = self.pools[0]
-        if (self.num_running >= self.max_running_requests or not pools.state_pool.can_allocate()
-                or self._tokens_that_fit(req, 0, req.num_computed, start=0, num_pages=0)
-                < req.num_computed):
+        (decode side of a handover) on the least-loaded DP rank with room for it: a state slot
+        and ``pages_for(num_computed)`` pages, or False (nothing taken) when no rank has them
+        now. The request owns all its pages (the prefix cache never shares them); it is
+        decode-ready on return."""
+        cands = [k for k, p in enumerate(self.pools)
+                 if len(self.running_on(k)) < self.max_running_requests
+                 and p.state_pool.can_allocate()
+                 and self._tokens_that_fit(req, k, req.num_computed, start=0, num_pages=0)
+                 >= req.num_computed]
+        if not cands:
             return False
-        req.dp_rank = 0
+        k = pick_rank(cands, [rank_load(p, self.running_on(r)) for r, p in enumerate(self.pools)])
+        req.dp_rank = k
         if not self._ensure_pages(req, req.num_computed):
             req.dp_rank = None
             return False
-        req.state_slot = pools.state_pool.allocate()
+        req.state_slot = self.pools[k].state_pool.allocate()
         req.admit_time = req.admit_time or time.monotonic()
         self.running.append(req)
-        self.num_admitted_per_rank[0] += 1
+        self.num_admitted_per_rank[k] += 1
         return True
 
     def all_requests(self) -> Iterable[Req]:

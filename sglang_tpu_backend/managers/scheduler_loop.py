@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 PHASES = ("schedule", "model", "process_result", "deliver")  # a step's phases
 BETWEEN_STEPS = ("install", "export", "swap", "profiler")  # the loop's other guarded phases
 T = TypeVar("T")
+# Longest sleep of a loop with queued work that cannot run: the events that make room notify
+# ``wake``; this bound only caps the cost of a state change that notified no one.
+MAX_IDLE_WAIT_S = 1.0
 
 
 class FatalStepError(BaseException):
@@ -133,7 +136,7 @@ class SchedulerLoop:
                     self._complete(launched)
                     launched = None
                 if nxt is None and launched is None:
-                    time.sleep(0.001)  # nothing can run now (e.g. a handover waits for room)
+                    self._wait_for_room()
         except BaseException as e:  # the phases recover from Exceptions; anything else ends it
             self.loop_error = f"{type(e).__name__}: {e}"
             logger.critical("scheduler loop died", exc_info=True)
@@ -142,6 +145,18 @@ class SchedulerLoop:
                     self.abort_all(f"internal error: scheduler loop died: {self.loop_error}")
                 finally:
                     self.lock.release()
+
+    def _wait_for_room(self) -> None:
+        """Work is queued but nothing can run (e.g. a handover waits for pages while nothing
+        else runs): sleep until an arrival, abort, cache flush or update notifies ``wake``,
+        or until the next deadline of a waiting handover or weight update."""
+        with self.lock:
+            if self.stopping:
+                return
+            deadlines = [d for d in (self.handover.next_deadline, self.weights.deadline)
+                         if d is not None]
+            timeout = min([d - time.monotonic() for d in deadlines] + [MAX_IDLE_WAIT_S])
+            self.wake.wait(timeout=max(timeout, 0.0))
 
     # One step --------------------------------------------------------------------------------
     def step(self) -> ScheduledBatch | None:

@@ -144,6 +144,13 @@ class WeightUpdater:
         jax.block_until_ready(placed)
         return placed
 
+    @property
+    def deadline(self) -> float | None:
+        """``time.monotonic()`` after which a pending swap aborts what still runs (None: no swap)."""
+        if self.pending is None:
+            return None
+        return self.pending.queued_at + self.args.weight_update_timeout
+
     def swap_if_idle(self, step_in_flight: bool = False) -> bool:
         """Loop thread (or an update's caller without one): past ``--weight-update-timeout``
         abort the requests still on the old weights; swap in the pending weights once no

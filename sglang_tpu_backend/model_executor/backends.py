@@ -13,6 +13,7 @@ unless DP) and returns (logits, cache, router stats):
                        and slots (``num_pages`` / ``num_state_slots`` per rank); logits
                        f32[D*L, V], rank r's rows at r*L .. r*L+L-1; the sampler state split
                        by global slot ``rank * num_state_slots + slot`` like the caches.
+                       Handover state moves rank-locally.
   MultiHostDPBackend   DPBackend over the devices of several processes (this one the leader,
                        ``jax.process_index() == 0``): every step program over the mesh is one
                        all processes enter in the same order, so a step first broadcasts the
@@ -157,6 +158,8 @@ class TPBackend(StepBackend):
 class DPBackend(StepBackend):
     """``parallel.DPForward`` over the first ``dp_size`` devices (of every process)."""
 
+    state_transfer = True  # rank-local (``state_transfer.StateTransfer``)
+
     def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
         from sglang_tpu_backend.parallel.dp_forward import DPForward
         from sglang_tpu_backend.parallel.mesh import make_mesh
@@ -173,11 +176,9 @@ class DPBackend(StepBackend):
         return self.dp.init_cache(**sizes)
 
     def place_sampler_state(self, counts, prompt_mask, last_tokens):
-        from jax.sharding import NamedSharding
-
         from sglang_tpu_backend.parallel.mesh import rank_spec
 
-        by_slot = NamedSharding(self.dp.mesh, rank_spec(self.dp.ep, 0))
+        by_slot = self.dp.sharding(rank_spec(self.dp.ep, 0))
         return jax.device_put(counts, by_slot), jax.device_put(prompt_mask, by_slot), last_tokens
 
     def forward(self, params, cache, batches, from_slot=None, last_tokens=None):
@@ -192,6 +193,7 @@ class MultiHostDPBackend(DPBackend):
     for agreement first), every step, and ``close``."""
 
     weight_updates = False
+    state_transfer = False  # a follower's ranks are not addressable here
 
     def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
         super().__init__(cfg, dp_size, **kw)

@@ -124,6 +124,8 @@ class ModelRunner:
         self.params = self.backend.place_params(params)
         self.sampler = SamplerState(cfg.vocab_size, self.dp_size * num_state_slots,
                                     self.backend.place_sampler_state)
+        self.transfer = state_transfer.StateTransfer(num_pages, num_state_slots,
+                                                     self.backend.dp)
         self.snapshots = None
         if num_gdn_snapshots > 0:
             from sglang_tpu_backend.model_executor.state_snapshots import GDNSnapshots
@@ -281,22 +283,31 @@ class ModelRunner:
         """Penalty state of global slot ``slot`` := the counts of ``req``'s prompt and outputs."""
         self.sampler.reset_penalty_row(slot, req)
 
-    def export_request_state(self, pages: list[int], slot: int):
-        """Host copies (kv, conv, rec) of a request's pages and state slot (one device only)."""
-        self._check_state_transfer("export")
-        return state_transfer.gather_state(self.cache, pages, slot)
+    def export_request_state(self, pages: list[int], slot: int, rank: int = 0):
+        """Host copies (kv, conv, rec) of a request's pages and state slot on DP rank ``rank``
+        (``state_transfer`` layouts)."""
+        return self._transfer("export").gather(self.cache, pages, slot, rank)
 
-    def install_request_state(self, kv, conv, rec, pages: list[int], slot: int, req: Any) -> None:
-        """Write handed-over state into ``pages`` / ``slot`` and set the slot's penalty row."""
-        self._check_state_transfer("install")
-        self.cache = state_transfer.scatter_state(self.cache, kv, conv, rec, pages, slot)
+    def install_request_state(self, kv, conv, rec, pages: list[int], slot: int, req: Any,
+                              rank: int = 0) -> None:
+        """Write handed-over state into ``pages`` / ``slot`` of DP rank ``rank`` and set the
+        slot's penalty row."""
+        self.cache = self._transfer("install").scatter(self.cache, kv, conv, rec, pages, slot, rank)
         if uses_penalties(req.sampling):
-            self.reset_penalty_row(slot, req)
+            self.reset_penalty_row(rank * self.num_state_slots + slot, req)
         jax.block_until_ready(self.cache.rec_state)
 
-    def _check_state_transfer(self, what: str) -> None:
+    def warm_up_state_transfer(self, *, gather: bool, scatter: bool) -> None:
+        """Compile the handover's export (``gather``) and/or install (``scatter``) programs of
+        every page count a request can hold."""
+        self.cache = self._transfer("warm-up").warm_up(self.cache, self.pages_per_seq,
+                                                        gather=gather, scatter=scatter)
+
+    def _transfer(self, what: str) -> state_transfer.StateTransfer:
         if not self.backend.state_transfer:
-            raise NotImplementedError(f"state {what} for a handover needs dp_size == tp_size == 1")
+            raise NotImplementedError(f"handover state {what} is not supported with this "
+                                      f"layout ({type(self.backend).__name__})")
+        return self.transfer
 
 
 def _num_rows(chunks: list[ScheduledChunk]) -> int:

@@ -69,13 +69,11 @@ class GDNSnapshots:
                 cache.conv_state.sharding, cache.rec_state.sharding))()
             self._copy = jax.jit(copy_rows, donate_argnums=(0, 1))
             return
-        from jax.sharding import NamedSharding
-
         from sglang_tpu_backend.parallel.mesh import rank_spec
 
         state_spec, idx_spec = rank_spec(dp.ep, 1), rank_spec(dp.ep, 0)
-        shard = NamedSharding(dp.mesh, state_spec)
-        self._idx_sharding = NamedSharding(dp.mesh, idx_spec)
+        shard = dp.sharding(state_spec)
+        self._idx_sharding = dp.sharding(idx_spec)
         self.conv, self.rec = jax.jit(zeros, out_shardings=(shard, shard))()
         local = jax.shard_map(copy_rows, mesh=dp.mesh, in_specs=(state_spec,) * 4 + (idx_spec,) * 2,
                               out_specs=(state_spec, state_spec), check_vma=False)

@@ -1,19 +1,27 @@
 """Copy one request's cache state between the device cache and host numpy arrays.
 
-What a request owns in ``models/qwen3_5_moe.ModelCache`` (one device, no DP/TP split):
+What a request owns in ``models/qwen3_5_moe.ModelCache`` (in its rank's pool under DP):
   kv:   [La, n, 2*G, page, D]   its n KV pages of every attention layer (La layers)
   conv: [Lg, rows, C]           its state slot's conv state of every GDN layer (Lg layers)
   rec:  [Lg, Hv, Dk, Dv]        its state slot's recurrent state of every GDN layer
-``gather_state`` reads them out (prefill side of a handover), ``scatter_state`` writes them
+``StateTransfer.gather`` reads them out (prefill side of a handover), ``scatter`` writes them
 into other pages and another slot (decode side), the cache donated and updated in place.
-Both are jitted once per page-count bucket (powers of two): the page list is padded with
-index ``num_pages`` (out of range), which the gather clamps (rows sliced off after) and the
-scatter drops.
+
+One program per page-count bucket (powers of two): the page list is padded with index
+``num_pages`` (out of range), which the gather clamps (rows sliced off after) and the scatter
+drops; a slot index out of range is dropped too. ``warm_up`` compiles every bucket.
+
+With data-parallel ranks (``parallel.DPForward``: pages and slots split over the devices)
+the programs are ``shard_map``s in which every rank reads or writes its own shard: the
+request's rank gets its page list, the others only padding, so nothing crosses devices and
+no pool is gathered. The host then reads the request's rank's output shard alone; a scatter
+uploads the arrays to that rank's device (zeros elsewhere, which the padding drops).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,60 +29,163 @@ import numpy as np
 
 from sglang_tpu_backend.models.qwen3_5_moe import ModelCache
 
+State = tuple[np.ndarray, np.ndarray, np.ndarray]  # kv, conv, rec (layouts above)
+
 
 def page_bucket(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _pad_pages(pages: list[int], num_pages: int) -> np.ndarray:
-    out = np.full(page_bucket(len(pages)), num_pages, np.int32)  # i32[B], pad = out of range
-    out[: len(pages)] = pages
-    return out
+def page_buckets(max_pages: int) -> list[int]:
+    """Every page bucket a request of at most ``max_pages`` pages can use."""
+    return [1 << i for i in range(page_bucket(max_pages).bit_length())]
 
 
-@jax.jit
-def _gather(cache: ModelCache, pages, slot):
+def _gather_local(cache: ModelCache, pages, slot):
     """pages: i32[B]; slot: i32[] -> (kv [La, B, 2G, page, D], conv [Lg, rows, C], rec [Lg, Hv, Dk, Dv])."""
     kv = jnp.take(cache.kv_pages, pages, axis=1, mode="clip")
+    slot = jnp.minimum(slot, cache.conv_state.shape[1] - 1)
     return kv, cache.conv_state[:, slot], cache.rec_state[:, slot]
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter(cache: ModelCache, kv, conv, rec, pages, slot) -> ModelCache:
-    """Write kv [La, B, 2G, page, D] at pages i32[B] (pad entries dropped) and the GDN states
-    conv [Lg, rows, C] / rec [Lg, Hv, Dk, Dv] at slot i32[]."""
+def _scatter_local(cache: ModelCache, kv, conv, rec, pages, slot) -> ModelCache:
+    """Write kv [La, B, 2G, page, D] at pages i32[B] and the GDN states conv [Lg, rows, C] /
+    rec [Lg, Hv, Dk, Dv] at slot i32[]; out-of-range pages and slots are dropped."""
     return ModelCache(
         kv_pages=cache.kv_pages.at[:, pages].set(kv.astype(cache.kv_pages.dtype), mode="drop"),
-        conv_state=cache.conv_state.at[:, slot].set(conv.astype(cache.conv_state.dtype)),
-        rec_state=cache.rec_state.at[:, slot].set(rec.astype(cache.rec_state.dtype)),
+        conv_state=cache.conv_state.at[:, slot].set(conv.astype(cache.conv_state.dtype), mode="drop"),
+        rec_state=cache.rec_state.at[:, slot].set(rec.astype(cache.rec_state.dtype), mode="drop"),
     )
 
 
-def gather_state(cache: ModelCache, pages: list[int], slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Host copies of the request's KV pages (in ``pages`` order) and GDN states of ``slot``."""
-    idx = _pad_pages(pages, cache.num_pages)
-    kv, conv, rec = jax.device_get(_gather(cache, idx, np.int32(slot)))
-    return np.asarray(kv[:, : len(pages)]), np.asarray(conv), np.asarray(rec)
+class StateTransfer:
+    """Request state in and out of one runner's cache.
 
-
-def scatter_state(cache: ModelCache, kv: np.ndarray, conv: np.ndarray, rec: np.ndarray,
-                  pages: list[int], slot: int) -> ModelCache:
-    """``cache`` with ``kv[:, i]`` written to page ``pages[i]`` and the states to ``slot``.
-
-    kv: [La, n, 2G, page, D] with n == len(pages); conv/rec as returned by ``gather_state``.
+    Args:
+      dp: the runner's ``DPForward`` (its mesh and cache layout), or None for one pool on one
+        device. ``num_pages`` / ``num_slots``: pages and state slots per rank.
     """
-    La, n, H2, P, D = cache.kv_pages.shape[0], len(pages), *cache.kv_pages.shape[2:]
-    if kv.shape != (La, n, H2, P, D):
-        raise ValueError(f"kv of shape {kv.shape} does not fit {n} pages of this cache "
-                         f"(expected {(La, n, H2, P, D)})")
-    if conv.shape != cache.conv_state.shape[:1] + cache.conv_state.shape[2:]:
-        raise ValueError(f"conv state of shape {conv.shape} does not fit this cache's "
-                         f"{cache.conv_state.shape}")
-    if rec.shape != cache.rec_state.shape[:1] + cache.rec_state.shape[2:]:
-        raise ValueError(f"recurrent state of shape {rec.shape} does not fit this cache's "
-                         f"{cache.rec_state.shape}")
-    idx = _pad_pages(pages, cache.num_pages)
-    padded = np.zeros((La, len(idx), H2, P, D), kv.dtype)
-    padded[:, :n] = kv
-    return _scatter(cache, padded, conv, rec, idx, np.int32(slot))
+
+    def __init__(self, num_pages: int, num_slots: int, dp: Any = None):
+        self.num_pages, self.num_slots, self.dp = num_pages, num_slots, dp
+        if dp is None:
+            self._gather = jax.jit(_gather_local)
+            self._scatter = jax.jit(_scatter_local, donate_argnums=(0,))
+            return
+        from sglang_tpu_backend.parallel.mesh import rank_spec
+
+        ranks = rank_spec(dp.ep, 0)  # a leading rank axis
+        self._by_rank = dp.sharding(ranks)
+        cache_specs = dp.cache_specs()
+        # In the form the step's outputs have, so that step and install take each other's
+        # caches without compiling again.
+        cache_shardings = jax.tree.map(dp.sharding, cache_specs)
+
+        def gather(cache, pages, slot):  # pages i32[1, B], slot i32[1] on each rank
+            return jax.tree.map(lambda a: a[None], _gather_local(cache, pages[0], slot[0]))
+
+        def scatter(cache, kv, conv, rec, pages, slot):
+            return _scatter_local(cache, kv[0], conv[0], rec[0], pages[0], slot[0])
+
+        self._gather = jax.jit(jax.shard_map(
+            gather, mesh=dp.mesh, in_specs=(cache_specs, ranks, ranks), out_specs=(ranks,) * 3,
+            check_vma=False))
+        self._scatter = jax.jit(jax.shard_map(
+            scatter, mesh=dp.mesh, in_specs=(cache_specs,) + (ranks,) * 5, out_specs=cache_specs,
+            check_vma=False), donate_argnums=(0,), out_shardings=cache_shardings)
+
+    @property
+    def num_ranks(self) -> int:
+        return 1 if self.dp is None else self.dp.dp_size
+
+    # Index arrays ----------------------------------------------------------------------------
+    def _pages(self, pages: list[int], rank: int, bucket: int | None = None) -> np.ndarray:
+        """i32[B] (one pool) or i32[D, B] (rank ``rank`` holds ``pages``, the others padding)."""
+        out = np.full((self.num_ranks, bucket or page_bucket(len(pages))), self.num_pages, np.int32)
+        out[rank, : len(pages)] = pages
+        return out[0] if self.dp is None else out
+
+    def _slot(self, slot: int, rank: int) -> np.ndarray:
+        out = np.full(self.num_ranks, self.num_slots, np.int32)  # out of range: dropped
+        out[rank] = slot
+        return out[0] if self.dp is None else out
+
+    def _rank_array(self, a: np.ndarray, rank: int) -> jax.Array:
+        """[D, *a.shape] split over the ranks: ``a`` on ``rank``'s device, zeros elsewhere."""
+        shape = (self.num_ranks, *a.shape)
+
+        def shard(index):
+            r = index[0].start or 0
+            return a[None] if r == rank else np.zeros((1, *a.shape), a.dtype)
+
+        return jax.make_array_from_callback(shape, self._by_rank, shard)
+
+    @staticmethod
+    def _rank_shard(out: jax.Array, rank: int) -> np.ndarray:
+        """Rank ``rank``'s block of a [D, ...] rank-split array, read from its device alone."""
+        for s in out.addressable_shards:
+            if (s.index[0].start or 0) == rank:
+                return np.asarray(s.data)[0]
+        raise ValueError(f"rank {rank}'s shard is not on this process")
+
+    # Transfer --------------------------------------------------------------------------------
+    def gather(self, cache: ModelCache, pages: list[int], slot: int, rank: int = 0) -> State:
+        """Host copies of the request's KV pages (in ``pages`` order) and GDN states of ``slot``
+        on ``rank``."""
+        kv, conv, rec = self._gather(cache, self._pages(pages, rank), self._slot(slot, rank))
+        if self.dp is None:
+            kv, conv, rec = jax.device_get((kv, conv, rec))
+        else:
+            kv, conv, rec = (self._rank_shard(a, rank) for a in (kv, conv, rec))
+        return np.asarray(kv[:, : len(pages)]), np.asarray(conv), np.asarray(rec)
+
+    def scatter(self, cache: ModelCache, kv: np.ndarray, conv: np.ndarray, rec: np.ndarray,
+                pages: list[int], slot: int, rank: int = 0) -> ModelCache:
+        """``cache`` with ``kv[:, i]`` written to page ``pages[i]`` and the states to ``slot``
+        of rank ``rank``. kv: [La, n, 2G, page, D] with n == len(pages); conv/rec as
+        ``gather`` returns them."""
+        self._check_shapes(cache, kv, conv, rec, len(pages))
+        idx = self._pages(pages, rank)
+        padded = np.zeros((kv.shape[0], idx.shape[-1], *kv.shape[2:]), kv.dtype)
+        padded[:, : len(pages)] = kv
+        return self._scatter(cache, *self._placed(padded, conv, rec, rank), idx,
+                             self._slot(slot, rank))
+
+    def _placed(self, kv, conv, rec, rank: int):
+        if self.dp is None:
+            return kv, conv, rec
+        return tuple(self._rank_array(a, rank) for a in (kv, conv, rec))
+
+    def _check_shapes(self, cache: ModelCache, kv, conv, rec, n: int) -> None:
+        La, H2, P, D = cache.kv_pages.shape[0], *cache.kv_pages.shape[2:]
+        if kv.shape != (La, n, H2, P, D):
+            raise ValueError(f"kv of shape {kv.shape} does not fit {n} pages of this cache "
+                             f"(expected {(La, n, H2, P, D)})")
+        conv_shape = cache.conv_state.shape[:1] + cache.conv_state.shape[2:]
+        if conv.shape != conv_shape:
+            raise ValueError(f"conv state of shape {conv.shape} does not fit this cache's "
+                             f"(expected {conv_shape})")
+        rec_shape = cache.rec_state.shape[:1] + cache.rec_state.shape[2:]
+        if rec.shape != rec_shape:
+            raise ValueError(f"recurrent state of shape {rec.shape} does not fit this cache's "
+                             f"(expected {rec_shape})")
+
+    # Warm-up ---------------------------------------------------------------------------------
+    def warm_up(self, cache: ModelCache, max_pages: int, *, gather: bool = True,
+                scatter: bool = True) -> ModelCache:
+        """Compile the gather and/or scatter program of every page bucket up to ``max_pages``
+        by running it on padding only (reads nothing used, writes nothing); returns the cache
+        (a scatter donates it)."""
+        La, _, H2, P, D = cache.kv_pages.shape
+        conv = np.zeros(cache.conv_state.shape[:1] + cache.conv_state.shape[2:], cache.conv_state.dtype)
+        rec = np.zeros(cache.rec_state.shape[:1] + cache.rec_state.shape[2:], cache.rec_state.dtype)
+        pad_slot = self._slot(self.num_slots, 0)
+        for b in page_buckets(max_pages):
+            idx = self._pages([], 0, bucket=b)
+            if gather:
+                jax.block_until_ready(self._gather(cache, idx, pad_slot))
+            if scatter:
+                kv = np.zeros((La, b, H2, P, D), cache.kv_pages.dtype)
+                cache = self._scatter(cache, *self._placed(kv, conv, rec, 0), idx, pad_slot)
+        return jax.block_until_ready(cache)

@@ -34,7 +34,7 @@ from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, Forwar
 from sglang_tpu_backend.model_executor.weight_layout import (is_routed_expert, uses_native_layouts,
                                                              weight_formats)
 from sglang_tpu_backend.models import qwen3_5_moe
-from sglang_tpu_backend.parallel.mesh import EPContext, rank_spec
+from sglang_tpu_backend.parallel.mesh import EPContext, canonical_spec, rank_spec
 
 REPLICATED = PartitionSpec()
 
@@ -73,8 +73,9 @@ class DPForward:
         self._step = jax.jit(self._global_step, donate_argnums=(1,))
 
     # Placement ------------------------------------------------------------------------------
-    def _sharding(self, spec: PartitionSpec) -> NamedSharding:
-        return NamedSharding(self.mesh, spec)
+    def sharding(self, spec: PartitionSpec) -> NamedSharding:
+        """``spec`` on this mesh, in the form step outputs have (``canonical_spec``)."""
+        return NamedSharding(self.mesh, canonical_spec(self.mesh, spec))
 
     def param_specs(self, params) -> Any:
         """Expert leaves [groups, E, ...] split on E over the ranks; the rest replicated."""
@@ -95,7 +96,7 @@ class DPForward:
         """Place params on the mesh (experts split, the rest replicated; on TPU the dense
         weights in their native tiling, ``weight_layout.py``); every process passes the full
         params and fills its own devices."""
-        return place_params(params, jax.tree.map(self._sharding, self.param_specs(params)))
+        return place_params(params, jax.tree.map(self.sharding, self.param_specs(params)))
 
     def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int,
                    kv_dtype=jnp.bfloat16, state_dtype=jnp.float32) -> qwen3_5_moe.ModelCache:
@@ -105,7 +106,7 @@ class DPForward:
             qwen3_5_moe.init_cache, self.cfg, num_pages=num_pages * self.dp_size,
             page_size=page_size, num_state_slots=num_state_slots * self.dp_size,
             kv_dtype=kv_dtype, state_dtype=state_dtype)
-        shardings = jax.tree.map(self._sharding, self.cache_specs())
+        shardings = jax.tree.map(self.sharding, self.cache_specs())
         return jax.jit(make, out_shardings=shardings)()
 
     def put_batch(self, batches: Sequence[ForwardBatch]) -> ForwardBatch:
@@ -124,7 +125,7 @@ class DPForward:
         if len(shapes) != 1:
             raise ValueError(f"rank batches must share one bucket, got shapes {sorted(shapes)}")
         fields = {}
-        spec = self._sharding(rank_spec(self.ep, 0))
+        spec = self.sharding(rank_spec(self.ep, 0))
         for name in ForwardBatch.__dataclass_fields__:
             if name == "mode":
                 continue

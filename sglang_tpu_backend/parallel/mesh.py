@@ -62,3 +62,16 @@ def make_mesh(dp_size: int, devices: Sequence | None = None, dies_per_chip: int 
 def rank_spec(ep: EPContext, dim: int) -> PartitionSpec:
     """Split dimension ``dim`` over all DP/EP ranks, everything else replicated."""
     return PartitionSpec(*([None] * dim), ep.axes)
+
+
+def canonical_spec(mesh: Mesh, spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` without the mesh axes of size 1 (e.g. "chip" of a 1 x 2 mesh): the form XLA
+    gives a program's outputs. An array placed with the other, equivalent form has a sharding
+    that compares unequal, so the first program it enters compiles a second time."""
+    def keep(entry):
+        if entry is None:
+            return None
+        names = [a for a in ((entry,) if isinstance(entry, str) else entry) if mesh.shape[a] > 1]
+        return None if not names else names[0] if len(names) == 1 else tuple(names)
+
+    return PartitionSpec(*(keep(e) for e in spec))

@@ -134,10 +134,15 @@ def test_handover_waiting_for_room_times_out(engine, decode_engine, monkeypatch)
     _, h = asyncio.run(engine.prefill_for_handover(obj))
     assert h is not None
     monkeypatch.setattr(decode_engine.handover, "wait_timeout", 0.5)
-    monkeypatch.setattr(decode_engine.scheduler, "admit_installed", lambda req: False)
+    attempts = []  # the loop's admission attempts while the handover waits
+    monkeypatch.setattr(decode_engine.scheduler, "admit_installed",
+                        lambda req: attempts.append(req) and False)
     t0 = time.monotonic()
     outs = asyncio.run(asyncio.wait_for(_collect(decode_engine.generate_from_handover(h)), 30))
     waited = time.monotonic() - t0
+    # It waits on the loop's wake condition until its deadline, not in a polling spin (which
+    # made ~500 attempts in these 0.5 s).
+    assert 1 <= len(attempts) <= 5, len(attempts)
     reason = outs[-1]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "--handover-wait-timeout" in reason["message"], reason
     assert 0.5 <= waited < 10, waited
@@ -147,3 +152,21 @@ def test_handover_waiting_for_room_times_out(engine, decode_engine, monkeypatch)
     text = decode_engine.metrics_text().decode()
     line = [l for l in text.splitlines() if l.startswith("sglang:kv_transfer_failures_total")]
     assert line and float(line[0].rsplit(" ", 1)[1]) >= 1, line
+
+
+def test_handover_from_other_weights_is_aborted(engine, decode_engine):
+    """A handover computed with other weights than the decode engine serves ends with an abort
+    naming both weight versions; nothing is installed."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=_prompt(30, 5),
+                           sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    _, h = asyncio.run(engine.prefill_for_handover(obj))
+    assert h.weight_version == engine.weight_version == decode_engine.weight_version
+    outs = asyncio.run(_collect(decode_engine.generate_from_handover(
+        dataclasses.replace(h, weight_version="v-other"))))
+    reason = outs[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "'v-other'" in reason["message"], reason
+    assert repr(decode_engine.weight_version) in reason["message"]
+    s = wait_pools_empty(decode_engine)
+    assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0 and s["num_running"] == 0
