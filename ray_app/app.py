@@ -22,11 +22,11 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     for name in ENGINE_DEPLOYMENTS[cfg.mode]:
         role = "colocated" if name == "engine" else name
         engines[name] = EngineServer.options(**cfg.engine_deployment_options(name)).bind(
-            sa, role=role, transport=cfg.opt("transport", "object_store"),
-            stall_timeout_s=cfg.opt("stall_timeout_s", 600.0), hosts=cfg.hosts,
-            host_options={"tpu_chips": cfg.opt("tpu_chips", 0),
-                          "accelerator_type": cfg.opt("accelerator_type"),
-                          "env_vars": cfg.host_env_vars()})
+            cfg.args_for(name), role=role, transport=cfg.opt("transport", "object_store"),
+            stall_timeout_s=cfg.opt("stall_timeout_s", 600.0, name), hosts=cfg.hosts(name),
+            host_options={"tpu_chips": cfg.opt("tpu_chips", 0, name),
+                          "accelerator_type": cfg.opt("accelerator_type", None, name),
+                          "env_vars": cfg.host_env_vars(name)})
     return Ingress.options(
         num_replicas=cfg.opt("ingress_replicas", 1),
         max_ongoing_requests=cfg.opt("max_ongoing_requests", sa.max_running_requests) * 4,

@@ -22,6 +22,11 @@ Keys (values arrive as strings from the command line, typed from a Serve config 
   long is unhealthy; default 600: first compiles are slow), ``graceful_shutdown_timeout_s``
   (how long a stopping replica drains running requests, default 60), ``transport``
   (``object_store``).
+Per role (disaggregated mode): any ``ServerArgs`` field or per-replica key above
+(``tpu_chips``, ``num_cpus``, ``accelerator_type``, ``cpu_devices_per_host``, ...) prefixed
+by ``prefill_`` or ``decode_`` applies to that role's replicas only; the unprefixed key to
+both. E.g. ``prefill_dp_size=4 prefill_ep_size=4 decode_dp_size=2 decode_ep_size=2``: a
+request prefilled on one of 4 DP ranks is decoded on the least-loaded of 2.
 Multi-host replicas (colocated mode): ``hosts_per_replica`` (default 1) > 1 makes each engine
 replica span that many hosts: a placement group of one bundle per host (``{"TPU": tpu_chips}``
 + accelerator type each), ``placement_strategy`` (default ``STRICT_SPREAD``: one host per
@@ -34,6 +39,7 @@ each of those processes that many CPU devices (``JAX_PLATFORMS=cpu`` + ``XLA_FLA
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import types
@@ -56,6 +62,9 @@ APP_KEYS = {
     "hosts_per_replica": int, "placement_strategy": str, "cpu_devices_per_host": int,
 }
 AUTOSCALING_KEYS = ("upscale_delay_s", "downscale_delay_s", "look_back_period_s")
+ROLES = ("prefill", "decode")
+# App keys that a role prefix may scope to one deployment's replicas.
+ROLE_APP_KEYS = tuple(k for k in APP_KEYS if k not in ("mode", "transport", "ingress_replicas"))
 for _d in ("engine", "prefill", "decode"):
     APP_KEYS.update({f"{_d}_replicas": int, f"{_d}_min_replicas": int, f"{_d}_max_replicas": int})
 
@@ -88,21 +97,28 @@ def _convert(key: str, value: Any, tp: type) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class AppConfig:
-    server_args: ServerArgs
+    server_args: ServerArgs  # the unprefixed keys' (the ingress's tokenizer and limits)
     mode: str = "colocated"
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # APP_KEYS values given
+    role_args: dict[str, ServerArgs] = dataclasses.field(default_factory=dict)  # prefill/decode
 
-    def opt(self, key: str, default: Any = None) -> Any:
+    def opt(self, key: str, default: Any = None, role: str | None = None) -> Any:
+        """An app key's value: ``<role>_<key>`` first when ``role`` is given."""
+        if role is not None and f"{role}_{key}" in self.options:
+            return self.options[f"{role}_{key}"]
         return self.options.get(key, default)
 
-    @property
-    def hosts(self) -> int:
-        """Hosts (processes) one engine replica spans."""
-        return self.opt("hosts_per_replica", 1)
+    def args_for(self, name: str) -> ServerArgs:
+        """The engine ServerArgs of deployment ``name`` (its role's prefixed keys applied)."""
+        return self.role_args.get(name, self.server_args)
 
-    def host_env_vars(self) -> dict[str, str]:
+    def hosts(self, name: str | None = None) -> int:
+        """Hosts (processes) one replica of deployment ``name`` spans."""
+        return self.opt("hosts_per_replica", 1, name)
+
+    def host_env_vars(self, name: str | None = None) -> dict[str, str]:
         """Env vars of every process of a replica (``cpu_devices_per_host``)."""
-        n = self.opt("cpu_devices_per_host", 0)
+        n = self.opt("cpu_devices_per_host", 0, name)
         if not n:
             return {}
         from ray_app.multihost import cpu_device_env
@@ -111,58 +127,68 @@ class AppConfig:
 
     def engine_deployment_options(self, name: str) -> dict[str, Any]:
         """``serve.deployment(...).options`` kwargs for engine deployment ``name``."""
+        opt = functools.partial(self.opt, role=name)
         lo, hi = self.opt(f"{name}_min_replicas"), self.opt(f"{name}_max_replicas")
         out: dict[str, Any] = {
             "name": name.capitalize() + "Server",
-            "max_ongoing_requests": self.opt("max_ongoing_requests",
-                                             self.server_args.max_running_requests),
-            "health_check_period_s": self.opt("health_check_period_s", 10.0),
-            "health_check_timeout_s": self.opt("health_check_timeout_s", 30.0),
-            "graceful_shutdown_timeout_s": self.opt("graceful_shutdown_timeout_s", 60.0),
-            "ray_actor_options": {"num_cpus": self.opt("num_cpus", 1.0)},
+            "max_ongoing_requests": opt("max_ongoing_requests",
+                                        self.args_for(name).max_running_requests),
+            "health_check_period_s": opt("health_check_period_s", 10.0),
+            "health_check_timeout_s": opt("health_check_timeout_s", 30.0),
+            "graceful_shutdown_timeout_s": opt("graceful_shutdown_timeout_s", 60.0),
+            "ray_actor_options": {"num_cpus": opt("num_cpus", 1.0)},
         }
-        env = self.host_env_vars()
+        env = self.host_env_vars(name)
         if env:
             out["ray_actor_options"]["runtime_env"] = {"env_vars": env}
-        if self.hosts > 1:
+        if self.hosts(name) > 1:
             from ray_app.multihost import replica_bundles
 
             out["placement_group_bundles"] = replica_bundles(
-                self.hosts, self.opt("num_cpus", 1.0), self.opt("tpu_chips", 0),
-                self.opt("accelerator_type"))
-            out["placement_group_strategy"] = self.opt("placement_strategy", "STRICT_SPREAD")
-        if self.opt("tpu_chips", 0):
-            out["ray_actor_options"]["resources"] = {"TPU": self.opt("tpu_chips")}
-        if self.opt("accelerator_type"):
-            out["ray_actor_options"]["accelerator_type"] = self.opt("accelerator_type")
+                self.hosts(name), opt("num_cpus", 1.0), opt("tpu_chips", 0),
+                opt("accelerator_type"))
+            out["placement_group_strategy"] = opt("placement_strategy", "STRICT_SPREAD")
+        if opt("tpu_chips", 0):
+            out["ray_actor_options"]["resources"] = {"TPU": opt("tpu_chips")}
+        if opt("accelerator_type"):
+            out["ray_actor_options"]["accelerator_type"] = opt("accelerator_type")
         if lo is not None or hi is not None:
             lo = 1 if lo is None else lo
             out["autoscaling_config"] = {
                 "min_replicas": lo, "max_replicas": max(lo, hi if hi is not None else lo),
                 "initial_replicas": lo,
-                "target_ongoing_requests": self.opt("target_ongoing_requests", 2.0),
-                **{k: self.options[k] for k in AUTOSCALING_KEYS if k in self.options}}
+                "target_ongoing_requests": opt("target_ongoing_requests", 2.0),
+                **{k: opt(k) for k in AUTOSCALING_KEYS if opt(k) is not None}}
         else:
             out["num_replicas"] = self.opt(f"{name}_replicas", 1)
         return out
 
 
 def parse_app_args(args: dict[str, Any] | None) -> AppConfig:
-    """Split builder args into ServerArgs fields and app keys; unknown keys are an error."""
-    args = dict(args or {})
+    """Split builder args into ServerArgs fields and app keys, each unprefixed or for one
+    role (``prefill_`` / ``decode_``); unknown keys are an error."""
     fields = {f.name: _field_type(f.type) for f in dataclasses.fields(ServerArgs)}
-    server, options = {}, {}
-    for key, value in args.items():
-        if key in PROXY_KEYS:
+    server: dict[str, Any] = {}
+    per_role: dict[str, dict[str, Any]] = {r: {} for r in ROLES}
+    options: dict[str, Any] = {}
+    for key, value in dict(args or {}).items():
+        role, _, rest = key.partition("_")
+        if key in PROXY_KEYS or (role in ROLES and rest in PROXY_KEYS):
             raise ValueError(f"{key}: the Serve proxy's address is the Serve config's "
-                             f"http_options.{key} (or serve start --http-{key}), not an app argument")
+                             f"http_options.{rest or key} (or serve start --http-{rest or key}), "
+                             "not an app argument")
         if key in fields:
             server[key] = _convert(key, value, fields[key])
         elif key in APP_KEYS:
             options[key] = _convert(key, value, APP_KEYS[key])
+        elif role in ROLES and rest in fields:
+            per_role[role][rest] = _convert(key, value, fields[rest])
+        elif role in ROLES and rest in ROLE_APP_KEYS:
+            options[key] = _convert(key, value, APP_KEYS[rest])
         else:
             raise ValueError(f"unknown argument {key!r}: expected a ServerArgs field "
-                             f"({', '.join(sorted(fields))}) or one of {', '.join(sorted(APP_KEYS))}")
+                             f"({', '.join(sorted(fields))}) or one of {', '.join(sorted(APP_KEYS))}, "
+                             f"either optionally prefixed by {' / '.join(r + '_' for r in ROLES)}")
     mode = options.pop("mode", "colocated")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -177,28 +203,50 @@ def parse_app_args(args: dict[str, Any] | None) -> AppConfig:
                     "%s / %s): whoever reaches the Serve proxy can generate and call the admin "
                     "routes (/update_weights_from_disk, /start_profile, /flush_cache, abort_all)",
                     *KEY_ENV_VARS.values())
-    if mode == "disaggregated" and (sa.dp_size != 1 or sa.tp_size != 1):
-        raise ValueError("mode=disaggregated needs dp_size == tp_size == 1 per replica")
-    _check_multihost(sa, mode, options)
-    return AppConfig(server_args=sa, mode=mode, options=options)
+    role_args = _role_args(server, per_role, mode)
+    for name in ENGINE_DEPLOYMENTS[mode]:
+        _check_multihost(role_args.get(name, sa), mode, options, name)
+    return AppConfig(server_args=sa, mode=mode, options=options, role_args=role_args)
 
 
-def _check_multihost(sa: ServerArgs, mode: str, options: dict[str, Any]) -> None:
-    """Multi-host keys: usable values, and ServerArgs a multi-node engine accepts."""
+def _role_args(server: dict[str, Any], per_role: dict[str, dict[str, Any]], mode: str
+               ) -> dict[str, ServerArgs]:
+    """Each role's ServerArgs: the unprefixed fields, its prefixed ones on top."""
+    given = [f"{r}_{k}" for r, kv in per_role.items() for k in kv]
+    if mode != "disaggregated":
+        if given:
+            raise ValueError(f"{given[0]}: role-prefixed keys need mode=disaggregated")
+        return {}
+    out = {}
+    for role, extra in per_role.items():
+        try:
+            out[role] = ServerArgs(**{**server, **extra})
+        except ValueError as e:
+            raise ValueError(f"{role} replicas: {e}") from None
+    return out
+
+
+def _check_multihost(sa: ServerArgs, mode: str, options: dict[str, Any], name: str) -> None:
+    """Multi-host keys of deployment ``name``: usable values, and ServerArgs a multi-node
+    engine accepts."""
     from ray_app.multihost import STRATEGIES
 
-    hosts = options.get("hosts_per_replica", 1)
+    def opt(key: str, default: Any) -> Any:
+        return options.get(f"{name}_{key}", options.get(key, default))
+
+    hosts = opt("hosts_per_replica", 1)
     if hosts < 1:
         raise ValueError(f"hosts_per_replica must be >= 1, got {hosts}")
-    if options.get("placement_strategy", "STRICT_SPREAD") not in STRATEGIES:
+    if opt("placement_strategy", "STRICT_SPREAD") not in STRATEGIES:
         raise ValueError(f"placement_strategy must be one of {STRATEGIES}, "
-                         f"got {options['placement_strategy']!r}")
-    if options.get("cpu_devices_per_host", 0) < 0:
+                         f"got {opt('placement_strategy', None)!r}")
+    if opt("cpu_devices_per_host", 0) < 0:
         raise ValueError("cpu_devices_per_host must be >= 0")
     if hosts == 1:
         return
     if mode != "colocated":
-        raise ValueError("hosts_per_replica > 1 needs mode=colocated")
+        raise ValueError("hosts_per_replica > 1 needs mode=colocated (multi-host prefill or decode "
+                         "replicas do not hand request state over yet)")
     if sa.nnodes != 1 or sa.node_rank != 0 or sa.dist_init_addr is not None:
         raise ValueError("hosts_per_replica sets nnodes / node_rank / dist_init_addr itself")
     try:  # what the replica's engine will be given (the address is the replica's own)

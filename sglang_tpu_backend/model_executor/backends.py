@@ -8,7 +8,8 @@ unless DP) and returns (logits, cache, router stats):
                        reads in-flight decode inputs on the device (overlap scheduling).
   TPBackend            ``parallel.TPForward``: one pool and one batch, every device runs every
                        request on its share of the heads and experts; logits f32[L, V]
-                       replicated, the sampler state replicated beside them.
+                       replicated, the sampler state replicated beside them. Handover
+                       state is converted to / from the one-device head layout.
   DPBackend            ``parallel.DPForward``: one rank per device, each with its own pages
                        and slots (``num_pages`` / ``num_state_slots`` per rank); logits
                        f32[D*L, V], rank r's rows at r*L .. r*L+L-1; the sampler state split
@@ -46,6 +47,7 @@ class StepBackend(abc.ABC):
     state_transfer: bool = False  # request state export / install (handover)
     weight_updates: bool = True  # ``place_params`` after start-up
     dp = None  # the DPForward whose rank layout the caches follow (None: one pool)
+    tp = None  # the TPForward whose head layout the caches follow (None: whole heads)
 
     def __init__(self, cfg: ModelConfig, *, impl: str, with_stats: bool, batch_invariant: bool):
         """``with_stats``: steps also return the routers' health (``metrics/router_stats.py``).
@@ -128,6 +130,8 @@ class SingleDeviceBackend(StepBackend):
 
 class TPBackend(StepBackend):
     """``parallel.TPForward`` over the first ``tp_size`` devices."""
+
+    state_transfer = True  # converted to / from the one-device layout on the host
 
     def __init__(self, cfg: ModelConfig, tp_size: int, **kw):
         from sglang_tpu_backend.parallel.mesh import make_mesh

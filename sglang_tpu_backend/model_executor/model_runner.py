@@ -125,7 +125,7 @@ class ModelRunner:
         self.sampler = SamplerState(cfg.vocab_size, self.dp_size * num_state_slots,
                                     self.backend.place_sampler_state)
         self.transfer = state_transfer.StateTransfer(num_pages, num_state_slots,
-                                                     self.backend.dp)
+                                                     self.backend.dp, self.backend.tp)
         self.snapshots = None
         if num_gdn_snapshots > 0:
             from sglang_tpu_backend.model_executor.state_snapshots import GDNSnapshots

@@ -16,6 +16,10 @@ the programs are ``shard_map``s in which every rank reads or writes its own shar
 request's rank gets its page list, the others only padding, so nothing crosses devices and
 no pool is gathered. The host then reads the request's rank's output shard alone; a scatter
 uploads the arrays to that rank's device (zeros elsewhere, which the padding drops).
+
+With tensor-parallel heads (``parallel.TPForward``: one pool, kv heads and GDN channels split
+over the devices, some replicated) the arrays are converted to and from the one-device layout
+on the host, so a TP replica hands over to a DP or one-device replica and back.
 """
 
 from __future__ import annotations
@@ -63,15 +67,18 @@ class StateTransfer:
     """Request state in and out of one runner's cache.
 
     Args:
-      dp: the runner's ``DPForward`` (its mesh and cache layout), or None for one pool on one
-        device. ``num_pages`` / ``num_slots``: pages and state slots per rank.
+      num_pages / num_slots: pages and state slots per rank.
+      dp: the runner's ``DPForward`` (its mesh and rank-split cache), or
+      tp: its ``TPForward`` (heads split), or neither: one pool on one device.
+    The arrays in and out are always in the one-device layout (module docstring).
     """
 
-    def __init__(self, num_pages: int, num_slots: int, dp: Any = None):
-        self.num_pages, self.num_slots, self.dp = num_pages, num_slots, dp
+    def __init__(self, num_pages: int, num_slots: int, dp: Any = None, tp: Any = None):
+        self.num_pages, self.num_slots, self.dp, self.tp = num_pages, num_slots, dp, tp
         if dp is None:
+            out = None if tp is None else jax.tree.map(tp.sharding, tp.cache_specs())
             self._gather = jax.jit(_gather_local)
-            self._scatter = jax.jit(_scatter_local, donate_argnums=(0,))
+            self._scatter = jax.jit(_scatter_local, donate_argnums=(0,), out_shardings=out)
             return
         from sglang_tpu_backend.parallel.mesh import rank_spec
 
@@ -138,13 +145,18 @@ class StateTransfer:
             kv, conv, rec = jax.device_get((kv, conv, rec))
         else:
             kv, conv, rec = (self._rank_shard(a, rank) for a in (kv, conv, rec))
-        return np.asarray(kv[:, : len(pages)]), np.asarray(conv), np.asarray(rec)
+        kv = kv[:, : len(pages)]
+        if self.tp is not None:
+            kv, conv, rec = self.tp.state_to_one_device(kv, conv, rec)
+        return np.asarray(kv), np.asarray(conv), np.asarray(rec)
 
     def scatter(self, cache: ModelCache, kv: np.ndarray, conv: np.ndarray, rec: np.ndarray,
                 pages: list[int], slot: int, rank: int = 0) -> ModelCache:
         """``cache`` with ``kv[:, i]`` written to page ``pages[i]`` and the states to ``slot``
         of rank ``rank``. kv: [La, n, 2G, page, D] with n == len(pages); conv/rec as
         ``gather`` returns them."""
+        if self.tp is not None:
+            kv, conv, rec = self.tp.state_from_one_device(kv, conv, rec)
         self._check_shapes(cache, kv, conv, rec, len(pages))
         idx = self._pages(pages, rank)
         padded = np.zeros((kv.shape[0], idx.shape[-1], *kv.shape[2:]), kv.dtype)

@@ -44,7 +44,7 @@ from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.model_executor.weight_layout import is_routed_expert
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.parallel.dp_forward import global_array, place_params
-from sglang_tpu_backend.parallel.mesh import CHIP_AXIS, DIE_AXIS, TPContext
+from sglang_tpu_backend.parallel.mesh import CHIP_AXIS, DIE_AXIS, TPContext, canonical_spec
 
 REPLICATED = PartitionSpec()
 
@@ -136,8 +136,9 @@ class TPForward:
         self._step = jax.jit(self._global_step, donate_argnums=(1,))
 
     # Layouts ----------------------------------------------------------------------------------
-    def _sharding(self, spec: PartitionSpec) -> NamedSharding:
-        return NamedSharding(self.mesh, spec)
+    def sharding(self, spec: PartitionSpec) -> NamedSharding:
+        """``spec`` on this mesh, in the form step outputs have (``canonical_spec``)."""
+        return NamedSharding(self.mesh, canonical_spec(self.mesh, spec))
 
     def _split(self, ndim: int, axis: int) -> PartitionSpec:
         """Split dim ``axis`` (Python indexing: negative counts from the end) over the devices."""
@@ -178,10 +179,33 @@ class TPForward:
         return qwen3_5_moe.ModelCache(kv_pages=self._split(5, 2), conv_state=self._split(4, -1),
                                       rec_state=self._split(5, 2))
 
+    # One request's state in the one-device layout (handover) --------------------------------
+    def _kv_slot_heads(self) -> np.ndarray:
+        """The model's kv head in each kv-head slot of the global TP cache (i32[tp*g])."""
+        G = self.cfg.num_key_value_heads
+        return np.array([h for d in range(self.tp) for h in heads_of_device(G, self.tp, d)])
+
+    def state_to_one_device(self, kv, conv, rec):
+        """A request's state read from this TP cache (``state_transfer`` layouts, kv
+        [La, n, tp*2g, S, D] device-major, conv [Lg, rows, tp*c]) -> the one-device layout
+        (kv [La, n, 2G, S, D], conv [Lg, rows, C]): each replicated kv head and GDN key channel
+        read once, everything in the model's order. rec (value heads split contiguously) is
+        already in order."""
+        first_slot = {h: i for i, h in reversed(list(enumerate(self._kv_slot_heads())))}
+        kv_idx = [2 * first_slot[h] + t for h in range(self.cfg.num_key_value_heads) for t in (0, 1)]
+        first_col = {c: j for j, c in reversed(list(enumerate(self._conv_ch)))}
+        conv_idx = [first_col[c] for c in range(self.cfg.linear_conv_dim)]
+        return kv[:, :, kv_idx], conv[..., conv_idx], rec
+
+    def state_from_one_device(self, kv, conv, rec):
+        """Inverse of :meth:`state_to_one_device` (replicated heads and channels copied)."""
+        kv_idx = [2 * h + t for h in self._kv_slot_heads() for t in (0, 1)]
+        return kv[:, :, kv_idx], conv[..., self._conv_ch], rec
+
     def shard_params(self, params):
         """Params in the TP layout, placed on the mesh (every process passes the full params)."""
         params = self.tp_params(params)
-        return place_params(params, jax.tree.map(self._sharding, self.param_specs(params)))
+        return place_params(params, jax.tree.map(self.sharding, self.param_specs(params)))
 
     def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int,
                    kv_dtype, state_dtype) -> qwen3_5_moe.ModelCache:
@@ -192,12 +216,12 @@ class TPForward:
         make = functools.partial(qwen3_5_moe.init_cache, glob, num_pages=num_pages,
                                  page_size=page_size, num_state_slots=num_state_slots,
                                  kv_dtype=kv_dtype, state_dtype=state_dtype)
-        shardings = jax.tree.map(self._sharding, self.cache_specs())
+        shardings = jax.tree.map(self.sharding, self.cache_specs())
         return jax.jit(make, out_shardings=shardings)()
 
     def put_batch(self, batch: ForwardBatch) -> ForwardBatch:
         """The batch, replicated on every device."""
-        where = self._sharding(REPLICATED)
+        where = self.sharding(REPLICATED)
         fields = {n: global_array(getattr(batch, n), where)
                   for n in ForwardBatch.__dataclass_fields__ if n != "mode"}
         return ForwardBatch(**fields, mode=batch.mode)

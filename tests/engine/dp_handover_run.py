@@ -1,5 +1,5 @@
-"""Disaggregated prefill (--dp-size 4) -> decode (--dp-size 2) on 8 CPU devices vs one
-single-device engine (run as a script).
+"""Disaggregated prefill (--dp-size 4, then --tp-size 4) -> decode (--dp-size 2) on 8 CPU
+devices vs one single-device engine (run as a script).
 
 Run by tests/engine/test_dp_handover.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. The prefill engine prefills each request on
@@ -85,8 +85,15 @@ def main(out_path: str) -> None:
     result["pd_outputs"] = serve_disaggregated(prefill, decode)
     result["programs_after_serving"] = program_counts(prefill, decode)
     result["prefill_stats"] = prefill.pool_stats()
-    result["decode_stats"] = decode.pool_stats()
     prefill.shutdown()
+
+    # Tensor-parallel prefill (heads split over 4 devices, the 2 kv heads and 2 GDN key heads
+    # replicated twice) to the same DP2 decode engine: the state is converted to whole heads.
+    tp = Engine(ServerArgs(tp_size=4, **ARGS), role="prefill")
+    result["tp_outputs"] = serve_disaggregated(tp, decode)
+    result["tp_stats"] = tp.pool_stats()
+    tp.shutdown()
+    result["decode_stats"] = decode.pool_stats()
     decode.shutdown()
 
     single = Engine(ServerArgs(**ARGS))

@@ -39,13 +39,16 @@ def test_command_line_strings_are_typed_like_server_args():
     ({"page_size": "big"}, "page_size: expected int"),
     ({"skip_warmup": "maybe"}, "skip_warmup: expected a boolean"),
     ({"page_size": "0"}, "--page-size must be a positive integer"),
-    ({"mode": "disaggregated", "dp_size": "2", "ep_size": "2"}, "dp_size == tp_size == 1"),
+    ({"mode": "disaggregated", "decode_page_size": "0"}, "decode replicas: --page-size"),
+    ({"prefill_dp_size": "2"}, "prefill_dp_size: role-prefixed keys need mode=disaggregated"),
+    ({"mode": "disaggregated", "decode_port": "1"}, "decode_port: the Serve proxy"),
+    ({"mode": "disaggregated", "prefill_mode": "colocated"}, "unknown argument 'prefill_mode'"),
     ({"hosts_per_replica": "0"}, "hosts_per_replica must be >= 1"),
     ({"hosts_per_replica": "2", "placement_strategy": "ANYWHERE"}, "placement_strategy"),
     ({"hosts_per_replica": "2", "dp_size": "8", "ep_size": "8"}, "disable-radix-cache"),
     ({"hosts_per_replica": "2", "disable_radix_cache": "true"}, "--dp-size"),
     ({"hosts_per_replica": "2", "dp_size": "8", "ep_size": "8", "disable_radix_cache": "true",
-      "mode": "disaggregated"}, "dp_size == tp_size == 1"),
+      "mode": "disaggregated"}, "hosts_per_replica > 1 needs mode=colocated"),
     ({"hosts_per_replica": "2", "dp_size": "8", "ep_size": "8", "disable_radix_cache": "true",
       "nnodes": "2", "dist_init_addr": "h:1"}, "sets nnodes"),
 ])
@@ -68,6 +71,29 @@ def test_multi_host_replica_options():
     assert cfg.server_args.nnodes == 1  # each replica sets its own nnodes / address
     single = parse_app_args({}).engine_deployment_options("engine")
     assert "placement_group_bundles" not in single and "runtime_env" not in single["ray_actor_options"]
+
+
+def test_role_prefixed_keys_apply_to_their_role_only():
+    """``prefill_`` / ``decode_`` keys reach that role's engines and replicas; unprefixed keys
+    both."""
+    cfg = parse_app_args({"mode": "disaggregated", "dtype": "float32", "prefill_dp_size": "4",
+                          "prefill_ep_size": "4", "decode_dp_size": "2", "decode_ep_size": "2",
+                          "decode_cpu_devices_per_host": "2", "prefill_num_cpus": "3",
+                          "max_running_requests": "8", "decode_max_running_requests": "16"})
+    pre, dec = cfg.args_for("prefill"), cfg.args_for("decode")
+    assert (pre.dp_size, pre.ep_size, dec.dp_size, dec.ep_size) == (4, 4, 2, 2)
+    assert pre.dtype == dec.dtype == "float32"
+    assert (pre.max_running_requests, dec.max_running_requests) == (8, 16)
+    assert cfg.server_args.dp_size == 1  # the unprefixed keys (the ingress's view)
+    p_opts, d_opts = (cfg.engine_deployment_options(n) for n in ("prefill", "decode"))
+    assert (p_opts["ray_actor_options"]["num_cpus"], d_opts["ray_actor_options"]["num_cpus"]) == (3, 1)
+    assert (p_opts["max_ongoing_requests"], d_opts["max_ongoing_requests"]) == (8, 16)
+    assert "runtime_env" not in p_opts["ray_actor_options"]
+    assert d_opts["ray_actor_options"]["runtime_env"]["env_vars"]["XLA_FLAGS"] == (
+        "--xla_force_host_platform_device_count=2")
+    tp = parse_app_args({"mode": "disaggregated", "prefill_tp_size": "4"})  # TP prefill, 1-device decode
+    assert (tp.args_for("prefill").tp_size, tp.args_for("prefill").ep_size) == (4, 4)
+    assert tp.args_for("decode").tp_size == 1
 
 
 def test_invalid_request_error_survives_pickling():
