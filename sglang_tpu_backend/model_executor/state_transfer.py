@@ -8,8 +8,9 @@ What a request owns in ``models/qwen3_5_moe.ModelCache`` (in its rank's pool und
 into other pages and another slot (decode side), the cache donated and updated in place.
 
 One program per page-count bucket (powers of two): the page list is padded with index
-``num_pages`` (out of range), which the gather clamps (rows sliced off after) and the scatter
-drops; a slot index out of range is dropped too. ``warm_up`` compiles every bucket.
+``num_pages`` (out of range), which the export clamps (rows sliced off after) and the install
+drops; a slot index out of range is dropped too. Both touch the request's pages only (no
+copy of a pool; ``tests/tpu/test_dp_compile.py`` checks the compiled scratch size). ``warm_up`` compiles every bucket.
 
 With data-parallel ranks (``parallel.DPForward``: pages and slots split over the devices)
 the programs are ``shard_map``s in which every rank reads or writes its own shard: the
@@ -30,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from sglang_tpu_backend.models.qwen3_5_moe import ModelCache
 
@@ -46,9 +48,24 @@ def page_buckets(max_pages: int) -> list[int]:
     return [1 << i for i in range(page_bucket(max_pages).bit_length())]
 
 
+def _take_pages(kv_pages, pages):
+    """kv_pages [La, N, 2G, page, D], pages i32[B] (clamped into range) -> [La, B, 2G, page, D].
+
+    One dynamic slice per page: XLA:TPU expands a gather over the page axis by slicing the
+    whole pool first (copies of pool size)."""
+    n = kv_pages.shape[1]
+
+    def copy(i, out):
+        page = lax.dynamic_slice_in_dim(kv_pages, jnp.clip(pages[i], 0, n - 1), 1, axis=1)
+        return lax.dynamic_update_slice_in_dim(out, page, i, axis=1)
+
+    out = jnp.zeros((kv_pages.shape[0], pages.shape[0], *kv_pages.shape[2:]), kv_pages.dtype)
+    return lax.fori_loop(0, pages.shape[0], copy, out)
+
+
 def _gather_local(cache: ModelCache, pages, slot):
     """pages: i32[B]; slot: i32[] -> (kv [La, B, 2G, page, D], conv [Lg, rows, C], rec [Lg, Hv, Dk, Dv])."""
-    kv = jnp.take(cache.kv_pages, pages, axis=1, mode="clip")
+    kv = _take_pages(cache.kv_pages, pages)
     slot = jnp.minimum(slot, cache.conv_state.shape[1] - 1)
     return kv, cache.conv_state[:, slot], cache.rec_state[:, slot]
 
@@ -71,14 +88,16 @@ class StateTransfer:
       dp: the runner's ``DPForward`` (its mesh and rank-split cache), or
       tp: its ``TPForward`` (heads split), or neither: one pool on one device.
     The arrays in and out are always in the one-device layout (module docstring).
+    ``export_program(cache, pages, slot)`` and ``install_program(cache, kv, conv, rec, pages,
+    slot)`` are the jitted programs (index arrays as ``_pages`` / ``_slot`` build them).
     """
 
     def __init__(self, num_pages: int, num_slots: int, dp: Any = None, tp: Any = None):
         self.num_pages, self.num_slots, self.dp, self.tp = num_pages, num_slots, dp, tp
         if dp is None:
             out = None if tp is None else jax.tree.map(tp.sharding, tp.cache_specs())
-            self._gather = jax.jit(_gather_local)
-            self._scatter = jax.jit(_scatter_local, donate_argnums=(0,), out_shardings=out)
+            self.export_program = jax.jit(_gather_local)
+            self.install_program = jax.jit(_scatter_local, donate_argnums=(0,), out_shardings=out)
             return
         from sglang_tpu_backend.parallel.mesh import rank_spec
 
@@ -95,10 +114,10 @@ class StateTransfer:
         def scatter(cache, kv, conv, rec, pages, slot):
             return _scatter_local(cache, kv[0], conv[0], rec[0], pages[0], slot[0])
 
-        self._gather = jax.jit(jax.shard_map(
+        self.export_program = jax.jit(jax.shard_map(
             gather, mesh=dp.mesh, in_specs=(cache_specs, ranks, ranks), out_specs=(ranks,) * 3,
             check_vma=False))
-        self._scatter = jax.jit(jax.shard_map(
+        self.install_program = jax.jit(jax.shard_map(
             scatter, mesh=dp.mesh, in_specs=(cache_specs,) + (ranks,) * 5, out_specs=cache_specs,
             check_vma=False), donate_argnums=(0,), out_shardings=cache_shardings)
 
@@ -140,7 +159,8 @@ class StateTransfer:
     def gather(self, cache: ModelCache, pages: list[int], slot: int, rank: int = 0) -> State:
         """Host copies of the request's KV pages (in ``pages`` order) and GDN states of ``slot``
         on ``rank``."""
-        kv, conv, rec = self._gather(cache, self._pages(pages, rank), self._slot(slot, rank))
+        kv, conv, rec = self.export_program(cache, self._pages(pages, rank),
+                                            self._slot(slot, rank))
         if self.dp is None:
             kv, conv, rec = jax.device_get((kv, conv, rec))
         else:
@@ -161,7 +181,7 @@ class StateTransfer:
         idx = self._pages(pages, rank)
         padded = np.zeros((kv.shape[0], idx.shape[-1], *kv.shape[2:]), kv.dtype)
         padded[:, : len(pages)] = kv
-        return self._scatter(cache, *self._placed(padded, conv, rec, rank), idx,
+        return self.install_program(cache, *self._placed(padded, conv, rec, rank), idx,
                              self._slot(slot, rank))
 
     def _placed(self, kv, conv, rec, rank: int):
@@ -196,8 +216,9 @@ class StateTransfer:
         for b in page_buckets(max_pages):
             idx = self._pages([], 0, bucket=b)
             if gather:
-                jax.block_until_ready(self._gather(cache, idx, pad_slot))
+                jax.block_until_ready(self.export_program(cache, idx, pad_slot))
             if scatter:
                 kv = np.zeros((La, b, H2, P, D), cache.kv_pages.dtype)
-                cache = self._scatter(cache, *self._placed(kv, conv, rec, 0), idx, pad_slot)
+                cache = self.install_program(cache, *self._placed(kv, conv, rec, 0), idx,
+                                             pad_slot)
         return jax.block_until_ready(cache)

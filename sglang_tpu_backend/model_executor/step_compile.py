@@ -100,18 +100,52 @@ def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
     D = dp.dp_size
     shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
     params = abstract_params(shapes, mesh, dp.param_specs(shapes))
-    glob = dataclasses.replace(spec, num_pages=spec.num_pages * D,
-                               num_state_slots=spec.num_state_slots * D)
-    cache = jax.eval_shape(lambda: qwen3_5_moe.init_cache(
-        cfg, num_pages=glob.num_pages, page_size=spec.page_size,
-        num_state_slots=glob.num_state_slots, kv_dtype=kv_dtype, state_dtype=state_dtype))
-    cache = jax.tree.map(lambda s, p: abstract(s.shape, s.dtype, mesh, p), cache,
-                         dp.cache_specs())
+    cache = _abstract_dp_cache(cfg, spec, dp, kv_dtype, state_dtype)
     local = abstract_batch(spec, mesh)
     batch = jax.tree.map(lambda a, p: abstract((a.shape[0] * D, *a.shape[1:]), a.dtype, mesh, p),
                          local, dp.batch_specs(spec.mode))
     return compile_for_tpu(dp._global_step, (params, cache, batch), mesh, donate_argnums=(1,),
                            compiler_options=compiler_options)
+
+
+def _abstract_dp_cache(cfg: ModelConfig, spec: StepSpec, dp: Any, kv_dtype: Any,
+                       state_dtype: Any) -> qwen3_5_moe.ModelCache:
+    """The DP ranks' caches (``spec``'s pools per rank) as abstract arrays placed like DPForward's."""
+    D = dp.dp_size
+    cache = jax.eval_shape(lambda: qwen3_5_moe.init_cache(
+        cfg, num_pages=spec.num_pages * D, page_size=spec.page_size,
+        num_state_slots=spec.num_state_slots * D, kv_dtype=kv_dtype, state_dtype=state_dtype))
+    return jax.tree.map(lambda s, p: abstract(s.shape, s.dtype, dp.mesh, p), cache,
+                        dp.cache_specs())
+
+
+def compile_dp_handover(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, install: bool,
+                        kv_dtype: Any = jnp.bfloat16, state_dtype: Any = jnp.float32
+                        ) -> CompileReport:
+    """Compile the handover's install (``install``) or export program
+    (``model_executor/state_transfer.py``) for one request of ``spec.pages_per_seq`` pages
+    over the DP x EP caches of ``mesh`` (``spec``'s pools per rank)."""
+    from sglang_tpu_backend.model_executor.state_transfer import StateTransfer, page_bucket
+    from sglang_tpu_backend.parallel.dp_forward import DPForward
+    from sglang_tpu_backend.parallel.mesh import rank_spec
+
+    dp = DPForward(cfg, mesh)
+    transfer = StateTransfer(spec.num_pages, spec.num_state_slots, dp)
+    cache = _abstract_dp_cache(cfg, spec, dp, kv_dtype, state_dtype)
+    D, B, ranks = dp.dp_size, page_bucket(spec.pages_per_seq), rank_spec(dp.ep, 0)
+
+    def per_rank(shape, dtype):  # one request's block on every rank: [D, *shape]
+        return abstract((D, *shape), dtype, mesh, ranks)
+
+    pages, slot = per_rank((B,), jnp.int32), per_rank((), jnp.int32)
+    if not install:
+        return compile_for_tpu(transfer.export_program, (cache, pages, slot), mesh)
+    kv, conv, rec = cache.kv_pages, cache.conv_state, cache.rec_state
+    state = (per_rank((kv.shape[0], B, *kv.shape[2:]), kv.dtype),
+             per_rank((conv.shape[0], *conv.shape[2:]), conv.dtype),
+             per_rank((rec.shape[0], *rec.shape[2:]), rec.dtype))
+    return compile_for_tpu(transfer.install_program, (cache, *state, pages, slot), mesh,
+                           donate_argnums=(0,))
 
 
 def compile_tp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = jnp.bfloat16,

@@ -70,8 +70,8 @@ def serve_disaggregated(prefill, decode) -> list[dict]:
 
 
 def program_counts(prefill, decode) -> list[int]:
-    return [prefill.runner.transfer._gather._cache_size(),
-            decode.runner.transfer._scatter._cache_size()]
+    return [prefill.runner.transfer.export_program._cache_size(),
+            decode.runner.transfer.install_program._cache_size()]
 
 
 def main(out_path: str) -> None:

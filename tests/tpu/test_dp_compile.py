@@ -137,3 +137,31 @@ def test_full_397b_dp_ep_step_fits_with_one_routing_all_gather_per_layer(
     resident = p.weights + p.kv_pages + p.gdn_state
     assert abs(report.memory["argument_size_in_bytes"] / resident - 1) < 0.01, (
         report.memory, resident)
+
+
+@pytest.mark.parametrize("install", [True, False], ids=["install", "export"])
+def test_397b_handover_programs_stay_rank_local(record, install):
+    """The disaggregated decode (install) and prefill (export) programs of a 9K-token request
+    (36 pages, bucket 64) over the DP8 x EP8 pools of one host: they compile for tpu7x, move
+    no byte between devices (no collective), and need scratch of the request's size, not of
+    a pool (the pools are donated or only read)."""
+    from sglang_tpu_backend.model_executor.step_compile import compile_dp_handover
+
+    cfg = config_397b()
+    mesh = make_mesh(8, topology_devices("tpu7x:2x2x1"))
+    spec = StepSpec(ForwardMode.DECODE, 64, 64, 64, PAGES, 64 * PAGES, 256, 64)  # per rank
+    report = compile_dp_handover(cfg, spec, mesh, install=install, kv_dtype=jnp.bfloat16,
+                                 state_dtype=jnp.bfloat16)
+    record(f"DP8 397B handover {'install' if install else 'export'} (64 pages)", report,
+           min_kernels=0)
+    for op in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"):
+        assert count(report.hlo, rf" {op}(?:-start)?\(") == 0, op
+    la, lg = len(cfg.attention_layers), len(cfg.linear_layers)
+    kv_page = 2 * cfg.num_key_value_heads * 256 * cfg.head_dim * 2  # bf16 bytes per page
+    request = la * 64 * kv_page + lg * (cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                                        * cfg.linear_value_head_dim + 3 * cfg.linear_conv_dim) * 2
+    pool = la * 64 * PAGES * kv_page  # one rank's KV pages
+    mem = report.memory
+    assert mem["temp_size_in_bytes"] <= 2 * request < pool / 10, (mem, request, pool)
+    if install:  # the cache is updated in place
+        assert mem.get("alias_size_in_bytes", 0) >= pool, mem
