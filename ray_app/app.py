@@ -31,4 +31,4 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         num_replicas=cfg.opt("ingress_replicas", 1),
         max_ongoing_requests=cfg.opt("max_ongoing_requests", sa.max_running_requests) * 4,
         ray_actor_options={"num_cpus": 0},
-    ).bind(sa, **engines)
+    ).bind(sa, affinity_tokens=cfg.affinity_tokens, **engines)

@@ -21,7 +21,10 @@ Keys (values arrive as strings from the command line, typed from a Serve config 
   ``stall_timeout_s`` (a replica whose engine loop has work but finished no step for this
   long is unhealthy; default 600: first compiles are slow), ``graceful_shutdown_timeout_s``
   (how long a stopping replica drains running requests, default 60), ``transport``
-  (``object_store``).
+  (``object_store``), ``prefix_affinity_tokens`` (requests whose leading this many tokens,
+  in whole pages, are equal go to the same engine / prefill replica, unless it is
+  ``affinity_imbalance`` (4) requests busier than the least loaded; default 256, 0: off;
+  decode replicas are chosen by free KV room: ``ray_app/routing.py``).
 Per role (disaggregated mode): any ``ServerArgs`` field or per-replica key above
 (``tpu_chips``, ``num_cpus``, ``accelerator_type``, ``cpu_devices_per_host``, ...) prefixed
 by ``prefill_`` or ``decode_`` applies to that role's replicas only; the unprefixed key to
@@ -60,11 +63,15 @@ APP_KEYS = {
     "transport": str, "accelerator_type": str,
     "upscale_delay_s": float, "downscale_delay_s": float, "look_back_period_s": float,
     "hosts_per_replica": int, "placement_strategy": str, "cpu_devices_per_host": int,
+    "prefix_affinity_tokens": int, "affinity_imbalance": int,
 }
 AUTOSCALING_KEYS = ("upscale_delay_s", "downscale_delay_s", "look_back_period_s")
 ROLES = ("prefill", "decode")
 # App keys that a role prefix may scope to one deployment's replicas.
-ROLE_APP_KEYS = tuple(k for k in APP_KEYS if k not in ("mode", "transport", "ingress_replicas"))
+ROLE_APP_KEYS = tuple(k for k in APP_KEYS if k not in ("mode", "transport", "ingress_replicas",
+                                                      "prefix_affinity_tokens"))
+DEFAULT_AFFINITY_TOKENS = 256
+DECODE_STATS_PERIOD_S = 1.0  # how often decode replicas report their free KV room
 for _d in ("engine", "prefill", "decode"):
     APP_KEYS.update({f"{_d}_replicas": int, f"{_d}_min_replicas": int, f"{_d}_max_replicas": int})
 
@@ -148,6 +155,7 @@ class AppConfig:
                 self.hosts(name), opt("num_cpus", 1.0), opt("tpu_chips", 0),
                 opt("accelerator_type"))
             out["placement_group_strategy"] = opt("placement_strategy", "STRICT_SPREAD")
+        out["request_router_config"] = self.request_router(name)
         if opt("tpu_chips", 0):
             out["ray_actor_options"]["resources"] = {"TPU": opt("tpu_chips")}
         if opt("accelerator_type"):
@@ -162,6 +170,25 @@ class AppConfig:
         else:
             out["num_replicas"] = self.opt(f"{name}_replicas", 1)
         return out
+
+
+    @property
+    def affinity_tokens(self) -> int:
+        """Leading prompt tokens that key a request's replica (0: prefix affinity off)."""
+        return self.opt("prefix_affinity_tokens", DEFAULT_AFFINITY_TOKENS)
+
+    def request_router(self, name: str) -> Any:
+        """Serve's ``RequestRouterConfig`` of deployment ``name`` (``ray_app/routing.py``):
+        prefix affinity for engine and prefill replicas, most free KV room for decode ones."""
+        from ray.serve.config import RequestRouterConfig
+
+        from ray_app.routing import FreeKVRouter, PrefixAffinityRouter
+
+        if name == "decode":
+            return RequestRouterConfig(request_router_class=FreeKVRouter,
+                                       request_routing_stats_period_s=DECODE_STATS_PERIOD_S)
+        return RequestRouterConfig(request_router_class=PrefixAffinityRouter, request_router_kwargs={
+            "imbalance": self.opt("affinity_imbalance", 4, name)})
 
 
 def parse_app_args(args: dict[str, Any] | None) -> AppConfig:

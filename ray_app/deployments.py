@@ -66,12 +66,15 @@ class EngineServer:
                                             self.engine.metrics_text)
 
     # Requests ------------------------------------------------------------------------------
-    async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+    async def generate(self, obj: GenerateReqInput, routing_key: str | None = None
+                       ) -> AsyncIterator[dict]:
+        """``routing_key``: read by the deployment's request router (``ray_app/routing.py``)."""
         async for out in self.engine.generate_request(obj):
             yield out
 
-    async def prefill(self, obj: GenerateReqInput) -> dict[str, Any]:
-        """Prefill + first token; ``ticket`` is None when the request already finished."""
+    async def prefill(self, obj: GenerateReqInput, routing_key: str | None = None) -> dict[str, Any]:
+        """Prefill + first token; ``ticket`` is None when the request already finished.
+        ``routing_key``: read by the deployment's request router (``ray_app/routing.py``)."""
         first, h = await self.engine.prefill_for_handover(obj)
         return {"first": first, "ticket": None if h is None else self.transport.send(h)}
 
@@ -83,6 +86,14 @@ class EngineServer:
             raise
         async for out in self.engine.generate_from_handover(h):
             yield out
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the decode deployment's router ranks replicas by (Serve polls it): the KV
+        tokens free on this replica's emptiest DP rank (a request lives on one rank)."""
+        stats = self.engine.pool_stats()
+        page = self.engine.args.page_size
+        free = max((r["kv_pages_total"] - r["kv_pages_used"]) * page for r in stats["dp_ranks"])
+        return {"free_kv_tokens": free, "num_running": stats["num_running"]}
 
     # Engine API ----------------------------------------------------------------------------
     def get_model_info(self) -> dict:

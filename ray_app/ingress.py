@@ -32,6 +32,7 @@ from fastapi import FastAPI
 from ray import serve
 
 from ray_app.metrics_hub import get_hub
+from ray_app.routing import prefix_key
 from sglang_tpu_backend.entrypoints.http_server import create_app
 from sglang_tpu_backend.managers.io_struct import (
     GenerateReqInput, InvalidRequestError, ServiceUnavailableError)
@@ -112,11 +113,14 @@ class _Flight:
 class RemoteEngine:
     """The Engine API over deployment handles (``engine`` or ``prefill`` + ``decode``)."""
 
-    def __init__(self, args: ServerArgs, *, engine=None, prefill=None, decode=None):
+    def __init__(self, args: ServerArgs, *, engine=None, prefill=None, decode=None,
+                 affinity_tokens: int = 0):
+        """``affinity_tokens``: how many leading prompt tokens key a request's replica (prefix
+        cache affinity, ``ray_app/routing.py``); 0: none."""
         from sglang_tpu_backend.tokenizer import load_tokenizer
         from sglang_tpu_backend.tiny_model import default_model_path
 
-        self.args = args
+        self.args, self.affinity_tokens = args, affinity_tokens
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path or default_model_path())
         self.engine, self.prefill, self.decode = engine, prefill, decode
         self.engines = [h for h in (engine, prefill, decode) if h is not None]
@@ -160,10 +164,12 @@ class RemoteEngine:
     async def _outputs(self, obj: GenerateReqInput, flight: _Flight) -> AsyncIterator[dict]:
         """Colocated: one replica's stream. Disaggregated: the prefill replica's first output
         (yielded when streaming, or when it is the final one), then the decode replica's."""
+        key = self._routing_key(obj)
         if self.engine is not None:
-            stream = flight.start(self.engine.options(stream=True).generate.remote(obj))
+            stream = flight.start(self.engine.options(stream=True).generate.remote(
+                obj, routing_key=key))
         else:
-            res = await self._prefill(obj, flight)
+            res = await self._prefill(obj, flight, key)
             flight.last = res["first"]
             if res["ticket"] is None or obj.stream:
                 yield res["first"]
@@ -173,13 +179,27 @@ class RemoteEngine:
         async for out in stream:
             yield out
 
-    async def _prefill(self, obj: GenerateReqInput, flight: _Flight,
+    def _routing_key(self, obj: GenerateReqInput) -> str | None:
+        """The prefix-affinity key of ``obj``'s prompt (None: route by load alone)."""
+        if not self.affinity_tokens or self.args.disable_radix_cache:
+            return None
+        ids = obj.input_ids
+        if ids is None and isinstance(obj.text, str):
+            ids = self.tokenizer.encode(obj.text)
+        if not isinstance(ids, list):
+            return None  # malformed: the engine answers it with a 400
+        try:
+            return prefix_key(ids, self.args.page_size, self.affinity_tokens)
+        except (TypeError, ValueError, OverflowError):
+            return None
+
+    async def _prefill(self, obj: GenerateReqInput, flight: _Flight, key: str | None = None,
                        attempts: int = 2) -> dict[str, Any]:
         """A prefill replica's ``{"first", "ticket"}``; retried on another replica when the
         one serving it dies (nothing was streamed to the client yet)."""
         for attempt in range(attempts):
             try:
-                return await flight.start(self.prefill.prefill.remote(obj))
+                return await flight.start(self.prefill.prefill.remote(obj, routing_key=key))
             except REPLICA_GONE as e:
                 if attempt + 1 == attempts:
                     raise
@@ -349,8 +369,10 @@ class RemoteEngine:
 class Ingress:
     """HTTP routes of the standalone server; ``engine`` or ``prefill`` + ``decode`` handles."""
 
-    def __init__(self, server_args: ServerArgs, engine=None, prefill=None, decode=None):
-        self.remote_engine = RemoteEngine(server_args, engine=engine, prefill=prefill, decode=decode)
+    def __init__(self, server_args: ServerArgs, engine=None, prefill=None, decode=None,
+                 affinity_tokens: int = 0):
+        self.remote_engine = RemoteEngine(server_args, engine=engine, prefill=prefill,
+                                          decode=decode, affinity_tokens=affinity_tokens)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self.remote_engine)

@@ -227,7 +227,7 @@ def test_load_profile_and_weight_routes_reach_the_replicas(base_url, tmp_path):
     from sglang_tpu_backend.tiny_model import default_model_path
 
     load = requests.get(f"{base_url}/pd/get_load", timeout=60).json()
-    assert sorted(e["role"] for e in load) == ["decode", "prefill"]
+    assert sorted(e["role"] for e in load) == ["decode"] * 2 + ["prefill"] * 4  # one per DP rank
     assert all(e["num_reqs"] == 0 for e in load), load
     url = base_url + "/colo"
     r = requests.post(f"{url}/start_profile", json={"output_dir": str(tmp_path)}, timeout=60)

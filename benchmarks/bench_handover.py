@@ -1,0 +1,131 @@
+"""Handover transport bandwidth: a request's KV pages + GDN states through the disaggregated
+app's transport (``ray_app/handover.py``) against a raw ``ray.put`` / ``ray.get`` of the same
+number of bytes, between the same two actors of one local Ray cluster, side by side.
+
+    python benchmarks/bench_handover.py [--tokens 500 4000] [--trials 7] [--config 397b|tiny]
+
+A "prefill" actor builds the request's arrays in the handover layout
+(``model_executor/state_transfer.py``) for the config's shapes (default: Qwen3.5-397B, page 256,
+bf16 KV and GDN state, what one request of that many tokens holds), sends them through the
+transport and hands the ticket on; a "decode" actor receives them (the arrays readable in its
+process). The raw figure is one ``ray.put`` of a byte array of the same size in the first actor
+and a ``ray.get`` in the second. Times run from before the send to after the receive; medians
+over the trials, the two kinds alternating. Prints bytes per request, both bandwidths and their
+ratio (the target is >= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import ray
+
+from ray_app.handover import make_transport
+from sglang_tpu_backend.config import model_config_from_dict
+from sglang_tpu_backend.managers.handover import RequestHandover
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+ASSETS = Path(__file__).resolve().parents[1] / "sglang_tpu_backend" / "assets"
+CONFIGS = {"397b": (ASSETS / "configs" / "qwen3.5-397b-a17b.json", 256),
+           "tiny": (ASSETS / "tiny-qwen3.5-moe" / "config.json", 16)}
+
+
+def handover_arrays(cfg_path: Path, page_size: int, tokens: int) -> dict[str, np.ndarray]:
+    """kv [La, n, 2G, page, D], conv [Lg, K-1, C], rec [Lg, Hv, Dk, Dv] in bf16 for a request of
+    ``tokens`` tokens (random bytes: nothing compresses them)."""
+    cfg = model_config_from_dict(json.loads(cfg_path.read_text()))
+    rng = np.random.default_rng(0)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+
+    def arr(*shape):
+        return rng.integers(0, 2**16, size=shape, dtype=np.uint16).view(bf16)
+
+    n = -(-tokens // page_size)
+    return {"kv": arr(len(cfg.attention_layers), n, 2 * cfg.num_key_value_heads, page_size,
+                      cfg.head_dim),
+            "conv": arr(len(cfg.linear_layers), cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim),
+            "rec": arr(len(cfg.linear_layers), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                       cfg.linear_value_head_dim)}
+
+
+@ray.remote
+class Prefill:
+    def __init__(self, arrays: dict[str, np.ndarray], page_size: int):
+        self.transport = make_transport("object_store")
+        self.h = RequestHandover(
+            request=GenerateReqInput(input_ids=[1], rid="bench"), prompt_ids=[1], output_ids=[2],
+            seed=0, num_computed=1, page_size=page_size, weight_version="bench", **arrays)
+
+    def send(self) -> tuple[float, dict]:
+        t0 = time.time()
+        return t0, self.transport.send(self.h)
+
+    def put_raw(self) -> tuple[float, list]:
+        t0 = time.time()
+        return t0, [ray.put(np.empty(self.h.nbytes, np.uint8))]  # nested: not resolved on the way
+
+
+@ray.remote
+class Decode:
+    def __init__(self):
+        self.transport = make_transport("object_store")
+
+    async def receive(self, ticket: dict) -> tuple[float, int]:
+        h = await self.transport.receive(ticket)
+        return time.time(), h.nbytes
+
+    async def get_raw(self, refs: list) -> tuple[float, int]:
+        data = await refs[0]
+        return time.time(), data.nbytes
+
+
+def measure(prefill, decode, trials: int) -> dict[str, list[float]]:
+    """Seconds per trial, send to received, for the transport and the raw put/get."""
+    out = {"transport": [], "raw": []}
+    for i in range(trials + 1):  # the first round warms both paths up
+        for kind in ("transport", "raw") if i % 2 else ("raw", "transport"):
+            if kind == "transport":
+                t0, ticket = ray.get(prefill.send.remote())
+                t1, _ = ray.get(decode.receive.remote(ticket))
+            else:
+                t0, refs = ray.get(prefill.put_raw.remote())
+                t1, _ = ray.get(decode.get_raw.remote(refs))
+            if i:
+                out[kind].append(t1 - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[500, 4000])
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="397b")
+    args = ap.parse_args()
+    cfg_path, page_size = CONFIGS[args.config]
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=2 * 1024**3)
+    try:
+        print(f"config {args.config}, page {page_size}, bf16 KV + GDN state, {args.trials} trials")
+        print(f"{'tokens':>7} {'MiB/request':>12} {'transport GB/s':>15} {'raw GB/s':>9} {'ratio':>6}")
+        for tokens in args.tokens:
+            arrays = handover_arrays(cfg_path, page_size, tokens)
+            nbytes = sum(a.nbytes for a in arrays.values())
+            prefill, decode = Prefill.remote(arrays, page_size), Decode.remote()
+            times = measure(prefill, decode, args.trials)
+            bw = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+            print(f"{tokens:>7} {nbytes / 2**20:>12.1f} {bw['transport']:>15.2f} {bw['raw']:>9.2f} "
+                  f"{bw['transport'] / bw['raw']:>6.2f}")
+            for a in (prefill, decode):
+                ray.kill(a)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
