@@ -6,8 +6,9 @@ cache holds them. The ingress computes the request's ``routing_key`` (``prefix_k
 it to the replica call; the router ranks the candidates by rendezvous hashing of that key
 (highest ``blake2b(key, replica id)`` first: stable as replicas come and go, and the same in
 every ingress replica). The first-ranked replica is preferred unless it is full or its queue
-is ``imbalance`` requests longer than the shortest, then the least loaded serves it, as
-requests without a key (shorter than one page, or affinity off) are always served.
+is ``imbalance`` requests longer than the shortest, then the least loaded serves it (ties
+broken at random), as requests without a key (shorter than one page, or affinity off) are
+always served.
 
 ``FreeKVRouter`` (decode replicas): the replica reporting the most free KV tokens
 (``EngineServer.record_routing_stats``) first, the rest by Serve's queue-length choice.
@@ -16,6 +17,7 @@ requests without a key (shorter than one page, or affinity off) are always serve
 from __future__ import annotations
 
 import hashlib
+import random
 from typing import Any, Sequence
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -41,6 +43,12 @@ def rendezvous_rank(key: str, replica_ids: Sequence[str]) -> list[str]:
     return sorted(replica_ids, key=weight, reverse=True)
 
 
+def _shuffled(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """One rank of equals: Serve takes its shortest queue, ties to the first, so a random
+    order spreads requests over equally loaded replicas (as power-of-two choices does)."""
+    return random.sample(replicas, len(replicas))
+
+
 def routing_key(pending: PendingRequest | None) -> str | None:
     return None if pending is None else pending.kwargs.get("routing_key")
 
@@ -56,11 +64,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
                               ) -> list[list[RunningReplica]]:
         key = routing_key(pending_request)
         if key is None or len(candidate_replicas) < 2:
-            return [candidate_replicas]
+            return [_shuffled(candidate_replicas)]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranked = [by_id[i] for i in rendezvous_rank(key, list(by_id))]
         if self._queue_len(ranked[0]) - min(map(self._queue_len, ranked)) > self.imbalance:
-            return [candidate_replicas]  # busy: the least loaded of all
+            return [_shuffled(candidate_replicas)]  # busy: the least loaded of all
         return [ranked[:1], ranked[1:]]
 
     def _queue_len(self, replica: RunningReplica) -> int:

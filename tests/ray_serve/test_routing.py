@@ -56,8 +56,14 @@ def test_affinity_router_prefers_the_keys_replica_unless_it_is_busy():
     qlen[best] = 4  # as busy as the guard allows: still preferred
     assert _choose(PrefixAffinityRouter, state, reps, key)[0][0].replica_id.unique_id == best
     qlen[best] = 5  # busier: every replica is a candidate (least loaded wins)
-    assert _choose(PrefixAffinityRouter, state, reps, key) == [reps]
-    assert _choose(PrefixAffinityRouter, state, reps, None) == [reps]  # no key: by load
+    (busy,) = _choose(PrefixAffinityRouter, state, reps, key)
+    assert sorted(r.replica_id.unique_id for r in busy) == ["a", "b", "c"]
+    firsts = set()  # no key: one rank of all, in random order (ties spread over replicas)
+    for _ in range(30):
+        (only,) = _choose(PrefixAffinityRouter, state, reps, None)
+        assert len(only) == 3
+        firsts.add(only[0].replica_id.unique_id)
+    assert firsts == {"a", "b", "c"}
 
 
 def test_decode_router_ranks_by_free_kv_room():

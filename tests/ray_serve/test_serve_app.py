@@ -51,6 +51,8 @@ PD_ARGS = dict(ARGS, mode="disaggregated", prefill_dp_size="4", prefill_ep_size=
                decode_cpu_devices_per_host="2", decode_min_replicas="1", decode_max_replicas="2",
                target_ongoing_requests="2", upscale_delay_s="0.5", downscale_delay_s="3",
                look_back_period_s="2")
+# Prefix affinity: 2 colocated replicas with room for 500-token prefixes.
+AFF_ARGS = dict(ARGS, context_length="640", engine_replicas="2")
 FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}
 
@@ -77,6 +79,7 @@ def base_url():
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app(dict(ARGS)), name="colo", route_prefix="/colo", blocking=False)
+        serve.run(app(AFF_ARGS), name="aff", route_prefix="/aff", blocking=False)
         serve.run(app(PD_ARGS), name="pd", route_prefix="/pd")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -175,6 +178,45 @@ def test_dp4_prefill_hands_over_to_dp2_decode(base_url):
         for r in stats["dp_ranks"]:
             assert r["num_admitted_total"] > 0, (name, r)
             assert (r["kv_pages_used"], r["state_slots_used"], r["num_running"]) == (0, 0, 0), r
+
+
+def test_prefix_affinity_routes_shared_prefixes_to_the_replica_that_caches_them(base_url):
+    """2 engine replicas; groups of requests sharing a 500-token prefix (distinct 20-token
+    tails). Through the ingress (affinity on the leading 256 tokens) every repeat lands where
+    its group's first request left the prefix cached: cached_tokens >= 448. The same traffic
+    sent without a routing key (what prefix_affinity_tokens=0 sends) is spread by load alone:
+    fewer repeats find their prefix."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    rng = np.random.default_rng(11)
+
+    def group(seed: int) -> list[list[int]]:
+        shared = [int(x) for x in np.random.default_rng(seed).integers(3, 1000, size=500)]
+        return [shared + [int(x) for x in rng.integers(3, 1000, size=20)] for _ in range(3)]
+
+    def cached(out: dict) -> int:
+        return out["meta_info"]["cached_tokens"]
+
+    with_affinity = []
+    for g in range(8):
+        first, *repeats = group(1000 + g)
+        _generate(base_url + "/aff", first)
+        with_affinity += [cached(_generate(base_url + "/aff", ids)) >= 448 for ids in repeats]
+    handle = serve.get_deployment_handle("EngineServer", "aff").options(stream=True)
+
+    def direct(ids: list[int]) -> dict:  # the engine deployment's router, no key
+        obj = GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": 2})
+        return list(handle.generate.remote(obj, routing_key=None))[-1]
+
+    without = []  # one repeat per group: a repeat on the other replica caches it there too
+    for g in range(16):
+        first, repeat, _ = group(2000 + g)
+        direct(first)
+        without.append(cached(direct(repeat)) >= 448)
+    rate, rate_without = sum(with_affinity) / len(with_affinity), sum(without) / len(without)
+    print(f"repeats with cached_tokens >= 448: {rate:.2f} with affinity, {rate_without:.2f} without")
+    assert rate >= 0.9, with_affinity
+    assert rate_without < rate, without  # all 16 by chance: p = 2**-16
 
 
 def test_disaggregated_streams(base_url):
