@@ -1,0 +1,207 @@
+"""Verify mode of the fused conv1d + Gated DeltaNet: k+1 tokens per request, every prefix's state.
+
+Speculative decoding verifies a request's last token and its k drafts (n = k+1 positions) in
+one step, and only afterwards knows how many of them to keep. This op runs one GDN layer over
+such a batch from each request's state slot *without writing the slot*, and returns what is
+needed to set the slot to the state after any accepted prefix a in 0..n:
+
+  * ``rec_steps [R, n, Hv, Dk, Dv]``: the recurrent state after position j of request r
+    (after j+1 tokens) at ``rec_steps[r, j]``; after 0 tokens it is the slot's own state.
+    In rec_state's dtype (f32 for an f32 state): each position's state is rounded to that
+    dtype before the next position, as a decode step stores it, so nothing is lost by
+    keeping it there.
+  * ``windows [R, K-1+n, C]`` (conv_state's dtype): the conv window of the slot (K-1 rows,
+    oldest first; zeros for a fresh request) followed by the request's n pre-conv inputs.
+    The conv state after a tokens is ``windows[r, a : a+K-1]``: derived, not stored per
+    position (it is a sliding window over the inputs).
+
+Layout: T = R * n tokens, request r owns rows ``r*n .. r*n+n-1`` (every request, padding
+requests included, has exactly n rows; n is static, ``T // R``). Requests ``r >= num_seqs``
+are padding: their outputs and states are zero. A request with ``kv_lens[r] == n`` is fresh
+(its slot is read as zeros), as in ``kernels.gdn``. Dimension letters and numerics as there.
+
+Each position is one decode step in the decode path's association order
+(``gdn._decode_step``: o = q.S_pre + (q.k) d), so ``rec_steps[r, a-1]`` and the window equal,
+bit for bit in float32, what a decode steps of ``gated_delta_net(decode=True)`` leave in
+the slot on the same implementation (XLA path vs XLA decode, Pallas vs Pallas decode).
+
+Implementations (``impl``, ``kernels.dispatch``):
+  * ``"xla"`` / ``"auto"`` off-TPU: n vectorised decode steps over all requests.
+  * ``"reference"``: the ground truth, :func:`gdn.ref_recurrent_gdn` (transformers' order)
+    run over every prefix length of every request (n calls; slow, obvious).
+  * ``"pallas"`` / ``"interpret"``: ``gdn_verify_kernel``, one grid step per (head block,
+    request) that reads the slot once, runs the n positions in VMEM and writes n states.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kernels import dispatch, gdn, gdn_kernels, gdn_verify_kernel
+from kernels.gdn_common import F32, conv_act, gates
+
+__all__ = ["gated_delta_net_verify", "ref_gdn_verify", "commit_states"]
+
+
+def _verify_meta(T, kv_lens, num_seqs):
+    """n (static), cu_q_lens i32[R+1] of the fixed layout, real bool[R], fresh bool[R]."""
+    R = kv_lens.shape[0]
+    n = T // R
+    cu = (jnp.arange(R + 1) * n).astype(jnp.int32)
+    real = jnp.arange(R) < num_seqs[0]
+    return n, cu, real, kv_lens <= n
+
+
+def _check(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, kv_lens,
+           state_slots, num_seqs, num_k_heads, layer, block_sizes=None):
+    T, R = mixed_qkv.shape[0], kv_lens.shape[0]
+    if R < 1 or T % R:
+        raise ValueError(f"gated_delta_net_verify: T ({T}) must be R * n with n = k+1 tokens "
+                         f"per request, R = {R} (kv_lens {kv_lens.shape})")
+    _, cu, _, _ = _verify_meta(T, kv_lens, num_seqs)
+    gdn._check_args(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, cu,
+                    kv_lens, state_slots, num_seqs, num_k_heads, 1, False, layer, block_sizes)
+
+
+def _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K):
+    """f32[R, K-1+n, C]: each request's slot window (zeros if fresh) then its n inputs, the
+    inputs rounded through the conv state's dtype (as a decode step stores them)."""
+    R, C = state_slots.shape[0], mixed_qkv.shape[1]
+    slots = jnp.clip(state_slots, 0, conv_state.shape[1] - 1)
+    cs0 = jnp.where(fresh[:, None, None], 0.0, conv_state[layer, slots, : K - 1].astype(F32))
+    x = mixed_qkv.astype(conv_state.dtype).astype(F32).reshape(R, n, C)
+    return jnp.concatenate([cs0, x], axis=1)
+
+
+def _xla_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, kv_lens,
+                state_slots, num_seqs, num_k_heads, layer):
+    """n decode steps over all R requests, the decode path's math (``gdn._ref_decode``)."""
+    T, C = mixed_qkv.shape
+    _, _, Hv, Dk, Dv = rec_state.shape
+    K, R = conv_weight.shape[1], kv_lens.shape[0]
+    n, _, real, fresh = _verify_meta(T, kv_lens, num_seqs)
+    hist = _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K)  # f32[R, K-1+n, C]
+    x = mixed_qkv.astype(F32).reshape(R, n, C)
+    slots = jnp.clip(state_slots, 0, rec_state.shape[1] - 1)
+    s = jnp.where(fresh[:, None, None, None], 0.0, rec_state[layer, slots].astype(F32))
+    s = s.reshape(R * Hv, Dk, Dv)
+    w = conv_weight.astype(F32)
+    g_all, beta_all = gates(a, b, A_log, dt_bias)  # f32[T, Hv]
+    g_all, beta_all = g_all.reshape(R, n, Hv), beta_all.reshape(R, n, Hv)
+    outs, states = [], []
+    for j in range(n):  # n = k+1 is small and static
+        taps = [hist[:, j + i] for i in range(K - 1)] + [x[:, j]]
+        y = conv_act(taps, [w[:, i] for i in range(K)], conv_weight.dtype,
+                     mixed_qkv.dtype)  # f32[R, C]
+        q, k, v = gdn._split_heads(y, num_k_heads, Hv, Dk, Dv)
+        o, s = gdn._decode_step(s, q.reshape(R * Hv, 1, Dk), k.reshape(R * Hv, 1, Dk),
+                                v.reshape(R * Hv, 1, Dv), g_all[:, j].reshape(R * Hv, 1, 1),
+                                beta_all[:, j].reshape(R * Hv, 1, 1))
+        s = s.astype(rec_state.dtype)  # rounded as a decode step stores it
+        outs.append(o.reshape(R, Hv, Dv))
+        states.append(s.reshape(R, Hv, Dk, Dv))
+        s = s.astype(F32)
+    o = jnp.where(real[:, None, None, None], jnp.stack(outs, 1), 0.0)
+    rec_steps = jnp.where(real[:, None, None, None, None], jnp.stack(states, 1), 0)
+    win = jnp.where(real[:, None, None], hist, 0.0)
+    return o.reshape(T, Hv, Dv).astype(mixed_qkv.dtype), win.astype(conv_state.dtype), rec_steps
+
+
+def ref_gdn_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
+                   kv_lens, state_slots, num_seqs, *, num_k_heads: int, layer=0):
+    """Ground truth of :func:`gated_delta_net_verify`: for every prefix length p = 1..n, run
+    :func:`gdn.ref_recurrent_gdn` over the first p tokens of every request and read the slot
+    states it leaves (o from the full-length run). Same arguments and results."""
+    _check(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, kv_lens,
+           state_slots, num_seqs, num_k_heads, layer)
+    T, C = mixed_qkv.shape
+    K, R = conv_weight.shape[1], kv_lens.shape[0]
+    n, cu, real, fresh = _verify_meta(T, kv_lens, num_seqs)
+    layer = gdn._layer_index(layer, rec_state.shape[0])
+    # Each request its own scratch slot r, so the prefix runs read the original states.
+    slots = jnp.clip(state_slots, 0, rec_state.shape[1] - 1)
+    cs = conv_state[layer, slots][None]  # [1, R, rows, C]
+    rs = rec_state[layer, slots][None]  # [1, R, Hv, Dk, Dv]
+    own = jnp.arange(R, dtype=jnp.int32)
+    rows = jnp.arange(T).reshape(R, n)
+    o = states = None
+    steps = []
+    for p in range(1, n + 1):  # tokens p..n-1 of each request become padding rows at the tail
+        take = rows[:, :p].reshape(-1)
+        pad = lambda x: jnp.zeros_like(x).at[: R * p].set(x[take])  # noqa: E731
+        cu_p = jnp.concatenate([(jnp.arange(R) * p), jnp.full((1,), R * p)]).astype(jnp.int32)
+        o_p, _, states = gdn.ref_recurrent_gdn(
+            pad(mixed_qkv), pad(a), pad(b), conv_weight, A_log, dt_bias, cs, rs, cu_p,
+            kv_lens - n + p, own, num_seqs, num_k_heads=num_k_heads, layer=0)
+        steps.append(states[0])
+        o = o_p if p == n else o
+    rec_steps = jnp.where(real[:, None, None, None, None], jnp.stack(steps, 1), 0)
+    win = jnp.where(real[:, None, None],
+                    _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K), 0.0)
+    return o, win.astype(conv_state.dtype), rec_steps
+
+
+def gated_delta_net_verify(
+    mixed_qkv,  # [T = R*n, C] pre-conv inputs, request r at rows r*n .. r*n+n-1
+    a, b,  # [T, Hv] in_proj_a / in_proj_b outputs
+    conv_weight,  # [C, K]
+    A_log, dt_bias,  # f32[Hv]
+    conv_state,  # [Lyr, S, conv_state_rows(K), C] (read only)
+    rec_state,  # [Lyr, S, Hv, Dk, Dv] (read only)
+    kv_lens,  # i32[R] tokens of the request after this step (== n: fresh)
+    state_slots,  # i32[R]
+    num_seqs,  # i32[1] real requests
+    *, num_k_heads: int, layer=0, impl=None,
+    block_sizes: gdn.GdnBlockSizes | None = None,
+):
+    """One GDN layer in verify mode (see the module docstring); the slots are not written.
+
+    Returns o [T, Hv, Dv] in mixed_qkv's dtype, windows [R, K-1+n, C] in conv_state's dtype
+    and rec_steps [R, n, Hv, Dk, Dv] in rec_state's dtype (zero for padding requests).
+    """
+    resolved = dispatch.resolve(impl, has_xla=True)
+    _check(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, kv_lens,
+           state_slots, num_seqs, num_k_heads, layer, block_sizes)
+    Lyr, _, Hv, Dk, Dv = rec_state.shape
+    layer = gdn._layer_index(layer, Lyr)
+    args = (mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, kv_lens,
+            state_slots, num_seqs)
+    if resolved == "reference":
+        return ref_gdn_verify(*args, num_k_heads=num_k_heads, layer=layer)
+    if resolved == "xla":
+        return _xla_verify(*args, num_k_heads, layer)
+    K, (T, C), R = conv_weight.shape[1], mixed_qkv.shape, kv_lens.shape[0]
+    kb = (block_sizes or gdn.GdnBlockSizes()).k_heads_per_block
+    if kb is None:
+        kb = gdn_kernels.default_k_heads_per_block(num_k_heads, Hv, Dk, Dv)
+    geom = gdn_kernels.Geometry(Hk=num_k_heads, Hv=Hv, Dk=Dk, Dv=Dv, K=K, kb=kb, L=T // R)
+    n, _, real, fresh = _verify_meta(T, kv_lens, num_seqs)
+    o, rec_steps = gdn_verify_kernel.pallas_gdn_verify(
+        *args[:8], state_slots, real, fresh, layer, geom=geom,
+        interpret=dispatch.interpret_params(resolved))
+    win = jnp.where(real[:, None, None],
+                    _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K), 0.0)
+    return o, win.astype(conv_state.dtype), rec_steps
+
+
+def commit_states(conv_state, rec_state, windows, rec_steps, state_slots, accepted_len):
+    """Set each slot to the state after its first ``accepted_len[r]`` verified positions.
+
+    conv_state [Lyr, S, rows, C], rec_state [Lyr, S, Hv, Dk, Dv]; windows [Lyr, R, K-1+n, C]
+    and rec_steps f32[Lyr, R, n, Hv, Dk, Dv] from verify mode of every layer (stacked);
+    state_slots, accepted_len i32[R]. ``accepted_len[r]`` = 0 (or a negative value, or a
+    padding request given slot >= S) leaves slot r's state as it is; 1..n takes the state
+    after that many tokens. One program for every accepted length (a gather, no branch).
+    """
+    S = rec_state.shape[1]
+    n = rec_steps.shape[2]
+    K1 = windows.shape[2] - n  # K-1
+    acc = jnp.clip(accepted_len, 0, n).astype(jnp.int32)
+    idx = jnp.where(acc > 0, state_slots, S)  # S: dropped by the scatter
+    rows = acc[:, None] + jnp.arange(K1)[None, :]  # i32[R, K-1]
+    conv = jnp.take_along_axis(windows, rows[None, :, :, None], axis=2)  # [Lyr, R, K-1, C]
+    rec = jnp.take_along_axis(rec_steps, jnp.maximum(acc - 1, 0)[None, :, None, None, None, None],
+                              axis=2)[:, :, 0]  # [Lyr, R, Hv, Dk, Dv]
+    conv_state = conv_state.at[:, idx, :K1].set(conv.astype(conv_state.dtype), mode="drop")
+    rec_state = rec_state.at[:, idx].set(rec.astype(rec_state.dtype), mode="drop")
+    return conv_state, rec_state
