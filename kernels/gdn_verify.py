@@ -38,7 +38,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels import dispatch, gdn, gdn_kernels, gdn_verify_kernel
-from kernels.gdn_common import F32, conv_act, gates
+from kernels.gdn_common import F32
 
 __all__ = ["gated_delta_net_verify", "ref_gdn_verify", "commit_states"]
 
@@ -75,35 +75,22 @@ def _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K):
 
 def _xla_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, kv_lens,
                 state_slots, num_seqs, num_k_heads, layer):
-    """n decode steps over all R requests, the decode path's math (``gdn._ref_decode``)."""
+    """n decode steps over all R requests: the decode path's loop (``gdn.decode_loop``)."""
     T, C = mixed_qkv.shape
     _, _, Hv, Dk, Dv = rec_state.shape
     K, R = conv_weight.shape[1], kv_lens.shape[0]
     n, _, real, fresh = _verify_meta(T, kv_lens, num_seqs)
-    hist = _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K)  # f32[R, K-1+n, C]
-    x = mixed_qkv.astype(F32).reshape(R, n, C)
+    win = _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K)  # f32[R, K-1+n, C]
     slots = jnp.clip(state_slots, 0, rec_state.shape[1] - 1)
-    s = jnp.where(fresh[:, None, None, None], 0.0, rec_state[layer, slots].astype(F32))
-    s = s.reshape(R * Hv, Dk, Dv)
-    w = conv_weight.astype(F32)
-    g_all, beta_all = gates(a, b, A_log, dt_bias)  # f32[T, Hv]
-    g_all, beta_all = g_all.reshape(R, n, Hv), beta_all.reshape(R, n, Hv)
-    outs, states = [], []
-    for j in range(n):  # n = k+1 is small and static
-        taps = [hist[:, j + i] for i in range(K - 1)] + [x[:, j]]
-        y = conv_act(taps, [w[:, i] for i in range(K)], conv_weight.dtype,
-                     mixed_qkv.dtype)  # f32[R, C]
-        q, k, v = gdn._split_heads(y, num_k_heads, Hv, Dk, Dv)
-        o, s = gdn._decode_step(s, q.reshape(R * Hv, 1, Dk), k.reshape(R * Hv, 1, Dk),
-                                v.reshape(R * Hv, 1, Dv), g_all[:, j].reshape(R * Hv, 1, 1),
-                                beta_all[:, j].reshape(R * Hv, 1, 1))
-        s = s.astype(rec_state.dtype)  # rounded as a decode step stores it
-        outs.append(o.reshape(R, Hv, Dv))
-        states.append(s.reshape(R, Hv, Dk, Dv))
-        s = s.astype(F32)
-    o = jnp.where(real[:, None, None, None], jnp.stack(outs, 1), 0.0)
-    rec_steps = jnp.where(real[:, None, None, None, None], jnp.stack(states, 1), 0)
-    win = jnp.where(real[:, None, None], hist, 0.0)
+    s0 = jnp.where(fresh[:, None, None, None], 0.0, rec_state[layer, slots].astype(F32))
+    by_position = lambda z: jnp.moveaxis(z.reshape(R, n, -1), 1, 0)  # noqa: E731 [n, R, *]
+    once = jnp.where(num_seqs[0] >= 0, 1, 0)  # 1 (num_seqs >= 0), traced: see gdn.decode_loop
+    o, states, _ = gdn.decode_loop(win[:, : K - 1], s0, by_position(mixed_qkv), by_position(a),
+                                   by_position(b), conv_weight, A_log, dt_bias, num_k_heads,
+                                   once, rec_state.dtype, conv_state.dtype)
+    o = jnp.where(real[:, None, None, None], jnp.moveaxis(o, 0, 1), 0.0)
+    rec_steps = jnp.where(real[:, None, None, None, None], jnp.moveaxis(states, 0, 1), 0)
+    win = jnp.where(real[:, None, None], win, 0.0)
     return o.reshape(T, Hv, Dv).astype(mixed_qkv.dtype), win.astype(conv_state.dtype), rec_steps
 
 
