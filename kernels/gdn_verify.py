@@ -63,14 +63,18 @@ def _check(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, 
                     kv_lens, state_slots, num_seqs, num_k_heads, 1, False, layer, block_sizes)
 
 
-def _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K):
-    """f32[R, K-1+n, C]: each request's slot window (zeros if fresh) then its n inputs, the
-    inputs rounded through the conv state's dtype (as a decode step stores them)."""
-    R, C = state_slots.shape[0], mixed_qkv.shape[1]
+def _slot_windows(conv_state, layer, state_slots, fresh, K):
+    """f32[R, K-1, C]: each request's conv state (zeros if fresh), gathered by XLA."""
     slots = jnp.clip(state_slots, 0, conv_state.shape[1] - 1)
-    cs0 = jnp.where(fresh[:, None, None], 0.0, conv_state[layer, slots, : K - 1].astype(F32))
-    x = mixed_qkv.astype(conv_state.dtype).astype(F32).reshape(R, n, C)
-    return jnp.concatenate([cs0, x], axis=1)
+    return jnp.where(fresh[:, None, None], 0.0, conv_state[layer, slots, : K - 1].astype(F32))
+
+
+def _windows(cs0, mixed_qkv, conv_dtype, n):
+    """f32[R, K-1+n, C]: the conv states cs0 [R, K-1, C] then each request's n inputs, rounded
+    through the conv state's dtype (as a decode step stores them)."""
+    R, _, C = cs0.shape
+    x = mixed_qkv.astype(conv_dtype).astype(F32).reshape(R, n, C)
+    return jnp.concatenate([cs0.astype(F32), x], axis=1)
 
 
 def _xla_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, kv_lens,
@@ -80,7 +84,8 @@ def _xla_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_st
     _, _, Hv, Dk, Dv = rec_state.shape
     K, R = conv_weight.shape[1], kv_lens.shape[0]
     n, _, real, fresh = _verify_meta(T, kv_lens, num_seqs)
-    win = _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K)  # f32[R, K-1+n, C]
+    cs0 = _slot_windows(conv_state, layer, state_slots, fresh, K)
+    win = _windows(cs0, mixed_qkv, conv_state.dtype, n)  # f32[R, K-1+n, C]
     slots = jnp.clip(state_slots, 0, rec_state.shape[1] - 1)
     s0 = jnp.where(fresh[:, None, None, None], 0.0, rec_state[layer, slots].astype(F32))
     by_position = lambda z: jnp.moveaxis(z.reshape(R, n, -1), 1, 0)  # noqa: E731 [n, R, *]
@@ -123,8 +128,9 @@ def ref_gdn_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec
         steps.append(states[0])
         o = o_p if p == n else o
     rec_steps = jnp.where(real[:, None, None, None, None], jnp.stack(steps, 1), 0)
-    win = jnp.where(real[:, None, None],
-                    _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K), 0.0)
+    win = _windows(_slot_windows(conv_state, layer, state_slots, fresh, K), mixed_qkv,
+                   conv_state.dtype, n)
+    win = jnp.where(real[:, None, None], win, 0.0)
     return o, win.astype(conv_state.dtype), rec_steps
 
 
@@ -163,11 +169,11 @@ def gated_delta_net_verify(
         kb = gdn_kernels.default_k_heads_per_block(num_k_heads, Hv, Dk, Dv)
     geom = gdn_kernels.Geometry(Hk=num_k_heads, Hv=Hv, Dk=Dk, Dv=Dv, K=K, kb=kb, L=T // R)
     n, _, real, fresh = _verify_meta(T, kv_lens, num_seqs)
-    o, rec_steps = gdn_verify_kernel.pallas_gdn_verify(
+    o, rec_steps, cs0 = gdn_verify_kernel.pallas_gdn_verify(
         *args[:8], state_slots, real, fresh, layer, geom=geom,
         interpret=dispatch.interpret_params(resolved))
-    win = jnp.where(real[:, None, None],
-                    _windows(mixed_qkv, conv_state, layer, state_slots, fresh, n, K), 0.0)
+    win = jnp.where(real[:, None, None], _windows(cs0[:, : K - 1], mixed_qkv, conv_state.dtype, n),
+                    0.0)
     return o, win.astype(conv_state.dtype), rec_steps
 
 

@@ -41,6 +41,7 @@ def _verify_kernel(
     # Outputs
     o_ref,  # [n, hb, Dv]
     steps_ref,  # [n, hb, Dk, Dv] state after each position, in the state dtype
+    cs0_ref,  # [rows, cb] the conv state read (zeros: fresh or padding request)
     # Scratch
     cs_buf,  # [rows, cb] conv state of the block (rows K-1.. are padding)
     s_buf,  # [hb, Dk, Dv] recurrent state block in its dtype
@@ -56,6 +57,7 @@ def _verify_kernel(
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
         steps_ref[...] = jnp.zeros(steps_ref.shape, steps_ref.dtype)
+        cs0_ref[...] = jnp.zeros(cs0_ref.shape, cs0_ref.dtype)
 
     @pl.when(real & fresh)
     def _():
@@ -69,6 +71,7 @@ def _verify_kernel(
 
     @pl.when(real)
     def _():
+        cs0_ref[...] = cs_buf[...]
         # History taps as the decode kernel reads them back: rounded through the conv dtype.
         hist = [cs_buf[i : i + 1, :].astype(F32) for i in range(K - 1)]
         hist += [x_ref[p : p + 1, :].astype(cs_buf.dtype).astype(F32) for p in range(n)]
@@ -93,7 +96,10 @@ def pallas_gdn_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, 
                       state_slots, real, fresh, layer, *, geom: Geometry, interpret):
     """Run the verify kernel. mixed_qkv [R*n, C], a/b [R*n, Hv]; state_slots i32[R]; real,
     fresh bool[R]; layer an i32 scalar already clipped. Returns o [R*n, Hv, Dv] (mixed_qkv's
-    dtype) and rec_steps [R, n, Hv, Dk, Dv] in rec_state's dtype."""
+    dtype), rec_steps [R, n, Hv, Dk, Dv] in rec_state's dtype and the conv state each request
+    started from, [R, rows, C] in conv_state's dtype (zeros: fresh or padding). The kernel
+    hands that back rather than XLA gathering it: a gather would want the stacked conv state
+    in another layout than the kernel's and copy all of it."""
     R = state_slots.shape[0]
     T = mixed_qkv.shape[0]
     n = T // R
@@ -117,21 +123,32 @@ def pallas_gdn_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, 
         return pl.BlockSpec((sq, sq, *shape), lambda j, i, *_: (j, i) + (0,) * len(shape))
 
     steps_spec = pl.BlockSpec((sq, n, hb, Dk, Dv), lambda j, i, *_: (i, 0, j, 0, 0))
-    o, steps = pl.pallas_call(
+    rows = conv_state.shape[2]
+    o, steps, cs0 = pl.pallas_call(
         functools.partial(_verify_kernel, geom=geom),
         out_shape=(jax.ShapeDtypeStruct((nb, R, n, hb, Dv), mixed_qkv.dtype),
-                   jax.ShapeDtypeStruct((R, n, geom.Hv, Dk, Dv), rec_state.dtype)),
+                   jax.ShapeDtypeStruct((R, n, geom.Hv, Dk, Dv), rec_state.dtype),
+                   jax.ShapeDtypeStruct((nb, R, rows, cb), conv_state.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch),
             grid=(nb, R),
             in_specs=[per_block(1, hb), per_block(1, hb), per_step(n, cb), per_step(n, hb),
                       per_step(n, hb), per_block(K, cb), any_spec, any_spec],
-            out_specs=[per_step(n, hb, Dv), steps_spec],
-            scratch_shapes=[pltpu.VMEM((conv_state.shape[2], cb), conv_state.dtype),
+            out_specs=[per_step(n, hb, Dv), steps_spec, per_step(rows, cb)],
+            scratch_shapes=[pltpu.VMEM((rows, cb), conv_state.dtype),
                             pltpu.VMEM((hb, Dk, Dv), rec_state.dtype),
                             pltpu.SemaphoreType.DMA((_NUM_SEMS,))]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
     )(*prefetch, alog, dtb, x_in, a_in, b_in, w, conv_state, rec_state)
     o = jnp.moveaxis(o.reshape(nb, T, hb, Dv), 1, 0).reshape(T, geom.Hv, Dv)
-    return o, steps
+    return o, steps, _from_blocks(jnp.moveaxis(cs0, 0, 2), geom)
+
+
+def _from_blocks(x, geom):
+    """[..., nb, cb] (block j = [q_j | k_j | v_j]) -> [..., C] channels [q | k | v]."""
+    lead, qk = x.shape[:-2], geom.kb * geom.Dk
+    q = x[..., :qk].reshape(*lead, geom.Hk * geom.Dk)
+    k = x[..., qk : 2 * qk].reshape(*lead, geom.Hk * geom.Dk)
+    v = x[..., 2 * qk :].reshape(*lead, geom.Hv * geom.Dv)
+    return jnp.concatenate([q, k, v], axis=-1)
