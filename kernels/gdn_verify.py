@@ -38,9 +38,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels import dispatch, gdn, gdn_kernels, gdn_verify_kernel
+from kernels.cost import Cost
 from kernels.gdn_common import F32
 
-__all__ = ["gated_delta_net_verify", "ref_gdn_verify", "commit_states"]
+__all__ = ["commit_states", "gated_delta_net_verify", "gated_delta_net_verify_cost",
+           "ref_gdn_verify"]
 
 
 def _verify_meta(T, kv_lens, num_seqs):
@@ -169,12 +171,32 @@ def gated_delta_net_verify(
         kb = gdn_kernels.default_k_heads_per_block(num_k_heads, Hv, Dk, Dv)
     geom = gdn_kernels.Geometry(Hk=num_k_heads, Hv=Hv, Dk=Dk, Dv=Dv, K=K, kb=kb, L=T // R)
     n, _, real, fresh = _verify_meta(T, kv_lens, num_seqs)
+    cost = gated_delta_net_verify_cost(R, n, num_k_heads, Hv, Dk, Dv, conv_kernel=K,
+                                       x_bytes=mixed_qkv.dtype.itemsize,
+                                       state_bytes=rec_state.dtype.itemsize)
     o, rec_steps, cs0 = gdn_verify_kernel.pallas_gdn_verify(
-        *args[:8], state_slots, real, fresh, layer, geom=geom,
+        *args[:8], state_slots, real, fresh, layer, geom=geom, cost=cost.to_pallas(),
         interpret=dispatch.interpret_params(resolved))
     win = jnp.where(real[:, None, None], _windows(cs0[:, : K - 1], mixed_qkv, conv_state.dtype, n),
                     0.0)
     return o, win.astype(conv_state.dtype), rec_steps
+
+
+def gated_delta_net_verify_cost(num_seqs: int, n: int, num_k_heads: int, num_v_heads: int,
+                                head_k_dim: int, head_v_dim: int, *, conv_kernel: int = 4,
+                                x_bytes: int = 2, state_bytes: int = 4) -> Cost:
+    """Analytic cost of one verify call: n decode steps of R requests (``gated_delta_net_cost``
+    with decode=True over T = R*n rows, which counts each row's state read and written once),
+    corrected to one state read and n state writes per request."""
+    R, Hv, Dk, Dv = num_seqs, num_v_heads, head_k_dim, head_v_dim
+    steps = gdn.gated_delta_net_cost(R * n, R * n, num_k_heads, Hv, Dk, Dv,
+                                     conv_kernel=conv_kernel, decode=True, x_bytes=x_bytes,
+                                     state_bytes=state_bytes)
+    C = 2 * num_k_heads * Dk + Hv * Dv
+    per_state = Hv * Dk * Dv * state_bytes
+    extra = R * (n + 1) * per_state - 2 * R * n * per_state  # R reads + R*n writes
+    extra -= R * (n - 1) * 2 * C * (conv_kernel - 1) * x_bytes  # conv state: read once
+    return Cost(steps.flops, steps.bytes_accessed + extra, steps.transcendentals)
 
 
 def commit_states(conv_state, rec_state, windows, rec_steps, state_slots, accepted_len):

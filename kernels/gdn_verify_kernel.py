@@ -93,7 +93,7 @@ def _verify_kernel(
 
 
 def pallas_gdn_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
-                      state_slots, real, fresh, layer, *, geom: Geometry, interpret):
+                      state_slots, real, fresh, layer, *, geom: Geometry, cost, interpret):
     """Run the verify kernel. mixed_qkv [R*n, C], a/b [R*n, Hv]; state_slots i32[R]; real,
     fresh bool[R]; layer an i32 scalar already clipped. Returns o [R*n, Hv, Dv] (mixed_qkv's
     dtype), rec_steps [R, n, Hv, Dk, Dv] in rec_state's dtype and the conv state each request
@@ -139,6 +139,7 @@ def pallas_gdn_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, 
                             pltpu.VMEM((hb, Dk, Dv), rec_state.dtype),
                             pltpu.SemaphoreType.DMA((_NUM_SEMS,))]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        cost_estimate=cost,
         interpret=interpret,
     )(*prefetch, alog, dtb, x_in, a_in, b_in, w, conv_state, rec_state)
     o = jnp.moveaxis(o.reshape(nb, T, hb, Dv), 1, 0).reshape(T, geom.Hv, Dv)

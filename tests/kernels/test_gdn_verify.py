@@ -156,3 +156,11 @@ def test_verify_bad_layout_raises():
     with pytest.raises(ValueError, match="C must equal"):
         gdn_verify.gated_delta_net_verify(**dict(case, mixed_qkv=case["mixed_qkv"][:, :-1]),
                                           num_k_heads=hk, impl="xla")
+
+
+def test_verify_cost_reads_each_state_once_and_writes_every_position():
+    R, n, per_state = 64, 4, 64 * 128 * 128 * 2  # 397B heads, bf16 state
+    cost = gdn_verify.gated_delta_net_verify_cost(R, n, 16, 64, 128, 128, state_bytes=2)
+    steps = gdn.gated_delta_net_cost(R * n, R * n, 16, 64, 128, 128, decode=True, state_bytes=2)
+    assert R * (n + 1) * per_state < cost.bytes_accessed < steps.bytes_accessed
+    assert cost.flops == steps.flops
