@@ -27,7 +27,8 @@ Implementations (``impl``, see ``kernels.dispatch``; the Pallas kernels are in
 ``kernels.gdn_kernels``, the math they share with the references in ``kernels.gdn_common``):
   * ``decode=True``: one token per request, row r is request r. A vectorised recurrent step
     using ``o = q.S_pre + (q.k) d`` (S_pre the decayed state), so o does not wait on the
-    rank-1 update.
+    rank-1 update. Off the Pallas path it runs as :func:`decode_loop`, the loop body that
+    speculative verify mode (``kernels.gdn_verify``) runs once per verified position.
   * ``decode=False``: ragged prefill chunks and decode rows mixed. Each request's tokens are
     cut into chunks of ``chunk_size``; the chunks of all requests are laid out in a static
     number of chunk slots ``N = min(T, cdiv(T, L) + R)``, and a scan over chunks carries each

@@ -21,12 +21,16 @@ are padding: their outputs and states are zero. A request with ``kv_lens[r] == n
 (its slot is read as zeros), as in ``kernels.gdn``. Dimension letters and numerics as there.
 
 Each position is one decode step in the decode path's association order
-(``gdn._decode_step``: o = q.S_pre + (q.k) d), so ``rec_steps[r, a-1]`` and the window equal,
-bit for bit in float32, what a decode steps of ``gated_delta_net(decode=True)`` leave in
-the slot on the same implementation (XLA path vs XLA decode, Pallas vs Pallas decode).
+(``gdn._decode_step``: o = q.S_pre + (q.k) d). On the XLA path both run the same loop body
+(``gdn.decode_loop``), and the Pallas kernel the decode kernel's math, so in float32
+``rec_steps[r, a-1]`` and ``windows[r, a : a+K-1]`` equal bit for bit what a decode steps of
+``gated_delta_net(decode=True)`` on the same implementation leave in the slot. The reference
+agrees with both to rounding (another association order).
+
+:func:`commit_states` then writes the accepted prefix's states into the slots of every layer.
 
 Implementations (``impl``, ``kernels.dispatch``):
-  * ``"xla"`` / ``"auto"`` off-TPU: n vectorised decode steps over all requests.
+  * ``"xla"`` / ``"auto"`` off-TPU: n decode steps over all requests (``gdn.decode_loop``).
   * ``"reference"``: the ground truth, :func:`gdn.ref_recurrent_gdn` (transformers' order)
     run over every prefix length of every request (n calls; slow, obvious).
   * ``"pallas"`` / ``"interpret"``: ``gdn_verify_kernel``, one grid step per (head block,
