@@ -100,6 +100,7 @@ def plain_decode(model, prefilled):
     return tokens, logits, states
 
 
+@pytest.mark.jax_versions  # the model forward: both jax legs
 def test_rollback_at_every_position(model, prefilled, plain_decode):
     cfg, _ = model
     tokens, plain_logits, plain_states = plain_decode
