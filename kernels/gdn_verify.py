@@ -40,6 +40,7 @@ Implementations (``impl``, ``kernels.dispatch``):
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from kernels import dispatch, gdn, gdn_kernels, gdn_verify_kernel
 from kernels.cost import Cost
@@ -86,7 +87,7 @@ def _windows(cs0, mixed_qkv, conv_dtype, n):
 def _xla_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, kv_lens,
                 state_slots, num_seqs, num_k_heads, layer):
     """n decode steps over all R requests: the decode path's loop (``gdn.decode_loop``)."""
-    T, C = mixed_qkv.shape
+    T = mixed_qkv.shape[0]
     _, _, Hv, Dk, Dv = rec_state.shape
     K, R = conv_weight.shape[1], kv_lens.shape[0]
     n, _, real, fresh = _verify_meta(T, kv_lens, num_seqs)
@@ -112,9 +113,9 @@ def ref_gdn_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec
     states it leaves (o from the full-length run). Same arguments and results."""
     _check(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, kv_lens,
            state_slots, num_seqs, num_k_heads, layer)
-    T, C = mixed_qkv.shape
+    T = mixed_qkv.shape[0]
     K, R = conv_weight.shape[1], kv_lens.shape[0]
-    n, cu, real, fresh = _verify_meta(T, kv_lens, num_seqs)
+    n, _, real, fresh = _verify_meta(T, kv_lens, num_seqs)
     layer = gdn._layer_index(layer, rec_state.shape[0])
     # Each request its own scratch slot r, so the prefix runs read the original states.
     slots = jnp.clip(state_slots, 0, rec_state.shape[1] - 1)
@@ -169,7 +170,7 @@ def gated_delta_net_verify(
         return ref_gdn_verify(*args, num_k_heads=num_k_heads, layer=layer)
     if resolved == "xla":
         return _xla_verify(*args, num_k_heads, layer)
-    K, (T, C), R = conv_weight.shape[1], mixed_qkv.shape, kv_lens.shape[0]
+    K, T, R = conv_weight.shape[1], mixed_qkv.shape[0], kv_lens.shape[0]
     kb = (block_sizes or gdn.GdnBlockSizes()).k_heads_per_block
     if kb is None:
         kb = gdn_kernels.default_k_heads_per_block(num_k_heads, Hv, Dk, Dv)
@@ -207,20 +208,32 @@ def commit_states(conv_state, rec_state, windows, rec_steps, state_slots, accept
     """Set each slot to the state after its first ``accepted_len[r]`` verified positions.
 
     conv_state [Lyr, S, rows, C], rec_state [Lyr, S, Hv, Dk, Dv]; windows [Lyr, R, K-1+n, C]
-    and rec_steps f32[Lyr, R, n, Hv, Dk, Dv] from verify mode of every layer (stacked);
-    state_slots, accepted_len i32[R]. ``accepted_len[r]`` = 0 (or a negative value, or a
-    padding request given slot >= S) leaves slot r's state as it is; 1..n takes the state
-    after that many tokens. One program for every accepted length (a gather, no branch).
+    and rec_steps [Lyr, R, n, Hv, Dk, Dv] from verify mode of every layer (stacked);
+    state_slots, accepted_len i32[R]. ``accepted_len[r]`` = 0 (or a negative value, or a slot
+    outside [0, S)) leaves slot r's state as it is; 1..n takes the state after that many
+    tokens. One program for every accepted length: a loop over the R requests that copies one
+    slot of every layer per iteration in place (a gather of all R states and a scatter would
+    hold several R-state temporaries, gigabytes at 397B shapes).
     """
-    S = rec_state.shape[1]
-    n = rec_steps.shape[2]
-    K1 = windows.shape[2] - n  # K-1
+    S, n = rec_state.shape[1], rec_steps.shape[2]
+    Lyr, R, _, Hv, Dk, Dv = rec_steps.shape
+    K1, C = windows.shape[2] - n, windows.shape[3]
     acc = jnp.clip(accepted_len, 0, n).astype(jnp.int32)
-    idx = jnp.where(acc > 0, state_slots, S)  # S: dropped by the scatter
-    rows = acc[:, None] + jnp.arange(K1)[None, :]  # i32[R, K-1]
-    conv = jnp.take_along_axis(windows, rows[None, :, :, None], axis=2)  # [Lyr, R, K-1, C]
-    rec = jnp.take_along_axis(rec_steps, jnp.maximum(acc - 1, 0)[None, :, None, None, None, None],
-                              axis=2)[:, :, 0]  # [Lyr, R, Hv, Dk, Dv]
-    conv_state = conv_state.at[:, idx, :K1].set(conv.astype(conv_state.dtype), mode="drop")
-    rec_state = rec_state.at[:, idx].set(rec.astype(rec_state.dtype), mode="drop")
-    return conv_state, rec_state
+    write = (acc > 0) & (state_slots >= 0) & (state_slots < S)
+    slots = jnp.clip(state_slots, 0, S - 1).astype(jnp.int32)
+
+    def one(r, states):
+        cs, rs = states
+        a, slot, zero = acc[r], slots[r], jnp.int32(0)
+        new_rs = lax.dynamic_slice(rec_steps, (zero, r, jnp.maximum(a - 1, 0), zero, zero, zero),
+                                   (Lyr, 1, 1, Hv, Dk, Dv))[:, :, 0]
+        old_rs = lax.dynamic_slice(rs, (zero, slot, zero, zero, zero), (Lyr, 1, Hv, Dk, Dv))
+        new_cs = lax.dynamic_slice(windows, (zero, r, a, zero), (Lyr, 1, K1, C))
+        old_cs = lax.dynamic_slice(cs, (zero, slot, zero, zero), (Lyr, 1, K1, C))
+        rs = lax.dynamic_update_slice(
+            rs, jnp.where(write[r], new_rs.astype(rs.dtype), old_rs), (zero, slot, zero, zero, zero))
+        cs = lax.dynamic_update_slice(
+            cs, jnp.where(write[r], new_cs.astype(cs.dtype), old_cs), (zero, slot, zero, zero))
+        return cs, rs
+
+    return lax.fori_loop(0, R, one, (conv_state, rec_state))

@@ -176,32 +176,32 @@ def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, c
     z = (x @ p["in_proj_z"]).reshape(T, Hv, Dv)
     b = x @ p["in_proj_b"]  # [T, Hv]
     a = x @ p["in_proj_a"]  # [T, Hv]
-    verify = None
     if batch.mode.is_verify():
         o, *verify = gdn_verify.gated_delta_net_verify(
             mixed_qkv, a, b, p["conv1d"], p["A_log"], p["dt_bias"], conv_state, rec_state,
             batch.kv_lens, batch.state_slots, batch.num_seqs,
             num_k_heads=cfg.linear_num_key_heads, layer=layer, impl=impl)
-        o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(T, Hv * Dv)
-        return o @ p["out_proj"], conv_state, rec_state, tuple(verify)
-    o, conv_state, rec_state = gdn.gated_delta_net(
-        mixed_qkv,
-        a,
-        b,
-        p["conv1d"],
-        p["A_log"],
-        p["dt_bias"],
-        conv_state,
-        rec_state,
-        batch.cu_q_lens,
-        batch.kv_lens,
-        batch.state_slots,
-        batch.num_seqs,
-        num_k_heads=cfg.linear_num_key_heads,
-        decode=batch.mode.is_decode(),
-        layer=layer,
-        impl=impl,
-    )  # o: [T, Hv, Dv]
+        verify = tuple(verify)
+    else:
+        verify = None
+        o, conv_state, rec_state = gdn.gated_delta_net(
+            mixed_qkv,
+            a,
+            b,
+            p["conv1d"],
+            p["A_log"],
+            p["dt_bias"],
+            conv_state,
+            rec_state,
+            batch.cu_q_lens,
+            batch.kv_lens,
+            batch.state_slots,
+            batch.num_seqs,
+            num_k_heads=cfg.linear_num_key_heads,
+            decode=batch.mode.is_decode(),
+            layer=layer,
+            impl=impl,
+        )  # o: [T, Hv, Dv]
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(T, Hv * Dv)
     return o @ p["out_proj"], conv_state, rec_state, verify
 

@@ -118,3 +118,17 @@ def test_verify(mesh, record, model, reqs, state_dtype, slots):
         assert report.memory["temp_size_in_bytes"] < conv_bytes, report.memory
         assert not any(" copy(" in line and f"[{model['layers']},{s}," in line
                        for line in report.hlo.splitlines())
+
+
+def test_commit_updates_states_in_place(mesh, record):
+    # 397B per chip, bf16 state, R = 64 requests, k = 3: commit_states scatters R slots of
+    # every layer into the donated stacked states without copying either.
+    hk, hv, d, lyr, s = QWEN["hk"], QWEN["hv"], QWEN["d"], QWEN["layers"], QWEN["slots"]
+    reqs, n, c = 64, 4, 2 * hk * d + hv * d
+    shapes = [((lyr, s, conv_state_rows(4), c), BF16), ((lyr, s, hv, d, d), BF16),
+              ((lyr, reqs, 3 + n, c), BF16), ((lyr, reqs, n, hv, d, d), BF16),
+              ((reqs,), I32), ((reqs,), I32)]
+    args = [abstract(shape, dtype, mesh) for shape, dtype in shapes]
+    report = compile_for_tpu(gdn_verify.commit_states, args, mesh, donate_argnums=(0, 1))
+    record(f"gdn commit 397B R={reqs} k={n - 1} bf16 state", report, min_kernels=0)
+    _assert_states_not_copied(report, QWEN, BF16)
