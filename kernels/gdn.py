@@ -27,7 +27,8 @@ Implementations (``impl``, see ``kernels.dispatch``; the Pallas kernels are in
 ``kernels.gdn_kernels``, the math they share with the references in ``kernels.gdn_common``):
   * ``decode=True``: one token per request, row r is request r. A vectorised recurrent step
     using ``o = q.S_pre + (q.k) d`` (S_pre the decayed state), so o does not wait on the
-    rank-1 update.
+    rank-1 update. Off the Pallas path it runs as :func:`decode_loop`, the loop body that
+    speculative verify mode (``kernels.gdn_verify``) runs once per verified position.
   * ``decode=False``: ragged prefill chunks and decode rows mixed. Each request's tokens are
     cut into chunks of ``chunk_size``; the chunks of all requests are laid out in a static
     number of chunk slots ``N = min(T, cdiv(T, L) + R)``, and a scan over chunks carries each
@@ -181,26 +182,60 @@ def ref_recurrent_gdn(
     return o, conv_state, rec_state
 
 
+def decode_loop(win0, s0, x, a, b, conv_weight, A_log, dt_bias, num_k_heads, once,
+                state_dtype, conv_dtype):
+    """Decode steps of R requests: step i feeds token i of every request.
+
+    win0 f32[R, K-1, C] conv windows; s0 f32[R, Hv, Dk, Dv] states; x [n, R, C]; a, b
+    [n, R, Hv]; ``once`` a traced i32 scalar equal to 1. Returns o f32[n, R, Hv, Dv], the state
+    after each step [n, R, Hv, Dk, Dv] in ``state_dtype`` (each step's state rounded to it, as
+    a slot stores it) and the last window f32[R, K-1, C] (inputs rounded through ``conv_dtype``).
+
+    Each step is a loop of one iteration over the same body, in the decode path (n = 1) and in
+    verify mode (n = k+1): XLA compiles a loop body on its own, so a verify position rounds
+    exactly like a decode step. Fusing the steps with each other or with their surroundings
+    would change float32 rounding on XLA:CPU (multiply-adds, the l2 norms' reductions).
+    ``once`` must be read from an input: XLA inlines a loop it can prove runs once.
+    """
+    n, R, C = x.shape
+    _, Hv, Dk, Dv = s0.shape
+    K = conv_weight.shape[1]
+    w = conv_weight.astype(F32)
+
+    def step(_, carry):
+        win, s, x_in, a_i, b_i, _o = carry
+        x_i = x_in.astype(F32)
+        y = conv_act([win[:, j] for j in range(K - 1)] + [x_i], [w[:, j] for j in range(K)],
+                     conv_weight.dtype, x.dtype)  # f32[R, C]
+        q, k, v = _split_heads(y, num_k_heads, Hv, Dk, Dv)
+        g, beta = gates(a_i, b_i, A_log, dt_bias)  # f32[R, Hv]
+        o, s = _decode_step(s.reshape(R * Hv, Dk, Dv), q.reshape(R * Hv, 1, Dk),
+                            k.reshape(R * Hv, 1, Dk), v.reshape(R * Hv, 1, Dv),
+                            g.reshape(R * Hv, 1, 1), beta.reshape(R * Hv, 1, 1))
+        s = s.reshape(R, Hv, Dk, Dv).astype(state_dtype).astype(F32)
+        win = jnp.concatenate([win[:, 1:], x_i.astype(conv_dtype).astype(F32)[:, None]], axis=1)
+        return win, s, x_in, a_i, b_i, o.reshape(R, Hv, Dv)
+
+    win, s, outs, states = win0, s0, [], []
+    for i in range(n):
+        carry = (win, s, x[i], a[i], b[i], jnp.zeros((R, Hv, Dv), F32))
+        win, s, _, _, _, o = lax.fori_loop(0, once, step, carry)
+        outs.append(o)
+        states.append(s.astype(state_dtype))
+    return jnp.stack(outs), jnp.stack(states), win
+
+
 def _ref_decode(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
                 kv_lens, state_slots, num_seqs, num_k_heads, layer):
     """decode=True reference: row t is request t with exactly one token."""
-    T, C = mixed_qkv.shape
-    _, _, Hv, Dk, Dv = rec_state.shape
     K = conv_weight.shape[1]
-    slots, kvl, real = decode_rows(kv_lens, state_slots, num_seqs, T)
+    slots, kvl, real = decode_rows(kv_lens, state_slots, num_seqs, mixed_qkv.shape[0])
     cs0, rs0 = _initial_states(conv_state, rec_state, layer, slots, kvl <= 1, K - 1)
-    full = jnp.concatenate([cs0, mixed_qkv.astype(F32)[:, None, :]], axis=1)  # f32[T, K, C]
-    w = conv_weight.astype(F32)
-    y = conv_act([full[:, j] for j in range(K)], [w[:, j] for j in range(K)],
-                 conv_weight.dtype, mixed_qkv.dtype)  # f32[T, C]
-    q, k, v = _split_heads(y, num_k_heads, Hv, Dk, Dv)
-    g, beta = gates(a, b, A_log, dt_bias)  # f32[T, Hv]
-    o, s = _decode_step(rs0.reshape(T * Hv, Dk, Dv), q.reshape(T * Hv, 1, Dk),
-                        k.reshape(T * Hv, 1, Dk), v.reshape(T * Hv, 1, Dv),
-                        g.reshape(T * Hv, 1, 1), beta.reshape(T * Hv, 1, 1))
-    o = jnp.where(real[:, None, None], o.reshape(T, Hv, Dv), 0.0).astype(mixed_qkv.dtype)
-    conv_state, rec_state = _store_states(conv_state, rec_state, layer, slots, real,
-                                          full[:, 1:], s.reshape(T, Hv, Dk, Dv))
+    once = jnp.where(num_seqs[0] >= 0, 1, 0)  # 1 (num_seqs >= 0), traced: see decode_loop
+    o, s, win = decode_loop(cs0, rs0, mixed_qkv[None], a[None], b[None], conv_weight, A_log,
+                            dt_bias, num_k_heads, once, rec_state.dtype, conv_state.dtype)
+    o = jnp.where(real[:, None, None], o[0], 0.0).astype(mixed_qkv.dtype)
+    conv_state, rec_state = _store_states(conv_state, rec_state, layer, slots, real, win, s[0])
     return o, conv_state, rec_state
 
 

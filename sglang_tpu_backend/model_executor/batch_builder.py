@@ -62,6 +62,10 @@ def build_forward_batch(
         decode = len(chunks) > 0 and all(q == 1 and c.context_len > 0 for q, c in zip(q_lens, chunks))
         mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
 
+    if mode == ForwardMode.TARGET_VERIFY and (T % R or any(q != T // R for q in q_lens)):
+        raise ValueError(f"TARGET_VERIFY needs T = R * n and n tokens per request: T={T} "
+                         f"R={R}, q lens {q_lens.tolist()}")
+
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     cu_q_lens = np.full(R + 1, total, np.int32)

@@ -6,6 +6,9 @@ Tokens are laid out request after request; request ``r`` owns token rows
 ``cu_q_lens[num_seqs]`` (tokens) and past ``num_seqs`` (requests) are padding: the model
 writes no KV page and no GDN state for them, and their outputs are garbage to be ignored.
 
+In ``ForwardMode.TARGET_VERIFY`` every request, padding requests included, owns exactly
+n = T // R rows (``cu_q_lens[r] == r * n`` for the real ones), and the GDN layers rely on it.
+
 Dimension letters: T tokens in the step (bucketed), R requests (bucketed), P pages per
 request (max context / page size), L rows that need logits.
 """

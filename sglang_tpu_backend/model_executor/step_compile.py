@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from kernels.tpu_compile import CompileReport, abstract, compile_for_tpu
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_backend.model_executor import verify
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.model_executor.weight_layout import weight_formats
 from sglang_tpu_backend.models.param_shapes import param_shapes
@@ -78,6 +79,8 @@ def compile_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = j
     batch = abstract_batch(spec, mesh)
 
     def step(params, cache, batch):
+        if spec.mode.is_verify():
+            return verify.forward_verify(params, cache, batch, cfg, impl)
         return qwen3_5_moe.forward(params, cache, batch, cfg, impl)
 
     return compile_for_tpu(step, (params, cache, batch), mesh, donate_argnums=(1,))

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kernels import gdn, ragged_paged_attention as rpa
+from kernels import gdn, gdn_verify, ragged_paged_attention as rpa
 from kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
@@ -167,33 +167,43 @@ def attention_block(p: Params, x, kv_pages, layer, cos, sin, batch: ForwardBatch
 
 
 def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, cfg, impl):
-    """Gated DeltaNet of GDN layer ``layer``. x: [T, H] -> ([T, H], conv_state, rec_state)."""
+    """Gated DeltaNet of GDN layer ``layer``. x: [T, H] -> ([T, H], conv_state, rec_state,
+    verify), verify None except in TARGET_VERIFY mode: then the slots are left as they are
+    and verify = (windows [R, K-1+n, C], rec_steps [R, n, Hv, Dk, Dv]) (``kernels.gdn_verify``)."""
     T = x.shape[0]
     Hv, Dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     mixed_qkv = x @ p["in_proj_qkv"]  # [T, C]
     z = (x @ p["in_proj_z"]).reshape(T, Hv, Dv)
     b = x @ p["in_proj_b"]  # [T, Hv]
     a = x @ p["in_proj_a"]  # [T, Hv]
-    o, conv_state, rec_state = gdn.gated_delta_net(
-        mixed_qkv,
-        a,
-        b,
-        p["conv1d"],
-        p["A_log"],
-        p["dt_bias"],
-        conv_state,
-        rec_state,
-        batch.cu_q_lens,
-        batch.kv_lens,
-        batch.state_slots,
-        batch.num_seqs,
-        num_k_heads=cfg.linear_num_key_heads,
-        decode=batch.mode.is_decode(),
-        layer=layer,
-        impl=impl,
-    )  # o: [T, Hv, Dv]
+    if batch.mode.is_verify():
+        o, *verify = gdn_verify.gated_delta_net_verify(
+            mixed_qkv, a, b, p["conv1d"], p["A_log"], p["dt_bias"], conv_state, rec_state,
+            batch.kv_lens, batch.state_slots, batch.num_seqs,
+            num_k_heads=cfg.linear_num_key_heads, layer=layer, impl=impl)
+        verify = tuple(verify)
+    else:
+        verify = None
+        o, conv_state, rec_state = gdn.gated_delta_net(
+            mixed_qkv,
+            a,
+            b,
+            p["conv1d"],
+            p["A_log"],
+            p["dt_bias"],
+            conv_state,
+            rec_state,
+            batch.cu_q_lens,
+            batch.kv_lens,
+            batch.state_slots,
+            batch.num_seqs,
+            num_k_heads=cfg.linear_num_key_heads,
+            decode=batch.mode.is_decode(),
+            layer=layer,
+            impl=impl,
+        )  # o: [T, Hv, Dv]
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps).reshape(T, Hv * Dv)
-    return o @ p["out_proj"], conv_state, rec_state
+    return o @ p["out_proj"], conv_state, rec_state, verify
 
 
 def route_tokens(router_logits, cfg: ModelConfig, num_valid=None, act_dtype=None):
@@ -289,8 +299,11 @@ def _split_experts(groups: tuple[Params, ...]) -> tuple[tuple[Params, ...], tupl
 def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl,
                    ep: EPContext | None = None, tp: TPContext | None = None,
                    with_stats: bool = False, batch_invariant: bool = False):
-    """All decoder layers and the final norm. Returns (hidden [T, H], cache), and with
-    ``with_stats`` also the router health f32[num_layers, 3] (``metrics/router_stats.py``).
+    """All decoder layers and the final norm. Returns (hidden [T, H], cache, stats, verify):
+    stats the router health f32[num_layers, 3] (``metrics/router_stats.py``) with
+    ``with_stats``, else None; verify, in TARGET_VERIFY mode only (else None), every GDN
+    layer's (windows [Lyr, R, K-1+n, C], rec_steps [Lyr, R, n, Hv, Dk, Dv]), see
+    ``gdn_block``.
 
     The layers run as a ``lax.scan`` over ``num_hidden_layers / layer_period`` groups (the body
     is traced and compiled once, whatever the depth); group g's j-th attention layer is
@@ -315,7 +328,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
         x, kv_pages, conv_state, rec_state = carry
         group_params, g = xs
         i_attn = i_lin = 0
-        stats = []
+        stats, verify = [], []
         for j, (p, kind) in enumerate(zip(group_params, kinds)):
             h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
             if kind == FULL_ATTENTION:
@@ -325,8 +338,9 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
                 i_attn += 1
             else:
                 layer = g * lin_per_group + i_lin
-                h, conv_state, rec_state = gdn_block(p["linear_attn"], h, conv_state, rec_state,
-                                                     layer, batch, cfg, impl)
+                h, conv_state, rec_state, ver = gdn_block(p["linear_attn"], h, conv_state,
+                                                          rec_state, layer, batch, cfg, impl)
+                verify.append(ver)
                 i_lin += 1
             if tp is not None:
                 h = jax.lax.psum(h, tp.axes)  # heads' partial sums of the output projection
@@ -338,16 +352,21 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
                 out, st = out
                 stats.append(st)
             x = x + out
-        return (x, kv_pages, conv_state, rec_state), (jnp.stack(stats) if with_stats else None)
+        verify = (tuple(jnp.stack(v) for v in zip(*verify)) if batch.mode.is_verify()
+                  else None)  # each [lin_per_group, R, ...]
+        return (x, kv_pages, conv_state, rec_state), (jnp.stack(stats) if with_stats else None,
+                                                      verify)
 
     num_groups = cfg.num_hidden_layers // period
     carry = (x, cache.kv_pages, cache.conv_state, cache.rec_state)
-    carry, stats = jax.lax.scan(group, carry, (scanned, jnp.arange(num_groups)))
+    carry, (stats, verify) = jax.lax.scan(group, carry, (scanned, jnp.arange(num_groups)))
     x, kv_pages, conv_state, rec_state = carry
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     if with_stats:  # [groups, period, 3] -> [layers, 3] (layer g * period + j)
-        return x, ModelCache(kv_pages, conv_state, rec_state), stats.reshape(-1, NUM_STATS)
-    return x, ModelCache(kv_pages, conv_state, rec_state)
+        stats = stats.reshape(-1, NUM_STATS)
+    if verify is not None:  # [groups, lin_per_group, ...] -> [Lyr, ...] (g * lin_per_group + i)
+        verify = tuple(v.reshape(-1, *v.shape[2:]) for v in verify)
+    return x, ModelCache(kv_pages, conv_state, rec_state), stats, verify
 
 
 def forward(
@@ -366,11 +385,18 @@ def forward(
     a row's result does not depend on the rest of the batch (the XLA attention then reads
     every key from the pages; ``--enable-deterministic-inference``).
     """
-    out = forward_hidden(params, cache, batch, cfg, impl, ep, tp, with_stats, batch_invariant)
-    hidden, cache = out[:2]
+    if batch.mode.is_verify():
+        raise ValueError("a TARGET_VERIFY batch runs through model_executor.verify.forward_verify")
+    hidden, cache, stats, _ = forward_hidden(params, cache, batch, cfg, impl, ep, tp, with_stats,
+                                             batch_invariant)
+    logits = compute_logits(params, hidden, batch)
+    return (logits, cache, stats) if with_stats else (logits, cache)
+
+
+def compute_logits(params: Params, hidden, batch: ForwardBatch):
+    """f32[L, V] logits of the rows ``batch.logits_indices`` of hidden [T, H]."""
     h = hidden[batch.logits_indices]  # [L, H]
-    logits = (h @ params["lm_head"]).astype(jnp.float32)  # [L, V]
-    return (logits, cache, out[2]) if with_stats else (logits, cache)
+    return (h @ params["lm_head"]).astype(jnp.float32)
 
 
 forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep", "tp", "with_stats",

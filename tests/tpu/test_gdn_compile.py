@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
-from kernels import gdn  # noqa: E402
+from kernels import gdn, gdn_verify  # noqa: E402
 from kernels.gdn_common import conv_state_rows  # noqa: E402
 from kernels.tpu_compile import abstract, compile_for_tpu  # noqa: E402
 
@@ -89,3 +89,46 @@ def test_qwen_chunked(mesh, record, tokens, state_dtype, slots):
                       slots=slots)
     record(f"gdn 397B chunked T={tokens} R=64 {jnp.dtype(state_dtype).name} state", report)
     _assert_states_not_copied(report, QWEN, state_dtype, slots)
+
+
+def _verify_step(model):
+    def step(*a):
+        return gdn_verify.gated_delta_net_verify(*a[:8], *a[9:12], num_k_heads=model["hk"],
+                                                 layer=a[12], impl="pallas")
+
+    return step
+
+
+@pytest.mark.parametrize("model,reqs,state_dtype,slots", [
+    (TINY, 16, F32, None), (QWEN, 64, BF16, None), (QWEN, 64, F32, 128)],
+    ids=["tiny", "397B-bf16", "397B-fp32"])
+def test_verify(mesh, record, model, reqs, state_dtype, slots):
+    # Verify mode, k = 3 drafts: T = 4 R tokens. The stacked states are only read (by the
+    # kernel's DMA): no copy of either, nothing aliased.
+    draft_len = 3
+    shapes = _shapes(model, tokens=reqs * (draft_len + 1), reqs=reqs, state_dtype=state_dtype,
+                     slots=slots)
+    args = [abstract(shape, dtype, mesh) for shape, dtype in shapes]
+    report = compile_for_tpu(_verify_step(model), args, mesh)
+    record(f"gdn verify {model['layers']} layers R={reqs} k={draft_len} "
+           f"{jnp.dtype(state_dtype).name} state", report)
+    if model is QWEN:
+        s, c = slots or model["slots"], 2 * model["hk"] * model["d"] + model["hv"] * model["d"]
+        conv_bytes = model["layers"] * s * conv_state_rows(4) * c * 2
+        assert report.memory["temp_size_in_bytes"] < conv_bytes, report.memory
+        assert not any(" copy(" in line and f"[{model['layers']},{s}," in line
+                       for line in report.hlo.splitlines())
+
+
+def test_commit_updates_states_in_place(mesh, record):
+    # 397B per chip, bf16 state, R = 64 requests, k = 3: commit_states scatters R slots of
+    # every layer into the donated stacked states without copying either.
+    hk, hv, d, lyr, s = QWEN["hk"], QWEN["hv"], QWEN["d"], QWEN["layers"], QWEN["slots"]
+    reqs, n, c = 64, 4, 2 * hk * d + hv * d
+    shapes = [((lyr, s, conv_state_rows(4), c), BF16), ((lyr, s, hv, d, d), BF16),
+              ((lyr, reqs, 3 + n, c), BF16), ((lyr, reqs, n, hv, d, d), BF16),
+              ((reqs,), I32), ((reqs,), I32)]
+    args = [abstract(shape, dtype, mesh) for shape, dtype in shapes]
+    report = compile_for_tpu(gdn_verify.commit_states, args, mesh, donate_argnums=(0, 1))
+    record(f"gdn commit 397B R={reqs} k={n - 1} bf16 state", report, min_kernels=0)
+    _assert_states_not_copied(report, QWEN, BF16)

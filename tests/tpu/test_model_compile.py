@@ -59,6 +59,14 @@ def test_tiny_default_step_compiles_in_every_bucket(mesh, record, mode, T, R, L)
     record(f"tiny step {mode.name} T={T} R={R}", report, min_kernels=4)
 
 
+@pytest.mark.parametrize("R", [8, 64])
+def test_tiny_verify_step_compiles(mesh, record, R):
+    # TARGET_VERIFY with k = 3 drafts: T = 4 R tokens, logits for every row.
+    T = 4 * R
+    report = compile_step(TINY, tiny_spec(ForwardMode.TARGET_VERIFY, T, R, T), mesh)
+    record(f"tiny step TARGET_VERIFY T={T} R={R}", report, min_kernels=4)
+
+
 def with_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     kinds = cfg.layer_types[:cfg.layer_period]
     return dataclasses.replace(cfg, num_hidden_layers=n,

@@ -1,0 +1,166 @@
+"""Tests for kernels.gdn_verify: GDN verify mode (k+1 tokens per request, the state after every
+position) and ``commit_states``.
+
+Exactness claims, float32: the XLA path's per-position states and conv windows equal, bit for
+bit, what ``gated_delta_net(decode=True)`` on the XLA path leaves in the slot after each
+decode step; the Pallas kernel (interpret mode) likewise against the Pallas decode kernel.
+Against the reference (transformers' order over every prefix) they agree to F32_TOL (a
+different association order of the same math).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+
+from kernels import gdn, gdn_verify  # noqa: E402
+from tests.kernels.test_gdn import BF16_TOL, F32_TOL, assert_close, make_case  # noqa: E402
+
+N = 4  # k = 3 drafts + the last token
+verify = jax.jit(gdn_verify.gated_delta_net_verify,
+                 static_argnames=("num_k_heads", "impl", "block_sizes"))
+decode = jax.jit(gdn.gated_delta_net, static_argnames=("num_k_heads", "decode", "impl"))
+commit = jax.jit(gdn_verify.commit_states)
+
+
+def verify_case(seed, *, d=16, dtype=jnp.float32, state_dtype=jnp.float32, num_layers=1):
+    """3 real requests (continuing, fresh, continuing) of N tokens + 1 padding request (slot 0)."""
+    case, hk = make_case(seed, [N] * 3, num_reqs=4, num_tokens=4 * N, context=[5, 0, 2],
+                         slots=[3, 1, 6], dk=d, dv=d, dtype=dtype, state_dtype=state_dtype,
+                         num_layers=num_layers)
+    del case["cu_q_lens"]
+    return case, hk
+
+
+def run_verify(case, hk, impl, **kw):
+    try:
+        return verify(**case, num_k_heads=hk, impl=impl, **kw)
+    except Exception:
+        if impl == "interpret" and hasattr(pltpu, "reset_tpu_interpret_mode_state"):
+            pltpu.reset_tpu_interpret_mode_state()
+        raise
+
+
+def decode_steps(case, hk, impl, steps):
+    """The slots' (conv, rec) states and o after each of ``steps`` decode steps, token p of
+    every request at step p (the non-speculative run of the same tokens)."""
+    R = case["kv_lens"].shape[0]
+    cs, rs = case["conv_state"], case["rec_state"]
+    context = case["kv_lens"] - N
+    out = []
+    for p in range(steps):
+        tok = lambda x: x.reshape(R, N, -1)[:, p]  # noqa: E731
+        o, cs, rs = decode(tok(case["mixed_qkv"]), tok(case["a"]), tok(case["b"]),
+                           case["conv_weight"], case["A_log"], case["dt_bias"], cs, rs,
+                           jnp.arange(R + 1, dtype=jnp.int32), context + p + 1,
+                           case["state_slots"], case["num_seqs"], num_k_heads=hk, decode=True,
+                           impl=impl)
+        out.append((cs, rs, o))
+    return out
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_verify_matches_reference(impl):
+    case, hk = verify_case(1)
+    want = run_verify(case, hk, "reference")
+    got = run_verify(case, hk, impl)
+    for g, w, name in zip(got, want, ("o", "windows", "rec_steps")):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert_close(g, w, F32_TOL, name)
+    assert np.all(np.asarray(got[0])[3 * N:] == 0), "padding request's o"
+    assert np.all(np.asarray(got[2])[3] == 0), "padding request's states"
+    # The windows start with the slot's K-1 rows (zeros for the fresh request 1).
+    np.testing.assert_array_equal(np.asarray(got[1][0, :3]), np.asarray(case["conv_state"][0, 3, :3]))
+    assert np.all(np.asarray(got[1][1, :3]) == 0)
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("interpret", marks=pytest.mark.jax_versions)])
+def test_verify_states_equal_decode_steps_bit_for_bit(impl):
+    case, hk = verify_case(2)
+    o_v, win, steps = run_verify(case, hk, impl)
+    o_v = np.asarray(o_v).reshape(4, N, *o_v.shape[1:])
+    K1 = case["conv_weight"].shape[1] - 1
+    for p, (cs, rs, o) in enumerate(decode_steps(case, hk, impl, N)):
+        for r, slot in enumerate(np.asarray(case["state_slots"])[:3]):
+            np.testing.assert_array_equal(np.asarray(steps[r, p]), np.asarray(rs[0, slot]),
+                                          f"rec state of request {r} after {p + 1} tokens")
+            np.testing.assert_array_equal(np.asarray(win[r, p + 1:p + 1 + K1]),
+                                          np.asarray(cs[0, slot, :K1]),
+                                          f"conv state of request {r} after {p + 1} tokens")
+            np.testing.assert_array_equal(o_v[r, p], np.asarray(o[r]), f"o of request {r}")
+
+
+@pytest.mark.parametrize("dtype,state_dtype,d,k_heads_per_block", [
+    (jnp.bfloat16, jnp.bfloat16, 32, None),
+    (jnp.float32, jnp.float32, 128, 1),  # two lane-aligned head blocks
+])
+def test_pallas_verify_matches_xla(dtype, state_dtype, d, k_heads_per_block):
+    case, hk = verify_case(3, d=d, dtype=dtype, state_dtype=state_dtype)
+    tol = F32_TOL if dtype == state_dtype == jnp.float32 else BF16_TOL
+    got = run_verify(case, hk, "interpret",
+                     block_sizes=gdn.GdnBlockSizes(k_heads_per_block=k_heads_per_block))
+    want = run_verify(case, hk, "xla")
+    for g, w, name in zip(got, want, ("o", "windows", "rec_steps")):
+        assert g.dtype == w.dtype, name
+        assert_close(g, w, tol, name)
+
+
+def test_verify_reads_its_layer():
+    # Lyr = 2, layer 1 as a traced scalar: the same as the single-layer call on layer 1.
+    case, hk = verify_case(4, num_layers=2)
+    single = dict(case, conv_state=case["conv_state"][1:], rec_state=case["rec_state"][1:])
+    for impl in ("xla", "interpret"):
+        got = run_verify(case, hk, impl, layer=jnp.int32(1))
+        for g, w in zip(got, run_verify(single, hk, impl)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_commit_sets_each_slot_to_its_accepted_prefix():
+    # Two GDN layers; requests accept 2, 0 and N positions; the padding request 0 (as the
+    # caller must pass for it).
+    case, hk = verify_case(5, num_layers=2)
+    per_layer = [run_verify(case, hk, "xla", layer=layer) for layer in range(2)]
+    windows = jnp.stack([w for _, w, _ in per_layer])
+    rec_steps = jnp.stack([s for _, _, s in per_layer])
+    accepted = jnp.asarray([2, 0, N, 0], jnp.int32)
+    cs, rs = commit(case["conv_state"], case["rec_state"], windows, rec_steps,
+                    case["state_slots"], accepted)
+    after = {layer: decode_steps(dict(case, conv_state=case["conv_state"][layer:layer + 1],
+                                      rec_state=case["rec_state"][layer:layer + 1]),
+                                 hk, "xla", N) for layer in range(2)}
+    for layer in range(2):
+        for r, slot in enumerate(np.asarray(case["state_slots"])[:3]):
+            a = int(accepted[r])
+            want_cs = case["conv_state"][layer, slot] if a == 0 else after[layer][a - 1][0][0, slot]
+            want_rs = case["rec_state"][layer, slot] if a == 0 else after[layer][a - 1][1][0, slot]
+            np.testing.assert_array_equal(np.asarray(cs[layer, slot]), np.asarray(want_cs))
+            np.testing.assert_array_equal(np.asarray(rs[layer, slot]), np.asarray(want_rs))
+    for slot in (0, 2, 4, 5, 7):  # the padding request's slot 0 and slots of no request
+        np.testing.assert_array_equal(np.asarray(cs[:, slot]), np.asarray(case["conv_state"][:, slot]))
+        np.testing.assert_array_equal(np.asarray(rs[:, slot]), np.asarray(case["rec_state"][:, slot]))
+
+
+def test_verify_bad_layout_raises():
+    case, hk = verify_case(6)
+    with pytest.raises(ValueError, match="R \\* n"):
+        gdn_verify.gated_delta_net_verify(**dict(case, mixed_qkv=case["mixed_qkv"][:-1],
+                                                 a=case["a"][:-1], b=case["b"][:-1]),
+                                          num_k_heads=hk, impl="xla")
+    with pytest.raises(ValueError, match="C must equal"):
+        gdn_verify.gated_delta_net_verify(**dict(case, mixed_qkv=case["mixed_qkv"][:, :-1]),
+                                          num_k_heads=hk, impl="xla")
+
+
+def test_verify_cost_reads_each_state_once_and_writes_every_position():
+    R, n, per_state = 64, 4, 64 * 128 * 128 * 2  # 397B heads, bf16 state
+    cost = gdn_verify.gated_delta_net_verify_cost(R, n, 16, 64, 128, 128, state_bytes=2)
+    steps = gdn.gated_delta_net_cost(R * n, R * n, 16, 64, 128, 128, decode=True, state_bytes=2)
+    assert R * (n + 1) * per_state < cost.bytes_accessed < steps.bytes_accessed
+    assert cost.flops == steps.flops
