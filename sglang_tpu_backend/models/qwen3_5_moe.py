@@ -311,7 +311,8 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
                    with_stats: bool = False, batch_invariant: bool = False):
     """All decoder layers and the final norm. Returns (hidden [T, H], cache), and with
     ``with_stats`` also the router stats (health f32[num_layers, 3], real rows per physical
-    expert slot f32[num_layers, P]) (``metrics/router_stats.py``).
+    expert slot f32[num_layers, P], summed over the EP ranks with ``ep``)
+    (``metrics/router_stats.py``).
 
     The layers run as a ``lax.scan`` over ``num_hidden_layers / layer_period`` groups (the body
     is traced and compiled once, whatever the depth); group g's j-th attention layer is
@@ -369,7 +370,10 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
     x, kv_pages, conv_state, rec_state = carry
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     if with_stats:  # [groups, period, n] -> [layers, n] (layer g * period + j)
-        stats = tuple(s.reshape(cfg.num_hidden_layers, -1) for s in stats)
+        health, counts = (s.reshape(cfg.num_hidden_layers, -1) for s in stats)
+        if ep is not None:  # every rank's rows: what each EP rank's slots receive
+            counts = jax.lax.psum(counts, ep.axes)
+        stats = (health, counts)
         return x, ModelCache(kv_pages, conv_state, rec_state), stats
     return x, ModelCache(kv_pages, conv_state, rec_state)
 
