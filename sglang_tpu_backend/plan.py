@@ -13,9 +13,10 @@ Parallelism: dp x tp = devices of the topology. dp attention groups each own who
 SGLang's --tp-size) q heads, GDN key and value heads split over tp, and kv heads split too
 when tp <= G, else each device holds one replicated kv head: g = max(1, G/tp),
 hk = max(1, Hk/tp), hv = Hv/tp. Routed experts split over ep (E/ep per device, default ep =
-devices); with EPLB's ``--ep-num-redundant-experts R`` the E + R physical expert slots split
-over ep ((E+R)/ep per device) and each MoE layer's expert map is replicated. R is the number of running requests per host; a device serves the requests of its
-group, r = ceil(R * hosts / dp) (DP8: R/8; TP8: R).
+devices); with EPLB's ``--ep-num-redundant-experts X`` the E + X physical expert slots split
+over ep ((E+X)/ep per device) and each MoE layer's expert map is replicated. R is the number
+of running requests per host; a device serves the requests of its group,
+r = ceil(R * hosts / dp) (DP8: R/8; TP8: R).
 
 weights   from ``models.param_shapes.param_shapes`` (+ ``num_param_bytes``), no shapes here:
           sharded    = routed experts / ep (FP8: 1 B/elem + f32 128x128 block scales)

@@ -233,13 +233,14 @@ class ServerArgs:
     def _validate_eplb(self) -> None:
         r = self.ep_num_redundant_experts
         if not isinstance(r, int) or r < 0:
-            raise ValueError(f"--ep-num-redundant-experts must be a non-negative integer, got {r!r}")
+            raise ValueError(f"--ep-num-redundant-experts must be a non-negative integer, "
+                             f"got {r!r}")
         if self.uses_expert_location and self.tp_size != 1:
             raise ValueError("--ep-num-redundant-experts / --init-expert-location / --enable-eplb "
                              f"need expert parallelism over DP ranks (--tp-size {self.tp_size})")
-        if self.enable_eplb and self.nnodes > 1:
-            raise ValueError(f"--enable-eplb moves expert weights like a weight update, which "
-                             f"--nnodes {self.nnodes} does not support")
+        if self.uses_expert_location and self.nnodes > 1:
+            raise ValueError("--ep-num-redundant-experts / --init-expert-location / --enable-eplb "
+                             f"are not supported with --nnodes {self.nnodes}")
 
     def _validate_multihost(self) -> None:
         if not isinstance(self.nnodes, int) or self.nnodes < 1:

@@ -49,8 +49,9 @@ def location_arrays(location: ExpertLocation, cfg: ModelConfig, j: int) -> dict[
 def apply_location(params: Params, cfg: ModelConfig, location: ExpertLocation) -> Params:
     """Logical params (as loaded) -> physical ones for ``location`` (see the module doc)."""
     if location.num_layers != len(moe_layers(cfg)) or location.num_experts != cfg.num_experts:
-        raise ValueError(f"expert location of {location.num_layers} layers x {location.num_experts} "
-                         f"experts does not fit the model's {len(moe_layers(cfg))} x {cfg.num_experts}")
+        raise ValueError(f"expert location of {location.num_layers} layers x "
+                         f"{location.num_experts} experts does not fit the model's "
+                         f"{len(moe_layers(cfg))} x {cfg.num_experts}")
     groups = []
     for j, p in enumerate(params["layer_groups"]):
         mlp = p.get("mlp", {})

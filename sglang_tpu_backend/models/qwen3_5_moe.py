@@ -390,7 +390,8 @@ def forward(
     ``ep`` is set only by the data-parallel step (``parallel/dp_forward.py``), which runs this
     function per device under ``shard_map``; ``tp`` likewise by the tensor-parallel step
     (``parallel/tp_forward.py``). ``with_stats``: also return the router stats (health
-    f32[num_layers, 3], rows per physical expert slot f32[num_layers, P]) as a third output. ``batch_invariant``:
+    f32[num_layers, 3], rows per physical expert slot f32[num_layers, P]) as a third output.
+    ``batch_invariant``:
     a row's result does not depend on the rest of the batch (the XLA attention then reads
     every key from the pages; ``--enable-deterministic-inference``).
     """

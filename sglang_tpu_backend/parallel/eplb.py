@@ -81,7 +81,8 @@ class ExpertLocation:
 
     def rank_loads(self, physical_loads: np.ndarray, num_ranks: int) -> np.ndarray:
         """Rows per EP rank f[L, D] from rows per physical slot f[L, P]."""
-        return np.asarray(physical_loads, np.float64).reshape(self.num_layers, num_ranks, -1).sum(-1)
+        loads = np.asarray(physical_loads, np.float64)
+        return loads.reshape(self.num_layers, num_ranks, -1).sum(-1)
 
     def split_loads(self, logical_loads: np.ndarray) -> np.ndarray:
         """Expected rows per physical slot f[L, P] when each expert's rows f[L, E] split
@@ -175,12 +176,14 @@ def read_load_file(path: str | Path, num_experts: int, moe_layers: list[int]) ->
     if not isinstance(doc, dict) or doc.get("format") != LOAD_FILE_FORMAT:
         raise ValueError(f"{flag} {path}: not a load file (format must be {LOAD_FILE_FORMAT!r})")
     if doc.get("num_experts") != num_experts or doc.get("moe_layers") != list(moe_layers):
-        raise ValueError(f"{flag} {path}: recorded for {doc.get('num_experts')} experts on layers "
-                         f"{doc.get('moe_layers')}, the model has {num_experts} on {list(moe_layers)}")
+        raise ValueError(f"{flag} {path}: recorded for {doc.get('num_experts')} experts on "
+                         f"layers {doc.get('moe_layers')}, the model has {num_experts} on "
+                         f"{list(moe_layers)}")
     try:
         loads = np.asarray(doc["loads"], np.float64)
     except (KeyError, ValueError, TypeError):
-        raise ValueError(f"{flag} {path}: 'loads' must be a [layers][experts] number array") from None
+        raise ValueError(f"{flag} {path}: 'loads' must be a [layers][experts] number "
+                         "array") from None
     if loads.shape != (len(moe_layers), num_experts) or (loads < 0).any():
         raise ValueError(f"{flag} {path}: 'loads' must be non-negative "
                          f"[{len(moe_layers)}][{num_experts}], got shape {list(loads.shape)}")
