@@ -323,10 +323,10 @@ class Engine:
 
     def dump_expert_distribution_record(self, path: str) -> None:
         """Write the routed rows per expert and MoE layer since start-up as a load file
-        (``--init-expert-location`` reads it); needs EPLB's expert location."""
+        (``--init-expert-location`` reads it); recorded from the router stats, with or
+        without EPLB."""
         if self.runner.balancer is None:
-            raise ValueError("expert loads are recorded with --ep-num-redundant-experts, "
-                             "--init-expert-location or --enable-eplb")
+            raise ValueError("expert loads are recorded from the router stats, which are off")
         self.runner.balancer.dump(path)
 
     def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:

@@ -121,14 +121,14 @@ class ModelRunner:
         # Shape / dtype of each param as loaded (before placement): what a weight update's
         # checkpoint must match (``weight_update.load_host_params``).
         self.param_spec = param_spec(params)
-        self.balancer = None
-        if expert_location is not None:
-            from sglang_tpu_backend.model_executor.expert_balancer import ExpertBalancer
+        self.balancer = None  # expert loads and placement (``expert_balancer.py``)
+        if expert_location is not None or router_stats:
+            from sglang_tpu_backend.model_executor.expert_balancer import make_balancer
 
             if not router_stats and eplb_rebalance_num_iterations is not None:
                 raise ValueError("--enable-eplb records expert loads from the router stats")
-            self.balancer = ExpertBalancer(cfg, expert_location, self.backend.num_ranks,
-                                           eplb_rebalance_num_iterations)
+            self.balancer = make_balancer(cfg, expert_location, self.backend.num_ranks,
+                                          eplb_rebalance_num_iterations)
             params = self.balancer.physical(params)
         # The cache before the params: a multi-host leader's start-up collectives (sizes, then
         # the param check) come in the order its followers make them (``run_follower``).
@@ -165,6 +165,8 @@ class ModelRunner:
         """Serve ``params`` (from ``place_params``) from the next step on; the caller makes
         sure no step is in flight. Blocks until they are on the devices."""
         self.params = jax.block_until_ready(params)
+        if self.balancer is not None:  # placed for the location of their time (EPLB)
+            self.balancer.adopt(self.params)
 
     # Shapes ---------------------------------------------------------------------------
     def shapes_for(self, kind: ForwardMode, num_tokens: int, num_reqs: int, num_rows: int

@@ -38,14 +38,17 @@ class ExpertLocation:
     num_experts: int
 
     def __post_init__(self):
-        lg = np.asarray(self.logical)
+        lg = np.asarray(self.logical, np.int32)
+        object.__setattr__(self, "logical", lg)
         if lg.ndim != 2 or lg.shape[1] < self.num_experts:
             raise ValueError(f"logical map must be [layers, >= {self.num_experts}], got {lg.shape}")
-        for layer, row in enumerate(lg):
-            missing = np.setdiff1d(np.arange(self.num_experts), row)
-            if missing.size or row.min() < 0 or row.max() >= self.num_experts:
-                raise ValueError(f"MoE layer {layer}: every expert 0..{self.num_experts - 1} needs "
-                                 f"a slot and no slot another id (missing {missing[:4].tolist()})")
+        if lg.min() < 0 or lg.max() >= self.num_experts:
+            raise ValueError(f"slots must hold expert ids 0..{self.num_experts - 1}, got "
+                             f"{lg.min()}..{lg.max()}")
+        missing = np.argwhere(self.copies() == 0)
+        if missing.size:
+            raise ValueError(f"every expert needs a slot; (layer, expert) without one: "
+                             f"{missing[:4].tolist()}")
 
     @property
     def num_layers(self) -> int:
@@ -66,18 +69,23 @@ class ExpertLocation:
         row = np.arange(num_physical, dtype=np.int32) % num_experts
         return cls(np.tile(row, (num_layers, 1)), num_experts)
 
+    def copies(self) -> np.ndarray:
+        """Slots per expert i32[L, E]."""
+        L, E = self.logical.shape[0], self.num_experts
+        bins = self.logical + E * np.arange(L)[:, None]  # [L, P]: layer-major expert bins
+        return np.bincount(bins.ravel(), minlength=L * E).reshape(L, E).astype(np.int32)
+
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
         """(physical i32[L, E, C], copies i32[L, E]): expert e's slots in ascending order in
         ``physical[l, e, :copies[l, e]]``, the rest padded with its first slot."""
         L, E, C = self.num_layers, self.num_experts, self.max_copies
-        physical = np.zeros((L, E, C), np.int32)
-        copies = np.zeros((L, E), np.int32)
-        for layer in range(L):
-            for e in range(E):
-                slots = np.flatnonzero(self.logical[layer] == e)
-                copies[layer, e] = slots.size
-                physical[layer, e] = np.concatenate([slots, np.full(C - slots.size, slots[0])])
-        return physical, copies
+        copies = self.copies()
+        by_expert = np.argsort(self.logical, axis=1, kind="stable")  # [L, P] slots by expert
+        first = np.cumsum(copies, axis=1) - copies  # [L, E]: position of e's first slot
+        c = np.arange(C)
+        pos = first[:, :, None] + np.where(c < copies[:, :, None], c, 0)  # [L, E, C]
+        physical = np.take_along_axis(by_expert, pos.reshape(L, -1), axis=1).reshape(L, E, C)
+        return physical.astype(np.int32), copies
 
     def rank_loads(self, physical_loads: np.ndarray, num_ranks: int) -> np.ndarray:
         """Rows per EP rank f[L, D] from rows per physical slot f[L, P]."""
@@ -87,17 +95,15 @@ class ExpertLocation:
     def split_loads(self, logical_loads: np.ndarray) -> np.ndarray:
         """Expected rows per physical slot f[L, P] when each expert's rows f[L, E] split
         evenly over its copies."""
-        lg = self.logical
-        counts = np.stack([np.bincount(row, minlength=self.num_experts) for row in lg])
-        per_copy = np.asarray(logical_loads, np.float64) / counts  # [L, E]
-        return np.take_along_axis(per_copy, lg, axis=1)
+        per_copy = np.asarray(logical_loads, np.float64) / self.copies()  # [L, E]
+        return np.take_along_axis(per_copy, self.logical, axis=1)
 
     def logical_loads(self, physical_loads: np.ndarray) -> np.ndarray:
         """Rows per logical expert f[L, E]: the sum over each expert's slots."""
-        out = np.zeros((self.num_layers, self.num_experts))
-        for layer in range(self.num_layers):
-            np.add.at(out[layer], self.logical[layer], physical_loads[layer])
-        return out
+        L, E = self.num_layers, self.num_experts
+        bins = self.logical + E * np.arange(L)[:, None]  # [L, P]: layer-major expert bins
+        weights = np.asarray(physical_loads, np.float64).ravel()
+        return np.bincount(bins.ravel(), weights=weights, minlength=L * E).reshape(L, E)
 
 
 def balance_ratio(rank_loads: np.ndarray) -> np.ndarray:

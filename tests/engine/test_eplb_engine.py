@@ -1,7 +1,8 @@
 """EPLB while serving (one device, 16 experts in 24 physical slots, a rebalance every 3
 steps): concurrent requests all finish with the shared engine's greedy tokens, the
-rebalances between steps compile nothing after warm-up, and the recorded loads come out as a
-load file that ``--init-expert-location`` reads."""
+rebalances between steps compile nothing after warm-up, and the recorded loads (also those of
+the shared engine, without EPLB) come out as a load file that ``--init-expert-location``
+reads."""
 
 from __future__ import annotations
 
@@ -62,18 +63,25 @@ def test_rebalance_while_serving_loses_nothing_and_compiles_nothing(eplb_engine,
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in reference]
 
 
-def test_recorded_loads_round_trip_as_a_load_file(eplb_engine, tmp_path):
+def test_recorded_loads_round_trip_as_a_load_file(eplb_engine, engine, tmp_path):
+    """Every real row is routed to top-k experts once per MoE layer: the dumped loads grow by
+    K x (prompt rows + one row per decode step) in every layer, on the EPLB engine (whose
+    slots are rebalanced meanwhile) and on the shared one (no EPLB: logical experts)."""
     from sglang_tpu_backend.model_executor.expert_location import moe_layers
     from sglang_tpu_backend.parallel.eplb import read_load_file
 
     cfg = eplb_engine.model_config
-    prompts = _prompts(3, seed=4)
-    before = eplb_engine.runner.balancer.total.sum(axis=1)  # [layers]
-    _generate_all(eplb_engine, prompts)
     path = tmp_path / "loads.json"
-    eplb_engine.dump_expert_distribution_record(str(path))
-    loads = read_load_file(path, cfg.num_experts, moe_layers(cfg))
-    # Every real row is routed to top-k experts once per layer: prompt rows (no prefix
-    # cache hits across these prompts) plus one row per decode step.
+
+    def dumped(eng):
+        eng.dump_expert_distribution_record(str(path))
+        return read_load_file(path, cfg.num_experts, moe_layers(cfg))
+
+    prompts = _prompts(3, seed=4)
     rows = sum(len(p) + SAMPLING["max_new_tokens"] - 1 for p in prompts)
-    np.testing.assert_allclose(loads.sum(axis=1) - before, rows * cfg.num_experts_per_tok)
+    assert not engine.runner.balancer.stores_physical
+    for eng in (eplb_engine, engine):
+        before = dumped(eng).sum(axis=1)
+        _generate_all(eng, prompts)
+        np.testing.assert_allclose(dumped(eng).sum(axis=1) - before,
+                                   rows * cfg.num_experts_per_tok)

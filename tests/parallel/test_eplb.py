@@ -29,7 +29,7 @@ def test_trivial_location_and_tables():
 
 
 def test_location_rejects_a_missing_expert():
-    with pytest.raises(ValueError, match="every expert"):
+    with pytest.raises(ValueError, match=r"every expert needs a slot.*\[\[0, 2\]\]"):
         eplb.ExpertLocation(np.array([[0, 1, 1, 3]]), 4)
 
 
@@ -124,8 +124,10 @@ def test_initial_location_from_a_load_file(tmp_path):
 
 def test_expert_move_on_device_matches_a_fresh_placement():
     """Params moved from one placement to another on the device equal the host params
-    placed for the new one, leaf for leaf, with the same shardings."""
+    placed for the new one, leaf for leaf, with the same shardings (one device here; the
+    8-device move under the DP step's shardings runs in ``dp_ep_run.py``)."""
     from sglang_tpu_backend.loader import load_model
+    from sglang_tpu_backend.model_executor.expert_balancer import ExpertBalancer
     from sglang_tpu_backend.model_executor.expert_location import (ExpertMover, apply_location,
                                                                    params_location)
     from sglang_tpu_backend.tiny_model import default_model_path
@@ -141,6 +143,13 @@ def test_expert_move_on_device_matches_a_fresh_placement():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert [a.sharding for a in jax.tree.leaves(moved)] == shardings
     assert (params_location(moved, cfg).logical == new.logical).all()
+    # A runner swapping in params placed for another location (a weight update placed before
+    # a rebalance) adopts their location and keeps the loads recorded so far.
+    balancer = ExpertBalancer(cfg, old, 8)
+    balancer.record(np.ones((8, 24)))
+    balancer.adopt(moved)
+    assert (balancer.location.logical == new.logical).all() and balancer.window.num_steps == 0
+    assert (balancer.total == old.logical_loads(np.ones((8, 24)))).all()
 
 
 @pytest.mark.parametrize("kwargs,flag", [
