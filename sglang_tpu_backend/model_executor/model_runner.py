@@ -101,8 +101,8 @@ class ModelRunner:
     ):
         """``router_stats``: each step also reduces the MoE routers' health (expert load,
         entropy, top-1 probability per layer; ``metrics/router_stats.py``) into
-        ``last_router_stats`` f32[dp_size, layers, 3] (and, with EPLB, records the expert
-        loads). ``deterministic``: see ``step_buckets``. ``expert_location``
+        ``last_router_stats`` f32[dp_size, layers, 3] and records the expert loads
+        (``balancer``). ``deterministic``: see ``step_buckets``. ``expert_location``
         (``parallel.eplb.ExpertLocation``, EPLB): routed experts stored per physical slot of
         it; ``eplb_rebalance_num_iterations``: steps between rebalances (None: never)
         (``expert_balancer.py``)."""
