@@ -6,10 +6,11 @@ logits of both runs. Loads are uneven on purpose: rank 0 holds four long prompts
 one or two short ones, ranks 5-7 are idle at first; rank 6 admits a new request in the middle
 of decoding, which turns those steps into MIXED steps.
 
-EPLB (``parallel/eplb.py``): the same plan again with the experts stored per physical slot
-of other placements (a permutation; 8 redundant slots, rebalanced in mid-run), and on a
-checkpoint whose router favours a few experts, run once on the trivial placement and once
-after a rebalance from its recorded loads (the per-EP-rank routed-row max/mean of both).
+EPLB (``parallel/eplb.py``): the same plan again with the experts stored in 24 physical
+slots (16 experts + 8 redundant) of other placements (one from made-up loads: permuted, hot
+experts copied; the trivial one, rebalanced in mid-run), and on a checkpoint whose router
+favours a few experts, run once on the trivial placement and once after a rebalance from its
+recorded loads (the per-EP-rank routed-row max/mean of both).
 """
 
 from __future__ import annotations
@@ -156,10 +157,11 @@ def eplb_runs(cfg, params, results):
     layers = len(moe_layers(cfg))
     dp = DPForward(cfg, make_mesh(8), impl="reference", with_stats=True)
     loads = np.random.default_rng(1).integers(1, 100, (layers, cfg.num_experts))
+    slots = cfg.num_experts + REDUNDANT  # every run 24 slots: one compiled step for all
     runs = {
-        "permuted": (ExpertBalancer(cfg, place_experts(loads, cfg.num_experts, 8), 8), None),
-        "rebalanced": (ExpertBalancer(cfg, ExpertLocation.trivial(
-            layers, cfg.num_experts, cfg.num_experts + REDUNDANT), 8, 1), REBALANCE_STEP),
+        "permuted": (ExpertBalancer(cfg, place_experts(loads, slots, 8), 8), None),
+        "rebalanced": (ExpertBalancer(cfg, ExpertLocation.trivial(layers, cfg.num_experts, slots),
+                                      8), REBALANCE_STEP),
     }
     for name, (balancer, rebalance_at) in runs.items():
         first = balancer.location.logical
@@ -173,8 +175,7 @@ def eplb_runs(cfg, params, results):
 
     # Skewed router: the plan on the trivial placement, a rebalance, the plan again.
     hot = skewed(params, cfg)
-    balancer = ExpertBalancer(cfg, ExpertLocation.trivial(
-        layers, cfg.num_experts, cfg.num_experts + REDUNDANT), 8, 1)
+    balancer = ExpertBalancer(cfg, ExpertLocation.trivial(layers, cfg.num_experts, slots), 8)
     before, placed = eplb_generate(cfg, hot, dp, balancer)
     results["skew_ratio_before"] = balancer.rank_balance()
     placed = balancer.rebalance(placed)
