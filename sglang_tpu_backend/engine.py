@@ -119,6 +119,13 @@ class Engine:
         self.scheduler = Scheduler.from_args(args, **(
             deterministic_limits(args) if args.enable_deterministic_inference else {}))
         det = args.enable_deterministic_inference
+        location = None
+        if args.uses_expert_location:
+            from sglang_tpu_backend.model_executor.expert_balancer import initial_location
+
+            location = initial_location(cfg, num_redundant=args.ep_num_redundant_experts,
+                                        init_expert_location=args.init_expert_location,
+                                        num_ranks=args.ep_size)
         self.runner = ModelRunner(
             cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
             num_state_slots=running, max_running_requests=running,
@@ -126,7 +133,9 @@ class Engine:
             kv_dtype=cache_storage_dtype(DTYPES[args.dtype], jax.default_backend()),
             impl=args.kernel_impl, max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp,
             tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
-            deterministic=det)
+            deterministic=det, expert_location=location,
+            eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
+            else None)
         self.requests = RequestBuilder(
             self.tokenizer, vocab_size=cfg.vocab_size, context_length=args.context_length,
             kv_capacity_tokens=self.num_pages_per_rank * args.page_size, page_size=args.page_size,
@@ -324,6 +333,14 @@ class Engine:
         """Serve checkpoint ``model_path`` from now on (``managers/weight_updater.py``)."""
         return self.weights.update_weights_from_disk(model_path, load_format, abort_all_requests,
                                                      weight_version)
+
+    def dump_expert_distribution_record(self, path: str) -> None:
+        """Write the routed rows per expert and MoE layer since start-up as a load file
+        (``--init-expert-location`` reads it); recorded from the router stats, with or
+        without EPLB."""
+        if self.runner.balancer is None:
+            raise ValueError("expert loads are recorded from the router stats, which are off")
+        self.runner.balancer.dump(path)
 
     def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
         """Start a ``jax.profiler`` trace (``profiler.py``); returns its directory."""

@@ -13,8 +13,10 @@ Parallelism: dp x tp = devices of the topology. dp attention groups each own who
 SGLang's --tp-size) q heads, GDN key and value heads split over tp, and kv heads split too
 when tp <= G, else each device holds one replicated kv head: g = max(1, G/tp),
 hk = max(1, Hk/tp), hv = Hv/tp. Routed experts split over ep (E/ep per device, default ep =
-devices). R is the number of running requests per host; a device serves the requests of its
-group, r = ceil(R * hosts / dp) (DP8: R/8; TP8: R).
+devices); with EPLB's ``--ep-num-redundant-experts X`` the E + X physical expert slots split
+over ep ((E+X)/ep per device) and each MoE layer's expert map is replicated. R is the number
+of running requests per host; a device serves the requests of its group,
+r = ceil(R * hosts / dp) (DP8: R/8; TP8: R).
 
 weights   from ``models.param_shapes.param_shapes`` (+ ``num_param_bytes``), no shapes here:
           sharded    = routed experts / ep (FP8: 1 B/elem + f32 128x128 block scales)
@@ -131,6 +133,8 @@ class MemoryPlan:
     activations: int
     hbm: int
     max_running_requests: int  # per host
+    redundant_experts: int = 0  # EPLB: physical expert slots per MoE layer beyond E
+    expert_slots_per_device: int = 0  # (E + redundant) / ep
 
     @property
     def weights(self) -> int:
@@ -170,11 +174,14 @@ def _tp_heads(cfg: ModelConfig, tp: int) -> tuple[int, int, int, int]:
 
 
 def weight_bytes(cfg: ModelConfig, *, ep: int, tp: int, expert_dtype: str = "fp8",
-                 dtype: Any = None) -> tuple[int, int]:
+                 dtype: Any = None, redundant_experts: int = 0) -> tuple[int, int]:
     """(replicated, sharded) weight bytes per device, ``dtype`` (default bf16) but for FP8
-    routed experts (``expert_dtype`` "fp8")."""
+    routed experts (``expert_dtype`` "fp8"); ``redundant_experts`` extra expert slots per
+    MoE layer (EPLB) and their maps."""
     dtype = jax.numpy.bfloat16 if dtype is None else dtype
-    shapes = param_shapes(cfg, dtype, fp8_experts=expert_dtype == "fp8")
+    slots = cfg.num_experts + redundant_experts if redundant_experts else None
+    shapes = param_shapes(cfg, dtype, fp8_experts=expert_dtype == "fp8",
+                          num_physical_experts=slots)
     g, _, hv, conv_dev = _tp_heads(cfg, tp)
     tp_split = {  # (module, leaf) -> (numerator, denominator) of the leaf one device holds
         ("self_attn", "q_proj"): (1, tp), ("self_attn", "o_proj"): (1, tp),
@@ -229,7 +236,7 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
          ep: int | None = None, tp: int | None = None, running_requests: int | None = None,
          context_length: int = 9216, page_size: int = 256, expert_dtype: str = "fp8",
          dtype: str = "bf16", kv_dtype: str = "bf16", state_dtype: str = "bf16",
-         max_num_batched_tokens: int = 1024) -> MemoryPlan:
+         max_num_batched_tokens: int = 1024, redundant_experts: int = 0) -> MemoryPlan:
     """Memory per device for ``running_requests`` per host (default: the most that fit).
 
     dp and tp default to fill the topology (dp = devices / tp, tp = devices / dp; both unset:
@@ -252,10 +259,14 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
     _check(n % ep == 0, f"--ep {ep} must divide the {n} devices of --topology {topo.name}")
     _check(cfg.num_experts % ep == 0,
            f"--ep {ep} does not divide num_experts ({cfg.num_experts})")
+    _check(redundant_experts >= 0 and (cfg.num_experts + redundant_experts) % ep == 0,
+           f"--ep-num-redundant-experts {redundant_experts}: num_experts ({cfg.num_experts}) "
+           f"plus it must be a non-negative multiple of --ep {ep}")
     _check(cfg.num_attention_heads % tp == 0 and cfg.linear_num_value_heads % tp == 0,
            f"--tp {tp} must divide num_attention_heads ({cfg.num_attention_heads}) and "
            f"linear_num_value_heads ({cfg.linear_num_value_heads})")
-    replicated, sharded = weight_bytes(cfg, ep=ep, tp=tp, expert_dtype=expert_dtype)
+    replicated, sharded = weight_bytes(cfg, ep=ep, tp=tp, expert_dtype=expert_dtype,
+                                       redundant_experts=redundant_experts)
 
     b_kv, b_state, b = DTYPE_BYTES[kv_dtype], DTYPE_BYTES[state_dtype], DTYPE_BYTES[dtype]
     kv_per_req = (-(-context_length // page_size)) * kv_page_bytes(cfg, tp=tp, page_size=page_size,
@@ -284,14 +295,17 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
                       context_length=context_length, page_size=page_size, running_requests=R,
                       requests_per_device=r, weights_replicated=replicated,
                       weights_sharded=sharded, kv_pages=kv, gdn_state=gdn, activations=act,
-                      hbm=hbm, max_running_requests=max_r)
+                      hbm=hbm, max_running_requests=max_r, redundant_experts=redundant_experts,
+                      expert_slots_per_device=(cfg.num_experts + redundant_experts) // ep)
 
 
 def format_plan(p: MemoryPlan) -> str:
     """A readable table, GiB per device."""
     mode = "+".join([f"DP{p.dp}"] * (p.dp > 1) + [f"TP{p.tp}"] * (p.tp > 1) + [f"EP{p.ep}"])
     head = (f"{p.topology}: {p.devices} devices on {p.hosts} host(s), {mode}, context "
-            f"{p.context_length} tokens, page {p.page_size}\n"
+            f"{p.context_length} tokens, page {p.page_size}, "
+            f"{p.expert_slots_per_device} expert slots per device per MoE layer "
+            f"({p.redundant_experts} redundant)\n"
             f"running requests per host {p.running_requests} "
             f"({p.requests_per_device} per DP rank, held on each of its {p.tp} device(s))\n")
     rows = [("weights, replicated", p.weights_replicated), ("weights, sharded", p.weights_sharded),
@@ -328,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                          "is accepted too)")
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--ep-num-redundant-experts", type=int, default=0,
+                    help="EPLB's redundant expert slots per MoE layer (the server's flag)")
     for flag, choices in DTYPE_FLAGS.items():
         ap.add_argument(flag, default=choices[0], choices=choices)
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -346,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                  running_requests=a.max_running_requests, context_length=a.context_length,
                  page_size=a.page_size, expert_dtype=a.expert_dtype, dtype=a.dtype,
                  kv_dtype=a.kv_dtype, state_dtype=a.state_dtype,
-                 max_num_batched_tokens=a.max_num_batched_tokens)
+                 max_num_batched_tokens=a.max_num_batched_tokens,
+                 redundant_experts=a.ep_num_redundant_experts)
     except ValueError as e:  # ConfigError is a ValueError
         ap.error(str(e))
     print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))
@@ -380,8 +397,9 @@ def compile_and_compare(cfg: ModelConfig, p: MemoryPlan, a) -> int:
     mesh = make_mesh(p.devices, topology_devices(p.topology))
     step = compile_dp_step if p.tp == 1 else compile_tp_step
     try:
+        extra = {"redundant_experts": p.redundant_experts} if p.redundant_experts else {}
         rep = step(cfg, spec, mesh, fp8_experts=a.expert_dtype == "fp8",
-                   kv_dtype=jdt[a.kv_dtype], state_dtype=jdt[a.state_dtype])
+                   kv_dtype=jdt[a.kv_dtype], state_dtype=jdt[a.state_dtype], **extra)
     except Exception as e:  # XLA:TPU refuses programs that do not fit: report, do not crash
         print(f"compile failed: {str(e).splitlines()[0]}")
         return 1

@@ -135,6 +135,11 @@ class ServerArgs:
     enable_deterministic_inference: bool = False
     reasoning_parser: str | None = None  # chat: split <think> reasoning into reasoning_content
     tool_call_parser: str | None = None  # chat: parse tool calls into tool_calls
+    # EPLB (parallel/eplb.py): redundant expert slots, the start-up placement, rebalancing.
+    ep_num_redundant_experts: int = 0
+    init_expert_location: str | None = None  # None / "trivial": slot p holds expert p mod E
+    enable_eplb: bool = False
+    eplb_rebalance_num_iterations: int = 1000  # steps between rebalances
 
     def __post_init__(self):
         self.validate()
@@ -163,6 +168,8 @@ class ServerArgs:
         positive("ep_size", self.ep_size)
         positive("max_gdn_snapshots", self.max_gdn_snapshots, allow_none=True)
         positive("max_queued_requests", self.max_queued_requests, allow_none=True)
+        positive("eplb_rebalance_num_iterations", self.eplb_rebalance_num_iterations)
+        self._validate_eplb()
         positive("max_consecutive_step_errors", self.max_consecutive_step_errors)
         for name in ("watchdog_timeout", "handover_wait_timeout", "weight_update_timeout",
                      "profile_max_seconds"):
@@ -217,6 +224,24 @@ class ServerArgs:
                 f"(--page-size {self.page_size}) per DP rank (--dp-size {self.dp_size})"
             )
 
+    @property
+    def uses_expert_location(self) -> bool:
+        """Experts stored per physical slot (EPLB): any of the three EPLB flags set."""
+        return (self.ep_num_redundant_experts > 0 or self.enable_eplb
+                or self.init_expert_location not in (None, "trivial"))
+
+    def _validate_eplb(self) -> None:
+        r = self.ep_num_redundant_experts
+        if not isinstance(r, int) or r < 0:
+            raise ValueError(f"--ep-num-redundant-experts must be a non-negative integer, "
+                             f"got {r!r}")
+        if self.uses_expert_location and self.tp_size != 1:
+            raise ValueError("--ep-num-redundant-experts / --init-expert-location / --enable-eplb "
+                             f"need expert parallelism over DP ranks (--tp-size {self.tp_size})")
+        if self.uses_expert_location and self.nnodes > 1:
+            raise ValueError("--ep-num-redundant-experts / --init-expert-location / --enable-eplb "
+                             f"are not supported with --nnodes {self.nnodes}")
+
     def _validate_multihost(self) -> None:
         if not isinstance(self.nnodes, int) or self.nnodes < 1:
             raise ValueError(f"--nnodes must be a positive integer, got {self.nnodes!r}")
@@ -246,6 +271,10 @@ class ServerArgs:
         if num_experts % self.ep_size:
             raise ValueError(f"--ep-size {self.ep_size} must divide the model's {num_experts} "
                              "routed experts")
+        if (num_experts + self.ep_num_redundant_experts) % self.ep_size:
+            raise ValueError(f"--ep-num-redundant-experts {self.ep_num_redundant_experts}: the "
+                             f"{num_experts} experts plus it must be a multiple of --ep-size "
+                             f"{self.ep_size} (physical slots per EP rank)")
 
     @property
     def max_running_requests_per_rank(self) -> int:
@@ -379,6 +408,17 @@ def _add_serving_flags(a, d) -> None:
     a("--tool-call-parser", type=str, default=d.tool_call_parser, choices=TOOL_CALL_PARSERS,
       help="chat completions: tool calls -> message.tool_calls (qwen3_coder: Qwen3.5's "
            "XML format; qwen25: JSON in <tool_call> tags)")
+
+    a("--ep-num-redundant-experts", type=int, default=d.ep_num_redundant_experts,
+      help="EPLB: extra physical expert slots per MoE layer holding copies of hot experts "
+           "(experts + it must be a multiple of --ep-size)")
+    a("--init-expert-location", type=str, default=d.init_expert_location,
+      help="EPLB start-up placement: a load file the engine wrote "
+           "(Engine.dump_expert_distribution_record) or 'trivial' (slot p holds expert p mod E)")
+    a("--enable-eplb", action="store_true", default=d.enable_eplb,
+      help="rebalance the expert placement periodically from the recorded expert loads")
+    a("--eplb-rebalance-num-iterations", type=int, default=d.eplb_rebalance_num_iterations,
+      help="steps between EPLB rebalances (with --enable-eplb)")
 
     a("--nnodes", type=int, default=d.nnodes,
       help="hosts (processes) one engine spans; node 0 serves, the others follow its steps")

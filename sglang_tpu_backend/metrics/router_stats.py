@@ -10,6 +10,10 @@ padding and masked out), E routed experts, K experts per token.
   2. mean top-1 router probability over real tokens.
 It costs one [T, E] softmax-entropy pass and a scatter-add of T*K ones into [E] counters; the
 router's logits and top-k ids are already computed by the MoE block.
+
+``slot_counts(slot_i, num_valid, num_slots)`` returns f32[P]: the real rows routed to each
+physical expert slot (P = E without an expert location), what EPLB records
+(``parallel/eplb.py``) and what the per-EP-rank routed-row max/mean is computed from.
 """
 
 from __future__ import annotations
@@ -36,3 +40,11 @@ def router_stats(router_logits, top_i, num_valid):
     ratio = jnp.where(n > 0, jnp.max(counts) / jnp.maximum(mean_load, 1e-9), jnp.nan)
     mean = lambda v: jnp.sum(jnp.where(valid, v, 0.0)) / jnp.maximum(n, 1.0)  # noqa: E731
     return jnp.stack([ratio, mean(entropy), mean(top1)])  # f32[3]
+
+
+def slot_counts(slot_i, num_valid, num_slots: int):
+    """slot_i i32[T, K] physical slot ids, num_valid i32[] -> f32[num_slots] real rows per slot."""
+    T = slot_i.shape[0]
+    valid = (jnp.arange(T) < num_valid)[:, None]  # bool[T, 1]
+    ids = jnp.where(valid, slot_i, num_slots).reshape(-1)  # padding -> dropped bin
+    return jnp.zeros((num_slots + 1,), jnp.float32).at[ids].add(1.0, mode="drop")[:num_slots]

@@ -74,7 +74,8 @@ class StepBackend(abc.ABC):
                 from_slot: np.ndarray | None = None, last_tokens: jax.Array | None = None
                 ) -> StepOutput:
         """One step on ``num_ranks`` numpy batches of one bucket (cache donated): (logits
-        f32[num_ranks*L, V], new cache, router stats f32[num_ranks*layers, 3] or None).
+        f32[num_ranks*L, V], new cache, router stats or None: health f32[num_ranks*layers, 3]
+        and rows per physical expert slot f32[layers, P], ``metrics/router_stats.py``).
         ``from_slot`` i32[T] / ``last_tokens`` i32[S]: see ``in_flight_inputs``."""
 
     def close(self) -> None:

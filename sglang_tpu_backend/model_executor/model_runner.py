@@ -96,11 +96,16 @@ class ModelRunner:
         router_stats: bool = True,
         num_gdn_snapshots: int = 0,
         deterministic: bool = False,
+        expert_location: Any = None,
+        eplb_rebalance_num_iterations: int | None = None,
     ):
         """``router_stats``: each step also reduces the MoE routers' health (expert load,
         entropy, top-1 probability per layer; ``metrics/router_stats.py``) into
-        ``last_router_stats`` f32[dp_size, layers, 3]. ``deterministic``: see
-        ``step_buckets``."""
+        ``last_router_stats`` f32[dp_size, layers, 3] and records the expert loads
+        (``balancer``). ``deterministic``: see ``step_buckets``. ``expert_location``
+        (``parallel.eplb.ExpertLocation``, EPLB): routed experts stored per physical slot of
+        it; ``eplb_rebalance_num_iterations``: steps between rebalances (None: never)
+        (``expert_balancer.py``)."""
         self.cfg = cfg
         self.last_router_stats = None
         self._stats = None
@@ -116,6 +121,15 @@ class ModelRunner:
         # Shape / dtype of each param as loaded (before placement): what a weight update's
         # checkpoint must match (``weight_update.load_host_params``).
         self.param_spec = param_spec(params)
+        self.balancer = None  # expert loads and placement (``expert_balancer.py``)
+        if expert_location is not None or router_stats:
+            from sglang_tpu_backend.model_executor.expert_balancer import make_balancer
+
+            if not router_stats and eplb_rebalance_num_iterations is not None:
+                raise ValueError("--enable-eplb records expert loads from the router stats")
+            self.balancer = make_balancer(cfg, expert_location, self.backend.num_ranks,
+                                          eplb_rebalance_num_iterations)
+            params = self.balancer.physical(params)
         # The cache before the params: a multi-host leader's start-up collectives (sizes, then
         # the param check) come in the order its followers make them (``run_follower``).
         self.cache = self.backend.init_cache(
@@ -145,12 +159,16 @@ class ModelRunner:
             from sglang_tpu_backend.model_executor.weight_update import WeightUpdateError
 
             raise WeightUpdateError("weight updates are not supported with --nnodes > 1")
+        if self.balancer is not None:
+            params = self.balancer.physical(params)
         return self.backend.place_params(params)
 
     def replace_params(self, params: Any) -> None:
         """Serve ``params`` (from ``place_params``) from the next step on; the caller makes
         sure no step is in flight. Blocks until they are on the devices."""
         self.params = jax.block_until_ready(params)
+        if self.balancer is not None:  # placed for the location of their time (EPLB)
+            self.balancer.adopt(self.params)
 
     # Shapes ---------------------------------------------------------------------------
     def shapes_for(self, kind: ForwardMode, num_tokens: int, num_reqs: int, num_rows: int
@@ -243,6 +261,9 @@ class ModelRunner:
         sampler) without waiting for the device: JAX runs it asynchronously while the host
         goes on (overlap scheduling prepares the next step meanwhile)."""
         self._reset_penalties(batch)
+        if self.balancer is not None and self.balancer.due:
+            jax.block_until_ready(self.cache)  # the last forward done: no step reads the params
+            self.params = self.balancer.rebalance(self.params)
         if batch.state_loads:
             self.cache = self.snapshots.load(
                 self.cache, [(x.rank, x.snapshot, x.slot) for x in batch.state_loads])
@@ -258,14 +279,22 @@ class ModelRunner:
         """Wait for a launched step's outputs (one device-to-host transfer) and split them
         per chunk."""
         out, stats = jax.device_get((step.out, step.stats))
-        if stats is not None:  # f32[D*layers, 3], a few hundred bytes
-            self.last_router_stats = np.asarray(stats).reshape(self.dp_size, -1, 3)
+        if stats is not None:  # f32[D*layers, 3] and f32[layers, P]: a few KiB
+            health, slot_counts = stats
+            self.last_router_stats = np.asarray(health).reshape(self.dp_size, -1, 3)
+            if self.balancer is not None:
+                self.balancer.record(slot_counts)
         return [_chunk_result(out, i, c, r) for i, c, r in
                 zip(step.sample_idx, step.batch.chunks, step.rows)]
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every program serving can use (``warmup.warm_up``); returns seconds."""
-        return warmup.warm_up(self, progress)
+        """Compile every program serving can use (``warmup.warm_up``; with EPLB rebalancing
+        also the expert moves, by a move to the serving placement); returns seconds."""
+        seconds = warmup.warm_up(self, progress)
+        if self.balancer is not None and self.balancer.rebalance_every is not None:
+            self.params = jax.block_until_ready(
+                self.balancer.mover.move(self.params, self.balancer.location))
+        return seconds
 
     def close(self) -> None:
         """Release the backend (multi-host: stop the followers; once, the caller makes sure

@@ -89,9 +89,10 @@ def compile_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = j
 def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = jnp.bfloat16,
                     fp8_experts: bool = False, kv_dtype: Any = jnp.bfloat16,
                     state_dtype: Any = jnp.float32, impl: str = "pallas",
-                    num_microbatches: int = 2, compiler_options: dict | None = None
-                    ) -> CompileReport:
+                    num_microbatches: int = 2, compiler_options: dict | None = None,
+                    redundant_experts: int = 0) -> CompileReport:
     """Compile the DP x EP step (``parallel/dp_forward.py``) over every device of ``mesh``.
+    ``redundant_experts``: EPLB's extra physical expert slots per MoE layer (and their maps).
 
     ``spec`` is per DP rank (bucket, pages and slots of one rank); the global arrays are the
     ranks' concatenation, placed as DPForward places them. Memory figures are per device.
@@ -101,7 +102,8 @@ def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
 
     dp = DPForward(cfg, mesh, impl=impl, ep=EPContext(num_microbatches=num_microbatches))
     D = dp.dp_size
-    shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
+    slots = cfg.num_experts + redundant_experts if redundant_experts else None
+    shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts, num_physical_experts=slots)
     params = abstract_params(shapes, mesh, dp.param_specs(shapes))
     cache = _abstract_dp_cache(cfg, spec, dp, kv_dtype, state_dtype)
     local = abstract_batch(spec, mesh)

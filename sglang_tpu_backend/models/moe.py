@@ -9,6 +9,11 @@ Expert-parallel flow (inside ``shard_map``; each device holds E = num_experts / 
   3. gather the rows routed to this device's experts, grouped matmuls (SwiGLU fused), weighted
      gather-reduce per token                                        y_all [D*T, H] (partial)
   4. hierarchical reduce-scatter: each rank gets the sum over devices of its own T rows.
+
+With an expert location (EPLB, ``parallel/eplb.py``) the expert weights are stored per
+physical slot (P = E + redundant slots, P/D per device) and :func:`physical_ids` maps each
+routed (token, k) from its logical expert to one of that expert's copies before step 1; the
+flow above then runs on slot ids, unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +23,23 @@ from jax import lax
 
 from kernels import collectives, gmm, routing
 from sglang_tpu_backend.parallel.mesh import EPContext
+
+
+def physical_ids(top_i, location):
+    """Logical top-k ids i32[T, K] -> physical slot ids i32[T, K].
+
+    location: {"physical" i32[E, C] (expert e's slots in its first copies[e] entries),
+    "copies" i32[E], "logical" i32[P]} of this layer. Assignment (t, k) of expert e takes
+    copy (t + k) mod copies[e]: deterministic, and spreads an expert's rows over its copies.
+    Ids outside [0, E) (the padding rows' id E) become P, outside every device's slot range.
+    """
+    T, K = top_i.shape
+    table, copies = location["physical"], location["copies"]
+    num_experts, num_slots = table.shape[0], location["logical"].shape[0]
+    valid = (top_i >= 0) & (top_i < num_experts)
+    e = jnp.where(valid, top_i, 0)
+    pick = (jnp.arange(T, dtype=jnp.int32)[:, None] + jnp.arange(K, dtype=jnp.int32)) % copies[e]
+    return jnp.where(valid, table[e, pick], num_slots).astype(jnp.int32)
 
 
 def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, impl, layer=None,

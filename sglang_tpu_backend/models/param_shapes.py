@@ -7,6 +7,10 @@ and lets memory be planned from a config alone.
 
 Letters: H hidden, V vocab, E experts, I expert width, Is shared-expert width, N/G q/kv heads of
 size D, Hv value heads of size Dv, C conv channels, K conv taps, P = layer_period.
+
+``num_physical_experts`` (EPLB, ``model_executor/expert_location.py``): the routed experts
+stored in that many physical slots per layer (E + redundant), with the layer's
+``expert_location`` map (physical i32[E, C], copies i32[E], logical i32[slots]).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ def _sd(shape, dtype) -> jax.ShapeDtypeStruct:
 
 
 def layer_param_shapes(cfg: ModelConfig, layer: int, dtype: Any = jnp.bfloat16,
-                       fp8_experts: bool = False) -> dict:
+                       fp8_experts: bool = False, num_physical_experts: int | None = None
+                       ) -> dict:
     """One layer's param dict as ShapeDtypeStructs (what the loader builds for ``layer``)."""
     H = cfg.hidden_size
     out: dict[str, Any] = {"input_layernorm": _sd((H,), dtype),
@@ -51,7 +56,8 @@ def layer_param_shapes(cfg: ModelConfig, layer: int, dtype: Any = jnp.bfloat16,
         Id = cfg.intermediate_size
         out["mlp"] = {"gate_up": _sd((H, 2 * Id), dtype), "down": _sd((Id, H), dtype)}
         return out
-    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    I = cfg.moe_intermediate_size
+    E = cfg.num_experts if num_physical_experts is None else num_physical_experts
     if fp8_experts and I % FP8_BLOCK == 0:  # the loader dequantises other widths
         bh, bi = -(-H // FP8_BLOCK), I // FP8_BLOCK
         experts = {"gate_up": _sd((E, H, 2 * I), jnp.float8_e4m3fn),
@@ -60,7 +66,12 @@ def layer_param_shapes(cfg: ModelConfig, layer: int, dtype: Any = jnp.bfloat16,
                    "down_scale": _sd((E, bi, bh), jnp.float32)}
     else:
         experts = {"gate_up": _sd((E, H, 2 * I), dtype), "down": _sd((E, I, H), dtype)}
-    mlp: dict[str, Any] = {"gate": _sd((H, E), dtype), "experts": experts}
+    mlp: dict[str, Any] = {"gate": _sd((H, cfg.num_experts), dtype), "experts": experts}
+    if num_physical_experts is not None:
+        C = num_physical_experts - cfg.num_experts + 1
+        mlp["expert_location"] = {"physical": _sd((cfg.num_experts, C), jnp.int32),
+                                  "copies": _sd((cfg.num_experts,), jnp.int32),
+                                  "logical": _sd((num_physical_experts,), jnp.int32)}
     if cfg.shared_expert_intermediate_size:
         Is = cfg.shared_expert_intermediate_size
         mlp["shared_expert"] = {"gate_up": _sd((H, 2 * Is), dtype), "down": _sd((Is, H), dtype)}
@@ -69,12 +80,14 @@ def layer_param_shapes(cfg: ModelConfig, layer: int, dtype: Any = jnp.bfloat16,
     return out
 
 
-def param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16, fp8_experts: bool = False) -> dict:
+def param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16, fp8_experts: bool = False,
+                 num_physical_experts: int | None = None) -> dict:
     """The whole param pytree (layer groups stacked) as ShapeDtypeStructs."""
     P = cfg.layer_period
     num_groups = cfg.num_hidden_layers // P
     stack = lambda s: _sd((num_groups, *s.shape), s.dtype)  # noqa: E731
-    groups = tuple(jax.tree.map(stack, layer_param_shapes(cfg, j, dtype, fp8_experts))
+    groups = tuple(jax.tree.map(stack, layer_param_shapes(cfg, j, dtype, fp8_experts,
+                                                          num_physical_experts))
                    for j in range(P))
     V, H = cfg.vocab_size, cfg.hidden_size
     return {"embed_tokens": _sd((V, H), dtype), "layer_groups": groups,

@@ -26,6 +26,8 @@ weight is [in, out] (HF's [out, in] transposed) so layers compute ``x @ w``.
       mlp (MoE): gate [H, E]; experts {gate_up [E, H, 2I] (columns [gate | up]), down [E, I, H],
         and with FP8 experts kept: gate_up_scale f32[E, H/128, 2I/128], down_scale
         f32[E, I/128, H/128] (128x128 block scales, multiply to dequantise)};
+        with EPLB (``model_executor/expert_location.py``) the experts' E is P physical slots
+        and expert_location {physical i32[E, C], copies i32[E], logical i32[P]} maps them;
         shared_expert {gate_up [H, 2Is], down [Is, H]}; shared_expert_gate [H, 1]
       mlp (dense, Qwen3-Next mlp_only layers): gate_up [H, 2I], down [I, H]
 """
@@ -49,8 +51,8 @@ from sglang_tpu_backend.models.layers import (
     rope_cos_sin,
     swiglu_mlp,
 )
-from sglang_tpu_backend.metrics.router_stats import NUM_STATS, router_stats
-from sglang_tpu_backend.models.moe import ep_routed_experts, routed_experts
+from sglang_tpu_backend.metrics.router_stats import NUM_STATS, router_stats, slot_counts
+from sglang_tpu_backend.models.moe import ep_routed_experts, physical_ids, routed_experts
 from sglang_tpu_backend.parallel.mesh import EPContext, TPContext
 
 Params = dict[str, Any]
@@ -247,41 +249,59 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
     by the kernels (the layer scan passes them whole); default ``p["experts"]`` (one layer).
     ``num_valid`` (i32[], real token rows): rows past it are padding and are routed to no
     expert (their routed output is 0; :func:`route_tokens`). ``with_stats``: also return the
-    router's health summary f32[3] over the real rows (``metrics/router_stats.py``; needs
-    ``num_valid``).
+    router's health summary f32[3] and the real rows per physical slot f32[P] (E without
+    EPLB) (``metrics/router_stats.py``; needs ``num_valid``). ``p["expert_location"]``
+    (EPLB): routed ids go to physical slots (``models/moe.py``).
     """
     router_logits = x @ p["gate"]  # [T, E]
     top_w, top_i = route_tokens(router_logits, cfg, num_valid, x.dtype)  # [T, K]
+    location = p.get("expert_location")
+    slot_i = top_i if location is None else physical_ids(top_i, location)  # [T, K]
+    num_slots = cfg.num_experts if location is None else location["logical"].shape[0]
 
     if experts is None:
         experts, group = p["experts"], None
     if tp is not None:
         num_local = experts["gate_up"].shape[0 if group is None else 1]
         first = jax.lax.axis_index(tp.axes) * num_local
-        routed = routed_experts(experts, x, top_i, top_w, num_local, first, impl, group)
+        routed = routed_experts(experts, x, slot_i, top_w, num_local, first, impl, group)
         routed = jax.lax.psum(routed, tp.axes)
     elif ep is None:
-        routed = routed_experts(experts, x, top_i, top_w, cfg.num_experts, 0, impl, group)
+        routed = routed_experts(experts, x, slot_i, top_w, num_slots, 0, impl, group)
     else:
-        routed = ep_routed_experts(experts, x, top_i, top_w, impl, ep, group)  # [T, H]
+        routed = ep_routed_experts(experts, x, slot_i, top_w, impl, ep, group)  # [T, H]
 
     shared = p["shared_expert"]
     shared_out = swiglu_mlp(x, shared["gate_up"], shared["down"])  # [T, H]
     shared_out = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared_out
     if not with_stats:
         return routed + shared_out
-    return routed + shared_out, router_stats(router_logits, top_i, num_valid)
+    stats = (router_stats(router_logits, top_i, num_valid),
+             slot_counts(slot_i, num_valid, num_slots))
+    return routed + shared_out, stats
 
 
 def mlp_block(p: Params, x, cfg: ModelConfig, layer: int, impl, ep: EPContext | None = None,
               experts: Params | None = None, group=None, tp: TPContext | None = None,
-              num_valid=None, with_stats: bool = False):
-    """The layer's MLP; with ``with_stats`` also its router stats f32[3] (NaN: dense layer).
-    ``num_valid``: real token rows (padding past it is routed nowhere), see :func:`moe_block`."""
+              num_valid=None, with_stats: bool = False, num_slots: int = 0):
+    """The layer's MLP; with ``with_stats`` also its router stats (f32[3], f32[num_slots]);
+    a dense layer's are NaN and zeros. ``num_valid``: real token rows (padding past it is
+    routed nowhere), see :func:`moe_block`."""
     if cfg.is_moe_layer(layer):
         return moe_block(p, x, cfg, impl, ep, experts, group, tp, num_valid, with_stats)
     out = swiglu_mlp(x, p["gate_up"], p["down"])
-    return out if not with_stats else (out, jnp.full((NUM_STATS,), jnp.nan, jnp.float32))
+    if not with_stats:
+        return out
+    return out, (jnp.full((NUM_STATS,), jnp.nan, jnp.float32), jnp.zeros((num_slots,), jnp.float32))
+
+
+def num_expert_slots(params: Params, cfg: ModelConfig) -> int:
+    """P: physical expert slots per MoE layer (E without an expert location)."""
+    for p in params["layer_groups"]:
+        location = p.get("mlp", {}).get("expert_location")
+        if location is not None:
+            return location["logical"].shape[-1]
+    return cfg.num_experts
 
 
 def _split_experts(groups: tuple[Params, ...]) -> tuple[tuple[Params, ...], tuple]:
@@ -300,8 +320,9 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
                    ep: EPContext | None = None, tp: TPContext | None = None,
                    with_stats: bool = False, batch_invariant: bool = False):
     """All decoder layers and the final norm. Returns (hidden [T, H], cache, stats, verify):
-    stats the router health f32[num_layers, 3] (``metrics/router_stats.py``) with
-    ``with_stats``, else None; verify, in TARGET_VERIFY mode only (else None), every GDN
+    stats with ``with_stats`` (else None) the router stats (health f32[num_layers, 3], real
+    rows per physical expert slot f32[num_layers, P], summed over the EP ranks with ``ep``;
+    ``metrics/router_stats.py``); verify, in TARGET_VERIFY mode only (else None), every GDN
     layer's (windows [Lyr, R, K-1+n, C], rec_steps [Lyr, R, n, Hv, Dk, Dv]), see
     ``gdn_block``.
 
@@ -323,6 +344,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
 
     scanned, experts = _split_experts(params["layer_groups"])
     num_valid = batch.cu_q_lens[batch.num_seqs[0]]  # real token rows; the rest is padding
+    num_slots = num_expert_slots(params, cfg)
 
     def group(carry, xs):
         x, kv_pages, conv_state, rec_state = carry
@@ -347,23 +369,26 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
             x = x + h
             h = rms_norm(x, p["post_attention_layernorm"], cfg.rms_norm_eps)
             out = mlp_block(p["mlp"], h, cfg, j, impl, ep, experts[j], g, tp, num_valid,
-                            with_stats)
+                            with_stats, num_slots)
             if with_stats:
                 out, st = out
                 stats.append(st)
             x = x + out
         verify = (tuple(jnp.stack(v) for v in zip(*verify)) if batch.mode.is_verify()
                   else None)  # each [lin_per_group, R, ...]
-        return (x, kv_pages, conv_state, rec_state), (jnp.stack(stats) if with_stats else None,
-                                                      verify)
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if with_stats else None
+        return (x, kv_pages, conv_state, rec_state), (stacked, verify)
 
     num_groups = cfg.num_hidden_layers // period
     carry = (x, cache.kv_pages, cache.conv_state, cache.rec_state)
     carry, (stats, verify) = jax.lax.scan(group, carry, (scanned, jnp.arange(num_groups)))
     x, kv_pages, conv_state, rec_state = carry
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    if with_stats:  # [groups, period, 3] -> [layers, 3] (layer g * period + j)
-        stats = stats.reshape(-1, NUM_STATS)
+    if with_stats:  # [groups, period, n] -> [layers, n] (layer g * period + j)
+        health, counts = (s.reshape(cfg.num_hidden_layers, -1) for s in stats)
+        if ep is not None:  # every rank's rows: what each EP rank's slots receive
+            counts = jax.lax.psum(counts, ep.axes)
+        stats = (health, counts)
     if verify is not None:  # [groups, lin_per_group, ...] -> [Lyr, ...] (g * lin_per_group + i)
         verify = tuple(v.reshape(-1, *v.shape[2:]) for v in verify)
     return x, ModelCache(kv_pages, conv_state, rec_state), stats, verify
@@ -380,8 +405,9 @@ def forward(
     Jit with ``static_argnames=("cfg", "impl", "ep")`` and ``donate_argnames=("cache",)``.
     ``ep`` is set only by the data-parallel step (``parallel/dp_forward.py``), which runs this
     function per device under ``shard_map``; ``tp`` likewise by the tensor-parallel step
-    (``parallel/tp_forward.py``). ``with_stats``: also return the router health
-    f32[num_layers, 3] (``metrics/router_stats.py``) as a third output. ``batch_invariant``:
+    (``parallel/tp_forward.py``). ``with_stats``: also return the router stats (health
+    f32[num_layers, 3], rows per physical expert slot f32[num_layers, P]) as a third output.
+    ``batch_invariant``:
     a row's result does not depend on the rest of the batch (the XLA attention then reads
     every key from the pages; ``--enable-deterministic-inference``).
     """

@@ -63,7 +63,8 @@ class DPForward:
     def __init__(self, cfg: ModelConfig, mesh: Mesh, *, impl: str = "auto",
                  ep: EPContext = EPContext(), with_stats: bool = False,
                  batch_invariant: bool = False):
-        """``with_stats``: the step also returns each rank's router health f32[D*layers, 3].
+        """``with_stats``: the step also returns each rank's router health f32[D*layers, 3] and
+        the real rows per physical expert slot of all ranks f32[layers, P].
         ``batch_invariant``: see ``qwen3_5_moe.forward``."""
         if cfg.num_experts % mesh.size:
             raise ValueError(f"--ep-size {mesh.size} must divide num_experts {cfg.num_experts}")
@@ -138,8 +139,8 @@ class DPForward:
         local = functools.partial(qwen3_5_moe.forward, cfg=self.cfg, impl=self.impl, ep=self.ep,
                                   with_stats=self.with_stats, batch_invariant=self.batch_invariant)
         out_specs = (rank_spec(self.ep, 0), self.cache_specs())
-        if self.with_stats:
-            out_specs += (rank_spec(self.ep, 0),)
+        if self.with_stats:  # (health per rank, rows per expert slot summed over the ranks)
+            out_specs += ((rank_spec(self.ep, 0), REPLICATED),)
         step = jax.shard_map(
             lambda p, c, b: local(p, c, b), mesh=self.mesh,
             in_specs=(self.param_specs(params), self.cache_specs(), self.batch_specs(batch.mode)),

@@ -203,12 +203,12 @@ def broadcast_step(batches: Sequence[ForwardBatch] | None, num_ranks: int
 def step(dp: DPForward, params, cache, batches: Sequence[ForwardBatch]):
     """Place the step's batches, run ``dp`` and gather its outputs to every process.
 
-    Returns (f32[D*L, V] numpy logits, the updated cache, f32[D*layers, 3] numpy router
-    stats or None when ``dp`` has none). Every process runs it with the same batches (from
-    :func:`broadcast_step`).
+    Returns (f32[D*L, V] numpy logits, the updated cache, the router stats as numpy (health
+    f32[D*layers, 3], rows per expert slot f32[layers, P]) or None when ``dp`` has none).
+    Every process runs it with the same batches (from :func:`broadcast_step`).
     """
     out = dp(params, cache, dp.put_batch(batches))
-    stats = gather_logits(out[2]) if dp.with_stats else None
+    stats = jax.tree.map(gather_logits, out[2]) if dp.with_stats else None
     return gather_logits(out[0]), out[1], stats
 
 

@@ -159,3 +159,14 @@ def test_cli_bad_input_exits_with_the_flag(capsys):
     with pytest.raises(SystemExit):
         main(["--topology", "v5e:4x4"])
     assert "--topology" in capsys.readouterr().err
+
+
+def test_redundant_experts_weights_equal_hand_computed_sizes():
+    """EPLB: 512 + 32 expert slots over EP8 = 68 per device; the replicated maps per MoE
+    layer are physical i32[512, 33], copies i32[512], logical i32[544]."""
+    p = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, running_requests=512, redundant_experts=32, **COMMON)
+    assert p.expert_slots_per_device == 68 and p.redundant_experts == 32
+    assert p.weights_sharded == EXPERTS_PER_DEVICE_EP8 * 68 // 64
+    assert p.weights_replicated == REPLICATED_DP + 60 * (512 * 33 + 512 + 544) * 4
+    with pytest.raises(ValueError, match="--ep-num-redundant-experts 4"):
+        plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, redundant_experts=4, **COMMON)

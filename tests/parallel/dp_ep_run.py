@@ -5,6 +5,12 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8; writes an .npz of greedy tok
 logits of both runs. Loads are uneven on purpose: rank 0 holds four long prompts, ranks 1-4
 one or two short ones, ranks 5-7 are idle at first; rank 6 admits a new request in the middle
 of decoding, which turns those steps into MIXED steps.
+
+EPLB (``parallel/eplb.py``): the same plan again with the experts stored in 24 physical
+slots (16 experts + 8 redundant) of other placements (one from made-up loads: permuted, hot
+experts copied; the trivial one, rebalanced in mid-run), and on a checkpoint whose router
+favours a few experts, run once on the trivial placement and once after a rebalance from its
+recorded loads (the per-EP-rank routed-row max/mean of both).
 """
 
 from __future__ import annotations
@@ -17,9 +23,12 @@ import numpy as np
 
 from sglang_tpu_backend.loader import load_model
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
+from sglang_tpu_backend.model_executor.expert_balancer import ExpertBalancer
+from sglang_tpu_backend.model_executor.expert_location import moe_layers, params_location
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 from sglang_tpu_backend.parallel.dp_forward import DPForward
+from sglang_tpu_backend.parallel.eplb import ExpertLocation, place_experts
 from sglang_tpu_backend.parallel.mesh import make_mesh
 from sglang_tpu_backend.tiny_model import default_model_path
 
@@ -30,6 +39,9 @@ LATE_STEP = 2  # the step at which rank 6's request arrives
 # rank -> prompt lengths (spanning several pages and GDN chunks); ranks 5-7 idle at first.
 PLAN = {0: [37, 33, 41, 29], 1: [9, 14], 2: [5], 3: [22, 3], 4: [17]}
 LATE = (6, 19)  # (rank, prompt length)
+REDUNDANT = 8  # EPLB runs: 16 experts + 8 redundant = 24 slots, 3 per rank
+REBALANCE_STEP = 3  # the step before which the redundant run rebalances
+HOT_EXPERTS = (9, 10, 11)  # the skewed router favours them (all on rank 3 at first)
 
 
 def alone(params, cfg, prompt, steps, prefill_bucket=64):
@@ -109,6 +121,71 @@ def init_dp_cache(dp: DPForward):
                          kv_dtype=jnp.float32, state_dtype=jnp.float32)
 
 
+def eplb_generate(cfg, params, dp: DPForward, balancer: ExpertBalancer, rebalance_at=None,
+                  placed=None):
+    """The plan on the physical params of ``balancer``'s location (``placed``: already placed
+    ones), every step's expert loads recorded; a rebalance before step ``rebalance_at``.
+    Returns (requests, the placed params after the run)."""
+    state = {"params": dp.shard_params(balancer.physical(params)) if placed is None else placed,
+             "cache": init_dp_cache(dp), "step": 0}
+
+    def run_step(batches):
+        if state["step"] == rebalance_at:
+            state["params"] = balancer.rebalance(state["params"])
+        logits, state["cache"], (_, counts) = dp(state["params"], state["cache"],
+                                                 dp.put_batch(batches))
+        balancer.record(np.asarray(counts))
+        state["step"] += 1
+        return logits
+
+    done, _ = generate(dp.dp_size, *make_requests(cfg), run_step)
+    return done, state["params"]
+
+
+def skewed(params, cfg, scale=3.0):
+    """``params`` with the router's columns of HOT_EXPERTS scaled by ``scale`` in every layer."""
+    def scale_gate(group):
+        gate = group["mlp"]["gate"]  # [groups, H, E]
+        gate = gate.at[..., list(HOT_EXPERTS)].multiply(scale)
+        return {**group, "mlp": {**group["mlp"], "gate": gate}}
+
+    return {**params, "layer_groups": tuple(scale_gate(g) for g in params["layer_groups"])}
+
+
+def eplb_runs(cfg, params, results):
+    """The EPLB runs' tokens / logits and balance figures into ``results``."""
+    layers = len(moe_layers(cfg))
+    dp = DPForward(cfg, make_mesh(8), impl="reference", with_stats=True)
+    loads = np.random.default_rng(1).integers(1, 100, (layers, cfg.num_experts))
+    slots = cfg.num_experts + REDUNDANT  # every run 24 slots: one compiled step for all
+    runs = {
+        "permuted": (ExpertBalancer(cfg, place_experts(loads, slots, 8), 8), None),
+        "rebalanced": (ExpertBalancer(cfg, ExpertLocation.trivial(layers, cfg.num_experts, slots),
+                                      8), REBALANCE_STEP),
+    }
+    for name, (balancer, rebalance_at) in runs.items():
+        first = balancer.location.logical
+        done, placed = eplb_generate(cfg, params, dp, balancer, rebalance_at)
+        for i, r in enumerate(done):
+            results[f"{name}_tokens_{i}"] = np.asarray(r.tokens[:len(r.logits) - 1])
+            results[f"{name}_logits_{i}"] = np.stack(r.logits)
+        results[f"{name}_first_location"] = first
+        results[f"{name}_last_location"] = params_location(placed, cfg).logical
+        results[f"{name}_rebalances"] = np.asarray(balancer.num_rebalances)
+
+    # Skewed router: the plan on the trivial placement, a rebalance, the plan again.
+    hot = skewed(params, cfg)
+    balancer = ExpertBalancer(cfg, ExpertLocation.trivial(layers, cfg.num_experts, slots), 8)
+    before, placed = eplb_generate(cfg, hot, dp, balancer)
+    results["skew_ratio_before"] = balancer.rank_balance()
+    placed = balancer.rebalance(placed)
+    after, _ = eplb_generate(cfg, hot, dp, balancer, placed=placed)
+    results["skew_ratio_after"] = balancer.rank_balance()
+    results["skew_logical_loads"] = balancer.location.logical_loads(balancer.window.counts)
+    results["skew_tokens_before"] = np.concatenate([r.tokens for r in before])
+    results["skew_tokens_after"] = np.concatenate([r.tokens for r in after])
+
+
 def main(out_path: str) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     cfg, params = load_model(default_model_path(), dtype=jnp.float32)
@@ -130,6 +207,7 @@ def main(out_path: str) -> None:
         results[f"ref_logits_{i}"] = logits
     results["num_requests"] = np.asarray(len(done))
     results["mesh_shape"] = np.asarray(dp.mesh.devices.shape)
+    eplb_runs(cfg, params, results)
     np.savez(out_path, **results)
 
 

@@ -41,3 +41,41 @@ def test_logits_within_tolerance(results):
         dp, ref = results[f"dp_logits_{i}"], results[f"ref_logits_{i}"]
         assert dp.shape == ref.shape
         np.testing.assert_allclose(dp, ref, atol=1e-4, rtol=0, err_msg=f"request {i}")
+
+
+def _log_softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("run", ["permuted", "rebalanced"])
+def test_eplb_placements_keep_outputs(results, run):
+    """Experts in 24 physical slots (8 redundant copies) of a permuted placement, or of the
+    trivial one rebalanced in mid-run: float32 greedy tokens identical to the run of the
+    logical experts as loaded (identity), logprobs within 1e-5."""
+    for i in range(int(results["num_requests"])):
+        base = results[f"dp_tokens_{i}"]
+        assert results[f"{run}_tokens_{i}"].tolist() == base.tolist(), (run, i)
+        np.testing.assert_allclose(_log_softmax(results[f"{run}_logits_{i}"]),
+                                   _log_softmax(results[f"dp_logits_{i}"]), atol=1e-5, rtol=0,
+                                   err_msg=f"{run} request {i}")
+    first, last = results[f"{run}_first_location"], results[f"{run}_last_location"]
+    if run == "permuted":  # every layer's placement differs from the trivial one
+        assert first.shape == (8, 24) and (first != np.arange(24) % 16).any(axis=1).all()
+        assert (last == first).all() and int(results["permuted_rebalances"]) == 0
+    else:  # trivial at first (slot p holds expert p mod 16), another placement after
+        assert first.shape == last.shape == (8, 24) and (first == np.arange(24) % 16).all()
+        assert int(results["rebalanced_rebalances"]) == 1 and (last != first).any()
+
+
+def test_eplb_rebalance_evens_a_skewed_router(results):
+    """A router favouring experts 9-11 (all on rank 3 at first): the rows each EP rank's slots
+    receive, max / mean per layer, drop after a rebalance from the recorded loads; the tokens
+    of the two runs are the same."""
+    before, after = results["skew_ratio_before"], results["skew_ratio_after"]
+    print(f"per-EP-rank routed rows max/mean per layer: before {np.round(before, 3).tolist()} "
+          f"after {np.round(after, 3).tolist()}")
+    loads = results["skew_logical_loads"]  # [layers, 16]
+    assert (loads[:, 9:12].min(axis=1) > np.delete(loads, [9, 10, 11], axis=1).max(axis=1)).all()
+    assert before.min() > 1.8 and after.max() < 1.25 and (after < before).all()
+    assert (results["skew_tokens_before"] == results["skew_tokens_after"]).all()
