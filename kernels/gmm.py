@@ -469,7 +469,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
     fp8 = rhs_scale is not None
     tm, tk, tn = blocks.tm, blocks.tk, blocks.tn
     mp, kp, np_ = _round_up(m, tm), _round_up(k, tk), _round_up(n, tn)
-    num_m, num_k, num_n = mp // tm, kp // tk, np_ // tn
+    num_k, num_n = kp // tk, np_ // tn
 
     # Zero padding to tile multiples (none for the model's shapes). The weights are passed
     # untouched when they need none: even a no-op reshape of [G, K, 2N] into halves makes XLA

@@ -25,7 +25,6 @@ on the host, so a TP replica hands over to a DP or one-device replica and back.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax

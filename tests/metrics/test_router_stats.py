@@ -14,7 +14,7 @@ from sglang_tpu_backend.metrics.router_stats import router_stats
 
 
 def test_uniform_router_and_skewed_load():
-    T, E, K = 4, 8, 2
+    T, E = 4, 8
     logits = jnp.zeros((T, E))  # uniform softmax: entropy ln E, top-1 prob 1/E
     top_i = jnp.array([[0, 1]] * 3 + [[7, 6]], jnp.int32)  # last row is padding
     ratio, ent, top1 = np.asarray(router_stats(logits, top_i, jnp.int32(3)))
