@@ -93,11 +93,12 @@ def measure(prefill, decode, trials: int) -> dict[str, list[float]]:
     for i in range(trials + 1):  # the first round warms both paths up
         for kind in ("transport", "raw") if i % 2 else ("raw", "transport"):
             if kind == "transport":
-                t0, ticket = ray.get(prefill.send.remote())
-                t1, _ = ray.get(decode.receive.remote(ticket))
+                t0, sent = ray.get(prefill.send.remote())
+                t1, _ = ray.get(decode.receive.remote(sent))
             else:
-                t0, refs = ray.get(prefill.put_raw.remote())
-                t1, _ = ray.get(decode.get_raw.remote(refs))
+                t0, sent = ray.get(prefill.put_raw.remote())
+                t1, _ = ray.get(decode.get_raw.remote(sent))
+            del sent  # the object leaves the store before the next trial
             if i:
                 out[kind].append(t1 - t0)
     return out
@@ -111,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg_path, page_size = CONFIGS[args.config]
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=2 * 1024**3)
+             object_store_memory=4 * 1024**3)
     try:
         print(f"config {args.config}, page {page_size}, bf16 KV + GDN state, {args.trials} trials")
         print(f"{'tokens':>7} {'MiB/request':>12} {'transport GB/s':>15} {'raw GB/s':>9} {'ratio':>6}")
