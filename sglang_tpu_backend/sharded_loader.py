@@ -1,0 +1,247 @@
+"""Weights straight into their shardings: a checkpoint read shard by shard, or dummy weights.
+
+``load_sharded(dir, cfg, shardings)`` builds the placed params tree (layout in
+``models/qwen3_5_moe.py``; ``shardings`` mirrors ``param_shapes(cfg)``) with no full host copy:
+
+  * Layer by layer, in file order, each leaf of the layer becomes a global array through
+    ``jax.make_array_from_callback`` with the leaf's sharding less the stacked axis. JAX calls
+    the callback for this process's devices only, and it reads what the device holds: a
+    routed-expert leaf ``[E, ...]`` split on E reads only the device's experts (their tensors
+    in the per-expert layout, their rows of the fused one, FP8 scales with their weights);
+    any other leaf is read once per process and handed to each local device.
+  * The layer's arrays are then written into the stacked ``[groups, ...]`` buffers, which
+    were allocated on the devices and are donated to every update. The host holds one leaf
+    of one layer (this process's share of it) at a time.
+
+Files are read through memory maps of just the bytes wanted (``checkpoint_io.read_rows``);
+``LoadReport`` has the bytes this process read and which experts each local device holds.
+
+``dummy_init(cfg, ...)``: random weights of the config's shapes (``--load-format dummy``),
+drawn by one jitted program whose outputs are placed by ``shardings``, so each device
+generates its own shard. The function is traceable: ``jax.eval_shape`` / ``.lower()`` check
+it at any size without materialising a weight.
+
+``WeightSource`` is what the engine hands its runner: the config, the path and the format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.layout import Format
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from tqdm.auto import tqdm
+
+from sglang_tpu_backend.checkpoint_io import BYTES_READ
+from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.loader import CheckpointLeaves, Leaf, load_params, resolve_keep_fp8
+from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
+from sglang_tpu_backend.models.param_shapes import param_shapes
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # SGLang's --load-format values we take
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What one process did to load the weights.
+
+    bytes_read: checkpoint tensor bytes this process read (0 for dummy weights).
+    expert_ranges: local device id -> the routed experts ``(lo, hi)`` it holds.
+    expert_bytes: local device id -> routed-expert bytes read for it.
+    seconds: wall time of the load.
+    """
+
+    bytes_read: int = 0
+    expert_ranges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    expert_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def with_native_layouts(shapes: Any, shardings: Any) -> Any:
+    """``shardings`` with the TPU-native formats of dense weights (``weight_layout.py``) when
+    they are on a TPU; unchanged elsewhere."""
+    leaves = jax.tree.leaves(shardings)
+    if leaves and uses_native_layouts(leaves[0]):
+        return weight_formats(shapes, shardings)
+    return shardings
+
+
+def _layer_sharding(s: Any) -> Any:
+    """The sharding of one layer's slice ``[...]`` of a stacked ``[groups, ...]`` leaf."""
+    s = s.sharding if isinstance(s, Format) else s
+    if isinstance(s, NamedSharding):
+        return NamedSharding(s.mesh, PartitionSpec(*tuple(s.spec)[1:]))
+    return s  # a single-device sharding has no axis to drop
+
+
+def _place_leaf(leaf: Leaf, shape: tuple[int, ...], sharding: Any, num_experts: int,
+                report: LoadReport) -> jax.Array:
+    """One leaf as a global array, each local device's shard read for it alone."""
+    whole: list[np.ndarray] = []  # a non-expert leaf, read once for every local device
+    devices = _sharding_of(sharding).addressable_devices_indices_map(shape)
+
+    def shard(idx: tuple[slice, ...]) -> np.ndarray:
+        if not leaf.experts:
+            if not whole:
+                whole.append(leaf.read())
+            return whole[0][idx]
+        lo, hi, _ = idx[0].indices(num_experts)
+        before = BYTES_READ.bytes
+        rows = leaf.read(lo, hi)
+        for d, d_idx in devices.items():
+            if d_idx[0].indices(num_experts)[:2] == (lo, hi):
+                report.expert_ranges[d.id] = (lo, hi)
+                report.expert_bytes[d.id] = report.expert_bytes.get(d.id, 0) + BYTES_READ.bytes - before
+                break  # bytes go to the first device holding these experts
+        return rows[(slice(None), *idx[1:])]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def _sharding_of(s: Any) -> Any:
+    return s.sharding if isinstance(s, Format) else s
+
+
+def _write_layer(stack: Any, layer: Any, g: jax.Array) -> Any:
+    return jax.tree.map(lambda s, x: s.at[g].set(x), stack, layer)
+
+
+def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *,
+                 dtype: Any = jnp.bfloat16, keep_fp8_experts: bool = False,
+                 backend: str | None = None, progress: bool | None = None
+                 ) -> tuple[Any, LoadReport]:
+    """The checkpoint's params placed by ``shardings`` (a mirror of ``param_shapes``), every
+    process reading only what its devices hold; see the module docstring. ``dtype``,
+    ``keep_fp8_experts``, ``backend``: as for ``loader.load_params``, whose params these equal.
+    Raises CheckpointError before reading any data when a tensor is missing or misshapen."""
+    t0, bytes0 = time.perf_counter(), BYTES_READ.bytes
+    keep_fp8 = resolve_keep_fp8(keep_fp8_experts, backend)
+    leaves = CheckpointLeaves(checkpoint_dir, cfg, dtype=dtype, keep_fp8_experts=keep_fp8)
+    shapes = param_shapes(cfg, dtype, fp8_experts=keep_fp8)
+    shardings = with_native_layouts(shapes, shardings)
+    report, E = LoadReport(), cfg.num_experts
+    place = lambda tree, shape_tree, sharding_tree: jax.tree.map(  # noqa: E731
+        lambda leaf, s, sh: _place_leaf(leaf, s.shape, sh, E, report), tree, shape_tree,
+        sharding_tree)
+    top = {k: v for k, v in shapes.items() if k != "layer_groups"}
+    params = place(leaves.top(), top, {k: shardings[k] for k in top})
+    group_shapes, group_shardings = shapes["layer_groups"], shardings["layer_groups"]
+    stacks = [jax.jit(lambda s=s: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), s),
+                      out_shardings=sh)() for s, sh in zip(group_shapes, group_shardings)]
+    writes = [jax.jit(_write_layer, donate_argnums=0, out_shardings=sh) for sh in group_shardings]
+    P = cfg.layer_period
+    disable = None if progress is None else not progress
+    for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights", unit="layer",
+                  disable=disable):
+        j = i % P
+        layer_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                                    group_shapes[j])
+        layer = place(leaves.layer(i), layer_shapes, jax.tree.map(_layer_sharding,
+                                                                  group_shardings[j]))
+        stacks[j] = writes[j](stacks[j], layer, np.int32(i // P))
+        del layer
+    params["layer_groups"] = tuple(stacks)
+    jax.block_until_ready(params)
+    report.bytes_read, report.seconds = BYTES_READ.bytes - bytes0, time.perf_counter() - t0
+    return params, report
+
+
+# Dummy weights --------------------------------------------------------------------------
+_STD = {"gate": 0.1, "conv1d": 0.3}  # routers decisive, conv taps of a 4-wide kernel
+_WEIGHT_STD, _NORM_STD, _FP8_SCALE = 0.02, 0.05, 0.02
+
+
+def _dummy_leaf(key: jax.Array, path: tuple, s: jax.ShapeDtypeStruct) -> jax.Array:
+    """Random values for one leaf, by its name: zero-centred (1 + w) norms, GDN's plain gated
+    norm around 1, A in [1, 16), dt in [1e-3, 1e-1), FP8 experts N(0, 1) with scale 0.02."""
+    name = getattr(path[-1], "key", "")
+    parent = getattr(path[-2], "key", "") if len(path) > 1 else ""
+    if name == "A_log":
+        return jnp.log(jax.random.uniform(key, s.shape, jnp.float32, 1.0, 16.0))
+    if name == "dt_bias":
+        return jnp.log(jnp.expm1(jax.random.uniform(key, s.shape, jnp.float32, 1e-3, 1e-1)))
+    if name.endswith("_scale"):
+        return jnp.full(s.shape, _FP8_SCALE, s.dtype)
+    x = jax.random.normal(key, s.shape, jnp.float32)
+    if s.dtype == jnp.float8_e4m3fn:
+        return x.astype(s.dtype)
+    if name.endswith("norm") or name.endswith("layernorm"):
+        x = x * _NORM_STD + (1.0 if parent == "linear_attn" else 0.0)
+    else:
+        x = x * _STD.get(name, _WEIGHT_STD)
+    return x.astype(s.dtype)
+
+
+def dummy_init(cfg: ModelConfig, *, dtype: Any = jnp.bfloat16, fp8_experts: bool = False,
+               seed: int = 0):
+    """A function of no arguments returning random params of ``param_shapes(cfg, dtype,
+    fp8_experts)``; leaf k draws from ``fold_in(key(seed), k)``. Jit it with ``out_shardings``
+    to generate each device's shard on the device."""
+    shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+
+    def init():
+        key = jax.random.key(seed)
+        return jax.tree_util.tree_unflatten(
+            treedef, [_dummy_leaf(jax.random.fold_in(key, k), path, s)
+                      for k, (path, s) in enumerate(flat)])
+
+    return init
+
+
+def dummy_params(cfg: ModelConfig, shardings: Any, *, dtype: Any = jnp.bfloat16,
+                 fp8_experts: bool = False, seed: int = 0) -> Any:
+    """``dummy_init``'s params generated on the devices, placed by ``shardings``."""
+    shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
+    init = dummy_init(cfg, dtype=dtype, fp8_experts=fp8_experts, seed=seed)
+    return jax.jit(init, out_shardings=with_native_layouts(shapes, shardings))()
+
+
+# What a runner loads ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class WeightSource:
+    """A runner's weights: ``model_path``'s safetensors (``load_format`` auto/safetensors)
+    or random weights of ``cfg``'s shapes drawn from ``seed`` (dummy), all in ``dtype``."""
+
+    cfg: ModelConfig
+    model_path: str | None
+    load_format: str = "auto"
+    dtype: Any = jnp.bfloat16
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+
+    @property
+    def dummy(self) -> bool:
+        return self.load_format == "dummy"
+
+    def shapes(self) -> Any:
+        """The params' shapes and dtypes (ShapeDtypeStruct tree)."""
+        return param_shapes(self.cfg, self.dtype)
+
+    def load(self, shardings: Any) -> tuple[Any, LoadReport]:
+        """The params placed by ``shardings`` (a mirror of ``shapes()``), read shard by shard."""
+        if self.dummy:
+            t0 = time.perf_counter()
+            params = jax.block_until_ready(dummy_params(self.cfg, shardings, dtype=self.dtype,
+                                                        seed=self.seed))
+            return params, LoadReport(seconds=time.perf_counter() - t0)
+        return load_sharded(self.model_path, self.cfg, shardings, dtype=self.dtype)
+
+    def host(self) -> tuple[Any, LoadReport]:
+        """The whole params on the default device (for layouts made from the whole tree)."""
+        if self.dummy:
+            where = SingleDeviceSharding(jax.devices()[0])
+            return self.load(jax.tree.map(lambda _: where, self.shapes()))
+        t0, bytes0 = time.perf_counter(), BYTES_READ.bytes
+        params = load_params(self.model_path, self.cfg, dtype=self.dtype)
+        return params, LoadReport(bytes_read=BYTES_READ.bytes - bytes0,
+                                  seconds=time.perf_counter() - t0)
