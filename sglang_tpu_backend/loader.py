@@ -109,8 +109,10 @@ def _mlp_shapes(cfg: ModelConfig, layer: int, p: str, fused: bool) -> dict[str, 
     return shapes
 
 
-def _expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntry]) -> dict[str, Shape]:
-    """Every HF tensor name the model needs (FP8 scales included) -> expected shape."""
+def expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntry]) -> dict[str, Shape]:
+    """Every HF tensor name the model needs (FP8 scales included) -> expected shape.
+    ``entries`` (the checkpoint's index) decides fused vs per-expert experts and which
+    weights are FP8; with ``{}`` it is the per-expert layout without FP8."""
     h, v = cfg.hidden_size, cfg.vocab_size
     shapes: dict[str, Shape] = {f"{prefix}embed_tokens.weight": (v, h), f"{prefix}norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
@@ -381,7 +383,7 @@ class CheckpointLeaves:
         self.dir, self.cfg, self.keep_fp8 = Path(checkpoint_dir), cfg, keep_fp8_experts
         self.entries = index_checkpoint(self.dir)
         self.prefix = _detect_prefix(self.entries)
-        self.expected = _expected_shapes(cfg, self.prefix, self.entries)
+        self.expected = expected_shapes(cfg, self.prefix, self.entries)
         _check_entries(self.dir, self.expected, self.entries)
         _report_leftovers(self.entries, set(self.expected), cfg)
         self.reader = _Reader(self.entries, dtype)

@@ -43,8 +43,8 @@ from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.loader import CheckpointLeaves, Leaf, load_params, resolve_keep_fp8
 from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
 from sglang_tpu_backend.models.param_shapes import param_shapes
+from sglang_tpu_backend.server_args import LOAD_FORMATS
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")  # SGLang's --load-format values we take
 
 
 @dataclasses.dataclass
