@@ -135,6 +135,7 @@ def _copy_out(entry: TensorEntry, begin: int, out: np.ndarray) -> np.ndarray:
         try:
             with open(entry.path, "rb") as f, mmap.mmap(f.fileno(), begin + n - start, offset=start,
                                                          access=mmap.ACCESS_READ) as m:
+                m.madvise(mmap.MADV_WILLNEED)  # one large read-ahead, not a fault per page
                 src = np.frombuffer(m, np.uint8, n, begin - start)
                 out.reshape(-1).view(np.uint8)[:] = src
                 del src  # the map cannot close while a view of it lives
@@ -148,6 +149,27 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
     """Read one tensor's bytes into a fresh numpy array of its dtype and shape."""
     dt = _check_size(entry)
     return _copy_out(entry, entry.begin, np.empty(entry.shape, dt))
+
+
+def read_into(entry: TensorEntry, out: np.ndarray) -> np.ndarray:
+    """Read one tensor's bytes straight into ``out`` (C-contiguous, of its dtype and shape)."""
+    dt = _check_size(entry)
+    if out.dtype != dt or out.shape != entry.shape or not out.flags.c_contiguous:
+        raise ValueError(f"tensor {entry.name}: cannot read {entry.dtype}{list(entry.shape)} into "
+                         f"{out.dtype}{list(out.shape)} (contiguous: {out.flags.c_contiguous})")
+    return _copy_out(entry, entry.begin, out)
+
+
+def prefetch(entry: TensorEntry, lo: int = 0, hi: int | None = None) -> None:
+    """Ask the kernel to start reading rows ``lo:hi`` (default: all) of a tensor into the page
+    cache in the background (``posix_fadvise(WILLNEED)``); a later read then finds them there."""
+    hi = entry.shape[0] if hi is None and entry.shape else (hi or 1)
+    row = (entry.end - entry.begin) // max(entry.shape[0], 1) if entry.shape else entry.end - entry.begin
+    fd = os.open(entry.path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, entry.begin + lo * row, (hi - lo) * row, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 def read_rows(entry: TensorEntry, lo: int, hi: int) -> np.ndarray:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +29,8 @@ from sglang_tpu_backend.checkpoint_io import (
     CheckpointError,
     TensorEntry,
     index_checkpoint,
+    prefetch,
+    read_into,
     read_rows,
     read_tensor,
 )
@@ -160,13 +163,16 @@ def _check_entries(checkpoint_dir: Path, expected: dict[str, Shape], entries: di
 class Leaf:
     """How one param leaf of one layer (or of the top level) is built from the checkpoint.
 
-    ``read()`` returns the whole leaf as numpy in the param layout; a routed-expert leaf
-    (``experts`` True, param shape ``[E, ...]``) takes ``read(lo, hi)`` and reads only experts
-    ``lo:hi`` from the files. Nothing is read before ``read`` is called.
+    ``read()`` returns the whole leaf as numpy, in the param layout, or with its last two axes
+    swapped when ``swapped`` (HF's [out, in] for a param's [in, out]: the transpose is left to
+    the device, where it is cheap). A routed-expert leaf (``experts`` True, param shape
+    ``[E, ...]``) takes ``read(lo, hi)`` and reads only experts ``lo:hi`` from the files.
+    Nothing is read before ``read`` is called.
     """
 
     read: Callable[..., np.ndarray]
     experts: bool = False
+    swapped: bool = False
 
 
 class _Reader:
@@ -181,6 +187,14 @@ class _Reader:
 
     def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         return read_rows(self.entries[name], lo, hi)
+
+    def raw_into(self, name: str, out: np.ndarray) -> None:
+        """``out[...] = raw(name)``, read straight into ``out`` when it has the stored dtype."""
+        e = self.entries[name]
+        if out.flags.c_contiguous and out.dtype == e.np_dtype and out.shape == e.shape:
+            read_into(e, out)
+        else:
+            out[...] = self.raw(name)
 
     def is_fp8(self, name: str) -> bool:
         return self.entries[name].dtype in _F8_CODES
@@ -202,12 +216,12 @@ class _Reader:
         return self.raw(name).astype(np.float32)
 
     def linear(self, name: str) -> np.ndarray:
-        """HF [out, in] weight -> [in, out]."""
-        return self.cast(self.hf(name).T)
+        """HF [out, in] weight (the param [in, out] swapped)."""
+        return self.cast(self.hf(name))
 
     def gate_up(self, gate: str, up: str) -> np.ndarray:
-        """Two HF [I, H] weights -> [H, 2I] with columns [gate | up]."""
-        return self.cast(np.concatenate([self.hf(gate).T, self.hf(up).T], axis=1))
+        """Two HF [I, H] weights -> [2I, H], rows [gate | up] (the param [H, 2I] swapped)."""
+        return self.cast(np.concatenate([self.hf(gate), self.hf(up)], axis=0))
 
 
 def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
@@ -221,8 +235,13 @@ def _leaf(fn: Callable, *args) -> Leaf:
     return Leaf(functools.partial(fn, *args))
 
 
+def _swapped(fn: Callable, *args) -> Leaf:
+    """A leaf ``fn(*args)`` returns with its last two axes swapped (``r.linear``, ``r.gate_up``)."""
+    return Leaf(functools.partial(fn, *args), swapped=True)
+
+
 def _attn_leaves(r: _Reader, p: str) -> dict:
-    return {**{k: _leaf(r.linear, f"{p}{k}.weight") for k in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    return {**{k: _swapped(r.linear, f"{p}{k}.weight") for k in ("q_proj", "k_proj", "v_proj", "o_proj")},
             "q_norm": _leaf(r.vec, f"{p}q_norm.weight"), "k_norm": _leaf(r.vec, f"{p}k_norm.weight")}
 
 
@@ -254,29 +273,29 @@ def _gdn_leaves(r: _Reader, cfg: ModelConfig, p: str) -> dict:
     if cfg.model_type == "qwen3_next":
         def part(key: str) -> np.ndarray:  # both fused tensors are re-read for each part
             parts = split_qkvz_ba(cfg, r.hf(f"{p}in_proj_qkvz.weight"), r.hf(f"{p}in_proj_ba.weight"))
-            return r.cast(parts[key].T)
+            return r.cast(parts[key])
 
-        proj = {k: _leaf(part, k) for k in names}
+        proj = {k: _swapped(part, k) for k in names}
     else:
-        proj = {k: _leaf(r.linear, f"{p}{k}.weight") for k in names}
+        proj = {k: _swapped(r.linear, f"{p}{k}.weight") for k in names}
     return {
         **proj,
         "conv1d": Leaf(lambda: r.cast(r.raw(f"{p}conv1d.weight")[:, 0, :])),
         "A_log": _leaf(r.f32, f"{p}A_log"),
         "dt_bias": _leaf(r.f32, f"{p}dt_bias"),
         "norm": _leaf(r.vec, f"{p}norm.weight"),
-        "out_proj": _leaf(r.linear, f"{p}out_proj.weight"),
+        "out_proj": _swapped(r.linear, f"{p}out_proj.weight"),
     }
 
 
 def _expert_leaves(r: _Reader, cfg: ModelConfig, p: str, keep_fp8: bool) -> dict:
     """Routed experts -> gate_up [E, H, 2I], down [E, I, H] (+ block scales when kept FP8),
-    each readable for a range of experts."""
+    each readable for a range of experts, read as stored: the last two axes swapped."""
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     if f"{p}gate_up_proj" in r.entries:  # fused [E, 2I, H] / [E, H, I]: rows lo:hi
-        fused = lambda name, lo, hi: r.cast(r.rows(f"{p}{name}", lo, hi).transpose(0, 2, 1))  # noqa: E731
-        return {"gate_up": Leaf(functools.partial(fused, "gate_up_proj"), True),
-                "down": Leaf(functools.partial(fused, "down_proj"), True)}
+        fused = lambda name, lo, hi: r.cast(r.rows(f"{p}{name}", lo, hi))  # noqa: E731
+        return {"gate_up": Leaf(functools.partial(fused, "gate_up_proj"), True, True),
+                "down": Leaf(functools.partial(fused, "down_proj"), True, True)}
     names = [(f"{p}{x}.gate_proj.weight", f"{p}{x}.up_proj.weight", f"{p}{x}.down_proj.weight") for x in range(e)]
     fp8 = r.is_fp8(names[0][0])
     if keep_fp8 and fp8 and i % FP8_BLOCK == 0:
@@ -287,25 +306,25 @@ def _expert_leaves(r: _Reader, cfg: ModelConfig, p: str, keep_fp8: bool) -> dict
         log.info("keep_fp8_experts: expert width %d is not a multiple of %d; dequantising %s", i, FP8_BLOCK, p)
 
     def gate_up(lo: int, hi: int) -> np.ndarray:
-        out = np.empty((hi - lo, h, 2 * i), r.np_dtype)  # [e, H, 2I] filled expert by expert
+        out = np.empty((hi - lo, 2 * i, h), r.np_dtype)  # [e, 2I, H] filled expert by expert
         for x in range(lo, hi):
-            out[x - lo, :, :i] = r.hf(names[x][0]).T
-            out[x - lo, :, i:] = r.hf(names[x][1]).T
+            out[x - lo, :i] = r.hf(names[x][0])
+            out[x - lo, i:] = r.hf(names[x][1])
         return out
 
     def down(lo: int, hi: int) -> np.ndarray:
-        out = np.empty((hi - lo, i, h), r.np_dtype)  # [e, I, H]
+        out = np.empty((hi - lo, h, i), r.np_dtype)  # [e, H, I]
         for x in range(lo, hi):
-            out[x - lo] = r.hf(names[x][2]).T
+            out[x - lo] = r.hf(names[x][2])
         return out
 
-    return {"gate_up": Leaf(gate_up, True), "down": Leaf(down, True)}
+    return {"gate_up": Leaf(gate_up, True, True), "down": Leaf(down, True, True)}
 
 
 def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str, str]]) -> dict:
     """FP8 experts kept as stored values: block scales transposed along with the weights.
     gate_up fp8[E, H, 2I], down fp8[E, I, H], gate_up_scale f32[E, H/128, 2I/128],
-    down_scale f32[E, I/128, H/128]."""
+    down_scale f32[E, I/128, H/128], each read with its last two axes swapped."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     bh, bi = _cdiv(h, FP8_BLOCK), i // FP8_BLOCK
 
@@ -318,37 +337,37 @@ def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str,
         return read
 
     def gate_up(dst: np.ndarray, x: int) -> None:
-        dst[:, :i] = r.raw(names[x][0]).astype(_FP8).T
-        dst[:, i:] = r.raw(names[x][1]).astype(_FP8).T
+        r.raw_into(names[x][0], dst[:i])
+        r.raw_into(names[x][1], dst[i:])
 
     def gate_up_scale(dst: np.ndarray, x: int) -> None:
-        dst[:, :bi] = r.raw(names[x][0] + "_scale_inv").T
-        dst[:, bi:] = r.raw(names[x][1] + "_scale_inv").T
+        r.raw_into(names[x][0] + "_scale_inv", dst[:bi])
+        r.raw_into(names[x][1] + "_scale_inv", dst[bi:])
 
     def down(dst: np.ndarray, x: int) -> None:
-        dst[:] = r.raw(names[x][2]).astype(_FP8).T
+        r.raw_into(names[x][2], dst)
 
     def down_scale(dst: np.ndarray, x: int) -> None:
-        dst[:] = r.raw(names[x][2] + "_scale_inv").T
+        r.raw_into(names[x][2] + "_scale_inv", dst)
 
     return {
-        "gate_up": Leaf(stacked((h, 2 * i), _FP8, gate_up), True),
-        "down": Leaf(stacked((i, h), _FP8, down), True),
-        "gate_up_scale": Leaf(stacked((bh, 2 * bi), np.float32, gate_up_scale), True),
-        "down_scale": Leaf(stacked((bi, bh), np.float32, down_scale), True),
+        "gate_up": Leaf(stacked((2 * i, h), _FP8, gate_up), True, True),
+        "down": Leaf(stacked((h, i), _FP8, down), True, True),
+        "gate_up_scale": Leaf(stacked((2 * bi, bh), np.float32, gate_up_scale), True, True),
+        "down_scale": Leaf(stacked((bh, bi), np.float32, down_scale), True, True),
     }
 
 
 def _mlp_leaves(r: _Reader, cfg: ModelConfig, layer: int, p: str, keep_fp8: bool) -> dict:
     if not cfg.is_moe_layer(layer):
-        return {"gate_up": _leaf(r.gate_up, f"{p}gate_proj.weight", f"{p}up_proj.weight"),
-                "down": _leaf(r.linear, f"{p}down_proj.weight")}
-    mlp = {"gate": _leaf(r.linear, f"{p}gate.weight"), "experts": _expert_leaves(r, cfg, f"{p}experts.", keep_fp8)}
+        return {"gate_up": _swapped(r.gate_up, f"{p}gate_proj.weight", f"{p}up_proj.weight"),
+                "down": _swapped(r.linear, f"{p}down_proj.weight")}
+    mlp = {"gate": _swapped(r.linear, f"{p}gate.weight"), "experts": _expert_leaves(r, cfg, f"{p}experts.", keep_fp8)}
     if cfg.shared_expert_intermediate_size:
         s = f"{p}shared_expert."
-        mlp["shared_expert"] = {"gate_up": _leaf(r.gate_up, f"{s}gate_proj.weight", f"{s}up_proj.weight"),
-                                "down": _leaf(r.linear, f"{s}down_proj.weight")}
-        mlp["shared_expert_gate"] = _leaf(r.linear, f"{p}shared_expert_gate.weight")
+        mlp["shared_expert"] = {"gate_up": _swapped(r.gate_up, f"{s}gate_proj.weight", f"{s}up_proj.weight"),
+                                "down": _swapped(r.linear, f"{s}down_proj.weight")}
+        mlp["shared_expert_gate"] = _swapped(r.linear, f"{p}shared_expert_gate.weight")
     return mlp
 
 
@@ -387,12 +406,30 @@ class CheckpointLeaves:
         _check_entries(self.dir, self.expected, self.entries)
         _report_leftovers(self.entries, set(self.expected), cfg)
         self.reader = _Reader(self.entries, dtype)
+        self.layer_names: dict[int, list[str]] = {}
+        for name in self.expected:
+            m = re.match(rf"{re.escape(self.prefix)}layers\.(\d+)\.", name)
+            self.layer_names.setdefault(int(m.group(1)) if m else -1, []).append(name)
+
+    def prefetch(self, layer: int, experts: list[tuple[int, int]]) -> None:
+        """Start reading ``layer``'s tensors (-1: the top-level ones) into the page cache in
+        the background, of the routed experts only those in the ranges ``experts``."""
+        for name in self.layer_names.get(layer, []):
+            e, m = self.entries[name], re.search(r"\.mlp\.experts\.(\d+)\.", name)
+            if m:
+                if any(lo <= int(m.group(1)) < hi for lo, hi in experts):
+                    prefetch(e)
+            elif ".mlp.experts." in name:  # fused: rows are experts
+                for lo, hi in experts:
+                    prefetch(e, lo, hi)
+            else:
+                prefetch(e)
 
     def top(self) -> dict:
         r, p = self.reader, self.prefix
         embed = _leaf(r.vec, f"{p}embed_tokens.weight")
-        lm_head = (Leaf(lambda: np.ascontiguousarray(embed.read().T)) if self.cfg.tie_word_embeddings
-                   else _leaf(r.linear, "lm_head.weight"))
+        lm_head = dataclasses.replace(embed if self.cfg.tie_word_embeddings
+                                      else _leaf(r.linear, "lm_head.weight"), swapped=True)
         return {"embed_tokens": embed, "norm": _leaf(r.vec, f"{p}norm.weight"), "lm_head": lm_head}
 
     def layer(self, i: int) -> dict:
@@ -417,9 +454,10 @@ def resolve_keep_fp8(keep_fp8_experts: bool, backend: str | None) -> bool:
     return keep_fp8_experts
 
 
-def read_whole(leaf: Leaf, num_experts: int) -> np.ndarray:
-    """The whole leaf (every expert of a routed-expert leaf)."""
-    return leaf.read(0, num_experts) if leaf.experts else leaf.read()
+def read_whole(leaf: Leaf, num_experts: int) -> jax.Array:
+    """The whole leaf (every expert of a routed-expert leaf) on the default device."""
+    x = jnp.asarray(leaf.read(0, num_experts) if leaf.experts else leaf.read())
+    return jnp.swapaxes(x, -1, -2) if leaf.swapped else x
 
 
 def load_params(
@@ -455,7 +493,7 @@ def load_params(
     """
     leaves = CheckpointLeaves(checkpoint_dir, cfg, dtype=dtype,
                               keep_fp8_experts=resolve_keep_fp8(keep_fp8_experts, backend))
-    read = lambda tree: jax.tree.map(lambda leaf: jnp.asarray(read_whole(leaf, cfg.num_experts)), tree)  # noqa: E731
+    read = lambda tree: jax.tree.map(lambda leaf: read_whole(leaf, cfg.num_experts), tree)  # noqa: E731
     disable = None if progress is None else not progress
     layers = [read(leaves.layer(i)) for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights",
                                                   unit="layer", disable=disable)]

@@ -26,6 +26,7 @@ it at any size without materialising a weight.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from pathlib import Path
@@ -55,12 +56,15 @@ class LoadReport:
     expert_ranges: local device id -> the routed experts ``(lo, hi)`` it holds.
     expert_bytes: local device id -> routed-expert bytes read for it.
     seconds: wall time of the load.
+    read_seconds: of which reading and assembling leaves on the host (the rest: placing
+      them on the devices, and the devices' transposes and writes into the stacks).
     """
 
     bytes_read: int = 0
     expert_ranges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     expert_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    read_seconds: float = 0.0
 
 
 def with_native_layouts(shapes: Any, shardings: Any) -> Any:
@@ -72,12 +76,25 @@ def with_native_layouts(shapes: Any, shardings: Any) -> Any:
     return shardings
 
 
-def _layer_sharding(s: Any) -> Any:
-    """The sharding of one layer's slice ``[...]`` of a stacked ``[groups, ...]`` leaf."""
-    s = s.sharding if isinstance(s, Format) else s
-    if isinstance(s, NamedSharding):
-        return NamedSharding(s.mesh, PartitionSpec(*tuple(s.spec)[1:]))
-    return s  # a single-device sharding has no axis to drop
+def _sharding_of(s: Any) -> Any:
+    return s.sharding if isinstance(s, Format) else s
+
+
+def _as_read(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any, *, stacked: bool
+             ) -> tuple[tuple[int, ...], Any]:
+    """Shape and sharding of what ``leaf.read`` returns for a param of shape ``s`` placed by
+    ``sharding``: one layer's slice of a ``stacked`` [groups, ...] leaf, its last two axes
+    swapped when the leaf is read that way."""
+    shape, sharding = s.shape[1:] if stacked else s.shape, _sharding_of(sharding)
+    if isinstance(sharding, NamedSharding):
+        spec = list(sharding.spec) + [None] * (len(s.shape) - len(sharding.spec))
+        spec = spec[1:] if stacked else spec
+        if leaf.swapped:
+            spec[-2:] = spec[-1], spec[-2]
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    if leaf.swapped:
+        shape = (*shape[:-2], shape[-1], shape[-2])
+    return shape, sharding
 
 
 def _place_leaf(leaf: Leaf, shape: tuple[int, ...], sharding: Any, num_experts: int,
@@ -87,13 +104,16 @@ def _place_leaf(leaf: Leaf, shape: tuple[int, ...], sharding: Any, num_experts: 
     devices = _sharding_of(sharding).addressable_devices_indices_map(shape)
 
     def shard(idx: tuple[slice, ...]) -> np.ndarray:
+        t0 = time.perf_counter()
         if not leaf.experts:
             if not whole:
                 whole.append(leaf.read())
+                report.read_seconds += time.perf_counter() - t0
             return whole[0][idx]
         lo, hi, _ = idx[0].indices(num_experts)
         before = BYTES_READ.bytes
         rows = leaf.read(lo, hi)
+        report.read_seconds += time.perf_counter() - t0
         for d, d_idx in devices.items():
             if d_idx[0].indices(num_experts)[:2] == (lo, hi):
                 report.expert_ranges[d.id] = (lo, hi)
@@ -104,12 +124,29 @@ def _place_leaf(leaf: Leaf, shape: tuple[int, ...], sharding: Any, num_experts: 
     return jax.make_array_from_callback(shape, sharding, shard)
 
 
-def _sharding_of(s: Any) -> Any:
-    return s.sharding if isinstance(s, Format) else s
+def _local_expert_ranges(shapes: Any, shardings: Any, num_experts: int) -> list[tuple[int, int]]:
+    """The expert ranges ``(lo, hi)`` this process's devices hold."""
+    found = set()
+    for (path, s), sh in zip(jax.tree_util.tree_flatten_with_path(shapes)[0],
+                             jax.tree.leaves(shardings)):
+        if any(getattr(k, "key", None) == "experts" for k in path):
+            for idx in _sharding_of(sh).addressable_devices_indices_map(s.shape).values():
+                found.add(idx[1].indices(num_experts)[:2])  # [groups, E, ...]
+            break
+    return sorted(found)
 
 
-def _write_layer(stack: Any, layer: Any, g: jax.Array) -> Any:
-    return jax.tree.map(lambda s, x: s.at[g].set(x), stack, layer)
+def _finish(x: jax.Array, swapped: bool) -> jax.Array:
+    return jnp.swapaxes(x, -1, -2) if swapped else x
+
+
+def _layer_writer(swapped: Any, shardings: Any):
+    """A jitted ``(stack, layer, g) -> stack`` writing one layer (as read) into group slot
+    ``g`` of the stacked buffers (donated), swapping the axes of the leaves read swapped."""
+    def write(stack, layer, g):
+        return jax.tree.map(lambda s, x, sw: s.at[g].set(_finish(x, sw)), stack, layer, swapped)
+
+    return jax.jit(write, donate_argnums=0, out_shardings=shardings)
 
 
 def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *,
@@ -126,26 +163,35 @@ def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *
     shapes = param_shapes(cfg, dtype, fp8_experts=keep_fp8)
     shardings = with_native_layouts(shapes, shardings)
     report, E = LoadReport(), cfg.num_experts
-    place = lambda tree, shape_tree, sharding_tree: jax.tree.map(  # noqa: E731
-        lambda leaf, s, sh: _place_leaf(leaf, s.shape, sh, E, report), tree, shape_tree,
-        sharding_tree)
-    top = {k: v for k, v in shapes.items() if k != "layer_groups"}
-    params = place(leaves.top(), top, {k: shardings[k] for k in top})
+    experts = _local_expert_ranges(shapes, shardings, E)
+    ahead = concurrent.futures.ThreadPoolExecutor(1)  # page-cache read-ahead of the next layer
+    ahead.submit(leaves.prefetch, -1, experts)
+    ahead.submit(leaves.prefetch, 0, experts)
+
+    def place(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any, stacked: bool) -> jax.Array:
+        return _place_leaf(leaf, *_as_read(leaf, s, sharding, stacked=stacked), E, report)
+
+    params = {}
+    for k, leaf in leaves.top().items():  # embed_tokens, norm, lm_head
+        x = place(leaf, shapes[k], shardings[k], False)
+        params[k] = jax.jit(_finish, static_argnums=1, donate_argnums=0,
+                            out_shardings=shardings[k])(x, leaf.swapped) if leaf.swapped else x
     group_shapes, group_shardings = shapes["layer_groups"], shardings["layer_groups"]
     stacks = [jax.jit(lambda s=s: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), s),
                       out_shardings=sh)() for s, sh in zip(group_shapes, group_shardings)]
-    writes = [jax.jit(_write_layer, donate_argnums=0, out_shardings=sh) for sh in group_shardings]
     P = cfg.layer_period
+    writes = [_layer_writer(jax.tree.map(lambda leaf: leaf.swapped, leaves.layer(j)), sh)
+              for j, sh in enumerate(group_shardings)]
     disable = None if progress is None else not progress
     for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights", unit="layer",
                   disable=disable):
         j = i % P
-        layer_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                                    group_shapes[j])
-        layer = place(leaves.layer(i), layer_shapes, jax.tree.map(_layer_sharding,
-                                                                  group_shardings[j]))
+        ahead.submit(leaves.prefetch, i + 1, experts)
+        layer = jax.tree.map(lambda leaf, s, sh: place(leaf, s, sh, True), leaves.layer(i),
+                             group_shapes[j], group_shardings[j])
         stacks[j] = writes[j](stacks[j], layer, np.int32(i // P))
         del layer
+    ahead.shutdown(wait=False, cancel_futures=True)
     params["layer_groups"] = tuple(stacks)
     jax.block_until_ready(params)
     report.bytes_read, report.seconds = BYTES_READ.bytes - bytes0, time.perf_counter() - t0
