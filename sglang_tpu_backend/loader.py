@@ -166,13 +166,15 @@ class Leaf:
     ``read()`` returns the whole leaf as numpy, in the param layout, or with its last two axes
     swapped when ``swapped`` (HF's [out, in] for a param's [in, out]: the transpose is left to
     the device, where it is cheap). A routed-expert leaf (``experts`` True, param shape
-    ``[E, ...]``) takes ``read(lo, hi)`` and reads only experts ``lo:hi`` from the files.
-    Nothing is read before ``read`` is called.
+    ``[E, ...]``) takes ``read(lo, hi)`` and reads only experts ``lo:hi`` from the files; a
+    ``rows`` leaf (a large 2-D one) takes ``read(lo, hi)`` for rows ``lo:hi`` of what ``read()``
+    returns. Nothing is read before ``read`` is called.
     """
 
     read: Callable[..., np.ndarray]
     experts: bool = False
     swapped: bool = False
+    rows: bool = False
 
 
 class _Reader:
@@ -425,12 +427,24 @@ class CheckpointLeaves:
             else:
                 prefetch(e)
 
+    def _row_leaf(self, name: str, swapped: bool) -> Leaf:
+        """A 2-D tensor read whole or by rows (cast only); FP8 ones whole (dequantised)."""
+        r = self.reader
+        if r.is_fp8(name):
+            return Leaf(functools.partial(r.linear, name), swapped=swapped)
+
+        def read(lo: int = 0, hi: int | None = None) -> np.ndarray:
+            return r.cast(r.rows(name, lo, self.entries[name].shape[0] if hi is None else hi))
+
+        return Leaf(read, swapped=swapped, rows=True)
+
     def top(self) -> dict:
-        r, p = self.reader, self.prefix
-        embed = _leaf(r.vec, f"{p}embed_tokens.weight")
-        lm_head = dataclasses.replace(embed if self.cfg.tie_word_embeddings
-                                      else _leaf(r.linear, "lm_head.weight"), swapped=True)
-        return {"embed_tokens": embed, "norm": _leaf(r.vec, f"{p}norm.weight"), "lm_head": lm_head}
+        """``embed_tokens`` [V, H], ``norm``, ``lm_head`` [H, V] (read as [V, H], swapped)."""
+        embed = f"{self.prefix}embed_tokens.weight"
+        head = embed if self.cfg.tie_word_embeddings else "lm_head.weight"
+        return {"embed_tokens": self._row_leaf(embed, False),
+                "norm": _leaf(self.reader.vec, f"{self.prefix}norm.weight"),
+                "lm_head": self._row_leaf(head, True)}
 
     def layer(self, i: int) -> dict:
         r, lp = self.reader, f"{self.prefix}layers.{i}."

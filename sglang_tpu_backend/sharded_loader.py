@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,9 @@ from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts,
 from sglang_tpu_backend.models.param_shapes import param_shapes
 from sglang_tpu_backend.server_args import LOAD_FORMATS
 
+
+
+CHUNK_BYTES = 256 << 20  # large replicated leaves (embeddings, head) are placed in chunks of this
 
 
 @dataclasses.dataclass
@@ -140,13 +144,33 @@ def _finish(x: jax.Array, swapped: bool) -> jax.Array:
     return jnp.swapaxes(x, -1, -2) if swapped else x
 
 
-def _layer_writer(swapped: Any, shardings: Any):
-    """A jitted ``(stack, layer, g) -> stack`` writing one layer (as read) into group slot
-    ``g`` of the stacked buffers (donated), swapping the axes of the leaves read swapped."""
-    def write(stack, layer, g):
-        return jax.tree.map(lambda s, x, sw: s.at[g].set(_finish(x, sw)), stack, layer, swapped)
+def _write_slot(buf, x, g, swapped: bool):
+    return buf.at[g].set(_finish(x, swapped))
 
-    return jax.jit(write, donate_argnums=0, out_shardings=shardings)
+
+def _write_rows(buf, x, lo, swapped: bool):
+    at = (jnp.int32(0), lo) if swapped else (lo, jnp.int32(0))
+    return jax.lax.dynamic_update_slice(buf, _finish(x, swapped), at)
+
+
+@functools.lru_cache(maxsize=None)
+def _writer(kind: str, sharding: Any):
+    """A jitted in-place write (the buffer donated) of what was read into a param buffer placed
+    by ``sharding``: ``slot`` one layer into slot ``g`` of a stacked leaf, ``rows`` rows
+    ``lo:`` of a 2-D leaf (columns when read swapped). Kept for the process: later loads of
+    the same shapes and placements compile nothing."""
+    return jax.jit(_write_slot if kind == "slot" else _write_rows, static_argnums=3,
+                   donate_argnums=0, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape: tuple[int, ...], dtype: Any, sharding: Any):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _zeros(s: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+    """A zeroed buffer allocated shard by shard on the devices."""
+    return _zeros_fn(tuple(s.shape), jnp.dtype(s.dtype), sharding)()
 
 
 def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *,
@@ -168,31 +192,39 @@ def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *
     ahead.submit(leaves.prefetch, -1, experts)
     ahead.submit(leaves.prefetch, 0, experts)
 
-    def place(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any, stacked: bool) -> jax.Array:
-        return _place_leaf(leaf, *_as_read(leaf, s, sharding, stacked=stacked), E, report)
+    def place_top(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+        """A top-level leaf; a large one by row chunks when every local device holds it whole."""
+        shape, as_read = _as_read(leaf, s, sharding, stacked=False)
+        if not (leaf.rows and _sharding_of(sharding).is_fully_replicated):
+            x = _place_leaf(leaf, shape, as_read, E, report)
+            return _writer("rows", sharding)(_zeros(s, sharding), x, np.int32(0), True) \
+                if leaf.swapped else x
+        buf, step = _zeros(s, sharding), max(1, CHUNK_BYTES // (s.size // shape[0] * s.dtype.itemsize))
+        for lo in range(0, shape[0], step):
+            hi = min(shape[0], lo + step)
+            part = Leaf(functools.partial(leaf.read, lo, hi))
+            x = _place_leaf(part, (hi - lo, *shape[1:]), as_read, E, report)
+            buf = _writer("rows", sharding)(buf, x, np.int32(lo), leaf.swapped)
+        return buf
 
-    params = {}
-    for k, leaf in leaves.top().items():  # embed_tokens, norm, lm_head
-        x = place(leaf, shapes[k], shardings[k], False)
-        params[k] = jax.jit(_finish, static_argnums=1, donate_argnums=0,
-                            out_shardings=shardings[k])(x, leaf.swapped) if leaf.swapped else x
-    group_shapes, group_shardings = shapes["layer_groups"], shardings["layer_groups"]
-    stacks = [jax.jit(lambda s=s: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), s),
-                      out_shardings=sh)() for s, sh in zip(group_shapes, group_shardings)]
+    params = {k: place_top(leaf, shapes[k], shardings[k]) for k, leaf in leaves.top().items()}
+    groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
+    group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
+    stacks = [[_zeros(s, sh) for s, sh in zip(*g)] for g in zip(groups, group_shardings)]
     P = cfg.layer_period
-    writes = [_layer_writer(jax.tree.map(lambda leaf: leaf.swapped, leaves.layer(j)), sh)
-              for j, sh in enumerate(group_shardings)]
     disable = None if progress is None else not progress
     for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights", unit="layer",
                   disable=disable):
-        j = i % P
+        j, g = i % P, i // P
         ahead.submit(leaves.prefetch, i + 1, experts)
-        layer = jax.tree.map(lambda leaf, s, sh: place(leaf, s, sh, True), leaves.layer(i),
-                             group_shapes[j], group_shardings[j])
-        stacks[j] = writes[j](stacks[j], layer, np.int32(i // P))
-        del layer
+        for k, leaf in enumerate(jax.tree.leaves(leaves.layer(i))):  # one leaf at a time
+            s, sh = groups[j][k], group_shardings[j][k]
+            x = _place_leaf(leaf, *_as_read(leaf, s, sh, stacked=True), E, report)
+            stacks[j][k] = _writer("slot", sh)(stacks[j][k], x, np.int32(g), leaf.swapped)
+            del x
     ahead.shutdown(wait=False, cancel_futures=True)
-    params["layer_groups"] = tuple(stacks)
+    params["layer_groups"] = tuple(jax.tree.unflatten(jax.tree.structure(s), st)
+                                   for s, st in zip(shapes["layer_groups"], stacks))
     jax.block_until_ready(params)
     report.bytes_read, report.seconds = BYTES_READ.bytes - bytes0, time.perf_counter() - t0
     return params, report
