@@ -3,15 +3,18 @@
 ``load_sharded(dir, cfg, shardings)`` builds the placed params tree (layout in
 ``models/qwen3_5_moe.py``; ``shardings`` mirrors ``param_shapes(cfg)``) with no full host copy:
 
-  * Layer by layer, in file order, each leaf of the layer becomes a global array through
-    ``jax.make_array_from_callback`` with the leaf's sharding less the stacked axis. JAX calls
-    the callback for this process's devices only, and it reads what the device holds: a
-    routed-expert leaf ``[E, ...]`` split on E reads only the device's experts (their tensors
-    in the per-expert layout, their rows of the fused one, FP8 scales with their weights);
-    any other leaf is read once per process and handed to each local device.
-  * The layer's arrays are then written into the stacked ``[groups, ...]`` buffers, which
-    were allocated on the devices and are donated to every update. The host holds one leaf
-    of one layer (this process's share of it) at a time.
+  * Layer by layer, in file order, leaf by leaf: the leaf as stored (HF's [out, in]; see
+    ``loader.Leaf``) becomes a global array through ``jax.make_array_from_callback`` with the
+    leaf's sharding less the stacked axis. JAX calls the callback for this process's devices
+    only, and it reads what the device holds: a routed-expert leaf ``[E, ...]`` split on E
+    reads only the device's experts (their tensors in the per-expert layout, their rows of
+    the fused one, FP8 scales with their weights); any other leaf is read once per process
+    and handed to each local device.
+  * The devices then transpose it into its slot of the stacked ``[groups, ...]`` buffer,
+    which was allocated on the devices and is donated to every write. The host holds one
+    leaf of one layer (this process's share of it) at a time; the embeddings and the head
+    go in row chunks of ``CHUNK_BYTES``.
+  * Meanwhile a thread asks the kernel to read the next layer's share into the page cache.
 
 Files are read through memory maps of just the bytes wanted (``checkpoint_io.read_rows``);
 ``LoadReport`` has the bytes this process read and which experts each local device holds.
@@ -95,6 +98,8 @@ def _as_read(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any, *, stacked: boo
         spec = spec[1:] if stacked else spec
         if leaf.swapped:
             spec[-2:] = spec[-1], spec[-2]
+        while spec and spec[-1] is None:  # P(None,) != P(): the form place_params gives
+            spec.pop()
         sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
     if leaf.swapped:
         shape = (*shape[:-2], shape[-1], shape[-2])
