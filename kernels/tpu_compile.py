@@ -160,19 +160,16 @@ def mosaic_kernels(hlo: str) -> tuple[MosaicKernel, ...]:
 
 def compile_for_tpu(fn: Callable, args: Sequence[Any], mesh: Mesh, *,
                     donate_argnums: Sequence[int] = (), static_kwargs: dict | None = None,
-                    compiler_options: dict | None = None, out_shardings: Any = None
-                    ) -> CompileReport:
+                    compiler_options: dict | None = None) -> CompileReport:
     """Lower and compile ``fn(*args, **static_kwargs)`` for the TPU devices of ``mesh``.
 
     ``args`` are abstract arrays (see :func:`abstract`) or pytrees of them. Raises whatever
     Mosaic or XLA:TPU raise when the program does not compile. ``compiler_options`` are XLA
-    flags for this compile only (e.g. :data:`NO_VMEM_PREFETCH`). ``out_shardings``: where the
-    outputs are placed (default: as the compiler propagates).
+    flags for this compile only (e.g. :data:`NO_VMEM_PREFETCH`).
     """
     static_kwargs = static_kwargs or {}
     start = time.perf_counter()
-    kw = {} if out_shardings is None else {"out_shardings": out_shardings}
-    jitted = jax.jit(lambda *a: fn(*a, **static_kwargs), donate_argnums=tuple(donate_argnums), **kw)
+    jitted = jax.jit(lambda *a: fn(*a, **static_kwargs), donate_argnums=tuple(donate_argnums))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         lowered = jitted.lower(*args)
     compiled = lowered.compile(compiler_options=compiler_options)

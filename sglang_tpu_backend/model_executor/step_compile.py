@@ -132,17 +132,3 @@ def compile_tp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
                          tp.cache_specs())
     return compile_for_tpu(tp._global_step, (params, cache, abstract_batch(spec, mesh)), mesh,
                            donate_argnums=(1,))
-
-
-def compile_dummy_weights(cfg: ModelConfig, mesh: Mesh, *, dtype: Any = jnp.bfloat16,
-                          fp8_experts: bool = False, seed: int = 0) -> CompileReport:
-    """Compile ``--load-format dummy``'s weight generator (``sharded_loader.dummy_init``) with
-    its outputs placed as the DP x EP step takes its params on ``mesh``: each device draws only
-    its own shard (its output bytes are the planner's weights per device)."""
-    from sglang_tpu_backend.parallel.dp_forward import DPForward
-    from sglang_tpu_backend.sharded_loader import dummy_init, with_native_layouts
-
-    shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
-    shardings = with_native_layouts(shapes, DPForward(cfg, mesh).param_shardings(shapes))
-    init = dummy_init(cfg, dtype=dtype, fp8_experts=fp8_experts, seed=seed)
-    return compile_for_tpu(init, (), mesh, out_shardings=shardings)

@@ -137,21 +137,3 @@ def test_full_397b_dp_ep_step_fits_with_one_routing_all_gather_per_layer(
     resident = p.weights + p.kv_pages + p.gdn_state
     assert abs(report.memory["argument_size_in_bytes"] / resident - 1) < 0.01, (
         report.memory, resident)
-
-
-def test_397b_dummy_weights_are_drawn_per_device_for_dp8(record):
-    """``--load-format dummy`` at full 397B size on one Ironwood host: the weight generator
-    compiles with its outputs in the DP8 x EP8 placement, each TensorCore's output being
-    exactly the planner's weight bytes per device (its own 64 experts, the replicated rest),
-    with scratch far below one layer's weights: no device materialises another's shard."""
-    from sglang_tpu_backend.model_executor.step_compile import compile_dummy_weights
-
-    cfg = config_397b()
-    p = plan(cfg, "tpu7x:2x2x1", dp=8, ep=8, tp=1, running_requests=512, context_length=9216,
-             page_size=256, expert_dtype="fp8", dtype="bf16", kv_dtype="bf16",
-             state_dtype="bf16", max_num_batched_tokens=1024)
-    report = compile_dummy_weights(cfg, make_mesh(8, topology_devices("tpu7x:2x2x1")),
-                                   fp8_experts=True)
-    record("397B dummy weights DP8xEP8 tpu7x:2x2x1", report, min_kernels=0)
-    assert report.memory["output_size_in_bytes"] == p.weights, (report.memory, p.weights)
-    assert report.memory["temp_size_in_bytes"] < p.weights / cfg.num_hidden_layers
