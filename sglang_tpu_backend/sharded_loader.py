@@ -261,15 +261,14 @@ def _dummy_leaf(key: jax.Array, path: tuple, s: jax.ShapeDtypeStruct) -> jax.Arr
     return x.astype(s.dtype)
 
 
-def dummy_init(cfg: ModelConfig, *, dtype: Any = jnp.bfloat16, fp8_experts: bool = False,
-               seed: int = 0):
-    """A function of no arguments returning random params of ``param_shapes(cfg, dtype,
-    fp8_experts)``; leaf k draws from ``fold_in(key(seed), k)``. Jit it with ``out_shardings``
-    to generate each device's shard on the device."""
+def dummy_init(cfg: ModelConfig, *, dtype: Any = jnp.bfloat16, fp8_experts: bool = False):
+    """A function of the seed (an int32 scalar, traceable) returning random params of
+    ``param_shapes(cfg, dtype, fp8_experts)``; leaf k draws from ``fold_in(key(seed), k)``.
+    Jit it with ``out_shardings`` to generate each device's shard on the device."""
     shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
 
-    def init():
+    def init(seed):
         key = jax.random.key(seed)
         return jax.tree_util.tree_unflatten(
             treedef, [_dummy_leaf(jax.random.fold_in(key, k), path, s)
@@ -278,12 +277,20 @@ def dummy_init(cfg: ModelConfig, *, dtype: Any = jnp.bfloat16, fp8_experts: bool
     return init
 
 
+_DUMMY_PROGRAMS: dict = {}  # one jitted generator per (config, dtype, experts, placement)
+
+
 def dummy_params(cfg: ModelConfig, shardings: Any, *, dtype: Any = jnp.bfloat16,
                  fp8_experts: bool = False, seed: int = 0) -> Any:
     """``dummy_init``'s params generated on the devices, placed by ``shardings``."""
     shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
-    init = dummy_init(cfg, dtype=dtype, fp8_experts=fp8_experts, seed=seed)
-    return jax.jit(init, out_shardings=with_native_layouts(shapes, shardings))()
+    shardings = with_native_layouts(shapes, shardings)
+    flat, treedef = jax.tree.flatten(shardings)
+    key = (repr(cfg), jnp.dtype(dtype).name, fp8_experts, treedef, tuple(flat))
+    if key not in _DUMMY_PROGRAMS:
+        init = dummy_init(cfg, dtype=dtype, fp8_experts=fp8_experts)
+        _DUMMY_PROGRAMS[key] = jax.jit(init, out_shardings=shardings)
+    return _DUMMY_PROGRAMS[key](np.int32(seed))
 
 
 # What a runner loads ---------------------------------------------------------------------

@@ -342,17 +342,16 @@ def test_dummy_params_are_the_seeds_and_shaped_like_the_config():
     from sglang_tpu_backend.sharded_loader import dummy_params
 
     cfg = model_config_from_dict(nested_config())
-    for fp8 in (False, True):
-        shapes = param_shapes(cfg, jnp.float32, fp8_experts=fp8)
-        where = SingleDeviceSharding(jax.devices()[0])
-        make = lambda seed: dummy_params(cfg, jax.tree.map(lambda _: where, shapes),  # noqa: E731
-                                         dtype=jnp.float32, fp8_experts=fp8, seed=seed)
-        a, b, c = make(0), make(0), make(1)
-        assert_trees_equal(a, b)
-        assert [(x.shape, x.dtype) for x in jax.tree.leaves(a)] == \
-            [(x.shape, x.dtype) for x in jax.tree.leaves(shapes)]
-        assert not np.array_equal(a["embed_tokens"], c["embed_tokens"])
-        assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in jax.tree.leaves(a))
+    shapes = param_shapes(cfg, jnp.float32, fp8_experts=True)  # every kind of leaf, FP8 too
+    where = SingleDeviceSharding(jax.devices()[0])
+    make = lambda seed: dummy_params(cfg, jax.tree.map(lambda _: where, shapes),  # noqa: E731
+                                     dtype=jnp.float32, fp8_experts=True, seed=seed)
+    a, b, c = make(0), make(0), make(1)  # one program, the seed an argument
+    assert_trees_equal(a, b)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(a)] == \
+        [(x.shape, x.dtype) for x in jax.tree.leaves(shapes)]
+    assert not np.array_equal(a["embed_tokens"], c["embed_tokens"])
+    assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in jax.tree.leaves(a))
     gdn = layer_params(a, cfg, 0)["linear_attn"]  # (1 + w) norms near 0, the gated norm near 1
     assert abs(float(gdn["norm"].mean()) - 1) < 0.05
     assert abs(float(layer_params(a, cfg, 0)["input_layernorm"].mean())) < 0.05
@@ -375,11 +374,11 @@ def test_dummy_weights_at_397b_shapes_without_materialising_them():
                          / "configs" / "qwen3.5-397b-a17b.json").read_text())
     cfg = model_config_from_dict(config)
     init = dummy_init(cfg, dtype=jnp.bfloat16, fp8_experts=True)
-    got, want = jax.eval_shape(init), param_shapes(cfg, jnp.bfloat16, fp8_experts=True)
+    got, want = jax.eval_shape(init, 0), param_shapes(cfg, jnp.bfloat16, fp8_experts=True)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     assert [(x.shape, x.dtype) for x in jax.tree.leaves(got)] == \
         [(x.shape, x.dtype) for x in jax.tree.leaves(want)]
     assert num_param_bytes(got) > 390e9
     where = SingleDeviceSharding(jax.devices()[0])
-    lowered = jax.jit(init, out_shardings=jax.tree.map(lambda _: where, want)).lower()
+    lowered = jax.jit(init, out_shardings=jax.tree.map(lambda _: where, want)).lower(0)
     assert len(jax.tree.leaves(lowered.out_info)) == len(jax.tree.leaves(want))
