@@ -27,7 +27,6 @@ largest layer's bytes (target <= 1.5x). The checkpoint is deleted at the end.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
