@@ -1,8 +1,9 @@
 """Safetensors files without torch: header index, one-tensor reads, writers, test converters.
 
 The reader parses the safetensors header itself (8-byte little-endian length, JSON header,
-raw little-endian data) so every dtype we meet - bf16 and float8_e4m3fn included - comes back
-as a numpy array through ml_dtypes, one tensor at a time.
+raw little-endian data, as on the little-endian hosts we run on) so every dtype we meet - bf16
+and float8_e4m3fn included - comes back as a numpy array through ml_dtypes, one tensor (or a
+range of a tensor's rows) at a time, copied out of a memory map of just its bytes.
 
 The converters at the bottom (per-expert layout, FP8 block quantisation, flat config) build
 checkpoint variants for tests; the loader must read all of them to identical params.
@@ -13,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -98,21 +101,85 @@ def read_header(path: str | Path) -> dict[str, TensorEntry]:
     return entries
 
 
-def read_tensor(entry: TensorEntry) -> np.ndarray:
-    """Read one tensor's bytes into a fresh numpy array of its dtype and shape."""
+class ReadCounter:
+    """Bytes of tensor data this process has read from checkpoint files (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
+
+
+BYTES_READ = ReadCounter()  # every read_tensor / read_rows of this process
+
+
+def _check_size(entry: TensorEntry) -> np.dtype:
     dt = entry.np_dtype
-    count = math.prod(entry.shape)
-    if count * dt.itemsize != entry.end - entry.begin:
+    if math.prod(entry.shape) * dt.itemsize != entry.end - entry.begin:
         raise CheckpointError(
             f"tensor {entry.name} in {entry.path.name}: {entry.end - entry.begin} bytes do not hold "
             f"{entry.dtype}{list(entry.shape)}"
         )
-    with open(entry.path, "rb") as f:
-        f.seek(entry.begin)
-        buf = bytearray(entry.end - entry.begin)
-        if f.readinto(buf) != len(buf):
-            raise CheckpointError(f"tensor {entry.name} in {entry.path.name}: short read (truncated file?)")
-    return np.frombuffer(buf, dtype=dt.newbyteorder("<")).astype(dt, copy=False).reshape(entry.shape)
+    return dt
+
+
+def _copy_out(entry: TensorEntry, begin: int, out: np.ndarray) -> np.ndarray:
+    """Fill ``out`` with the file's bytes from ``begin`` on, through a memory map of just that
+    range; the map is closed before returning, so no page of the file stays resident here."""
+    n = out.nbytes
+    if n:
+        start = begin - begin % mmap.ALLOCATIONGRANULARITY
+        try:
+            with open(entry.path, "rb") as f, mmap.mmap(f.fileno(), begin + n - start, offset=start,
+                                                         access=mmap.ACCESS_READ) as m:
+                m.madvise(mmap.MADV_WILLNEED)  # one large read-ahead, not a fault per page
+                src = np.frombuffer(m, np.uint8, n, begin - start)
+                out.reshape(-1).view(np.uint8)[:] = src
+                del src  # the map cannot close while a view of it lives
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"tensor {entry.name} in {entry.path.name}: read failed ({e})") from None
+        BYTES_READ.add(n)
+    return out
+
+
+def read_tensor(entry: TensorEntry) -> np.ndarray:
+    """Read one tensor's bytes into a fresh numpy array of its dtype and shape."""
+    dt = _check_size(entry)
+    return _copy_out(entry, entry.begin, np.empty(entry.shape, dt))
+
+
+def read_into(entry: TensorEntry, out: np.ndarray) -> np.ndarray:
+    """Read one tensor's bytes straight into ``out`` (C-contiguous, of its dtype and shape)."""
+    dt = _check_size(entry)
+    if out.dtype != dt or out.shape != entry.shape or not out.flags.c_contiguous:
+        raise ValueError(f"tensor {entry.name}: cannot read {entry.dtype}{list(entry.shape)} into "
+                         f"{out.dtype}{list(out.shape)} (contiguous: {out.flags.c_contiguous})")
+    return _copy_out(entry, entry.begin, out)
+
+
+def prefetch(entry: TensorEntry, lo: int = 0, hi: int | None = None) -> None:
+    """Ask the kernel to start reading rows ``lo:hi`` (default: all) of a tensor into the page
+    cache in the background (``posix_fadvise(WILLNEED)``); a later read then finds them there."""
+    hi = entry.shape[0] if hi is None and entry.shape else (hi or 1)
+    row = (entry.end - entry.begin) // max(entry.shape[0], 1) if entry.shape else entry.end - entry.begin
+    fd = os.open(entry.path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, entry.begin + lo * row, (hi - lo) * row, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
+def read_rows(entry: TensorEntry, lo: int, hi: int) -> np.ndarray:
+    """Rows ``lo:hi`` of a tensor's first axis (shape ``[hi - lo, *shape[1:]]``): only their
+    bytes are read from the file."""
+    dt = _check_size(entry)
+    if not entry.shape or not 0 <= lo <= hi <= entry.shape[0]:
+        raise ValueError(f"rows {lo}:{hi} out of range for {entry.name} {list(entry.shape)}")
+    row = math.prod(entry.shape[1:]) * dt.itemsize
+    return _copy_out(entry, entry.begin + lo * row, np.empty((hi - lo, *entry.shape[1:]), dt))
 
 
 def index_checkpoint(checkpoint_dir: str | Path) -> dict[str, TensorEntry]:

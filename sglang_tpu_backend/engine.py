@@ -89,7 +89,7 @@ class Engine:
     def __init__(self, server_args: ServerArgs | None = None, *, start_loop: bool = True,
                  role: str = "colocated", **kwargs):
         from sglang_tpu_backend.config import load_model_config, resolve_dtype
-        from sglang_tpu_backend.loader import load_params
+        from sglang_tpu_backend.sharded_loader import WeightSource
         from sglang_tpu_backend.tokenizer import load_tokenizer
 
         if server_args is not None and kwargs:
@@ -108,7 +108,9 @@ class Engine:
         self.model_config = cfg = load_model_config(args.model_path)
         args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
         args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
-        params = load_params(args.model_path, cfg, dtype=DTYPES[args.dtype])
+        # Read by the runner's backend straight into its shardings (or drawn: dummy).
+        params = WeightSource(cfg, args.model_path, args.load_format, DTYPES[args.dtype],
+                              seed=args.random_seed)
         args, self.mem_budget = size_serving_args(args, cfg, jax.default_backend())
         self.args = args
         dp, running = args.dp_size, args.max_running_requests_per_rank

@@ -11,9 +11,12 @@ heads of size D, Hk/Hv GDN key/value heads of sizes Dk/Dv, C = 2*Hk*Dk + Hv*Dv, 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +29,15 @@ from sglang_tpu_backend.checkpoint_io import (
     CheckpointError,
     TensorEntry,
     index_checkpoint,
+    prefetch,
+    read_into,
+    read_rows,
     read_tensor,
 )
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig, load_model_config
 from sglang_tpu_backend.models.qwen3_5_moe import stack_layers
 
-__all__ = ["CheckpointError", "load_model", "load_params"]
+__all__ = ["CheckpointError", "CheckpointLeaves", "Leaf", "load_model", "load_params"]
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +112,10 @@ def _mlp_shapes(cfg: ModelConfig, layer: int, p: str, fused: bool) -> dict[str, 
     return shapes
 
 
-def _expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntry]) -> dict[str, Shape]:
-    """Every HF tensor name the model needs (FP8 scales included) -> expected shape."""
+def expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntry]) -> dict[str, Shape]:
+    """Every HF tensor name the model needs (FP8 scales included) -> expected shape.
+    ``entries`` (the checkpoint's index) decides fused vs per-expert experts and which
+    weights are FP8; with ``{}`` it is the per-expert layout without FP8."""
     h, v = cfg.hidden_size, cfg.vocab_size
     shapes: dict[str, Shape] = {f"{prefix}embed_tokens.weight": (v, h), f"{prefix}norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
@@ -151,19 +159,44 @@ def _check_entries(checkpoint_dir: Path, expected: dict[str, Shape], entries: di
 
 
 # Reading and converting ------------------------------------------------------------------
-class _Reader:
-    """Reads named tensors once each, dequantises FP8 pairs, casts and places them."""
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """How one param leaf of one layer (or of the top level) is built from the checkpoint.
 
-    def __init__(self, entries: dict[str, TensorEntry], dtype: Any, bar: tqdm):
+    ``read()`` returns the whole leaf as numpy, in the param layout, or with its last two axes
+    swapped when ``swapped`` (HF's [out, in] for a param's [in, out]: the transpose is left to
+    the device, where it is cheap). A routed-expert leaf (``experts`` True, param shape
+    ``[E, ...]``) takes ``read(lo, hi)`` and reads only experts ``lo:hi`` from the files; a
+    ``rows`` leaf (a large 2-D one) takes ``read(lo, hi)`` for rows ``lo:hi`` of what ``read()``
+    returns. Nothing is read before ``read`` is called.
+    """
+
+    read: Callable[..., np.ndarray]
+    experts: bool = False
+    swapped: bool = False
+    rows: bool = False
+
+
+class _Reader:
+    """Reads named tensors, dequantises FP8 pairs and casts to the param dtype (numpy)."""
+
+    def __init__(self, entries: dict[str, TensorEntry], dtype: Any):
         self.entries = entries
         self.np_dtype = np.dtype(dtype)
-        self.used: set[str] = set()
-        self.bar = bar
 
     def raw(self, name: str) -> np.ndarray:
-        self.used.add(name)
-        self.bar.update(1)
         return read_tensor(self.entries[name])
+
+    def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        return read_rows(self.entries[name], lo, hi)
+
+    def raw_into(self, name: str, out: np.ndarray) -> None:
+        """``out[...] = raw(name)``, read straight into ``out`` when it has the stored dtype."""
+        e = self.entries[name]
+        if out.flags.c_contiguous and out.dtype == e.np_dtype and out.shape == e.shape:
+            read_into(e, out)
+        else:
+            out[...] = self.raw(name)
 
     def is_fp8(self, name: str) -> bool:
         return self.entries[name].dtype in _F8_CODES
@@ -175,22 +208,22 @@ class _Reader:
             t = dequantize_blocks(t, self.raw(name + "_scale_inv"))
         return t
 
-    def cast(self, a: np.ndarray) -> jnp.ndarray:
-        return jnp.asarray(np.ascontiguousarray(a, dtype=self.np_dtype))
+    def cast(self, a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=self.np_dtype)
 
-    def vec(self, name: str) -> jnp.ndarray:
+    def vec(self, name: str) -> np.ndarray:
         return self.cast(self.raw(name))
 
-    def f32(self, name: str) -> jnp.ndarray:
-        return jnp.asarray(self.raw(name).astype(np.float32))
+    def f32(self, name: str) -> np.ndarray:
+        return self.raw(name).astype(np.float32)
 
-    def linear(self, name: str) -> jnp.ndarray:
-        """HF [out, in] weight -> [in, out]."""
-        return self.cast(self.hf(name).T)
+    def linear(self, name: str) -> np.ndarray:
+        """HF [out, in] weight (the param [in, out] swapped)."""
+        return self.cast(self.hf(name))
 
-    def gate_up(self, gate: str, up: str) -> jnp.ndarray:
-        """Two HF [I, H] weights -> [H, 2I] with columns [gate | up]."""
-        return self.cast(np.concatenate([self.hf(gate).T, self.hf(up).T], axis=1))
+    def gate_up(self, gate: str, up: str) -> np.ndarray:
+        """Two HF [I, H] weights -> [2I, H], rows [gate | up] (the param [H, 2I] swapped)."""
+        return self.cast(np.concatenate([self.hf(gate), self.hf(up)], axis=0))
 
 
 def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
@@ -200,15 +233,18 @@ def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * s[..., :rows, :cols]
 
 
-def _load_attn(r: _Reader, p: str) -> dict:
-    return {
-        "q_proj": r.linear(f"{p}q_proj.weight"),
-        "k_proj": r.linear(f"{p}k_proj.weight"),
-        "v_proj": r.linear(f"{p}v_proj.weight"),
-        "o_proj": r.linear(f"{p}o_proj.weight"),
-        "q_norm": r.vec(f"{p}q_norm.weight"),
-        "k_norm": r.vec(f"{p}k_norm.weight"),
-    }
+def _leaf(fn: Callable, *args) -> Leaf:
+    return Leaf(functools.partial(fn, *args))
+
+
+def _swapped(fn: Callable, *args) -> Leaf:
+    """A leaf ``fn(*args)`` returns with its last two axes swapped (``r.linear``, ``r.gate_up``)."""
+    return Leaf(functools.partial(fn, *args), swapped=True)
+
+
+def _attn_leaves(r: _Reader, p: str) -> dict:
+    return {**{k: _swapped(r.linear, f"{p}{k}.weight") for k in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            "q_norm": _leaf(r.vec, f"{p}q_norm.weight"), "k_norm": _leaf(r.vec, f"{p}k_norm.weight")}
 
 
 def split_qkvz_ba(cfg: ModelConfig, qkvz: np.ndarray, ba: np.ndarray) -> dict[str, np.ndarray]:
@@ -234,79 +270,106 @@ def split_qkvz_ba(cfg: ModelConfig, qkvz: np.ndarray, ba: np.ndarray) -> dict[st
     }
 
 
-def _load_gdn(r: _Reader, cfg: ModelConfig, p: str) -> dict:
+def _gdn_leaves(r: _Reader, cfg: ModelConfig, p: str) -> dict:
+    names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
     if cfg.model_type == "qwen3_next":
-        parts = split_qkvz_ba(cfg, r.hf(f"{p}in_proj_qkvz.weight"), r.hf(f"{p}in_proj_ba.weight"))
-        proj = {k: r.cast(v.T) for k, v in parts.items()}
+        def part(key: str) -> np.ndarray:  # both fused tensors are re-read for each part
+            parts = split_qkvz_ba(cfg, r.hf(f"{p}in_proj_qkvz.weight"), r.hf(f"{p}in_proj_ba.weight"))
+            return r.cast(parts[key])
+
+        proj = {k: _swapped(part, k) for k in names}
     else:
-        proj = {k: r.linear(f"{p}{k}.weight") for k in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+        proj = {k: _swapped(r.linear, f"{p}{k}.weight") for k in names}
     return {
         **proj,
-        "conv1d": r.cast(r.raw(f"{p}conv1d.weight")[:, 0, :]),
-        "A_log": r.f32(f"{p}A_log"),
-        "dt_bias": r.f32(f"{p}dt_bias"),
-        "norm": r.vec(f"{p}norm.weight"),
-        "out_proj": r.linear(f"{p}out_proj.weight"),
+        "conv1d": Leaf(lambda: r.cast(r.raw(f"{p}conv1d.weight")[:, 0, :])),
+        "A_log": _leaf(r.f32, f"{p}A_log"),
+        "dt_bias": _leaf(r.f32, f"{p}dt_bias"),
+        "norm": _leaf(r.vec, f"{p}norm.weight"),
+        "out_proj": _swapped(r.linear, f"{p}out_proj.weight"),
     }
 
 
-def _load_experts(r: _Reader, cfg: ModelConfig, p: str, keep_fp8: bool) -> dict:
-    """Routed experts -> gate_up [E, H, 2I], down [E, I, H] (+ block scales when kept FP8)."""
+def _expert_leaves(r: _Reader, cfg: ModelConfig, p: str, keep_fp8: bool) -> dict:
+    """Routed experts -> gate_up [E, H, 2I], down [E, I, H] (+ block scales when kept FP8),
+    each readable for a range of experts, read as stored: the last two axes swapped."""
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    if f"{p}gate_up_proj" in r.entries:  # fused [E, 2I, H] / [E, H, I]
-        gate_up = r.hf(f"{p}gate_up_proj").transpose(0, 2, 1)
-        down = r.hf(f"{p}down_proj").transpose(0, 2, 1)
-        return {"gate_up": r.cast(gate_up), "down": r.cast(down)}
+    if f"{p}gate_up_proj" in r.entries:  # fused [E, 2I, H] / [E, H, I]: rows lo:hi
+        fused = lambda name, lo, hi: r.cast(r.rows(f"{p}{name}", lo, hi))  # noqa: E731
+        return {"gate_up": Leaf(functools.partial(fused, "gate_up_proj"), True, True),
+                "down": Leaf(functools.partial(fused, "down_proj"), True, True)}
     names = [(f"{p}{x}.gate_proj.weight", f"{p}{x}.up_proj.weight", f"{p}{x}.down_proj.weight") for x in range(e)]
     fp8 = r.is_fp8(names[0][0])
     if keep_fp8 and fp8 and i % FP8_BLOCK == 0:
-        return _load_experts_fp8(r, cfg, names)
+        return _fp8_expert_leaves(r, cfg, names)
     if keep_fp8 and not fp8:
         log.info("keep_fp8_experts: experts in %s are not FP8; loading them as %s", p, r.np_dtype)
     elif keep_fp8 and fp8:
         log.info("keep_fp8_experts: expert width %d is not a multiple of %d; dequantising %s", i, FP8_BLOCK, p)
-    gate_up = np.empty((e, h, 2 * i), r.np_dtype)  # [E, H, 2I] host buffer filled expert by expert
-    down = np.empty((e, i, h), r.np_dtype)  # [E, I, H]
-    for x, (g, u, d) in enumerate(names):
-        gate_up[x, :, :i] = r.hf(g).T
-        gate_up[x, :, i:] = r.hf(u).T
-        down[x] = r.hf(d).T
-    return {"gate_up": jnp.asarray(gate_up), "down": jnp.asarray(down)}
+
+    def gate_up(lo: int, hi: int) -> np.ndarray:
+        out = np.empty((hi - lo, 2 * i, h), r.np_dtype)  # [e, 2I, H] filled expert by expert
+        for x in range(lo, hi):
+            out[x - lo, :i] = r.hf(names[x][0])
+            out[x - lo, i:] = r.hf(names[x][1])
+        return out
+
+    def down(lo: int, hi: int) -> np.ndarray:
+        out = np.empty((hi - lo, h, i), r.np_dtype)  # [e, H, I]
+        for x in range(lo, hi):
+            out[x - lo] = r.hf(names[x][2])
+        return out
+
+    return {"gate_up": Leaf(gate_up, True, True), "down": Leaf(down, True, True)}
 
 
-def _load_experts_fp8(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str, str]]) -> dict:
-    """FP8 experts kept as stored values: block scales transposed along with the weights."""
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str, str]]) -> dict:
+    """FP8 experts kept as stored values: block scales transposed along with the weights.
+    gate_up fp8[E, H, 2I], down fp8[E, I, H], gate_up_scale f32[E, H/128, 2I/128],
+    down_scale f32[E, I/128, H/128], each read with its last two axes swapped."""
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
     bh, bi = _cdiv(h, FP8_BLOCK), i // FP8_BLOCK
-    gate_up = np.empty((e, h, 2 * i), _FP8)  # fp8[E, H, 2I]
-    gate_up_scale = np.empty((e, bh, 2 * bi), np.float32)  # f32[E, H/128, 2I/128]
-    down = np.empty((e, i, h), _FP8)  # fp8[E, I, H]
-    down_scale = np.empty((e, bi, bh), np.float32)  # f32[E, I/128, H/128]
-    for x, (g, u, d) in enumerate(names):
-        for col, name in ((slice(0, i), g), (slice(i, 2 * i), u)):
-            gate_up[x, :, col] = r.raw(name).astype(_FP8).T
-        gate_up_scale[x, :, :bi] = r.raw(g + "_scale_inv").T
-        gate_up_scale[x, :, bi:] = r.raw(u + "_scale_inv").T
-        down[x] = r.raw(d).astype(_FP8).T
-        down_scale[x] = r.raw(d + "_scale_inv").T
+
+    def stacked(shape: Shape, dtype, fill: Callable[[np.ndarray, int], None]) -> Callable:
+        def read(lo: int, hi: int) -> np.ndarray:
+            out = np.empty((hi - lo, *shape), dtype)
+            for x in range(lo, hi):
+                fill(out[x - lo], x)
+            return out
+        return read
+
+    def gate_up(dst: np.ndarray, x: int) -> None:
+        r.raw_into(names[x][0], dst[:i])
+        r.raw_into(names[x][1], dst[i:])
+
+    def gate_up_scale(dst: np.ndarray, x: int) -> None:
+        r.raw_into(names[x][0] + "_scale_inv", dst[:bi])
+        r.raw_into(names[x][1] + "_scale_inv", dst[bi:])
+
+    def down(dst: np.ndarray, x: int) -> None:
+        r.raw_into(names[x][2], dst)
+
+    def down_scale(dst: np.ndarray, x: int) -> None:
+        r.raw_into(names[x][2] + "_scale_inv", dst)
+
     return {
-        "gate_up": jnp.asarray(gate_up),
-        "down": jnp.asarray(down),
-        "gate_up_scale": jnp.asarray(gate_up_scale),
-        "down_scale": jnp.asarray(down_scale),
+        "gate_up": Leaf(stacked((2 * i, h), _FP8, gate_up), True, True),
+        "down": Leaf(stacked((h, i), _FP8, down), True, True),
+        "gate_up_scale": Leaf(stacked((2 * bi, bh), np.float32, gate_up_scale), True, True),
+        "down_scale": Leaf(stacked((bh, bi), np.float32, down_scale), True, True),
     }
 
 
-def _load_mlp(r: _Reader, cfg: ModelConfig, layer: int, p: str, keep_fp8: bool) -> dict:
+def _mlp_leaves(r: _Reader, cfg: ModelConfig, layer: int, p: str, keep_fp8: bool) -> dict:
     if not cfg.is_moe_layer(layer):
-        return {"gate_up": r.gate_up(f"{p}gate_proj.weight", f"{p}up_proj.weight"),
-                "down": r.linear(f"{p}down_proj.weight")}
-    mlp = {"gate": r.linear(f"{p}gate.weight"), "experts": _load_experts(r, cfg, f"{p}experts.", keep_fp8)}
+        return {"gate_up": _swapped(r.gate_up, f"{p}gate_proj.weight", f"{p}up_proj.weight"),
+                "down": _swapped(r.linear, f"{p}down_proj.weight")}
+    mlp = {"gate": _swapped(r.linear, f"{p}gate.weight"), "experts": _expert_leaves(r, cfg, f"{p}experts.", keep_fp8)}
     if cfg.shared_expert_intermediate_size:
         s = f"{p}shared_expert."
-        mlp["shared_expert"] = {"gate_up": r.gate_up(f"{s}gate_proj.weight", f"{s}up_proj.weight"),
-                                "down": r.linear(f"{s}down_proj.weight")}
-        mlp["shared_expert_gate"] = r.linear(f"{p}shared_expert_gate.weight")
+        mlp["shared_expert"] = {"gate_up": _swapped(r.gate_up, f"{s}gate_proj.weight", f"{s}up_proj.weight"),
+                                "down": _swapped(r.linear, f"{s}down_proj.weight")}
+        mlp["shared_expert_gate"] = _swapped(r.linear, f"{p}shared_expert_gate.weight")
     return mlp
 
 
@@ -328,6 +391,89 @@ def _report_leftovers(entries: dict[str, TensorEntry], used: set[str], cfg: Mode
         log.warning("ignored %d unexpected checkpoint tensors: %s%s", len(unknown), ", ".join(unknown[:5]), more)
 
 
+class CheckpointLeaves:
+    """A checkpoint directory, indexed and checked, as lazily read param leaves.
+
+    ``top()`` holds ``embed_tokens``, ``norm`` and ``lm_head``; ``layer(i)`` layer ``i``'s param
+    dict (layout in ``models/qwen3_5_moe.py``), every leaf a :class:`Leaf`. Building them
+    reads nothing; every tensor's name and shape was checked against the headers first.
+    """
+
+    def __init__(self, checkpoint_dir: str | Path, cfg: ModelConfig, *, dtype: Any,
+                 keep_fp8_experts: bool):
+        self.dir, self.cfg, self.keep_fp8 = Path(checkpoint_dir), cfg, keep_fp8_experts
+        self.entries = index_checkpoint(self.dir)
+        self.prefix = _detect_prefix(self.entries)
+        self.expected = expected_shapes(cfg, self.prefix, self.entries)
+        _check_entries(self.dir, self.expected, self.entries)
+        _report_leftovers(self.entries, set(self.expected), cfg)
+        self.reader = _Reader(self.entries, dtype)
+        self.layer_names: dict[int, list[str]] = {}
+        for name in self.expected:
+            m = re.match(rf"{re.escape(self.prefix)}layers\.(\d+)\.", name)
+            self.layer_names.setdefault(int(m.group(1)) if m else -1, []).append(name)
+
+    def prefetch(self, layer: int, experts: list[tuple[int, int]]) -> None:
+        """Start reading ``layer``'s tensors (-1: the top-level ones) into the page cache in
+        the background, of the routed experts only those in the ranges ``experts``."""
+        for name in self.layer_names.get(layer, []):
+            e, m = self.entries[name], re.search(r"\.mlp\.experts\.(\d+)\.", name)
+            if m:
+                if any(lo <= int(m.group(1)) < hi for lo, hi in experts):
+                    prefetch(e)
+            elif ".mlp.experts." in name:  # fused: rows are experts
+                for lo, hi in experts:
+                    prefetch(e, lo, hi)
+            else:
+                prefetch(e)
+
+    def _row_leaf(self, name: str, swapped: bool) -> Leaf:
+        """A 2-D tensor read whole or by rows (cast only); FP8 ones whole (dequantised)."""
+        r = self.reader
+        if r.is_fp8(name):
+            return Leaf(functools.partial(r.linear, name), swapped=swapped)
+
+        def read(lo: int = 0, hi: int | None = None) -> np.ndarray:
+            return r.cast(r.rows(name, lo, self.entries[name].shape[0] if hi is None else hi))
+
+        return Leaf(read, swapped=swapped, rows=True)
+
+    def top(self) -> dict:
+        """``embed_tokens`` [V, H], ``norm``, ``lm_head`` [H, V] (read as [V, H], swapped)."""
+        embed = f"{self.prefix}embed_tokens.weight"
+        head = embed if self.cfg.tie_word_embeddings else "lm_head.weight"
+        return {"embed_tokens": self._row_leaf(embed, False),
+                "norm": _leaf(self.reader.vec, f"{self.prefix}norm.weight"),
+                "lm_head": self._row_leaf(head, True)}
+
+    def layer(self, i: int) -> dict:
+        r, lp = self.reader, f"{self.prefix}layers.{i}."
+        layer = {"input_layernorm": _leaf(r.vec, f"{lp}input_layernorm.weight"),
+                 "post_attention_layernorm": _leaf(r.vec, f"{lp}post_attention_layernorm.weight")}
+        if self.cfg.layer_types[i] == FULL_ATTENTION:
+            layer["self_attn"] = _attn_leaves(r, f"{lp}self_attn.")
+        else:
+            layer["linear_attn"] = _gdn_leaves(r, self.cfg, f"{lp}linear_attn.")
+        layer["mlp"] = _mlp_leaves(r, self.cfg, i, f"{lp}mlp.", self.keep_fp8)
+        return layer
+
+
+def resolve_keep_fp8(keep_fp8_experts: bool, backend: str | None) -> bool:
+    """FP8 experts are kept only for TPU backends (``None``: ``jax.default_backend()``)."""
+    backend = backend or jax.default_backend()
+    if keep_fp8_experts and backend != "tpu":
+        log.info("keep_fp8_experts: backend %s has no FP8 expert kernels; dequantising FP8 "
+                 "experts once at load", backend)
+        return False
+    return keep_fp8_experts
+
+
+def read_whole(leaf: Leaf, num_experts: int) -> jax.Array:
+    """The whole leaf (every expert of a routed-expert leaf) on the default device."""
+    x = jnp.asarray(leaf.read(0, num_experts) if leaf.experts else leaf.read())
+    return jnp.swapaxes(x, -1, -2) if leaf.swapped else x
+
+
 def load_params(
     checkpoint_dir: str | Path,
     cfg: ModelConfig,
@@ -337,7 +483,8 @@ def load_params(
     progress: bool | None = None,
     backend: str | None = None,
 ) -> dict:
-    """Load a safetensors checkpoint into the params pytree (layout in ``models/qwen3_5_moe.py``).
+    """Load a safetensors checkpoint into the params pytree (layout in ``models/qwen3_5_moe.py``)
+    on the default device. ``sharded_loader.load_sharded`` reads it shard by shard instead.
 
     Args:
       checkpoint_dir: directory with ``*.safetensors`` (and optionally the index json).
@@ -358,39 +505,13 @@ def load_params(
     Raises:
       CheckpointError: pickle-only directory, missing tensors or wrong shapes (named by HF name).
     """
-    backend = backend or jax.default_backend()
-    if keep_fp8_experts and backend != "tpu":
-        log.info("keep_fp8_experts: backend %s has no FP8 expert kernels; dequantising FP8 "
-                 "experts once at load", backend)
-        keep_fp8_experts = False
-    checkpoint_dir = Path(checkpoint_dir)
-    entries = index_checkpoint(checkpoint_dir)
-    prefix = _detect_prefix(entries)
-    expected = _expected_shapes(cfg, prefix, entries)
-    _check_entries(checkpoint_dir, expected, entries)
+    leaves = CheckpointLeaves(checkpoint_dir, cfg, dtype=dtype,
+                              keep_fp8_experts=resolve_keep_fp8(keep_fp8_experts, backend))
+    read = lambda tree: jax.tree.map(lambda leaf: read_whole(leaf, cfg.num_experts), tree)  # noqa: E731
     disable = None if progress is None else not progress
-    with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=disable) as bar:
-        r = _Reader(entries, dtype, bar)
-        params: dict[str, Any] = {"embed_tokens": r.vec(f"{prefix}embed_tokens.weight")}
-        layers = []
-        for i, kind in enumerate(cfg.layer_types):
-            lp = f"{prefix}layers.{i}."
-            layer = {"input_layernorm": r.vec(f"{lp}input_layernorm.weight"),
-                     "post_attention_layernorm": r.vec(f"{lp}post_attention_layernorm.weight")}
-            if kind == FULL_ATTENTION:
-                layer["self_attn"] = _load_attn(r, f"{lp}self_attn.")
-            else:
-                layer["linear_attn"] = _load_gdn(r, cfg, f"{lp}linear_attn.")
-            layer["mlp"] = _load_mlp(r, cfg, i, f"{lp}mlp.", keep_fp8_experts)
-            layers.append(layer)
-        params["layer_groups"] = stack_layers(layers, cfg)
-        params["norm"] = r.vec(f"{prefix}norm.weight")
-        if cfg.tie_word_embeddings:
-            params["lm_head"] = params["embed_tokens"].T
-        else:
-            params["lm_head"] = r.linear("lm_head.weight")
-    _report_leftovers(entries, r.used, cfg)
-    return params
+    layers = [read(leaves.layer(i)) for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights",
+                                                  unit="layer", disable=disable)]
+    return {**read(leaves.top()), "layer_groups": stack_layers(layers, cfg)}
 
 
 def load_model(

@@ -15,6 +15,7 @@ from sglang_tpu_backend.config import DTYPES
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: config.resolve_dtype
 REASONING_PARSERS = ("qwen3",)  # entrypoints/chat_parsing.py implements each
 TOOL_CALL_PARSERS = ("qwen3_coder", "qwen25")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # SGLang's --load-format values we take
 KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DETERMINISTIC_MIN_CHUNK = 64  # a multiple of every GDN chunk size (kernels/gdn.py: 64 TPU, 32 XLA)
@@ -109,6 +110,7 @@ class ServerArgs:
     dtype: str = "auto"
     kernel_impl: str = "auto"
     random_seed: int = 0
+    load_format: str = "auto"  # auto/safetensors: the checkpoint; dummy: random weights
     served_model_name: str | None = None
     weight_version: str = "default"  # reported by /get_model_info; set by weight updates
     skip_warmup: bool = False
@@ -203,6 +205,8 @@ class ServerArgs:
                 f"{self.dp_size} ranks: it must be at least {self.dp_size}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.kernel_impl not in KERNEL_IMPLS:
             raise ValueError(f"--kernel-impl must be one of {KERNEL_IMPLS}, got {self.kernel_impl!r}")
         if self.log_level not in LOG_LEVELS:
@@ -346,7 +350,12 @@ def _add_model_and_server_flags(a, d) -> None:
       help="weights and KV cache dtype; auto: the checkpoint config's dtype "
            "as stated (float32 too), bfloat16 when it states none")
     a("--kernel-impl", type=str, default=d.kernel_impl, choices=KERNEL_IMPLS)
-    a("--random-seed", type=int, default=d.random_seed)
+    a("--random-seed", type=int, default=d.random_seed,
+      help="sampling seed; with --load-format dummy also the weights' seed")
+    a("--load-format", type=str, default=d.load_format, choices=LOAD_FORMATS,
+      help="auto/safetensors: read the checkpoint, each process only its devices' share; "
+           "dummy: random weights of the config's shapes drawn on the devices (no weights "
+           "needed; benchmarks)")
     a("--served-model-name", type=str, default=d.served_model_name)
     a("--weight-version", type=str, default=d.weight_version,
       help="version label of the loaded weights (/get_model_info, /get_weight_version); "

@@ -35,6 +35,7 @@ import numpy as np
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.models import qwen3_5_moe
+from sglang_tpu_backend.sharded_loader import LoadReport, WeightSource
 
 StepOutput = tuple[jax.Array, qwen3_5_moe.ModelCache, Any]  # logits, cache, stats or None
 
@@ -58,6 +59,21 @@ class StepBackend(abc.ABC):
     @abc.abstractmethod
     def place_params(self, params: Any) -> Any:
         """Loaded host params placed for the step (shardings, TPU weight layouts)."""
+
+    def param_shardings(self, shapes: Any) -> Any | None:
+        """Where each param leaf lives (a mirror of ``shapes``), or None when the step's
+        layout is made from the whole params (TP), which then pass through one device."""
+        return None
+
+    def load_params(self, source: WeightSource) -> tuple[Any, LoadReport]:
+        """``source``'s weights placed for the step: read (or drawn) straight into
+        ``param_shardings``, each process reading only its devices' share, else whole and
+        then placed by ``place_params``."""
+        shardings = self.param_shardings(source.shapes())
+        if shardings is None:
+            params, report = source.host()
+            return self.place_params(params), report
+        return source.load(shardings)
 
     @abc.abstractmethod
     def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int, kv_dtype: Any,
@@ -112,6 +128,11 @@ class SingleDeviceBackend(StepBackend):
 
         where = SingleDeviceSharding(self.device)
         return place_weights(params, jax.tree.map(lambda _: where, params))
+
+    def param_shardings(self, shapes):
+        from jax.sharding import SingleDeviceSharding
+
+        return jax.tree.map(lambda _: SingleDeviceSharding(self.device), shapes)
 
     def init_cache(self, **sizes):
         return jax.device_put(qwen3_5_moe.init_cache(self.cfg, **sizes), self.device)
@@ -177,6 +198,9 @@ class DPBackend(StepBackend):
     def place_params(self, params):
         return self.dp.shard_params(params)
 
+    def param_shardings(self, shapes):
+        return self.dp.param_shardings(shapes)
+
     def init_cache(self, **sizes):
         return self.dp.init_cache(**sizes)
 
@@ -194,8 +218,8 @@ class DPBackend(StepBackend):
 class MultiHostDPBackend(DPBackend):
     """DPBackend of the leader (process 0) of several processes; the followers run
     ``multihost.run_follower``, which makes the matching collectives in the same order:
-    ``init_cache`` (its sizes broadcast first), ``place_params`` (the param specs checked
-    for agreement first), every step, and ``close``."""
+    ``init_cache`` (its sizes broadcast first), ``load_params`` (the param shapes checked
+    for agreement first; each process reads its devices' share), every step, and ``close``."""
 
     weight_updates = False
     state_transfer = False  # a follower's ranks are not addressable here
@@ -216,6 +240,12 @@ class MultiHostDPBackend(DPBackend):
 
         agreement.require_agreement("parameters", agreement.param_items(params))
         return super().place_params(params)
+
+    def load_params(self, source):
+        from sglang_tpu_backend.parallel import agreement
+
+        agreement.require_agreement("parameters", agreement.param_items(source.shapes()))
+        return super().load_params(source)
 
     def place_sampler_state(self, counts, prompt_mask, last_tokens):
         return jax.device_put((counts, prompt_mask, last_tokens), self.local_device)

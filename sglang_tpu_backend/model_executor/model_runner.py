@@ -38,6 +38,7 @@ from sglang_tpu_backend.model_executor.sampler_state import (SamplerState, sampl
 from sglang_tpu_backend.model_executor.step_buckets import StepBuckets
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.sampling import sampler
+from sglang_tpu_backend.sharded_loader import LoadReport, WeightSource
 
 
 @dataclasses.dataclass
@@ -99,7 +100,9 @@ class ModelRunner:
         expert_location: Any = None,
         eplb_rebalance_num_iterations: int | None = None,
     ):
-        """``router_stats``: each step also reduces the MoE routers' health (expert load,
+        """``params``: host params, or a ``sharded_loader.WeightSource`` the backend loads
+        straight into its shardings (``load_report`` says what this process read).
+        ``router_stats``: each step also reduces the MoE routers' health (expert load,
         entropy, top-1 probability per layer; ``metrics/router_stats.py``) into
         ``last_router_stats`` f32[dp_size, layers, 3] and records the expert loads
         (``balancer``). ``deterministic``: see ``step_buckets``. ``expert_location``
@@ -120,7 +123,9 @@ class ModelRunner:
                                     with_stats=router_stats, batch_invariant=deterministic)
         # Shape / dtype of each param as loaded (before placement): what a weight update's
         # checkpoint must match (``weight_update.load_host_params``).
-        self.param_spec = param_spec(params)
+        source = params if isinstance(params, WeightSource) else None
+        self.param_spec = source.shapes() if source else param_spec(params)
+        self.load_report: LoadReport | None = None
         self.balancer = None  # expert loads and placement (``expert_balancer.py``)
         if expert_location is not None or router_stats:
             from sglang_tpu_backend.model_executor.expert_balancer import make_balancer
@@ -129,13 +134,20 @@ class ModelRunner:
                 raise ValueError("--enable-eplb records expert loads from the router stats")
             self.balancer = make_balancer(cfg, expert_location, self.backend.num_ranks,
                                           eplb_rebalance_num_iterations)
-            params = self.balancer.physical(params)
+            if self.balancer.stores_physical and source is not None:
+                # Expert slots are laid out from the whole tree: load it on the host first.
+                (params, self.load_report), source = source.host(), None
+            if source is None:
+                params = self.balancer.physical(params)
         # The cache before the params: a multi-host leader's start-up collectives (sizes, then
         # the param check) come in the order its followers make them (``run_follower``).
         self.cache = self.backend.init_cache(
             num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
             kv_dtype=kv_dtype, state_dtype=state_dtype)
-        self.params = self.backend.place_params(params)
+        if source:
+            self.params, self.load_report = self.backend.load_params(source)
+        else:
+            self.params = self.backend.place_params(params)
         self.sampler = SamplerState(cfg.vocab_size, self.dp_size * num_state_slots,
                                     self.backend.place_sampler_state)
         self.transfer = state_transfer.StateTransfer(num_pages, num_state_slots,

@@ -6,8 +6,8 @@ Two checks, each a collective every process makes at the same point:
   "server arguments" at join (``multihost.join``): the model's config (every field of the
       parsed ``ModelConfig``, not its path: nodes may hold the checkpoint at different paths)
       and the ``ServerArgs`` fields that shape the steps and the caches (``SHARED_ARGS``).
-  "parameters" after loading (the leader's ``MultiHostDPBackend.place_params``, the
-      follower's ``run_follower``): name, shape and dtype of every loaded param.
+  "parameters" before loading (the leader's ``MultiHostDPBackend.load_params``, the
+      follower's ``run_follower``): name, shape and dtype of every param to load.
 
 Each process hashes its items (sha256 of their canonical JSON) and all processes gather the
 digests. If they all agree, that is all. Otherwise the processes gather each other's items,
@@ -30,7 +30,8 @@ import numpy as np
 SHARED_ARGS = ("dtype", "page_size", "context_length", "max_running_requests",
                "chunked_prefill_size", "max_total_tokens", "mem_fraction_static",
                "device_memory_bytes", "dp_size", "ep_size", "tp_size", "nnodes", "kernel_impl",
-               "enable_deterministic_inference", "disable_radix_cache", "max_gdn_snapshots")
+               "enable_deterministic_inference", "disable_radix_cache", "max_gdn_snapshots",
+               "load_format", "random_seed")  # the last two: every node's dummy weights alike
 
 
 class MismatchError(RuntimeError):

@@ -93,11 +93,15 @@ class DPForward:
         names = [f.name for f in ForwardBatch.__dataclass_fields__.values() if f.name != "mode"]
         return ForwardBatch(**{n: spec for n in names}, mode=mode)
 
+    def param_shardings(self, params) -> Any:
+        """``param_specs`` as NamedShardings on the mesh (``params``: arrays or shapes)."""
+        return jax.tree.map(self.sharding, self.param_specs(params))
+
     def shard_params(self, params):
         """Place params on the mesh (experts split, the rest replicated; on TPU the dense
         weights in their native tiling, ``weight_layout.py``); every process passes the full
         params and fills its own devices."""
-        return place_params(params, jax.tree.map(self.sharding, self.param_specs(params)))
+        return place_params(params, self.param_shardings(params))
 
     def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int,
                    kv_dtype=jnp.bfloat16, state_dtype=jnp.float32) -> qwen3_5_moe.ModelCache:

@@ -2,7 +2,8 @@
 
 Several processes (one per TPU host; CPU processes in the tests) form one JAX mesh and run the
 same ``DPForward`` step on it. Every process calls :func:`initialize` before touching JAX,
-loads the same parameters, and builds the same ``DPForward`` over the global mesh
+loads its devices' share of the same parameters (``sharded_loader.py``: replicated weights
+whole, routed experts only its own), and builds the same ``DPForward`` over the global mesh
 (``make_mesh(dp_size)`` over ``jax.devices()``, which lists every process's devices).
 
 Step protocol (leader = process 0; every call below is a collective all processes make):
@@ -23,10 +24,10 @@ broadcast with ``multihost_utils.broadcast_one_to_all``; the payload that follow
 follower can allocate it). No sockets or pickle: both go through JAX collectives on the
 mesh's devices (gloo on CPU, ICI/DCN on TPU).
 
-Placement: ``DPForward.shard_params`` / ``init_cache`` / ``put_batch`` build global arrays
-with ``jax.make_array_from_callback``, each process supplying only its own devices' shards
-(every process holds the full host copy: the params it loaded, the batches it received), so
-the same calls serve one process and several.
+Placement: ``sharded_loader.load_sharded`` / ``DPForward.init_cache`` / ``put_batch`` build
+global arrays with ``jax.make_array_from_callback``, each process supplying only its own
+devices' shards (the weights it read for them, the batches it received), so the same calls
+serve one process and several.
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ def join(args) -> None:
 
 
 def run_follower(args) -> int:
-    """A follower node's whole life (``--node-rank`` > 0): join, load the same params, build
+    """A follower node's whole life (``--node-rank`` > 0): join, load its share of the params, build
     the same DP x EP step and caches as the leader's ``ModelRunner`` (whose cache sizes and
     stats flag it receives), run the leader's steps until it stops; returns the steps run.
 
@@ -264,7 +265,7 @@ def run_follower(args) -> int:
     included) and the final stop.
     """
     from sglang_tpu_backend.config import DTYPES, cache_storage_dtype, load_model_config, resolve_dtype
-    from sglang_tpu_backend.loader import load_params
+    from sglang_tpu_backend.sharded_loader import WeightSource
     from sglang_tpu_backend.parallel import agreement
     from sglang_tpu_backend.parallel.mesh import make_mesh
 
@@ -277,7 +278,8 @@ def run_follower(args) -> int:
     cfg = load_model_config(args.model_path)
     args.check_devices(len(jax.devices()), cfg.num_experts)
     args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
-    params = load_params(args.model_path, cfg, dtype=DTYPES[args.dtype])
+    source = WeightSource(cfg, args.model_path, args.load_format, DTYPES[args.dtype],
+                          seed=args.random_seed)
     num_pages, num_slots, with_stats = broadcast_ints(None, 3)
     dp = DPForward(cfg, make_mesh(args.dp_size), impl=args.kernel_impl,
                    with_stats=bool(with_stats),
@@ -285,8 +287,10 @@ def run_follower(args) -> int:
     cache = dp.init_cache(num_pages=num_pages, page_size=args.page_size,
                           num_state_slots=num_slots,
                           kv_dtype=cache_storage_dtype(DTYPES[args.dtype], jax.default_backend()))
-    agreement.require_agreement("parameters", agreement.param_items(params))
-    params = dp.shard_params(params)
+    agreement.require_agreement("parameters", agreement.param_items(source.shapes()))
+    params, report = source.load(dp.param_shardings(source.shapes()))
+    logger.info("node %d read %.3f GB of weights in %.1f s", args.node_rank,
+                report.bytes_read / 1e9, report.seconds)
     logger.info("node %d follows: %d pages + %d state slots per rank", args.node_rank,
                 num_pages, num_slots)
     _, steps = follower_loop(dp, params, cache)

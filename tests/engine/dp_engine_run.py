@@ -22,6 +22,7 @@ from pathlib import Path
 
 import jax
 
+from sglang_tpu_backend.checkpoint_io import index_checkpoint, quantize_checkpoint_fp8
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
@@ -63,6 +64,47 @@ def serve(engine) -> list[list[int]]:
     return [o["output_ids"] for o in asyncio.run(run_all())]
 
 
+def fp8_experts_per_expert(config: dict, tensors: dict) -> None:
+    """``write_random_model`` edit: the shipped 397B format (per-expert FP8 block-scaled)."""
+    fp8 = quantize_checkpoint_fp8(tensors)
+    tensors.clear()
+    tensors.update(fp8)
+
+
+def checkpoint_bytes(path: Path) -> dict:
+    """Tensor bytes of a checkpoint: all, and those of the routed experts."""
+    entries = index_checkpoint(path).values()
+    return {"total": sum(e.end - e.begin for e in entries),
+            "experts": sum(e.end - e.begin for e in entries if ".mlp.experts." in e.name)}
+
+
+def sharded_load(other: Path) -> dict:
+    """A --dp-size 4 engine reading ``other`` shard by shard: its outputs and what it read."""
+    engine = Engine(ServerArgs(dp_size=4, ep_size=4, skip_warmup=True, model_path=str(other),
+                               **ARGS))
+    report = engine.runner.load_report
+    out = {"outputs": serve(engine), "bytes_read": report.bytes_read,
+           "expert_bytes": list(report.expert_bytes.values()),
+           "expert_ranges": sorted(report.expert_ranges.values()), **checkpoint_bytes(other)}
+    engine.shutdown()
+    return out
+
+
+def dummy_weights() -> dict:
+    """A --load-format dummy engine: outputs, and whether its weights are the seed's."""
+    from sglang_tpu_backend.sharded_loader import dummy_params
+
+    engine = Engine(ServerArgs(skip_warmup=True, load_format="dummy", **ARGS))
+    runner = engine.runner
+    again = dummy_params(engine.model_config, jax.tree.map(lambda x: x.sharding, runner.params),
+                         dtype=jax.numpy.float32, seed=ARGS["random_seed"])
+    same = jax.tree.map(lambda a, b: bool((a == b).all()), runner.params, again)
+    out = {"outputs": serve(engine), "bytes_read": runner.load_report.bytes_read,
+           "params_reproduced": all(jax.tree.leaves(same))}
+    engine.shutdown()
+    return out
+
+
 def update_weights(engine, other: Path) -> dict:
     """Serve on ``other``'s weights, then on the startup weights again."""
     res = engine.update_weights_from_disk(str(other))
@@ -79,7 +121,8 @@ def update_weights(engine, other: Path) -> dict:
 def main(out_path: str) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     result = {}
-    other = write_random_model(Path(tempfile.mkdtemp()) / "seed1", seed=1)
+    other = write_random_model(Path(tempfile.mkdtemp()) / "seed1", seed=1,
+                               edit=fp8_experts_per_expert)
     dp = Engine(ServerArgs(dp_size=8, ep_size=8, **ARGS))  # warms up the DP step shapes
     seen = []
     real_forward = dp.runner.forward
@@ -112,6 +155,8 @@ def main(out_path: str) -> None:
     result["ref_outputs"] = serve(single)
     result["ref_stats"] = wait_idle(single)
     single.shutdown()
+    result["dp4_sharded"] = sharded_load(other)
+    result["dummy"] = dummy_weights()
     with open(out_path, "w") as f:
         json.dump(result, f)
 

@@ -7,9 +7,9 @@
 Started by tests/engine/test_multihost_engine.py. Both engines are ``--dp-size 8 --ep-size 8``
 with the same flags; node 0 (and the single process) serves the same greedy requests
 (different lengths, one longer than a prefill chunk, one with penalties) and writes their
-outputs as JSON; node 0 also tries a weight update (refused with --nnodes > 1) and then shuts
+outputs and the weight bytes it read as JSON; node 0 also tries a weight update (refused with --nnodes > 1) and then shuts
 down, which stops the follower. A follower (rank > 0) runs ``multihost.run_follower`` and
-writes the number of steps it ran. ``PAGE_SIZE`` overrides that flag on this node (the
+writes the number of steps it ran and the weight bytes it read. ``PAGE_SIZE`` overrides that flag on this node (the
 mismatch test: every node must then refuse to start).
 """
 
@@ -50,6 +50,15 @@ def serve(engine) -> list[list[int]]:
     return [o["output_ids"] for o in asyncio.run(run_all())]
 
 
+def checkpoint_bytes(path: str) -> dict:
+    """Tensor bytes of a checkpoint: all, and those of the routed experts."""
+    from sglang_tpu_backend.checkpoint_io import index_checkpoint
+
+    entries = index_checkpoint(path).values()
+    return {"total": sum(e.end - e.begin for e in entries),
+            "experts": sum(e.end - e.begin for e in entries if ".mlp.experts." in e.name)}
+
+
 def main(argv: list[str]) -> None:
     t0 = time.perf_counter()
     if argv[0] == "--single":
@@ -61,8 +70,10 @@ def main(argv: list[str]) -> None:
     if args.node_rank > 0:
         from sglang_tpu_backend.parallel.multihost import run_follower
 
+        from sglang_tpu_backend.checkpoint_io import BYTES_READ
+
         steps = run_follower(args)
-        result = {"steps": steps}
+        result = {"steps": steps, "bytes_read": BYTES_READ.bytes}
     else:
         import jax
 
@@ -75,7 +86,10 @@ def main(argv: list[str]) -> None:
                       "local_devices": len(jax.local_devices()),
                       "weight_update": engine.update_weights_from_disk(engine.args.model_path),
                       "stats": {k: v for k, v in engine.pool_stats().items() if k != "dp_ranks"},
-                      "router_stats_shape": list(engine.runner.last_router_stats.shape)}
+                      "router_stats_shape": list(engine.runner.last_router_stats.shape),
+                      "bytes_read": engine.runner.load_report.bytes_read,
+                      "expert_ranges": sorted(engine.runner.load_report.expert_ranges.values()),
+                      "checkpoint": checkpoint_bytes(engine.args.model_path)}
         finally:
             engine.shutdown()
     result["seconds"] = time.perf_counter() - t0

@@ -103,3 +103,22 @@ def test_parallel_sizes_checked_against_devices_and_experts():
     assert tp.ep_size == 4  # experts split over the tensor-parallel devices
     with pytest.raises(ValueError, match="--tp-size 4 needs 4 devices, 2 visible"):
         tp.check_devices(num_devices=2, num_experts=16)
+
+
+def test_dp4_engine_reads_each_devices_share_and_serves_as_the_whole_load(results):
+    """A --dp-size 4 engine loads the per-expert FP8 checkpoint shard by shard: every device
+    read exactly its quarter of the routed experts' bytes (its own 4 of 16 experts), the
+    process read every tensor once, and it serves what the DP8 engine serves on the same
+    checkpoint loaded whole on the host and then placed (its weight update)."""
+    r = results["dp4_sharded"]
+    assert r["expert_ranges"] == [[0, 4], [4, 8], [8, 12], [12, 16]]
+    assert r["expert_bytes"] == [r["experts"] // 4] * 4 and r["experts"] % 4 == 0
+    assert r["bytes_read"] == r["total"]
+    assert r["outputs"] == results["dp_update"]["new_outputs"]
+
+
+def test_dummy_load_format_serves_the_seeds_weights(results):
+    r = results["dummy"]
+    assert r["bytes_read"] == 0 and r["params_reproduced"]
+    assert len(r["outputs"]) == 24 and all(len(o) == 8 for o in r["outputs"])
+    assert r["outputs"] != results["ref_outputs"]

@@ -97,3 +97,13 @@ def test_check_devices_needs_every_device_of_every_node():
     with pytest.raises(ValueError, match="devices of all nodes"):
         args.check_devices(8, 8)
     args.check_devices(4, 8)
+
+
+def test_each_process_reads_only_its_devices_weights(results):
+    """Each of the two processes read the replicated weights once and the routed experts of
+    its own 4 devices (half of them: experts 0-7 on node 0); one 8-device process reads all."""
+    ckpt = results[0]["checkpoint"]
+    share = ckpt["total"] - ckpt["experts"] // 2
+    assert results[0]["bytes_read"] == results[1]["bytes_read"] == share < ckpt["total"]
+    assert results[0]["expert_ranges"] == [[0, 2], [2, 4], [4, 6], [6, 8]]
+    assert results["single"]["bytes_read"] == ckpt["total"]

@@ -295,3 +295,90 @@ def test_qwen3_next_fused_projections_split_like_transformers(tmp_path):
     np.testing.assert_array_equal(np.asarray(layer_params(params, cfg, 1)["mlp"]["down"]),
                                   dense.down_proj.weight.detach().numpy().T)
     assert "experts" in layer_params(params, cfg, 0)["mlp"] and "experts" not in layer_params(params, cfg, 1)["mlp"]
+
+
+# Sharded loading and dummy weights (one device here; the DP / multi-process engines in
+# tests/engine/test_dp_engine.py and test_multihost_engine.py read per device and process).
+def test_read_rows_reads_only_those_rows(tmp_path):
+    from sglang_tpu_backend.checkpoint_io import BYTES_READ, index_checkpoint, read_rows
+
+    config = nested_config()
+    tensors = tensors_for(config)
+    path = write_checkpoint(tmp_path / "ckpt", tensors, config)
+    name = P + "layers.1.mlp.experts.gate_up_proj"  # [E, 2I, H] f32
+    entry = index_checkpoint(path)[name]
+    before = BYTES_READ.bytes
+    np.testing.assert_array_equal(read_rows(entry, 1, 3), tensors[name][1:3])
+    assert BYTES_READ.bytes - before == tensors[name][1:3].nbytes
+    with pytest.raises(ValueError, match="rows 3:5 out of range"):
+        read_rows(entry, 3, 5)
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True], ids=["dequantised", "fp8-kept"])
+def test_sharded_load_equals_whole_load_and_reads_every_byte_once(tmp_path, keep_fp8):
+    from jax.sharding import SingleDeviceSharding
+
+    from sglang_tpu_backend.checkpoint_io import index_checkpoint
+    from sglang_tpu_backend.sharded_loader import load_sharded
+
+    config = nested_config()
+    path = write_checkpoint(tmp_path / "fp8", quantize_checkpoint_fp8(tensors_for(config, seed=3)),
+                            config)
+    cfg, whole = load_model(path, dtype=jnp.float32, keep_fp8_experts=keep_fp8, backend="tpu")
+    where = SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: where, param_shapes(cfg, jnp.float32, fp8_experts=keep_fp8))
+    params, report = load_sharded(path, cfg, shardings, dtype=jnp.float32,
+                                  keep_fp8_experts=keep_fp8, backend="tpu")
+    assert_trees_equal(params, whole)
+    entries = index_checkpoint(path).values()
+    assert report.bytes_read == sum(e.end - e.begin for e in entries)
+    experts = sum(e.end - e.begin for e in entries if ".mlp.experts." in e.name)
+    assert report.expert_bytes == {where.device_set.pop().id: experts}
+
+
+def test_dummy_params_are_the_seeds_and_shaped_like_the_config():
+    from jax.sharding import SingleDeviceSharding
+
+    from sglang_tpu_backend.sharded_loader import dummy_params
+
+    cfg = model_config_from_dict(nested_config())
+    shapes = param_shapes(cfg, jnp.float32, fp8_experts=True)  # every kind of leaf, FP8 too
+    where = SingleDeviceSharding(jax.devices()[0])
+    make = lambda seed: dummy_params(cfg, jax.tree.map(lambda _: where, shapes),  # noqa: E731
+                                     dtype=jnp.float32, fp8_experts=True, seed=seed)
+    a, b, c = make(0), make(0), make(1)  # one program, the seed an argument
+    assert_trees_equal(a, b)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(a)] == \
+        [(x.shape, x.dtype) for x in jax.tree.leaves(shapes)]
+    assert not np.array_equal(a["embed_tokens"], c["embed_tokens"])
+    assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in jax.tree.leaves(a))
+    gdn = layer_params(a, cfg, 0)["linear_attn"]  # (1 + w) norms near 0, the gated norm near 1
+    assert abs(float(gdn["norm"].mean()) - 1) < 0.05
+    assert abs(float(layer_params(a, cfg, 0)["input_layernorm"].mean())) < 0.05
+    assert float(gdn["A_log"].min()) >= 0 and float(gdn["A_log"].max()) < np.log(16)
+
+
+def test_dummy_weights_at_397b_shapes_without_materialising_them():
+    """``--load-format dummy`` at the 397B config: the generator's abstract output is exactly
+    the tree the weight-free step compiles take (FP8 experts), ~400 GB of it, and it lowers
+    for a device placement; nothing of that size is allocated here."""
+    import json
+    from pathlib import Path
+
+    from jax.sharding import SingleDeviceSharding
+
+    from sglang_tpu_backend.models.param_shapes import num_param_bytes
+    from sglang_tpu_backend.sharded_loader import dummy_init
+
+    config = json.loads((Path(__file__).resolve().parents[2] / "sglang_tpu_backend" / "assets"
+                         / "configs" / "qwen3.5-397b-a17b.json").read_text())
+    cfg = model_config_from_dict(config)
+    init = dummy_init(cfg, dtype=jnp.bfloat16, fp8_experts=True)
+    got, want = jax.eval_shape(init, 0), param_shapes(cfg, jnp.bfloat16, fp8_experts=True)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(got)] == \
+        [(x.shape, x.dtype) for x in jax.tree.leaves(want)]
+    assert num_param_bytes(got) > 390e9
+    where = SingleDeviceSharding(jax.devices()[0])
+    lowered = jax.jit(init, out_shardings=jax.tree.map(lambda _: where, want)).lower(0)
+    assert len(jax.tree.leaves(lowered.out_info)) == len(jax.tree.leaves(want))

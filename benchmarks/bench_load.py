@@ -1,0 +1,222 @@
+"""Weight loading against a raw read of the same files: GB/s and peak host memory.
+
+    JAX_PLATFORMS=cpu python benchmarks/bench_load.py [--layers 4] [--experts 128] [--devices 1]
+
+Writes a synthetic checkpoint in the shipped Qwen3.5-397B naming and format: full-width layers
+(hidden 4096, expert width 1024, vocab 248320: the 397B config's), routed experts one tensor
+per expert in FP8 e4m3 with 128x128 ``weight_scale_inv`` blocks, bf16 elsewhere, one file per
+layer plus one for the embeddings and head, and the index json. ``--layers`` (default one
+layer period: 3 GDN + 1 attention) and ``--experts`` per layer (default 128 of the 512) keep
+it within this machine: on CPU the "devices" are host memory too, and they hold the loaded
+weights (replicated ones once per device, hence ``--devices 1``). Then, each in a fresh
+subprocess with ``--devices`` CPU devices, in the order raw, load, load, raw:
+
+  raw   read every file start to end in 64 MiB reads (the disk's sequential figure);
+  load  ``sharded_loader.load_sharded`` with the DP x EP shardings over the devices, FP8
+        experts kept as on TPU (routed experts split over the devices, the rest replicated).
+
+Each run starts cold for the checkpoint: its files' pages are dropped from the page cache
+first (``posix_fadvise(DONTNEED)``, no root needed). Prints both figures per run, their means
+and ratio (target: load >= 70% of raw), the load's host-side read rate (reading and
+assembling leaves; on CPU devices the devices' copies and transposes share the same cores),
+and the load's host memory: peak RSS (VmHWM) beyond
+the resident set after the load (which holds the loaded weights, on CPU devices) against the
+largest layer's bytes (target <= 1.5x). The checkpoint is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_397B = REPO / "sglang_tpu_backend" / "assets" / "configs" / "qwen3.5-397b-a17b.json"
+PREFIX = "model.language_model."
+CHUNK = 64 << 20
+
+
+def bench_config(layers: int, experts: int) -> dict:
+    """The 397B config dict with ``layers`` layers and ``experts`` routed experts."""
+    config = json.loads(CONFIG_397B.read_text())
+    text = config["text_config"]
+    interval = text["full_attention_interval"]
+    text.update(num_hidden_layers=layers, num_experts=experts,
+                layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                             for i in range(layers)])
+    return config
+
+
+def _random(shape: tuple[int, ...], dtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Finite random values of ``dtype`` drawn as bits (fast at GB sizes): bf16 of magnitude
+    around 2^-7, FP8 e4m3 with exponent bit 3 clear (no NaN codes), f32 scales around 1e-2."""
+    import ml_dtypes
+
+    n = int(np.prod(shape))
+    if dtype == "fp8":
+        bits = rng.integers(0, 256, n, dtype=np.uint8) & np.uint8(0xBF)
+        return bits.view(ml_dtypes.float8_e4m3fn).reshape(shape)
+    if dtype == "f32":
+        return rng.uniform(0.005, 0.015, shape).astype(np.float32)
+    bits = (rng.integers(0, 1 << 16, n, dtype=np.uint16) & np.uint16(0x807F)) | np.uint16(0x3C00)
+    return bits.view(ml_dtypes.bfloat16).reshape(shape)
+
+
+def write_checkpoint(out: Path, layers: int, experts: int) -> tuple[int, int]:
+    """The synthetic checkpoint in ``out``; returns (total tensor bytes, largest layer's)."""
+    from sglang_tpu_backend.checkpoint_io import FP8_BLOCK, write_safetensors
+    from sglang_tpu_backend.config import model_config_from_dict
+    from sglang_tpu_backend.loader import expected_shapes
+
+    config = bench_config(layers, experts)
+    cfg = model_config_from_dict(config)
+    shapes = expected_shapes(cfg, PREFIX, {})
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    files: dict[str, list[str]] = {}
+    for name in shapes:
+        part = name.split(".")[3] if name.startswith(PREFIX + "layers.") else "top"
+        files.setdefault(part, []).append(name)
+    rng = np.random.default_rng(0)
+    weight_map, total, largest = {}, 0, 0
+    for k, (part, names) in enumerate(files.items()):
+        tensors = {}
+        for name in names:
+            shape = shapes[name]
+            expert = ".mlp.experts." in name
+            tensors[name] = _random(shape, "fp8" if expert else
+                                    "f32" if name.endswith(("A_log", "dt_bias")) else "bf16", rng)
+            if expert:
+                blocks = tuple(-(-d // FP8_BLOCK) for d in shape)
+                tensors[name + "_scale_inv"] = _random(blocks, "f32", rng)
+        fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        write_safetensors(out / fname, tensors)
+        nbytes = sum(t.nbytes for t in tensors.values())
+        total += nbytes
+        largest = max(largest, nbytes) if part != "top" else largest
+        weight_map.update({n: fname for n in tensors})
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index) + "\n")
+    return total, largest
+
+
+def drop_from_page_cache(ckpt: Path) -> None:
+    for path in ckpt.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+# Subprocess bodies ----------------------------------------------------------------------
+def run_raw(ckpt: Path) -> dict:
+    buf = bytearray(CHUNK)
+    t0, n = time.perf_counter(), 0
+    for path in sorted(ckpt.glob("*.safetensors")):
+        with open(path, "rb", buffering=0) as f:
+            while k := f.readinto(buf):
+                n += k
+    return {"bytes": n, "seconds": time.perf_counter() - t0}
+
+
+def run_load(ckpt: Path, devices: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from sglang_tpu_backend.config import load_model_config
+    from sglang_tpu_backend.parallel.dp_forward import DPForward
+    from sglang_tpu_backend.parallel.mesh import make_mesh
+    from sglang_tpu_backend.models.param_shapes import num_param_bytes, param_shapes
+    from sglang_tpu_backend.sharded_loader import load_sharded
+
+    cfg = load_model_config(ckpt)
+    dp = DPForward(cfg, make_mesh(devices))
+    shardings = dp.param_shardings(param_shapes(cfg, jnp.bfloat16, fp8_experts=True))
+    jax.block_until_ready(jax.jit(lambda: jnp.zeros(8))())  # backend up before the baseline
+    rss0 = _status_kb("VmRSS")
+    params, report = load_sharded(ckpt, cfg, shardings, dtype=jnp.bfloat16,
+                                  keep_fp8_experts=True, backend="tpu")
+    rss1, hwm = _status_kb("VmRSS"), _status_kb("VmHWM")
+    return {"bytes": report.bytes_read, "seconds": report.seconds,
+            "read_seconds": report.read_seconds, "rss_before": rss0,
+            "rss_after": rss1, "hwm": hwm, "param_bytes": num_param_bytes(params)}
+
+
+# Driver ---------------------------------------------------------------------------------
+def _child(kind: str, ckpt: Path, devices: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    out = subprocess.run([sys.executable, __file__, "--child", kind, "--dir", str(ckpt),
+                          "--devices", str(devices)], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{kind} run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--devices", type=int, default=1,
+                    help="CPU devices (replicated weights are copied to each, in host memory)")
+    ap.add_argument("--dir", type=str, default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--child", choices=("raw", "load"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        ckpt = Path(a.dir)
+        res = run_raw(ckpt) if a.child == "raw" else run_load(ckpt, a.devices)
+        print(json.dumps(res))
+        return
+    root = Path(tempfile.mkdtemp(prefix="bench_load-", dir=a.dir))
+    try:
+        ckpt = root / "ckpt"
+        t0 = time.perf_counter()
+        total, largest = write_checkpoint(ckpt, a.layers, a.experts)
+        print(f"wrote {total / 1e9:.2f} GB ({a.layers} layers x {a.experts} FP8 experts, "
+              f"397B widths) in {time.perf_counter() - t0:.0f} s; largest layer "
+              f"{largest / 1e9:.2f} GB")
+        runs = {"raw": [], "load": []}
+        for kind in ("raw", "load", "load", "raw"):
+            drop_from_page_cache(ckpt)
+            r = _child(kind, ckpt, a.devices)
+            runs[kind].append(r)
+            gbs = r["bytes"] / r["seconds"] / 1e9
+            line = f"{kind:4s} {r['bytes'] / 1e9:6.2f} GB in {r['seconds']:6.2f} s = {gbs:5.2f} GB/s"
+            if kind == "load":
+                extra = r["hwm"] - r["rss_after"]
+                line += (f" (host reads {r['bytes'] / r['read_seconds'] / 1e9:.2f} GB/s)"
+                         f"; peak RSS {r['hwm'] / 1e9:.2f} GB, after {r['rss_after'] / 1e9:.2f} GB "
+                         f"(weights {r['param_bytes'] / 1e9:.2f} GB): peak beyond the loaded "
+                         f"weights {extra / 1e9:.2f} GB = {extra / largest:.2f}x the largest layer")
+            print(line, flush=True)
+        speed = {k: statistics.mean(r["bytes"] / r["seconds"] for r in v) / 1e9
+                 for k, v in runs.items()}
+        worst = max(r["hwm"] - r["rss_after"] for r in runs["load"])
+        print(f"mean: raw {speed['raw']:.2f} GB/s, load {speed['load']:.2f} GB/s = "
+              f"{speed['load'] / speed['raw']:.0%} of raw (target >= 70%); peak host memory "
+              f"beyond the weights {worst / largest:.2f}x the largest layer (target <= 1.5x)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

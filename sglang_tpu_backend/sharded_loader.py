@@ -1,0 +1,337 @@
+"""Weights straight into their shardings: a checkpoint read shard by shard, or dummy weights.
+
+``load_sharded(dir, cfg, shardings)`` builds the placed params tree (layout in
+``models/qwen3_5_moe.py``; ``shardings`` mirrors ``param_shapes(cfg)``) with no full host copy:
+
+  * Layer by layer, in file order, leaf by leaf: the leaf as stored (HF's [out, in]; see
+    ``loader.Leaf``) becomes a global array through ``jax.make_array_from_callback`` with the
+    leaf's sharding less the stacked axis. JAX calls the callback for this process's devices
+    only, and it reads what the device holds: a routed-expert leaf ``[E, ...]`` split on E
+    reads only the device's experts (their tensors in the per-expert layout, their rows of
+    the fused one, FP8 scales with their weights); any other leaf is read once per process
+    and handed to each local device.
+  * The devices then transpose it into its slot of the stacked ``[groups, ...]`` buffer,
+    which was allocated on the devices and is donated to every write. The host holds one
+    leaf of one layer (this process's share of it) at a time; the embeddings and the head
+    go in row chunks of ``CHUNK_BYTES``.
+  * Meanwhile a thread asks the kernel to read the next layer's share into the page cache.
+
+Files are read through memory maps of just the bytes wanted (``checkpoint_io.read_rows``);
+``LoadReport`` has the bytes this process read and which experts each local device holds.
+
+``dummy_init(cfg, ...)``: random weights of the config's shapes (``--load-format dummy``),
+drawn by one jitted program whose outputs are placed by ``shardings``, so each device
+generates its own shard. The function is traceable: ``jax.eval_shape`` / ``.lower()`` check
+it at any size without materialising a weight.
+
+``WeightSource`` is what the engine hands its runner: the config, the path and the format.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.layout import Format
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from tqdm.auto import tqdm
+
+from sglang_tpu_backend.checkpoint_io import BYTES_READ
+from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.loader import CheckpointLeaves, Leaf, load_params, resolve_keep_fp8
+from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
+from sglang_tpu_backend.models.param_shapes import param_shapes
+from sglang_tpu_backend.server_args import LOAD_FORMATS
+
+
+
+CHUNK_BYTES = 256 << 20  # large replicated leaves (embeddings, head) are placed in chunks of this
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What one process did to load the weights.
+
+    bytes_read: checkpoint tensor bytes this process read (0 for dummy weights).
+    expert_ranges: local device id -> the routed experts ``(lo, hi)`` it holds.
+    expert_bytes: local device id -> routed-expert bytes read for it.
+    seconds: wall time of the load.
+    read_seconds: of which reading and assembling leaves on the host (the rest: placing
+      them on the devices, and the devices' transposes and writes into the stacks).
+    """
+
+    bytes_read: int = 0
+    expert_ranges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    expert_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    read_seconds: float = 0.0
+
+
+def with_native_layouts(shapes: Any, shardings: Any) -> Any:
+    """``shardings`` with the TPU-native formats of dense weights (``weight_layout.py``) when
+    they are on a TPU; unchanged elsewhere."""
+    leaves = jax.tree.leaves(shardings)
+    if leaves and uses_native_layouts(leaves[0]):
+        return weight_formats(shapes, shardings)
+    return shardings
+
+
+def _sharding_of(s: Any) -> Any:
+    return s.sharding if isinstance(s, Format) else s
+
+
+def _as_read(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any, *, stacked: bool
+             ) -> tuple[tuple[int, ...], Any]:
+    """Shape and sharding of what ``leaf.read`` returns for a param of shape ``s`` placed by
+    ``sharding``: one layer's slice of a ``stacked`` [groups, ...] leaf, its last two axes
+    swapped when the leaf is read that way."""
+    shape, sharding = s.shape[1:] if stacked else s.shape, _sharding_of(sharding)
+    if isinstance(sharding, NamedSharding):
+        spec = list(sharding.spec) + [None] * (len(s.shape) - len(sharding.spec))
+        spec = spec[1:] if stacked else spec
+        if leaf.swapped:
+            spec[-2:] = spec[-1], spec[-2]
+        while spec and spec[-1] is None:  # P(None,) != P(): the form place_params gives
+            spec.pop()
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    if leaf.swapped:
+        shape = (*shape[:-2], shape[-1], shape[-2])
+    return shape, sharding
+
+
+def _place_leaf(leaf: Leaf, shape: tuple[int, ...], sharding: Any, num_experts: int,
+                report: LoadReport) -> jax.Array:
+    """One leaf as a global array, each local device's shard read for it alone."""
+    whole: list[np.ndarray] = []  # a non-expert leaf, read once for every local device
+    devices = _sharding_of(sharding).addressable_devices_indices_map(shape)
+
+    def shard(idx: tuple[slice, ...]) -> np.ndarray:
+        t0 = time.perf_counter()
+        if not leaf.experts:
+            if not whole:
+                whole.append(leaf.read())
+                report.read_seconds += time.perf_counter() - t0
+            return whole[0][idx]
+        lo, hi, _ = idx[0].indices(num_experts)
+        before = BYTES_READ.bytes
+        rows = leaf.read(lo, hi)
+        report.read_seconds += time.perf_counter() - t0
+        for d, d_idx in devices.items():
+            if d_idx[0].indices(num_experts)[:2] == (lo, hi):
+                report.expert_ranges[d.id] = (lo, hi)
+                report.expert_bytes[d.id] = report.expert_bytes.get(d.id, 0) + BYTES_READ.bytes - before
+                break  # bytes go to the first device holding these experts
+        return rows[(slice(None), *idx[1:])]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def _local_expert_ranges(shapes: Any, shardings: Any, num_experts: int) -> list[tuple[int, int]]:
+    """The expert ranges ``(lo, hi)`` this process's devices hold."""
+    found = set()
+    for (path, s), sh in zip(jax.tree_util.tree_flatten_with_path(shapes)[0],
+                             jax.tree.leaves(shardings)):
+        if any(getattr(k, "key", None) == "experts" for k in path):
+            for idx in _sharding_of(sh).addressable_devices_indices_map(s.shape).values():
+                found.add(idx[1].indices(num_experts)[:2])  # [groups, E, ...]
+            break
+    return sorted(found)
+
+
+def _finish(x: jax.Array, swapped: bool) -> jax.Array:
+    return jnp.swapaxes(x, -1, -2) if swapped else x
+
+
+def _write_slot(buf, x, g, swapped: bool):
+    return buf.at[g].set(_finish(x, swapped))
+
+
+def _write_rows(buf, x, lo, swapped: bool):
+    at = (jnp.int32(0), lo) if swapped else (lo, jnp.int32(0))
+    return jax.lax.dynamic_update_slice(buf, _finish(x, swapped), at)
+
+
+@functools.lru_cache(maxsize=None)
+def _writer(kind: str, sharding: Any):
+    """A jitted in-place write (the buffer donated) of what was read into a param buffer placed
+    by ``sharding``: ``slot`` one layer into slot ``g`` of a stacked leaf, ``rows`` rows
+    ``lo:`` of a 2-D leaf (columns when read swapped). Kept for the process: later loads of
+    the same shapes and placements compile nothing."""
+    return jax.jit(_write_slot if kind == "slot" else _write_rows, static_argnums=3,
+                   donate_argnums=0, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape: tuple[int, ...], dtype: Any, sharding: Any):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _zeros(s: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+    """A zeroed buffer allocated shard by shard on the devices."""
+    return _zeros_fn(tuple(s.shape), jnp.dtype(s.dtype), sharding)()
+
+
+def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *,
+                 dtype: Any = jnp.bfloat16, keep_fp8_experts: bool = False,
+                 backend: str | None = None, progress: bool | None = None
+                 ) -> tuple[Any, LoadReport]:
+    """The checkpoint's params placed by ``shardings`` (a mirror of ``param_shapes``), every
+    process reading only what its devices hold; see the module docstring. ``dtype``,
+    ``keep_fp8_experts``, ``backend``: as for ``loader.load_params``, whose params these equal.
+    Raises CheckpointError before reading any data when a tensor is missing or misshapen."""
+    t0, bytes0 = time.perf_counter(), BYTES_READ.bytes
+    keep_fp8 = resolve_keep_fp8(keep_fp8_experts, backend)
+    leaves = CheckpointLeaves(checkpoint_dir, cfg, dtype=dtype, keep_fp8_experts=keep_fp8)
+    shapes = param_shapes(cfg, dtype, fp8_experts=keep_fp8)
+    shardings = with_native_layouts(shapes, shardings)
+    report, E = LoadReport(), cfg.num_experts
+    experts = _local_expert_ranges(shapes, shardings, E)
+    ahead = concurrent.futures.ThreadPoolExecutor(1)  # page-cache read-ahead of the next layer
+    ahead.submit(leaves.prefetch, -1, experts)
+    ahead.submit(leaves.prefetch, 0, experts)
+
+    def place_top(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+        """A top-level leaf; a large one by row chunks when every local device holds it whole."""
+        shape, as_read = _as_read(leaf, s, sharding, stacked=False)
+        if not (leaf.rows and _sharding_of(sharding).is_fully_replicated):
+            x = _place_leaf(leaf, shape, as_read, E, report)
+            return _writer("rows", sharding)(_zeros(s, sharding), x, np.int32(0), True) \
+                if leaf.swapped else x
+        buf, step = _zeros(s, sharding), max(1, CHUNK_BYTES // (s.size // shape[0] * s.dtype.itemsize))
+        for lo in range(0, shape[0], step):
+            hi = min(shape[0], lo + step)
+            part = Leaf(functools.partial(leaf.read, lo, hi))
+            x = _place_leaf(part, (hi - lo, *shape[1:]), as_read, E, report)
+            buf = _writer("rows", sharding)(buf, x, np.int32(lo), leaf.swapped)
+        return buf
+
+    params = {k: place_top(leaf, shapes[k], shardings[k]) for k, leaf in leaves.top().items()}
+    groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
+    group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
+    stacks = [[_zeros(s, sh) for s, sh in zip(*g)] for g in zip(groups, group_shardings)]
+    P = cfg.layer_period
+    disable = None if progress is None else not progress
+    for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights", unit="layer",
+                  disable=disable):
+        j, g = i % P, i // P
+        ahead.submit(leaves.prefetch, i + 1, experts)
+        for k, leaf in enumerate(jax.tree.leaves(leaves.layer(i))):  # one leaf at a time
+            s, sh = groups[j][k], group_shardings[j][k]
+            x = _place_leaf(leaf, *_as_read(leaf, s, sh, stacked=True), E, report)
+            stacks[j][k] = _writer("slot", sh)(stacks[j][k], x, np.int32(g), leaf.swapped)
+            del x
+    ahead.shutdown(wait=False, cancel_futures=True)
+    params["layer_groups"] = tuple(jax.tree.unflatten(jax.tree.structure(s), st)
+                                   for s, st in zip(shapes["layer_groups"], stacks))
+    jax.block_until_ready(params)
+    report.bytes_read, report.seconds = BYTES_READ.bytes - bytes0, time.perf_counter() - t0
+    return params, report
+
+
+# Dummy weights --------------------------------------------------------------------------
+_STD = {"gate": 0.1, "conv1d": 0.3}  # routers decisive, conv taps of a 4-wide kernel
+_WEIGHT_STD, _NORM_STD, _FP8_SCALE = 0.02, 0.05, 0.02
+
+
+def _dummy_leaf(key: jax.Array, path: tuple, s: jax.ShapeDtypeStruct) -> jax.Array:
+    """Random values for one leaf, by its name: zero-centred (1 + w) norms, GDN's plain gated
+    norm around 1, A in [1, 16), dt in [1e-3, 1e-1), FP8 experts N(0, 1) with scale 0.02."""
+    name = getattr(path[-1], "key", "")
+    parent = getattr(path[-2], "key", "") if len(path) > 1 else ""
+    if name == "A_log":
+        return jnp.log(jax.random.uniform(key, s.shape, jnp.float32, 1.0, 16.0))
+    if name == "dt_bias":
+        return jnp.log(jnp.expm1(jax.random.uniform(key, s.shape, jnp.float32, 1e-3, 1e-1)))
+    if name.endswith("_scale"):
+        return jnp.full(s.shape, _FP8_SCALE, s.dtype)
+    x = jax.random.normal(key, s.shape, jnp.float32)
+    if s.dtype == jnp.float8_e4m3fn:
+        return x.astype(s.dtype)
+    if name.endswith("norm") or name.endswith("layernorm"):
+        x = x * _NORM_STD + (1.0 if parent == "linear_attn" else 0.0)
+    else:
+        x = x * _STD.get(name, _WEIGHT_STD)
+    return x.astype(s.dtype)
+
+
+def dummy_init(cfg: ModelConfig, *, dtype: Any = jnp.bfloat16, fp8_experts: bool = False):
+    """A function of the seed (an int32 scalar, traceable) returning random params of
+    ``param_shapes(cfg, dtype, fp8_experts)``; leaf k draws from ``fold_in(key(seed), k)``.
+    Jit it with ``out_shardings`` to generate each device's shard on the device."""
+    shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+
+    def init(seed):
+        key = jax.random.key(seed)
+        return jax.tree_util.tree_unflatten(
+            treedef, [_dummy_leaf(jax.random.fold_in(key, k), path, s)
+                      for k, (path, s) in enumerate(flat)])
+
+    return init
+
+
+_DUMMY_PROGRAMS: dict = {}  # one jitted generator per (config, dtype, experts, placement)
+
+
+def dummy_params(cfg: ModelConfig, shardings: Any, *, dtype: Any = jnp.bfloat16,
+                 fp8_experts: bool = False, seed: int = 0) -> Any:
+    """``dummy_init``'s params generated on the devices, placed by ``shardings``."""
+    shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
+    shardings = with_native_layouts(shapes, shardings)
+    flat, treedef = jax.tree.flatten(shardings)
+    key = (repr(cfg), jnp.dtype(dtype).name, fp8_experts, treedef, tuple(flat))
+    if key not in _DUMMY_PROGRAMS:
+        init = dummy_init(cfg, dtype=dtype, fp8_experts=fp8_experts)
+        _DUMMY_PROGRAMS[key] = jax.jit(init, out_shardings=shardings)
+    return _DUMMY_PROGRAMS[key](np.int32(seed))
+
+
+# What a runner loads ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class WeightSource:
+    """A runner's weights: ``model_path``'s safetensors (``load_format`` auto/safetensors)
+    or random weights of ``cfg``'s shapes drawn from ``seed`` (dummy), all in ``dtype``."""
+
+    cfg: ModelConfig
+    model_path: str | None
+    load_format: str = "auto"
+    dtype: Any = jnp.bfloat16
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+
+    @property
+    def dummy(self) -> bool:
+        return self.load_format == "dummy"
+
+    def shapes(self) -> Any:
+        """The params' shapes and dtypes (ShapeDtypeStruct tree)."""
+        return param_shapes(self.cfg, self.dtype)
+
+    def load(self, shardings: Any) -> tuple[Any, LoadReport]:
+        """The params placed by ``shardings`` (a mirror of ``shapes()``), read shard by shard."""
+        if self.dummy:
+            t0 = time.perf_counter()
+            params = jax.block_until_ready(dummy_params(self.cfg, shardings, dtype=self.dtype,
+                                                        seed=self.seed))
+            return params, LoadReport(seconds=time.perf_counter() - t0)
+        return load_sharded(self.model_path, self.cfg, shardings, dtype=self.dtype)
+
+    def host(self) -> tuple[Any, LoadReport]:
+        """The whole params on the default device (for layouts made from the whole tree)."""
+        if self.dummy:
+            where = SingleDeviceSharding(jax.devices()[0])
+            return self.load(jax.tree.map(lambda _: where, self.shapes()))
+        t0, bytes0 = time.perf_counter(), BYTES_READ.bytes
+        params = load_params(self.model_path, self.cfg, dtype=self.dtype)
+        return params, LoadReport(bytes_read=BYTES_READ.bytes - bytes0,
+                                  seconds=time.perf_counter() - t0)
