@@ -185,20 +185,7 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be a number in (0, 1], got {f!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
-        if self.tp_size != 1:
-            if self.dp_size != 1:
-                raise ValueError(
-                    f"--tp-size {self.tp_size} with --dp-size {self.dp_size}: choose data-parallel "
-                    "attention (--dp-size N --ep-size N) or tensor-parallel attention "
-                    "(--tp-size N --ep-size N), not both")
-            if self.ep_size != self.tp_size:
-                raise ValueError(
-                    f"--ep-size {self.ep_size} with --tp-size {self.tp_size}: experts are split "
-                    "over the tensor-parallel devices: --ep-size must equal --tp-size (or be left out)")
-        elif self.ep_size != self.dp_size:
-            raise ValueError(
-                f"--ep-size {self.ep_size} with --dp-size {self.dp_size}: experts are split over "
-                "the DP ranks: --ep-size must equal --dp-size (or be left out)")
+        self._validate_parallel_layout()
         if self.max_running_requests < self.dp_size:
             raise ValueError(
                 f"--max-running-requests {self.max_running_requests} is split over --dp-size "
@@ -227,6 +214,23 @@ class ServerArgs:
                 f"--max-total-tokens {self.max_total_tokens} is smaller than one page "
                 f"(--page-size {self.page_size}) per DP rank (--dp-size {self.dp_size})"
             )
+
+    def _validate_parallel_layout(self) -> None:
+        """DP attention (--dp-size N --ep-size N) or TP attention (--tp-size N --ep-size N)."""
+        if self.tp_size != 1:
+            if self.dp_size != 1:
+                raise ValueError(
+                    f"--tp-size {self.tp_size} with --dp-size {self.dp_size}: choose data-parallel "
+                    "attention (--dp-size N --ep-size N) or tensor-parallel attention "
+                    "(--tp-size N --ep-size N), not both")
+            if self.ep_size != self.tp_size:
+                raise ValueError(
+                    f"--ep-size {self.ep_size} with --tp-size {self.tp_size}: experts are split "
+                    "over the tensor-parallel devices: --ep-size must equal --tp-size (or be left out)")
+        elif self.ep_size != self.dp_size:
+            raise ValueError(
+                f"--ep-size {self.ep_size} with --dp-size {self.dp_size}: experts are split over "
+                "the DP ranks: --ep-size must equal --dp-size (or be left out)")
 
     @property
     def uses_expert_location(self) -> bool:

@@ -128,17 +128,8 @@ class ModelRunner:
         self.load_report: LoadReport | None = None
         self.balancer = None  # expert loads and placement (``expert_balancer.py``)
         if expert_location is not None or router_stats:
-            from sglang_tpu_backend.model_executor.expert_balancer import make_balancer
-
-            if not router_stats and eplb_rebalance_num_iterations is not None:
-                raise ValueError("--enable-eplb records expert loads from the router stats")
-            self.balancer = make_balancer(cfg, expert_location, self.backend.num_ranks,
-                                          eplb_rebalance_num_iterations)
-            if self.balancer.stores_physical and source is not None:
-                # Expert slots are laid out from the whole tree: load it on the host first.
-                (params, self.load_report), source = source.host(), None
-            if source is None:
-                params = self.balancer.physical(params)
+            params, source = self._init_balancer(params, source, expert_location, router_stats,
+                                                 eplb_rebalance_num_iterations)
         # The cache before the params: a multi-host leader's start-up collectives (sizes, then
         # the param check) come in the order its followers make them (``run_follower``).
         self.cache = self.backend.init_cache(
@@ -158,6 +149,20 @@ class ModelRunner:
 
             self.snapshots = GDNSnapshots(self.cache, num_gdn_snapshots, max_running_requests,
                                           self.backend.dp)
+
+    def _init_balancer(self, params: Any, source: Any, expert_location: Any, router_stats: bool,
+                       rebalance_every: int | None) -> tuple[Any, Any]:
+        """The expert balancer, and the params (host params or the weight source) it leaves to
+        place: expert slots laid out from the whole tree load it on the host first."""
+        from sglang_tpu_backend.model_executor.expert_balancer import make_balancer
+
+        if not router_stats and rebalance_every is not None:
+            raise ValueError("--enable-eplb records expert loads from the router stats")
+        self.balancer = make_balancer(self.cfg, expert_location, self.backend.num_ranks,
+                                      rebalance_every)
+        if self.balancer.stores_physical and source is not None:
+            (params, self.load_report), source = source.host(), None
+        return (params if source is not None else self.balancer.physical(params)), source
 
     @property
     def dp_size(self) -> int:
