@@ -57,7 +57,7 @@ def test_serve_config_args_and_deployments_match_the_builder(name):
              {"colocated": ["engine"], "disaggregated": ["prefill", "decode"]}[cfg.mode]}
     assert {d["name"] for d in app["deployments"]} <= names | {"Ingress"}
     assert cfg.opt("tpu_chips") == CHIPS_PER_HOST and cfg.opt("accelerator_type") == "TPU-V7X"
-    hosts = cfg.hosts  # hosts_per_replica: the engine's mesh is every core of its hosts
+    hosts = cfg.hosts("engine")  # hosts_per_replica: the engine's mesh is every core of its hosts
     assert cfg.server_args.dp_size == cfg.server_args.ep_size == hosts * 2 * CHIPS_PER_HOST
     if hosts > 1:
         opts = cfg.engine_deployment_options("engine")
