@@ -230,10 +230,11 @@ def parse_app_args(args: dict[str, Any] | None) -> AppConfig:
                     "%s / %s): whoever reaches the Serve proxy can generate and call the admin "
                     "routes (/update_weights_from_disk, /start_profile, /flush_cache, abort_all)",
                     *KEY_ENV_VARS.values())
-    role_args = _role_args(server, per_role, mode)
+    cfg = AppConfig(server_args=sa, mode=mode, options=options,
+                    role_args=_role_args(server, per_role, mode))
     for name in ENGINE_DEPLOYMENTS[mode]:
-        _check_multihost(role_args.get(name, sa), mode, options, name)
-    return AppConfig(server_args=sa, mode=mode, options=options, role_args=role_args)
+        _check_multihost(cfg, name)
+    return cfg
 
 
 def _role_args(server: dict[str, Any], per_role: dict[str, dict[str, Any]], mode: str
@@ -253,15 +254,13 @@ def _role_args(server: dict[str, Any], per_role: dict[str, dict[str, Any]], mode
     return out
 
 
-def _check_multihost(sa: ServerArgs, mode: str, options: dict[str, Any], name: str) -> None:
+def _check_multihost(cfg: AppConfig, name: str) -> None:
     """Multi-host keys of deployment ``name``: usable values, and ServerArgs a multi-node
     engine accepts."""
     from ray_app.multihost import STRATEGIES
 
-    def opt(key: str, default: Any) -> Any:
-        return options.get(f"{name}_{key}", options.get(key, default))
-
-    hosts = opt("hosts_per_replica", 1)
+    opt, sa = functools.partial(cfg.opt, role=name), cfg.args_for(name)
+    hosts = cfg.hosts(name)
     if hosts < 1:
         raise ValueError(f"hosts_per_replica must be >= 1, got {hosts}")
     if opt("placement_strategy", "STRICT_SPREAD") not in STRATEGIES:
@@ -271,7 +270,7 @@ def _check_multihost(sa: ServerArgs, mode: str, options: dict[str, Any], name: s
         raise ValueError("cpu_devices_per_host must be >= 0")
     if hosts == 1:
         return
-    if mode != "colocated":
+    if cfg.mode != "colocated":
         raise ValueError("hosts_per_replica > 1 needs mode=colocated (multi-host prefill or decode "
                          "replicas do not hand request state over yet)")
     if sa.nnodes != 1 or sa.node_rank != 0 or sa.dist_init_addr is not None:

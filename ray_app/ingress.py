@@ -33,6 +33,8 @@ from ray import serve
 
 from ray_app.metrics_hub import get_hub
 from ray_app.routing import prefix_key
+
+TEXT_CHARS_PER_TOKEN = 8  # text read per affinity token: more than any tokenizer's token needs
 from sglang_tpu_backend.entrypoints.http_server import create_app
 from sglang_tpu_backend.managers.io_struct import (
     GenerateReqInput, InvalidRequestError, ServiceUnavailableError)
@@ -185,7 +187,9 @@ class RemoteEngine:
             return None
         ids = obj.input_ids
         if ids is None and isinstance(obj.text, str):
-            ids = self.tokenizer.encode(obj.text)
+            # The key needs the leading tokens only: tokenize a bounded prefix of the text (the
+            # engine tokenizes the whole prompt); equal text prefixes give equal keys.
+            ids = self.tokenizer.encode(obj.text[:TEXT_CHARS_PER_TOKEN * self.affinity_tokens])
         if not isinstance(ids, list):
             return None  # malformed: the engine answers it with a 400
         try:

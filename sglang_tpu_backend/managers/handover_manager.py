@@ -51,7 +51,10 @@ class HandoverManager:
         """``time.monotonic()`` at which the oldest waiting handover times out (None: none waits)."""
         if not self.pending:
             return None
-        return min(req.arrival_time for req, _ in self.pending) + self.wait_timeout
+        return min(self._deadline(req) for req, _ in self.pending)
+
+    def _deadline(self, req: Req) -> float:
+        return req.arrival_time + self.wait_timeout
 
     # Decode side -----------------------------------------------------------------------------
     def queue_install(self, req: Req, h: RequestHandover) -> None:
@@ -71,7 +74,7 @@ class HandoverManager:
         loop = self.loop
         with loop.lock:
             now = time.monotonic()
-            for req, h in [x for x in self.pending if now - x[0].arrival_time > self.wait_timeout]:
+            for req, h in [x for x in self.pending if now > self._deadline(x[0])]:
                 self.pending.remove((req, h))
                 loop.metrics.observe_handover(0.0, 0, ok=False)
                 req.abort(f"no KV pages / state slot free on the decode replica within "

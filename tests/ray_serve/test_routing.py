@@ -72,3 +72,24 @@ def test_decode_router_ranks_by_free_kv_room():
     ranks = _choose(FreeKVRouter, {}, reps)
     assert [r.replica_id.unique_id for r in ranks[0]] == ["b"]
     assert [r.replica_id.unique_id for r in ranks[1]] == ["a", "c"]
+
+
+def test_ingress_keys_text_by_its_leading_tokens_without_tokenizing_it_all():
+    """A text prompt's key is the key of its token ids (the ingress tokenizes a bounded text
+    prefix only); prompts sharing a long text prefix share it, others do not."""
+    from ray_app.ingress import RemoteEngine
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    remote = RemoteEngine(ServerArgs(page_size=16), engine=object(), affinity_tokens=64)
+    shared = "The sea was calm and the sky above it wide. " * 40
+
+    def key(text):
+        return remote._routing_key(GenerateReqInput(text=text))
+
+    full = remote.tokenizer.encode(shared + "first tail")
+    assert key(shared + "first tail") == prefix_key(full, 16, 64) is not None
+    assert key(shared + "first tail") == key(shared + "a second, different tail")
+    assert key("Another prompt entirely. " + shared) != key(shared)
+    assert RemoteEngine(ServerArgs(), engine=object())._routing_key(
+        GenerateReqInput(text=shared)) is None  # affinity off
