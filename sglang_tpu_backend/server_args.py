@@ -77,8 +77,9 @@ class ServerArgs:
     Multi-host (``nnodes`` N > 1, SGLang's ``--nnodes`` / ``--node-rank`` / ``--dist-init-addr``):
     N processes, one per host, form one mesh of all their devices (``dp_size`` = every device
     of every host) and run the same DP x EP steps; node 0 runs the engine (scheduler, HTTP,
-    sampling), the others follow its steps (``parallel/multihost.py``). The prefix cache,
-    TP attention and weight updates are not available there.
+    sampling, the prefix tree), the others follow its steps, snapshot copies and handover
+    transfers (``parallel/multihost.py``). TP attention and weight updates are not available
+    there.
 
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
@@ -263,9 +264,6 @@ class ServerArgs:
         if self.dp_size == 1 or self.tp_size != 1:
             raise ValueError(f"--nnodes {self.nnodes} runs data-parallel attention over every "
                              "host's devices: give --dp-size/--ep-size (all devices), not --tp-size")
-        if not self.disable_radix_cache:
-            raise ValueError(f"--nnodes {self.nnodes} needs --disable-radix-cache (the prefix "
-                             "cache's GDN snapshots are not multi-process)")
 
     def check_devices(self, num_devices: int, num_experts: int) -> None:
         """Raise ValueError naming the flag when the DP/EP sizes do not fit the host or model

@@ -20,8 +20,9 @@ unless DP) and returns (logits, cache, router stats):
                        all processes enter in the same order, so a step first broadcasts the
                        rank batches to the followers (``parallel/multihost.py``), and logits
                        and router stats are gathered to the host; the sampler and its state
-                       live on the leader's first device. Weight updates and state transfer
-                       are refused; ``close`` stops the followers.
+                       live on the leader's first device. Snapshot copies and handover
+                       transfers are announced to the followers, which run them too. Weight
+                       updates are refused; ``close`` stops the followers.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import numpy as np
 
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
+from sglang_tpu_backend.model_executor.state_snapshots import GDNSnapshots
+from sglang_tpu_backend.model_executor.state_transfer import StateTransfer
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.sharded_loader import LoadReport, WeightSource
 
@@ -79,6 +82,15 @@ class StepBackend(abc.ABC):
     def init_cache(self, *, num_pages: int, page_size: int, num_state_slots: int, kv_dtype: Any,
                    state_dtype: Any) -> qwen3_5_moe.ModelCache:
         """Zeroed KV pages and GDN state slots (sizes per rank)."""
+
+    def make_transfer(self, num_pages: int, num_state_slots: int) -> StateTransfer:
+        """The handover's export / install programs over this layout's cache."""
+        return StateTransfer(num_pages, num_state_slots, self.dp, self.tp)
+
+    def make_snapshots(self, cache: qwen3_5_moe.ModelCache, num_snapshots: int, max_copies: int
+                       ) -> GDNSnapshots | None:
+        """The prefix cache's GDN snapshots per rank (None when ``num_snapshots`` is 0)."""
+        return GDNSnapshots(cache, num_snapshots, max_copies, self.dp) if num_snapshots else None
 
     @abc.abstractmethod
     def place_sampler_state(self, counts: jax.Array, prompt_mask: jax.Array,
@@ -222,7 +234,7 @@ class MultiHostDPBackend(DPBackend):
     for agreement first; each process reads its devices' share), every step, and ``close``."""
 
     weight_updates = False
-    state_transfer = False  # a follower's ranks are not addressable here
+    state_transfer = True  # announced to the followers (``multihost.FollowerOps``)
 
     def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
         super().__init__(cfg, dp_size, **kw)
@@ -234,6 +246,26 @@ class MultiHostDPBackend(DPBackend):
 
         multihost.broadcast_ints([num_pages, num_state_slots, int(self.with_stats)], 3)
         return super().init_cache(num_pages=num_pages, num_state_slots=num_state_slots, **rest)
+
+    def announce(self, op: int, values: Sequence[int]) -> None:
+        """Tell the followers which snapshot copy or state transfer runs next."""
+        from sglang_tpu_backend.parallel import multihost
+
+        multihost.send_command(multihost.Op(op), values, self.num_ranks)
+
+    def make_transfer(self, num_pages: int, num_state_slots: int) -> StateTransfer:
+        transfer = super().make_transfer(num_pages, num_state_slots)
+        transfer.announce = self.announce
+        return transfer
+
+    def make_snapshots(self, cache, num_snapshots: int, max_copies: int):
+        from sglang_tpu_backend.parallel import multihost
+
+        multihost.broadcast_ints([num_snapshots, max_copies], 2)  # the followers build theirs
+        snapshots = super().make_snapshots(cache, num_snapshots, max_copies)
+        if snapshots is not None:
+            snapshots.announce = self.announce
+        return snapshots
 
     def place_params(self, params):
         from sglang_tpu_backend.parallel import agreement

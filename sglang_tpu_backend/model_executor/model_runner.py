@@ -141,14 +141,9 @@ class ModelRunner:
             self.params = self.backend.place_params(params)
         self.sampler = SamplerState(cfg.vocab_size, self.dp_size * num_state_slots,
                                     self.backend.place_sampler_state)
-        self.transfer = state_transfer.StateTransfer(num_pages, num_state_slots,
-                                                     self.backend.dp, self.backend.tp)
-        self.snapshots = None
-        if num_gdn_snapshots > 0:
-            from sglang_tpu_backend.model_executor.state_snapshots import GDNSnapshots
-
-            self.snapshots = GDNSnapshots(self.cache, num_gdn_snapshots, max_running_requests,
-                                          self.backend.dp)
+        self.transfer = self.backend.make_transfer(num_pages, num_state_slots)
+        self.snapshots = self.backend.make_snapshots(self.cache, num_gdn_snapshots,
+                                                     max_running_requests)
 
     def _init_balancer(self, params: Any, source: Any, expert_location: Any, router_stats: bool,
                        rebalance_every: int | None) -> tuple[Any, Any]:

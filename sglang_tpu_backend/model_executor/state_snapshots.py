@@ -13,6 +13,10 @@ Copies are batched: one jitted program per copy count bucket K (powers of two up
 running-request limit) and direction (snapshot -> cache slot, slot -> snapshot), the
 destination donated and updated in place. Padding entries write to index N (out of range),
 which the scatter drops.
+
+Over several processes (a multi-host replica) the leader's ``announce`` tells its followers
+each copy before running it, and they run the same copy on their devices
+(``parallel/multihost.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_backend.models.qwen3_5_moe import ModelCache
+from sglang_tpu_backend.parallel.multihost import Op
 
 
 def copy_rows(dst_conv, dst_rec, src_conv, src_rec, src_idx, dst_idx):
@@ -52,7 +57,10 @@ class GDNSnapshots:
     most copies one step asks for per rank (the running-request limit).
     """
 
-    def __init__(self, cache: ModelCache, num_snapshots: int, max_copies: int, dp=None):
+    def __init__(self, cache: ModelCache, num_snapshots: int, max_copies: int, dp=None,
+                 announce=None):
+        """``announce(op, ints)``: set on a multi-host leader (module docstring)."""
+        self.announce = announce
         self.num_snapshots = num_snapshots  # per rank
         self.num_slots = cache.conv_state.shape[1] // (dp.dp_size if dp else 1)  # per rank
         self.dp = dp
@@ -98,21 +106,28 @@ class GDNSnapshots:
 
         return global_array(src, self._idx_sharding), global_array(dst, self._idx_sharding)
 
+    def _announce(self, op: Op, triples: Sequence[tuple[int, int, int]]) -> None:
+        if self.announce is not None:
+            self.announce(op, [v for t in triples for v in t])
+
     def load(self, cache: ModelCache, loads: Sequence[tuple[int, int, int]]) -> ModelCache:
         """Copy snapshots into state slots: ``loads`` are (rank, snapshot, slot). Returns the
         new cache (the old one's state arrays are donated)."""
         src, dst = self._indices(loads, self.num_slots)
+        self._announce(Op.SNAPSHOT_LOAD, loads)
         conv, rec = self._copy(cache.conv_state, cache.rec_state, self.conv, self.rec, src, dst)
         return ModelCache(cache.kv_pages, conv, rec)
 
     def save(self, cache: ModelCache, saves: Sequence[tuple[int, int, int]]) -> None:
         """Copy state slots into snapshots: ``saves`` are (rank, slot, snapshot)."""
         src, dst = self._indices(saves, self.num_snapshots)
+        self._announce(Op.SNAPSHOT_SAVE, saves)
         self.conv, self.rec = self._copy(self.conv, self.rec, cache.conv_state, cache.rec_state,
                                          src, dst)
 
     def warmup(self, cache: ModelCache) -> ModelCache:
         """Compile every copy program (all-padding copies: nothing changes)."""
+        self._announce(Op.SNAPSHOT_WARM_UP, [])
         for K in self.buckets:
             src, dst = self._indices([], self.num_slots, K)
             conv, rec = self._copy(cache.conv_state, cache.rec_state, self.conv, self.rec, src, dst)

@@ -18,6 +18,12 @@ request's rank gets its page list, the others only padding, so nothing crosses d
 no pool is gathered. The host then reads the request's rank's output shard alone; a scatter
 uploads the arrays to that rank's device (zeros elsewhere, which the padding drops).
 
+Over several processes (a multi-host replica, ``parallel/multihost.py``) every process runs
+the same programs: the leader's ``announce`` tells the followers (their ``FollowerOps`` then
+call ``gather`` / ``scatter`` alike), and the request's bytes move in one broadcast between
+the leader and the process whose device holds the request's rank (none when that is the
+leader).
+
 With tensor-parallel heads (``parallel.TPForward``: one pool, kv heads and GDN channels split
 over the devices, some replicated) the arrays are converted to and from the one-device layout
 on the host, so a TP replica hands over to a DP or one-device replica and back.
@@ -25,7 +31,7 @@ on the host, so a TP replica hands over to a DP or one-device replica and back.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +39,11 @@ import numpy as np
 from jax import lax
 
 from sglang_tpu_backend.models.qwen3_5_moe import ModelCache
+from sglang_tpu_backend.parallel.multihost import Op, share_from
 
 State = tuple[np.ndarray, np.ndarray, np.ndarray]  # kv, conv, rec (layouts above)
+# A multi-host leader's announcement of a program to its followers: (multihost.Op, ints).
+Announce = Callable[[int, Sequence[int]], None]
 
 
 def page_bucket(n: int) -> int:
@@ -89,10 +98,13 @@ class StateTransfer:
     The arrays in and out are always in the one-device layout (module docstring).
     ``export_program(cache, pages, slot)`` and ``install_program(cache, kv, conv, rec, pages,
     slot)`` are the jitted programs (index arrays as ``_pages`` / ``_slot`` build them).
+    ``announce``: set on a multi-host leader (module docstring); None elsewhere.
     """
 
-    def __init__(self, num_pages: int, num_slots: int, dp: Any = None, tp: Any = None):
+    def __init__(self, num_pages: int, num_slots: int, dp: Any = None, tp: Any = None,
+                 announce: Announce | None = None):
         self.num_pages, self.num_slots, self.dp, self.tp = num_pages, num_slots, dp, tp
+        self.announce = announce
         if dp is None:
             out = None if tp is None else jax.tree.map(tp.sharding, tp.cache_specs())
             self.export_program = jax.jit(_gather_local)
@@ -146,18 +158,31 @@ class StateTransfer:
 
         return jax.make_array_from_callback(shape, self._by_rank, shard)
 
-    @staticmethod
-    def _rank_shard(out: jax.Array, rank: int) -> np.ndarray:
-        """Rank ``rank``'s block of a [D, ...] rank-split array, read from its device alone."""
+    def _owner(self, rank: int) -> int:
+        """The process whose device holds rank ``rank``."""
+        for device, index in self._by_rank.devices_indices_map((self.num_ranks,)).items():
+            if (index[0].start or 0) == rank:
+                return device.process_index
+        raise ValueError(f"no device holds rank {rank}")
+
+    def _rank_shard(self, out: jax.Array, rank: int) -> np.ndarray:
+        """Rank ``rank``'s block of a [D, ...] rank-split array, read from its device alone and,
+        when another process holds it, sent from there (every process calls this)."""
+        owner = self._owner(rank)
+        block = np.zeros(out.shape[1:], out.dtype)
         for s in out.addressable_shards:
             if (s.index[0].start or 0) == rank:
-                return np.asarray(s.data)[0]
-        raise ValueError(f"rank {rank}'s shard is not on this process")
+                block = np.asarray(s.data)[0]
+        if owner == 0:  # the leader (or the only process) holds it: nothing to send
+            return block
+        return share_from(owner, [block])[0]
 
     # Transfer --------------------------------------------------------------------------------
     def gather(self, cache: ModelCache, pages: list[int], slot: int, rank: int = 0) -> State:
         """Host copies of the request's KV pages (in ``pages`` order) and GDN states of ``slot``
         on ``rank``."""
+        if self.announce is not None:
+            self.announce(Op.EXPORT, [rank, slot, *pages])
         kv, conv, rec = self.export_program(cache, self._pages(pages, rank),
                                             self._slot(slot, rank))
         if self.dp is None:
@@ -177,6 +202,10 @@ class StateTransfer:
         if self.tp is not None:
             kv, conv, rec = self.tp.state_from_one_device(kv, conv, rec)
         self._check_shapes(cache, kv, conv, rec, len(pages))
+        if self.announce is not None:
+            self.announce(Op.INSTALL, [rank, slot, *pages])
+        if self.dp is not None and self._owner(rank) != 0:  # the leader's bytes to the owner
+            kv, conv, rec = share_from(0, [kv, conv, rec])
         idx = self._pages(pages, rank)
         padded = np.zeros((kv.shape[0], idx.shape[-1], *kv.shape[2:]), kv.dtype)
         padded[:, : len(pages)] = kv
@@ -187,6 +216,16 @@ class StateTransfer:
         if self.dp is None:
             return kv, conv, rec
         return tuple(self._rank_array(a, rank) for a in (kv, conv, rec))
+
+    @staticmethod
+    def empty_state(cache: ModelCache, n: int) -> State:
+        """Zero (kv, conv, rec) arrays of a request of ``n`` pages in ``cache``'s dtypes."""
+        La, _, H2, P, D = cache.kv_pages.shape
+        return (np.zeros((La, n, H2, P, D), cache.kv_pages.dtype),
+                np.zeros(cache.conv_state.shape[:1] + cache.conv_state.shape[2:],
+                         cache.conv_state.dtype),
+                np.zeros(cache.rec_state.shape[:1] + cache.rec_state.shape[2:],
+                         cache.rec_state.dtype))
 
     def _check_shapes(self, cache: ModelCache, kv, conv, rec, n: int) -> None:
         La, H2, P, D = cache.kv_pages.shape[0], *cache.kv_pages.shape[2:]
@@ -208,16 +247,15 @@ class StateTransfer:
         """Compile the gather and/or scatter program of every page bucket up to ``max_pages``
         by running it on padding only (reads nothing used, writes nothing); returns the cache
         (a scatter donates it)."""
-        La, _, H2, P, D = cache.kv_pages.shape
-        conv = np.zeros(cache.conv_state.shape[:1] + cache.conv_state.shape[2:], cache.conv_state.dtype)
-        rec = np.zeros(cache.rec_state.shape[:1] + cache.rec_state.shape[2:], cache.rec_state.dtype)
+        if self.announce is not None:
+            self.announce(Op.TRANSFER_WARM_UP, [int(gather), int(scatter), max_pages])
         pad_slot = self._slot(self.num_slots, 0)
         for b in page_buckets(max_pages):
             idx = self._pages([], 0, bucket=b)
             if gather:
                 jax.block_until_ready(self.export_program(cache, idx, pad_slot))
             if scatter:
-                kv = np.zeros((La, b, H2, P, D), cache.kv_pages.dtype)
+                kv, conv, rec = self.empty_state(cache, b)
                 cache = self.install_program(cache, *self._placed(kv, conv, rec, 0), idx,
                                              pad_slot)
         return jax.block_until_ready(cache)

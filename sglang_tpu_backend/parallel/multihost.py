@@ -18,11 +18,26 @@ Step protocol (leader = process 0; every call below is a collective all processe
   ... next step: the leader's greedy choices feed the next batches ...
   broadcast_step(None)      --- stop ----->  broadcast_step(None) -> None: leave the loop
 
-The header is a fixed-shape ``int32[5 + D]`` array ``(stop, T, R, P, L, mode_0..mode_{D-1})``
-broadcast with ``multihost_utils.broadcast_one_to_all``; the payload that follows is one flat
-``int32`` vector holding the D ranks' batch fields (its size follows from the header, so a
-follower can allocate it). No sockets or pickle: both go through JAX collectives on the
-mesh's devices (gloo on CPU, ICI/DCN on TPU).
+Every message is a fixed-shape ``int32[5 + D]`` header broadcast with
+``multihost_utils.broadcast_one_to_all``, then (unless empty) one flat ``int32`` payload whose
+size follows from the header, so a follower can allocate it. A step's header is
+``(Op.STEP, T, R, P, L, mode_0..mode_{D-1})`` and its payload the D ranks' batch fields. No
+sockets or pickle: both go through JAX collectives on the mesh's devices (gloo on CPU,
+ICI/DCN on TPU).
+
+Besides steps the leader sends commands (header ``(op, n, 0, ...)``, payload n ints), each
+announcing a program over the mesh that every process then runs (``FollowerOps``):
+  SNAPSHOT_LOAD / SNAPSHOT_SAVE  (rank, src, dst) triples: the prefix cache's GDN snapshot
+                                 copies (``state_snapshots.GDNSnapshots``), before / after
+                                 the step that needs them;
+  EXPORT / INSTALL               (rank, slot, pages...): a handover's read of one request's
+                                 state, or its write (``state_transfer.StateTransfer``); the
+                                 bytes then move between the process that owns the rank and
+                                 the leader in one more broadcast (none when the leader owns
+                                 the rank);
+  SNAPSHOT_WARM_UP / TRANSFER_WARM_UP  the leader's warm-up of those programs.
+The leader's scheduler owns the prefix tree and the handover bookkeeping; followers only
+repeat the copies.
 
 Placement: ``sharded_loader.load_sharded`` / ``DPForward.init_cache`` / ``put_batch`` build
 global arrays with ``jax.make_array_from_callback``, each process supplying only its own
@@ -33,6 +48,7 @@ serve one process and several.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import re
 from typing import Sequence
@@ -45,8 +61,9 @@ from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, Forwar
 from sglang_tpu_backend.parallel.dp_forward import DPForward
 
 __all__ = [
-    "initialize", "shutdown", "is_leader", "gather_logits", "broadcast_step", "run_step",
-    "step", "follower_loop", "broadcast_ints", "join", "run_follower",
+    "Op", "initialize", "shutdown", "is_leader", "gather_logits", "broadcast_step", "send_command",
+    "receive", "run_step", "step", "FollowerOps", "follower_loop", "broadcast_ints", "share_from",
+    "join", "run_follower",
 ]
 
 # Batch fields in payload order (all int32) and their per-rank shapes from (T, R, P, L).
@@ -54,7 +71,20 @@ logger = logging.getLogger(__name__)
 
 _FIELDS = ("input_ids", "positions", "cu_q_lens", "kv_lens", "page_table", "state_slots",
            "num_seqs", "logits_indices")
-_HEADER = 5  # stop, T, R, P, L (then one mode per rank)
+_HEADER = 5  # op, T, R, P, L (then one mode per rank); commands: op, n, 0, 0, 0, ...
+
+
+class Op(enum.IntEnum):
+    """What a message from the leader asks every process to do (module docstring)."""
+
+    STEP = 0
+    STOP = 1
+    SNAPSHOT_LOAD = 2
+    SNAPSHOT_SAVE = 3
+    SNAPSHOT_WARM_UP = 4
+    EXPORT = 5
+    INSTALL = 6
+    TRANSFER_WARM_UP = 7
 
 
 def _field_shapes(T: int, R: int, P: int, L: int) -> dict[str, tuple[int, ...]]:
@@ -167,8 +197,27 @@ def _unpack(header: np.ndarray, payload: np.ndarray, num_ranks: int) -> list[For
 
 
 def _payload_size(header: np.ndarray, num_ranks: int) -> int:
-    T, R, P, L = (int(v) for v in header[1:_HEADER])
-    return num_ranks * sum(int(np.prod(s)) for s in _field_shapes(T, R, P, L).values())
+    op = Op(int(header[0]))
+    if op == Op.STEP:
+        T, R, P, L = (int(v) for v in header[1:_HEADER])
+        return num_ranks * sum(int(np.prod(s)) for s in _field_shapes(T, R, P, L).values())
+    return 0 if op == Op.STOP else int(header[1])
+
+
+def _exchange(header: np.ndarray | None, payload: np.ndarray | None, num_ranks: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """One message from the leader (``header`` and ``payload``; followers pass None) to every
+    process: returns both on every process. A collective (one or two broadcasts)."""
+    leader = is_leader()
+    if header is None:
+        header = np.zeros(_HEADER + num_ranks, np.int32)
+    header = np.asarray(multihost_utils.broadcast_one_to_all(header, is_source=leader))
+    size = _payload_size(header, num_ranks)
+    if size == 0:
+        return header, np.zeros(0, np.int32)
+    if payload is None:
+        payload = np.zeros(size, np.int32)
+    return header, np.asarray(multihost_utils.broadcast_one_to_all(payload, is_source=leader))
 
 
 def broadcast_step(batches: Sequence[ForwardBatch] | None, num_ranks: int
@@ -176,29 +225,57 @@ def broadcast_step(batches: Sequence[ForwardBatch] | None, num_ranks: int
     """Send one step's D rank-local batches from the leader to every process.
 
     On the leader (process 0) ``batches`` is the list of D numpy batches of the step, or None
-    to tell the followers to stop. Followers pass None. Returns, on every process, the same D
-    batches (numpy), or None when the leader sent stop. A collective: every process calls it
-    once per step, in the same order as the other collectives of the step.
+    to tell the followers to stop. Followers pass None (or use :func:`receive`, which also
+    takes commands). Returns, on every process, the same D batches (numpy), or None when the
+    leader sent stop. A collective: every process calls it once per step, in the same order
+    as the other collectives of the step.
     """
     leader = is_leader()
     if not leader and batches is not None:
         raise ValueError("only the leader (process 0) supplies batches")
+    header = payload = None
     if leader and batches is not None:
         if len(batches) != num_ranks:
             raise ValueError(f"need {num_ranks} rank batches, got {len(batches)}")
         header, payload = _pack(batches)
-    else:
+    elif leader:
         header = np.zeros(_HEADER + num_ranks, np.int32)
-        if leader:
-            header[0] = 1  # stop
-        payload = None
-    header = np.asarray(multihost_utils.broadcast_one_to_all(header, is_source=leader))
-    if header[0]:
-        return None
-    if payload is None:
-        payload = np.zeros(_payload_size(header, num_ranks), np.int32)
-    payload = np.asarray(multihost_utils.broadcast_one_to_all(payload, is_source=leader))
-    return _unpack(header, payload, num_ranks)
+        header[0] = Op.STOP
+    header, payload = _exchange(header, payload, num_ranks)
+    op = Op(int(header[0]))
+    if op not in (Op.STEP, Op.STOP):
+        raise RuntimeError(f"expected a step from the leader, got {op.name}")
+    return None if op == Op.STOP else _unpack(header, payload, num_ranks)
+
+
+def send_command(op: Op, values: Sequence[int], num_ranks: int) -> None:
+    """Leader only: announce command ``op`` with its int arguments to the followers."""
+    if not is_leader():
+        raise ValueError("only the leader (process 0) sends commands")
+    if op in (Op.STEP, Op.STOP):
+        raise ValueError(f"{op.name} goes through broadcast_step")
+    header = np.zeros(_HEADER + num_ranks, np.int32)
+    header[:2] = op, len(values)
+    _exchange(header, np.asarray(values, np.int32).reshape(-1), num_ranks)
+
+
+def receive(num_ranks: int) -> tuple[Op, list[ForwardBatch] | np.ndarray | None]:
+    """Follower: the leader's next message: (STEP, batches), (STOP, None) or (command, ints)."""
+    header, payload = _exchange(None, None, num_ranks)
+    op = Op(int(header[0]))
+    if op == Op.STEP:
+        return op, _unpack(header, payload, num_ranks)
+    return op, (None if op == Op.STOP else payload)
+
+
+def share_from(process: int, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """``arrays`` as process ``process`` holds them, on every process (the others pass arrays
+    of the same shapes and dtypes, whose values are ignored). A collective."""
+    if jax.process_count() == 1:
+        return [np.asarray(a) for a in arrays]
+    out = multihost_utils.broadcast_one_to_all(tuple(arrays),
+                                               is_source=jax.process_index() == process)
+    return [np.asarray(a) for a in out]
 
 
 def step(dp: DPForward, params, cache, batches: Sequence[ForwardBatch]):
@@ -219,14 +296,54 @@ def run_step(dp: DPForward, params, cache, batches: Sequence[ForwardBatch]):
     return logits, cache
 
 
-def follower_loop(dp: DPForward, params, cache):
-    """A follower's life: receive a step, run it, until the leader sends stop. Returns the
-    cache and the number of steps run."""
+class FollowerOps:
+    """A follower's side of the leader's commands: the same snapshot copies and state
+    transfers the leader runs, on the follower's devices (``snapshots`` None: the leader has
+    no prefix cache)."""
+
+    def __init__(self, snapshots, transfer):
+        self.snapshots, self.transfer = snapshots, transfer
+
+    def run(self, op: Op, values: np.ndarray, cache):
+        """Run command ``op``; returns the cache (updated by loads and installs)."""
+        if op in (Op.SNAPSHOT_LOAD, Op.SNAPSHOT_SAVE):
+            triples = [tuple(int(v) for v in t) for t in values.reshape(-1, 3)]
+            if op == Op.SNAPSHOT_LOAD:
+                return self.snapshots.load(cache, triples)
+            self.snapshots.save(cache, triples)
+        elif op == Op.SNAPSHOT_WARM_UP:
+            return self.snapshots.warmup(cache)
+        elif op == Op.EXPORT:
+            rank, slot, *pages = (int(v) for v in values)
+            self.transfer.gather(cache, pages, slot, rank)
+        elif op == Op.INSTALL:
+            rank, slot, *pages = (int(v) for v in values)
+            kv, conv, rec = self.transfer.empty_state(cache, len(pages))  # the leader's bytes
+            return self.transfer.scatter(cache, kv, conv, rec, pages, slot, rank)
+        elif op == Op.TRANSFER_WARM_UP:
+            gather, scatter, max_pages = (int(v) for v in values)
+            return self.transfer.warm_up(cache, max_pages, gather=bool(gather),
+                                         scatter=bool(scatter))
+        else:
+            raise RuntimeError(f"unknown command {op!r} from the leader")
+        return cache
+
+
+def follower_loop(dp: DPForward, params, cache, ops: FollowerOps | None = None):
+    """A follower's life: receive a step or a command, run it, until the leader sends stop.
+    Returns the cache and the number of steps run."""
     steps = 0
-    while (batches := broadcast_step(None, dp.dp_size)) is not None:
-        _, cache, _ = step(dp, params, cache, batches)
-        steps += 1
-    return cache, steps
+    while True:
+        op, msg = receive(dp.dp_size)
+        if op == Op.STOP:
+            return cache, steps
+        if op == Op.STEP:
+            _, cache, _ = step(dp, params, cache, msg)
+            steps += 1
+        elif ops is None:
+            raise RuntimeError(f"the leader sent {op.name} but this follower has no FollowerOps")
+        else:
+            cache = ops.run(op, msg, cache)
 
 
 def broadcast_ints(values: Sequence[int] | None, n: int) -> list[int]:
@@ -261,10 +378,12 @@ def run_follower(args) -> int:
 
     The leader (``Engine`` in node 0, its ``backends.MultiHostDPBackend``) makes the matching
     collectives in the same order: the argument check at join, the sizes broadcast,
-    ``init_cache``, the parameter check (``agreement.py``), then every step (warm-up
-    included) and the final stop.
+    ``init_cache``, the parameter check (``agreement.py``), the snapshot sizes
+    (``make_snapshots``), then every step and command (warm-up included) and the final stop.
     """
     from sglang_tpu_backend.config import DTYPES, cache_storage_dtype, load_model_config, resolve_dtype
+    from sglang_tpu_backend.model_executor.state_snapshots import GDNSnapshots
+    from sglang_tpu_backend.model_executor.state_transfer import StateTransfer
     from sglang_tpu_backend.sharded_loader import WeightSource
     from sglang_tpu_backend.parallel import agreement
     from sglang_tpu_backend.parallel.mesh import make_mesh
@@ -291,9 +410,14 @@ def run_follower(args) -> int:
     params, report = source.load(dp.param_shardings(source.shapes()))
     logger.info("node %d read %.3f GB of weights in %.1f s", args.node_rank,
                 report.bytes_read / 1e9, report.seconds)
-    logger.info("node %d follows: %d pages + %d state slots per rank", args.node_rank,
-                num_pages, num_slots)
-    _, steps = follower_loop(dp, params, cache)
+    num_snapshots, max_copies = broadcast_ints(None, 2)  # the leader's make_snapshots
+    snapshots = None
+    if num_snapshots > 0:
+        snapshots = GDNSnapshots(cache, num_snapshots, max_copies, dp)
+    ops = FollowerOps(snapshots, StateTransfer(num_pages, num_slots, dp))
+    logger.info("node %d follows: %d pages + %d state slots + %d GDN snapshots per rank",
+                args.node_rank, num_pages, num_slots, num_snapshots)
+    _, steps = follower_loop(dp, params, cache, ops)
     logger.info("node %d: the leader stopped after %d steps", args.node_rank, steps)
     shutdown()
     return steps

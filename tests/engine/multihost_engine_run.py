@@ -5,9 +5,11 @@
                                                                           # --nnodes engine
 
 Started by tests/engine/test_multihost_engine.py. Both engines are ``--dp-size 8 --ep-size 8``
-with the same flags; node 0 (and the single process) serves the same greedy requests
-(different lengths, one longer than a prefill chunk, one with penalties) and writes their
-outputs and the weight bytes it read as JSON; node 0 also tries a weight update (refused with --nnodes > 1) and then shuts
+with the same flags, prefix cache on; node 0 (and the single process) serves the same greedy
+requests (different lengths, one longer than a prefill chunk, one with penalties), then two
+of them again extended (prefix-cache hits), round-trips request state through the handover's
+install and export on a rank of each node, and writes outputs and the weight bytes it read
+as JSON; node 0 also tries a weight update (refused with --nnodes > 1) and then shuts
 down, which stops the follower. A follower (rank > 0) runs ``multihost.run_follower`` and
 writes the number of steps it ran and the weight bytes it read. ``PAGE_SIZE`` overrides that flag on this node (the
 mismatch test: every node must then refuse to start).
@@ -25,8 +27,10 @@ from sglang_tpu_backend.server_args import ServerArgs
 
 ARGS = dict(dp_size=8, ep_size=8, max_running_requests=16, chunked_prefill_size=32,
             context_length=128, page_size=16, dtype="float32", random_seed=0,
-            disable_radix_cache=True, skip_warmup=True, compilation_cache_dir="")
+            skip_warmup=True, compilation_cache_dir="")
 PROMPT_LENS = (3, 17, 70, 9, 40)  # 70 > chunked_prefill_size: a prompt in three chunks
+REPEATS = (2, 4)  # prompts sent again, extended, after the first round: prefix-cache hits
+TRANSFER_RANKS = (1, 6)  # a state transfer round trip on a rank of node 0 and one of node 1
 
 
 def requests() -> list[GenerateReqInput]:
@@ -40,14 +44,46 @@ def requests() -> list[GenerateReqInput]:
     return out
 
 
-def serve(engine) -> list[list[int]]:
+def repeats() -> list[GenerateReqInput]:
+    """The REPEATS prompts again with 20 more tokens: their cached prefix is reused."""
+    out = []
+    for i in REPEATS:
+        ids = requests()[i].input_ids + [(5 * k) % 991 + 3 for k in range(20)]
+        out.append(GenerateReqInput(input_ids=ids, sampling_params={
+            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}))
+    return out
+
+
+def serve(engine, reqs: list[GenerateReqInput]) -> list[dict]:
     async def one(obj):
         return [o async for o in engine.generate_request(obj)][-1]
 
     async def run_all():
-        return await asyncio.gather(*(one(o) for o in requests()))
+        return await asyncio.gather(*(one(o) for o in reqs))
 
-    return [o["output_ids"] for o in asyncio.run(run_all())]
+    return [{"output_ids": o["output_ids"], "cached_tokens": o["meta_info"]["cached_tokens"]}
+            for o in asyncio.run(run_all())]
+
+
+def transfer_round_trip(runner) -> dict:
+    """Install random request state into pages / a slot of each TRANSFER_RANKS rank, export it
+    back, and report whether every array came back equal (on an idle engine)."""
+    import types
+
+    import numpy as np
+
+    from sglang_tpu_backend.sampling.sampling_params import SamplingParams
+
+    rng, req = np.random.default_rng(0), types.SimpleNamespace(sampling=SamplingParams())
+    out = {}
+    for rank in TRANSFER_RANKS:
+        pages, slot = [5, 9, 2], runner.num_state_slots - 1
+        state = [rng.standard_normal(a.shape).astype(a.dtype)
+                 for a in runner.transfer.empty_state(runner.cache, len(pages))]
+        runner.install_request_state(*state, pages, slot, req, rank)
+        back = runner.export_request_state(pages, slot, rank)
+        out[str(rank)] = all(np.array_equal(a, b) for a, b in zip(state, back))
+    return out
 
 
 def checkpoint_bytes(path: str) -> dict:
@@ -81,7 +117,11 @@ def main(argv: list[str]) -> None:
 
         engine = Engine(args)
         try:
-            result = {"outputs": serve(engine), "num_steps": engine.stats["num_steps"],
+            first = serve(engine, requests())
+            result = {"outputs": [o["output_ids"] for o in first],
+                      "repeats": serve(engine, repeats()),
+                      "transfer_round_trip": transfer_round_trip(engine.runner),
+                      "num_steps": engine.stats["num_steps"],
                       "process_count": jax.process_count(),
                       "local_devices": len(jax.local_devices()),
                       "weight_update": engine.update_weights_from_disk(engine.args.model_path),
