@@ -30,12 +30,12 @@ Per role (disaggregated mode): any ``ServerArgs`` field or per-replica key above
 by ``prefill_`` or ``decode_`` applies to that role's replicas only; the unprefixed key to
 both. E.g. ``prefill_dp_size=4 prefill_ep_size=4 decode_dp_size=2 decode_ep_size=2``: a
 request prefilled on one of 4 DP ranks is decoded on the least-loaded of 2.
-Multi-host replicas (colocated mode): ``hosts_per_replica`` (default 1) > 1 makes each engine
-replica span that many hosts: a placement group of one bundle per host (``{"TPU": tpu_chips}``
+Multi-host replicas (any role; e.g. ``decode_hosts_per_replica=2``): ``hosts_per_replica``
+(default 1) > 1 makes each engine replica span that many hosts: a placement group of one bundle per host (``{"TPU": tpu_chips}``
 + accelerator type each), ``placement_strategy`` (default ``STRICT_SPREAD``: one host per
 bundle; ``PACK`` lets a one-node test cluster hold them), the replica leads and one follower
 actor per other host follows (``ray_app/multihost.py``); ``dp_size`` / ``ep_size`` must count
-every host's devices and ``disable_radix_cache=true``. ``cpu_devices_per_host`` (tests) gives
+every host's devices. ``cpu_devices_per_host`` (tests) gives
 each of those processes that many CPU devices (``JAX_PLATFORMS=cpu`` + ``XLA_FLAGS``).
 """
 
@@ -270,12 +270,9 @@ def _check_multihost(cfg: AppConfig, name: str) -> None:
         raise ValueError("cpu_devices_per_host must be >= 0")
     if hosts == 1:
         return
-    if cfg.mode != "colocated":
-        raise ValueError("hosts_per_replica > 1 needs mode=colocated (multi-host prefill or decode "
-                         "replicas do not hand request state over yet)")
     if sa.nnodes != 1 or sa.node_rank != 0 or sa.dist_init_addr is not None:
         raise ValueError("hosts_per_replica sets nnodes / node_rank / dist_init_addr itself")
     try:  # what the replica's engine will be given (the address is the replica's own)
         dataclasses.replace(sa, nnodes=hosts, dist_init_addr="leader:1")
     except ValueError as e:
-        raise ValueError(f"hosts_per_replica={hosts}: {e}") from None
+        raise ValueError(f"{name} replicas: hosts_per_replica={hosts}: {e}") from None

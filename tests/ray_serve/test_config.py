@@ -45,10 +45,9 @@ def test_command_line_strings_are_typed_like_server_args():
     ({"mode": "disaggregated", "prefill_mode": "colocated"}, "unknown argument 'prefill_mode'"),
     ({"hosts_per_replica": "0"}, "hosts_per_replica must be >= 1"),
     ({"hosts_per_replica": "2", "placement_strategy": "ANYWHERE"}, "placement_strategy"),
-    ({"hosts_per_replica": "2", "dp_size": "8", "ep_size": "8"}, "disable-radix-cache"),
     ({"hosts_per_replica": "2", "disable_radix_cache": "true"}, "--dp-size"),
-    ({"hosts_per_replica": "2", "dp_size": "8", "ep_size": "8", "disable_radix_cache": "true",
-      "mode": "disaggregated"}, "hosts_per_replica > 1 needs mode=colocated"),
+    ({"mode": "disaggregated", "decode_hosts_per_replica": "2", "decode_tp_size": "2"},
+     "decode replicas: hosts_per_replica=2: --nnodes 2 runs data-parallel"),
     ({"hosts_per_replica": "2", "dp_size": "8", "ep_size": "8", "disable_radix_cache": "true",
       "nnodes": "2", "dist_init_addr": "h:1"}, "sets nnodes"),
 ])
