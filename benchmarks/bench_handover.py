@@ -1,6 +1,7 @@
 """Handover transport bandwidth: a request's KV pages + GDN states through the disaggregated
-app's transport (``ray_app/handover.py``) against a raw ``ray.put`` / ``ray.get`` of the same
-number of bytes, between the same two actors of one local Ray cluster, side by side.
+app's transports (``ray_app/handover.py``: object_store and device) against a raw
+``ray.put`` / ``ray.get`` of the same number of bytes, between the same two actors of one
+local Ray cluster, side by side.
 
     python benchmarks/bench_handover.py [--tokens 500 4000] [--trials 7] [--config 397b|tiny]
 
@@ -10,14 +11,17 @@ bf16 KV and GDN state, what one request of that many tokens holds), sends them t
 transport and hands the ticket on; a "decode" actor receives them (the arrays readable in its
 process). The raw figure is one ``ray.put`` of a byte array of the same size (in memory, like
 the handover's arrays) in the first actor and a ``ray.get`` in the second. Times run from before the send to after the receive; medians
-over the trials, the two kinds alternating. Prints bytes per request, both bandwidths and their
-ratio (the target is >= 0.8).
+over the trials, the kinds taking turns (rotated each round). Prints bytes per request, each
+bandwidth and each transport's ratio to raw (the target is >= 0.8). The device transport
+pulls into the decode actor's (CPU) device and reads the arrays back to numpy, as the engine
+receives them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +30,7 @@ import ml_dtypes
 import numpy as np
 import ray
 
-from ray_app.handover import make_transport
+from ray_app.handover import TRANSPORTS, make_transport
 from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.managers.handover import RequestHandover
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
@@ -57,16 +61,16 @@ def handover_arrays(cfg_path: Path, page_size: int, tokens: int) -> dict[str, np
 @ray.remote
 class Prefill:
     def __init__(self, arrays: dict[str, np.ndarray], page_size: int):
-        self.transport = make_transport("object_store")
+        self.transports = {name: make_transport(name) for name in TRANSPORTS}
         self.h = RequestHandover(
             request=GenerateReqInput(input_ids=[1], rid="bench"), prompt_ids=[1], output_ids=[2],
             seed=0, num_computed=1, page_size=page_size, weight_version="bench", **arrays)
         # The same bytes as one flat array, already in memory (as the handover's are).
         self.raw = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays.values()])
 
-    def send(self) -> tuple[float, dict]:
+    def send(self, transport: str) -> tuple[float, dict]:
         t0 = time.time()
-        return t0, self.transport.send(self.h)
+        return t0, self.transports[transport].send(self.h)
 
     def put_raw(self) -> tuple[float, list]:
         t0 = time.time()
@@ -76,10 +80,10 @@ class Prefill:
 @ray.remote
 class Decode:
     def __init__(self):
-        self.transport = make_transport("object_store")
+        self.transports = {name: make_transport(name) for name in TRANSPORTS}
 
     async def receive(self, ticket: dict) -> tuple[float, int]:
-        h = await self.transport.receive(ticket)
+        h = await self.transports[ticket["transport"]].receive(ticket)
         return time.time(), h.nbytes
 
     async def get_raw(self, refs: list) -> tuple[float, int]:
@@ -88,16 +92,17 @@ class Decode:
 
 
 def measure(prefill, decode, trials: int) -> dict[str, list[float]]:
-    """Seconds per trial, send to received, for the transport and the raw put/get."""
-    out = {"transport": [], "raw": []}
-    for i in range(trials + 1):  # the first round warms both paths up
-        for kind in ("transport", "raw") if i % 2 else ("raw", "transport"):
-            if kind == "transport":
-                t0, sent = ray.get(prefill.send.remote())
-                t1, _ = ray.get(decode.receive.remote(sent))
-            else:
+    """Seconds per trial, send to received, for each transport and the raw put/get."""
+    kinds = ("raw", *TRANSPORTS)
+    out = {k: [] for k in kinds}
+    for i in range(trials + 1):  # the first round warms every path up
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            if kind == "raw":
                 t0, sent = ray.get(prefill.put_raw.remote())
                 t1, _ = ray.get(decode.get_raw.remote(sent))
+            else:
+                t0, sent = ray.get(prefill.send.remote(kind))
+                t1, _ = ray.get(decode.receive.remote(sent))
             del sent  # the object leaves the store before the next trial
             if i:
                 out[kind].append(t1 - t0)
@@ -111,19 +116,21 @@ def main() -> None:
     ap.add_argument("--config", choices=sorted(CONFIGS), default="397b")
     args = ap.parse_args()
     cfg_path, page_size = CONFIGS[args.config]
+    env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}  # the device transport's
     ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=4 * 1024**3)
+             object_store_memory=4 * 1024**3, runtime_env={"env_vars": env})
     try:
         print(f"config {args.config}, page {page_size}, bf16 KV + GDN state, {args.trials} trials")
-        print(f"{'tokens':>7} {'MiB/request':>12} {'transport GB/s':>15} {'raw GB/s':>9} {'ratio':>6}")
+        print(f"{'tokens':>7} {'MiB/request':>12} {'raw GB/s':>9} "
+              + " ".join(f"{k + ' GB/s':>17} {'ratio':>6}" for k in TRANSPORTS))
         for tokens in args.tokens:
             arrays = handover_arrays(cfg_path, page_size, tokens)
             nbytes = sum(a.nbytes for a in arrays.values())
             prefill, decode = Prefill.remote(arrays, page_size), Decode.remote()
             times = measure(prefill, decode, args.trials)
             bw = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
-            print(f"{tokens:>7} {nbytes / 2**20:>12.1f} {bw['transport']:>15.2f} {bw['raw']:>9.2f} "
-                  f"{bw['transport'] / bw['raw']:>6.2f}")
+            print(f"{tokens:>7} {nbytes / 2**20:>12.1f} {bw['raw']:>9.2f} "
+                  + " ".join(f"{bw[k]:>17.2f} {bw[k] / bw['raw']:>6.2f}" for k in TRANSPORTS))
             for a in (prefill, decode):
                 ray.kill(a)
     finally:

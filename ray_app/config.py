@@ -21,7 +21,7 @@ Keys (values arrive as strings from the command line, typed from a Serve config 
   ``stall_timeout_s`` (a replica whose engine loop has work but finished no step for this
   long is unhealthy; default 600: first compiles are slow), ``graceful_shutdown_timeout_s``
   (how long a stopping replica drains running requests, default 60), ``transport``
-  (``object_store``), ``prefix_affinity_tokens`` (requests whose leading this many tokens,
+  (``object_store``, or ``device``: ``ray_app/handover.py``), ``prefix_affinity_tokens`` (requests whose leading this many tokens,
   in whole pages, are equal go to the same engine / prefill replica, unless it is
   ``affinity_imbalance`` (4) requests busier than the least loaded; default 256, 0: off;
   decode replicas are chosen by free KV room: ``ray_app/routing.py``).
@@ -219,8 +219,11 @@ def parse_app_args(args: dict[str, Any] | None) -> AppConfig:
     mode = options.pop("mode", "colocated")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if options.get("transport", "object_store") != "object_store":
-        raise ValueError(f"transport must be 'object_store', got {options['transport']!r}")
+    from ray_app.handover import TRANSPORTS
+
+    if options.get("transport", "object_store") not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {sorted(TRANSPORTS)}, "
+                         f"got {options['transport']!r}")
     for key, env in KEY_ENV_VARS.items():
         if server.get(key) is None and os.environ.get(env):
             server[key] = os.environ[env]

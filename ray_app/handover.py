@@ -2,15 +2,22 @@
 
 A transport turns a handover (numpy KV pages + GDN states, see
 ``sglang_tpu_backend.managers.handover``) into a small picklable ticket that travels through
-the ingress, and a ticket back into the handover on the receiving replica. The default puts
-the handover in Ray's object store (the decode replica pulls it from the prefill replica's
-node); a device-to-device transport (e.g. TPU ICI / DCN transfers of the page arrays) would
-return a ticket naming remote buffers instead, with the same two calls.
+the ingress, and a ticket back into the handover on the receiving replica:
+  object_store  (default) the state in Ray's object store; the decode replica pulls it from
+                the prefill replica's node.
+  device        ``jax.experimental.transfer``: the prefill replica's transfer server offers
+                the state as device buffers and the decode replica's server pulls them
+                straight into its own device (no object store; on TPU the runtime's
+                device-to-device path over the network). The ticket names the server and
+                the transfer id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import itertools
+import threading
 from typing import Any, Protocol
 
 import ml_dtypes
@@ -74,7 +81,85 @@ class ObjectStoreTransport:
         return dataclasses.replace(ticket["meta"], **state_arrays(buffers))
 
 
-TRANSPORTS = {"object_store": ObjectStoreTransport}
+class DeviceTransport:
+    """Device-to-device through ``jax.experimental.transfer`` (one transfer server per replica,
+    started on first use, listening on the node's IP).
+
+    ``send`` uploads the state arrays to this replica's first device and offers them under a
+    fresh transfer id (``await_pull``); the ticket carries the server's address, the id and
+    the arrays' dtypes and shapes. ``receive`` connects to that server (once per peer) and
+    pulls the arrays into its own first device; the engine installs them from there. The
+    server holds an offered request until it is pulled: a ticket that is never received (the
+    client went away between prefill and decode) keeps its buffers until the prefill
+    replica stops.
+    """
+
+    name = "device"
+
+    def __init__(self):
+        self._server = None
+        self._connections: dict[str, Any] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def _start(self):
+        import jax
+        from jax.experimental import transfer
+
+        with self._lock:
+            if self._server is None:
+                ip = _node_ip()
+                self._server = transfer.start_transfer_server(
+                    jax.local_devices()[0].client, f"{ip}:0", [f"{ip}:0"])
+            return self._server
+
+    def send(self, h: RequestHandover) -> dict[str, Any]:
+        import jax
+
+        server = self._start()
+        arrays = [getattr(h, name) for name in STATE_ARRAYS]
+        device = jax.local_devices()[0]
+        on_device = [jax.device_put(np.ascontiguousarray(a), device) for a in arrays]
+        with self._lock:
+            uuid = next(self._ids)
+        server.await_pull(uuid, on_device)
+        meta = dataclasses.replace(h, **{name: None for name in STATE_ARRAYS})
+        return {"transport": self.name, "address": server.address(), "uuid": uuid,
+                "specs": [(str(a.dtype), a.shape) for a in arrays], "meta": meta,
+                "nbytes": h.nbytes}
+
+    async def receive(self, ticket: dict[str, Any]) -> RequestHandover:
+        if ticket.get("transport") != self.name:
+            raise ValueError(f"ticket of transport {ticket.get('transport')!r}, expected {self.name!r}")
+        arrays = await asyncio.to_thread(self._pull, ticket)
+        return dataclasses.replace(ticket["meta"], **dict(zip(STATE_ARRAYS, arrays)))
+
+    def _pull(self, ticket: dict[str, Any]) -> list[np.ndarray]:
+        import jax
+
+        server, address = self._start(), ticket["address"]
+        with self._lock:
+            if address not in self._connections:
+                self._connections[address] = server.connect(address)
+            connection = self._connections[address]
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        specs = [jax.ShapeDtypeStruct(tuple(shape), _dtype(dtype), sharding=device)
+                 for dtype, shape in ticket["specs"]]
+        return [np.asarray(a) for a in connection.pull(ticket["uuid"], specs)]
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:  # pragma: no cover - ray is a dependency of ray_app
+        pass
+    return "127.0.0.1"
+
+
+TRANSPORTS = {"object_store": ObjectStoreTransport, "device": DeviceTransport}
 
 
 def make_transport(name: str) -> Transport:

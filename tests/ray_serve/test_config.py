@@ -43,6 +43,7 @@ def test_command_line_strings_are_typed_like_server_args():
     ({"prefill_dp_size": "2"}, "prefill_dp_size: role-prefixed keys need mode=disaggregated"),
     ({"mode": "disaggregated", "decode_port": "1"}, "decode_port: the Serve proxy"),
     ({"mode": "disaggregated", "prefill_mode": "colocated"}, "unknown argument 'prefill_mode'"),
+    ({"mode": "disaggregated", "transport": "carrier_pigeon"}, "transport must be one of"),
     ({"hosts_per_replica": "0"}, "hosts_per_replica must be >= 1"),
     ({"hosts_per_replica": "2", "placement_strategy": "ANYWHERE"}, "placement_strategy"),
     ({"hosts_per_replica": "2", "disable_radix_cache": "true"}, "--dp-size"),

@@ -4,7 +4,8 @@ App ``mh``: one colocated engine replica spans 2 "hosts" (``hosts_per_replica=2`
 strategy PACK on this one-node cluster): the replica leads (node 0) and a follower actor in the
 replica's placement group follows, each process with 4 CPU devices (``cpu_devices_per_host``),
 one 8-device DP x EP mesh, prefix cache on. App ``mhpd``: a DP2 prefill replica hands over to
-a DP4 decode replica over 2 processes x 2 devices. Asserts: ``/generate`` gives the same
+a DP4 decode replica over 2 processes x 2 devices, through the device-to-device transport
+(``jax.experimental.transfer``). Asserts: ``/generate`` gives the same
 greedy outputs as an in-process one-device engine with the same settings (DP and one device
 agree, see tests/engine/test_dp_engine.py) for a short prompt and one longer than a prefill
 chunk, a repeat reuses its cached prefix; through PD, 18 concurrent requests decode on ranks
@@ -39,11 +40,12 @@ ARGS = dict(ENGINE, dp_size="8", ep_size="8", hosts_per_replica="2", placement_s
             cpu_devices_per_host="4", health_check_period_s="1", health_check_timeout_s="30",
             disable_radix_cache="false")
 # The disaggregated app: a DP2 prefill replica hands over to a DP4 decode replica spanning
-# 2 processes x 2 devices (ranks 2, 3 on the follower: their state crosses processes).
+# 2 processes x 2 devices (ranks 2, 3 on the follower: their state crosses processes), the
+# state pulled by the decode replica's transfer server from the prefill replica's.
 PD_ARGS = dict(ENGINE, mode="disaggregated", prefill_dp_size="2", prefill_ep_size="2",
                prefill_cpu_devices_per_host="2", decode_dp_size="4", decode_ep_size="4",
                decode_hosts_per_replica="2", decode_placement_strategy="PACK",
-               decode_cpu_devices_per_host="2", max_running_requests="8")
+               decode_cpu_devices_per_host="2", max_running_requests="8", transport="device")
 PROMPT_LENS = (5, 45)  # 45 > chunked_prefill_size: two prefill chunks
 PD_LENS = (5, 17, 45, 64, 90, 121)  # up to 4 prefill chunks and 8 pages, GDN chunks of 64
 MAX_NEW = 6

@@ -1,0 +1,60 @@
+"""The handover transports' send / receive outside Serve (the apps use them end to end:
+object_store in tests/ray_serve/test_serve_app.py, device in test_multihost_app.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ray_app.handover import DeviceTransport, ObjectStoreTransport, state_arrays, state_buffers
+from sglang_tpu_backend.managers.handover import RequestHandover
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+
+def _handover(seed: int) -> RequestHandover:
+    rng = np.random.default_rng(seed)
+    return RequestHandover(
+        request=GenerateReqInput(input_ids=[1, 2, 3], rid=f"r{seed}"), prompt_ids=[1, 2, 3],
+        output_ids=[7], seed=seed, num_computed=3, page_size=16, weight_version="v1",
+        kv=rng.standard_normal((2, 3, 4, 16, 8)).astype(ml_dtypes.bfloat16),
+        conv=rng.standard_normal((6, 3, 64)).astype(np.float32),
+        rec=rng.standard_normal((6, 2, 8, 8)).astype(np.float32))
+
+
+def _assert_same(got: RequestHandover, want: RequestHandover) -> None:
+    for name in ("kv", "conv", "rec"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+    assert (got.request.rid, got.output_ids, got.weight_version) == (
+        want.request.rid, want.output_ids, want.weight_version)
+
+
+def test_state_buffers_round_trip_bfloat16_without_copies():
+    h = _handover(0)
+    buffers = state_buffers(h)
+    assert all(buf.dtype == np.uint8 for _, _, buf in buffers.values())
+    arrays = state_arrays(buffers)
+    assert arrays["kv"].dtype == h.kv.dtype and np.array_equal(arrays["kv"], h.kv)
+    assert np.shares_memory(arrays["conv"], buffers["conv"][2])  # views, no copy
+
+
+def test_device_transport_pulls_the_state_into_another_server():
+    """Two transfer servers (a prefill and a decode replica's) in one process: tickets carry
+    no array bytes; every request's state arrives equal, over one reused connection."""
+    prefill, decode = DeviceTransport(), DeviceTransport()
+    sent = [_handover(i) for i in range(3)]
+    tickets = [prefill.send(h) for h in sent]
+    assert all(t["meta"].kv is None and t["nbytes"] == h.nbytes for t, h in zip(tickets, sent))
+    assert len({t["uuid"] for t in tickets}) == 3
+    for ticket, h in zip(reversed(tickets), reversed(sent)):  # any order
+        _assert_same(asyncio.run(decode.receive(ticket)), h)
+    assert list(decode._connections) == [prefill._server.address()]
+
+
+def test_a_ticket_of_another_transport_is_refused():
+    ticket = DeviceTransport().send(_handover(0))
+    with pytest.raises(ValueError, match="expected 'object_store'"):
+        asyncio.run(ObjectStoreTransport().receive(ticket))
