@@ -5,7 +5,7 @@ Methods the ingress calls through its deployment handles:
   role: prompt + first token, state handed over through the transport), ``decode(ticket)``
   (streaming, decode role), and the engine's info / stats / cache / abort calls.
 ``on_replica(method, ...)`` runs one of ``BROADCAST_METHODS`` (health, abort, cache flush,
-profiling) for the ingress's ``DeploymentHandle.broadcast``, which reaches every running replica
+profiling, the expert distribution record) for the ingress's ``DeploymentHandle.broadcast``, which reaches every running replica
 but returns their answers unlabelled: each answer carries this replica's id.
 Every replica pushes its metrics (labelled ``replica``) to the application's metrics hub
 (``ray_app/metrics_hub.py``), which the ingress's ``/metrics`` reads.
@@ -33,7 +33,9 @@ from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidReque
 from sglang_tpu_backend.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
-BROADCAST_METHODS = ("health_error", "abort_request", "flush_cache", "start_profile", "stop_profile")
+BROADCAST_METHODS = ("health_error", "abort_request", "flush_cache", "start_profile", "stop_profile",
+                     "start_expert_distribution_record", "stop_expert_distribution_record",
+                     "dump_expert_distribution_record")
 
 
 @serve.deployment
@@ -123,6 +125,15 @@ class EngineServer:
 
     def stop_profile(self) -> str:
         return self.engine.stop_profile()
+
+    def start_expert_distribution_record(self) -> None:
+        self.engine.start_expert_distribution_record()
+
+    def stop_expert_distribution_record(self) -> None:
+        self.engine.stop_expert_distribution_record()
+
+    def dump_expert_distribution_record(self, output_dir: str) -> str:
+        return self.engine.dump_expert_distribution_record(output_dir)
 
     def update_weights_from_disk(self, model_path: str, **kwargs) -> dict:
         return self.engine.update_weights_from_disk(model_path, **kwargs)

@@ -261,6 +261,21 @@ class RemoteEngine:
         self._raise_failures("stop_profile", replies, ignore_refusals=bool(stopped))
         return ", ".join(map(str, stopped))
 
+    async def start_expert_distribution_record(self) -> None:
+        self._raise_failures("start_expert_distribution_record",
+                             await self._broadcast("start_expert_distribution_record"))
+
+    async def stop_expert_distribution_record(self) -> None:
+        self._raise_failures("stop_expert_distribution_record",
+                             await self._broadcast("stop_expert_distribution_record"))
+
+    async def dump_expert_distribution_record(self, output_dir: str) -> str:
+        """Every replica writes its own record on its node: ``"<deployment> replica <id>:
+        <path>"`` each."""
+        replies = await self._broadcast("dump_expert_distribution_record", output_dir)
+        self._raise_failures("dump_expert_distribution_record", replies)
+        return ", ".join(map(str, replies))
+
     async def _broadcast(self, method: str, *args, timeout_s: float = ADMIN_TIMEOUT_S,
                          **kwargs) -> list[ReplicaReply]:
         """``EngineServer.<method>`` on every running replica of every engine deployment."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -336,13 +337,30 @@ class Engine:
         return self.weights.update_weights_from_disk(model_path, load_format, abort_all_requests,
                                                      weight_version)
 
-    def dump_expert_distribution_record(self, path: str) -> None:
-        """Write the routed rows per expert and MoE layer since start-up as a load file
-        (``--init-expert-location`` reads it); recorded from the router stats, with or
-        without EPLB."""
+    def start_expert_distribution_record(self) -> None:
+        """Record the routed rows per expert and MoE layer from now on (recording runs from
+        start-up too; this drops what was recorded)."""
+        self._balancer().start_record()
+
+    def stop_expert_distribution_record(self) -> None:
+        self._balancer().stop_record()
+
+    def dump_expert_distribution_record(self, output_dir: str) -> str:
+        """Write the recorded rows per expert and MoE layer as a load file
+        ``expert_distribution_<time ns>.json`` in ``output_dir`` (made if missing;
+        ``--init-expert-location`` reads it); recorded from the router stats, with or without
+        EPLB. Returns the file's path."""
+        balancer = self._balancer()
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, f"expert_distribution_{time.time_ns()}.json")
+        balancer.dump(path)  # a step replaces the record array, never edits it
+        return path
+
+    def _balancer(self):
         if self.runner.balancer is None:
-            raise ValueError("expert loads are recorded from the router stats, which are off")
-        self.runner.balancer.dump(path)
+            raise InvalidRequestError("expert_distribution", "expert loads are recorded from "
+                                      "the router stats, which are off on this engine")
+        return self.runner.balancer
 
     def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
         """Start a ``jax.profiler`` trace (``profiler.py``); returns its directory."""

@@ -60,6 +60,16 @@ class EngineAPI(Protocol):
     def stop_profile(self) -> MaybeAwaitable[str]:
         """Stop the trace; returns where it was written."""
 
+    def start_expert_distribution_record(self) -> MaybeAwaitable[None]:
+        """Record routed rows per expert from now on (dropping the record so far)."""
+
+    def stop_expert_distribution_record(self) -> MaybeAwaitable[None]:
+        """Stop adding to the record."""
+
+    def dump_expert_distribution_record(self, output_dir: str) -> MaybeAwaitable[str]:
+        """Write the record as a load file into ``output_dir``; returns where (a remote
+        engine: every replica's file, on its own node)."""
+
     def update_weights_from_disk(self, model_path: str, *, load_format: str | None = None,
                                  abort_all_requests: bool = False,
                                  weight_version: str | None = None) -> MaybeAwaitable[dict]:

@@ -257,6 +257,39 @@ async def stop_profile(request: Request) -> Response:
     return Response(content=f"Stop profiling. The trace is in {out}.\n", status_code=200)
 
 
+@router.post("/start_expert_distribution_record")
+@router.get("/start_expert_distribution_record")
+@admin_route
+async def start_expert_distribution_record(request: Request) -> Response:
+    """SGLang's expert distribution record: routed rows per expert and MoE layer, counted from
+    now on (the engine records from start-up; this drops what it had). 400 when the engine
+    runs without router stats."""
+    await _call(_engine(request).start_expert_distribution_record())
+    return Response(content="Start recording the expert distribution.\n", status_code=200)
+
+
+@router.post("/stop_expert_distribution_record")
+@router.get("/stop_expert_distribution_record")
+@admin_route
+async def stop_expert_distribution_record(request: Request) -> Response:
+    await _call(_engine(request).stop_expert_distribution_record())
+    return Response(content="Stop recording the expert distribution.\n", status_code=200)
+
+
+@router.post("/dump_expert_distribution_record")
+@router.get("/dump_expert_distribution_record")
+@admin_route
+async def dump_expert_distribution_record(request: Request) -> JSONResponse:
+    """Write the record as a load file for ``--init-expert-location`` into ``output_dir``
+    (optional; under ``--profile-dir-root`` like traces, 400 outside it) -> ``{"success",
+    "path"}`` (a Ray app: every replica's file, each on its replica's node)."""
+    body = {} if request.method == "GET" else await read_json(request, allow_empty=True)
+    engine = _engine(request)
+    out = confine_output_dir(opt_field(body, "output_dir", "str"), _arg(engine, "profile_dir_root"))
+    path = await _call(await asyncio.to_thread(engine.dump_expert_distribution_record, out))
+    return JSONResponse({"success": True, "path": path})
+
+
 @router.post("/flush_cache")
 @router.get("/flush_cache")
 @admin_route

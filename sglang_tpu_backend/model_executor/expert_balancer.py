@@ -3,8 +3,9 @@
 Each step's router stats carry the real rows routed to every physical expert slot, summed
 over the EP ranks (f32[layers, P], ``metrics/router_stats.py``); ``record`` adds them (MoE
 layers only) into rows per slot since the last rebalance, what the next placement and the
-per-rank balance are computed from; at each rebalance they are folded into rows per logical
-expert since start-up, what ``dump`` writes as a load file for ``--init-expert-location``.
+per-rank balance are computed from, and, while recording (from start-up, or from
+``start_record`` until ``stop_record``), into rows per logical expert: what ``dump`` writes as
+a load file for ``--init-expert-location`` (SGLang's expert distribution record).
 Without EPLB the runner keeps one too, over the identity placement of the logical experts
 (``stores_physical=False``: the params stay as loaded), so loads and the per-rank balance
 are recorded on any engine with router stats. Every
@@ -45,7 +46,8 @@ class ExpertBalancer:
         self.rebalance_every, self.stores_physical = rebalance_every, stores_physical
         self.layers = moe_layers(cfg)
         self.window = eplb.ExpertLoadRecorder(location.num_layers, location.num_physical)
-        self.total = np.zeros((location.num_layers, location.num_experts))
+        self.recording = True
+        self.recorded = np.zeros((location.num_layers, location.num_experts))  # rows per expert
         self.num_rebalances = 0
         self.mover = ExpertMover(cfg, num_ranks)
 
@@ -55,7 +57,19 @@ class ExpertBalancer:
 
     def record(self, slot_counts: np.ndarray) -> None:
         """Add one step's rows per physical slot f32[num_hidden_layers, P]."""
-        self.window.add(np.asarray(slot_counts, np.float64)[self.layers])  # [L, P]
+        counts = np.asarray(slot_counts, np.float64)[self.layers]  # [L, P]
+        self.window.add(counts)
+        if self.recording:
+            self.recorded = self.recorded + self.location.logical_loads(counts)
+
+    def start_record(self) -> None:
+        """Record the rows per logical expert from now on (what was recorded is dropped)."""
+        self.recorded = np.zeros_like(self.recorded)
+        self.recording = True
+
+    def stop_record(self) -> None:
+        """Stop adding to the record (EPLB keeps measuring its window)."""
+        self.recording = False
 
     def rank_balance(self) -> np.ndarray:
         """Per MoE layer max / mean of the rows each EP rank's slots received since the last
@@ -73,7 +87,6 @@ class ExpertBalancer:
         loads = self.location.logical_loads(self.window.counts)
         location = eplb.place_experts(loads, self.location.num_physical, self.num_ranks)
         params = self.mover.move(params, location)
-        self.total += loads
         self.location = location
         after = eplb.balance_ratio(location.rank_loads(location.split_loads(loads), self.num_ranks))
         logger.info("EPLB rebalance %d after %d steps: per-rank max/mean (mean over layers) %.3f "
@@ -87,14 +100,12 @@ class ExpertBalancer:
         """Serve ``params`` (placed by ``physical`` earlier, e.g. a weight update's): the loads
         recorded so far are kept, the location becomes the one the params hold."""
         if self.stores_physical:
-            self.total += self.location.logical_loads(self.window.counts)
             self.window.reset()
             self.location = params_location(params, self.cfg)
 
     def dump(self, path: str | Path) -> None:
-        """Write the rows per logical expert since start-up as a load file."""
-        total = self.total + self.location.logical_loads(self.window.counts)
-        eplb.write_load_file(path, total, self.layers)
+        """Write the recorded rows per logical expert as a load file."""
+        eplb.write_load_file(path, self.recorded, self.layers)
 
 
 def initial_location(cfg: ModelConfig, *, num_redundant: int, init_expert_location: str | None,

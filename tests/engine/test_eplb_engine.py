@@ -71,10 +71,9 @@ def test_recorded_loads_round_trip_as_a_load_file(eplb_engine, engine, tmp_path)
     from sglang_tpu_backend.parallel.eplb import read_load_file
 
     cfg = eplb_engine.model_config
-    path = tmp_path / "loads.json"
 
     def dumped(eng):
-        eng.dump_expert_distribution_record(str(path))
+        path = eng.dump_expert_distribution_record(str(tmp_path / "records"))
         return read_load_file(path, cfg.num_experts, moe_layers(cfg))
 
     prompts = _prompts(3, seed=4)
@@ -85,3 +84,28 @@ def test_recorded_loads_round_trip_as_a_load_file(eplb_engine, engine, tmp_path)
         _generate_all(eng, prompts)
         np.testing.assert_allclose(dumped(eng).sum(axis=1) - before,
                                    rows * cfg.num_experts_per_tok)
+
+
+def test_expert_distribution_record_starts_and_stops(engine, tmp_path):
+    """SGLang's start / stop / dump: a start drops the record, rows count until the stop."""
+    from sglang_tpu_backend.model_executor.expert_location import moe_layers
+    from sglang_tpu_backend.parallel.eplb import read_load_file
+
+    cfg = engine.model_config
+
+    def dumped():
+        path = engine.dump_expert_distribution_record(str(tmp_path))
+        return read_load_file(path, cfg.num_experts, moe_layers(cfg)).sum(axis=1)
+
+    prompts = _prompts(2, seed=5)
+    rows = sum(len(p) + SAMPLING["max_new_tokens"] - 1 for p in prompts)
+    try:
+        engine.start_expert_distribution_record()
+        assert not dumped().any()
+        _generate_all(engine, prompts)
+        np.testing.assert_allclose(dumped(), rows * cfg.num_experts_per_tok)
+        engine.stop_expert_distribution_record()
+        _generate_all(engine, prompts)
+        np.testing.assert_allclose(dumped(), rows * cfg.num_experts_per_tok)
+    finally:
+        engine.start_expert_distribution_record()  # the shared engine records again

@@ -160,6 +160,16 @@ class FakeEngine:
         self.calls.append(("stop_profile",))
         return ""
 
+    def start_expert_distribution_record(self) -> None:
+        self.calls.append(("start_expert_distribution_record",))
+
+    def stop_expert_distribution_record(self) -> None:
+        self.calls.append(("stop_expert_distribution_record",))
+
+    def dump_expert_distribution_record(self, output_dir: str) -> str:
+        self.calls.append(("dump_expert_distribution_record", output_dir))
+        return output_dir + "/expert_distribution_0.json"
+
     def update_weights_from_disk(self, model_path: str, **kwargs) -> dict:
         self.calls.append(("update_weights_from_disk", model_path))
         return {"success": True, "message": "updated (fake)", "num_paused_requests": 0}

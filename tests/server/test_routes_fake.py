@@ -376,6 +376,9 @@ def test_unhealthy_engine_health_is_503_json():
 # Access: --api-key / --admin-api-key (SGLang's semantics, entrypoints/auth.py) -------------
 ADMIN_CALLS = [("POST", "/flush_cache", None), ("POST", "/start_profile", {}), ("POST", "/stop_profile", None),
                ("POST", "/update_weights_from_disk", {"model_path": "/anywhere"}),
+               ("POST", "/start_expert_distribution_record", None),
+               ("POST", "/stop_expert_distribution_record", None),
+               ("POST", "/dump_expert_distribution_record", {}),
                ("POST", "/abort_request", {"abort_all": True})]
 
 
@@ -400,7 +403,10 @@ def test_admin_routes_take_the_admin_key(api_key, admin_key, unlocks, refused):
     for key in unlocks:
         assert [r.status_code for r in run(_call_all(eng, ADMIN_CALLS, key))] == [200] * len(ADMIN_CALLS)
     assert [c[0] for c in eng.calls] == ["flush_cache", "start_profile", "stop_profile",
-                                         "update_weights_from_disk"] * len(unlocks)
+                                         "update_weights_from_disk",
+                                         "start_expert_distribution_record",
+                                         "stop_expert_distribution_record",
+                                         "dump_expert_distribution_record"] * len(unlocks)
 
 
 def test_serving_routes_take_the_plain_key_and_probes_stay_open():
@@ -429,6 +435,18 @@ def test_profile_output_dir_is_confined_to_the_root(tmp_path):
     for good, want in [("sub/trace", root / "sub" / "trace"), (str(root / "abs"), root / "abs"), (None, root)]:
         assert run(_post(eng, "/start_profile", {"output_dir": good})).status_code == 200
         assert eng.calls[-1] == ("start_profile", str(want.resolve()), None)
+
+
+def test_expert_distribution_dump_is_confined_to_the_root(tmp_path):
+    eng = FakeEngine(ServerArgs(context_length=256, profile_dir_root=str(tmp_path)))
+    err = _error(run(_post(eng, "/dump_expert_distribution_record", {"output_dir": "/etc"})),
+                 400, "output_dir")
+    assert "outside the profile root" in err["message"] and eng.calls == []
+    r = run(_post(eng, "/dump_expert_distribution_record", {"output_dir": "eplb"}))
+    assert r.status_code == 200, r.text
+    want = str((tmp_path / "eplb").resolve())
+    assert eng.calls == [("dump_expert_distribution_record", want)]
+    assert r.json() == {"success": True, "path": want + "/expert_distribution_0.json"}
 
 
 def test_health_generate_runs_one_probe_at_a_time():
