@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from sglang_tpu_backend.sampling import sampler
 from sglang_tpu_backend.speculative import rejection
 
-N = 40_000  # seeds (rows) per distribution test
+N = 20_000  # seeds (rows) per distribution test
 V = 16
 TEMP = 0.8
 STEP = 7  # output index of the first emitted token
@@ -91,15 +91,45 @@ def toy_model():
     return L0, L1, L2, q0, q1
 
 
+# Sampling settings of each mode's requests, and the sampler variant that serves them.
+FILTERED = sampler.SamplerVariant(mask=False, bias=False)
+MODES = {
+    "deterministic": ({}, sampler.PLAIN),
+    "draft_probs": ({}, sampler.PLAIN),
+    "filtered": (dict(top_k=5, min_p=0.05, frequency_penalty=0.7, presence_penalty=0.5,
+                      repetition_penalty=1.3), FILTERED),
+}
+PROMPT = np.random.default_rng(5).random(V) < 0.3  # the prompt's tokens (repetition penalty)
+
+
+def exact_targets(mode, toy_model):
+    """Plain sampling's distributions: p0 f64[V] of the first token, p1 f64[V, V] of the
+    second given the first (counted as an output token), from the sampler's stages."""
+    L0, L1 = toy_model[:2]
+    kw, variant = MODES[mode]
+    inp = make_inputs(V + 1, V, temperature=TEMP, **kw)
+    counts = np.concatenate([np.zeros((1, V), np.int32), np.eye(V, dtype=np.int32)])
+    x = sampler.process_logits(np.concatenate([L0[None], L1]), counts,
+                               np.broadcast_to(PROMPT, (V + 1, V)), None, inp, variant)
+    p = np.asarray(jax.nn.softmax(sampler.draw_logits(x, inp, variant)[1]), np.float64)
+    p /= p.sum(-1, keepdims=True)
+    return p[0], p[1:]
+
+
 def two_tokens(fn, toy_model, mode):
     """Emit two tokens for N seeds with ``fn`` as the verify rule: (t0 i32[N], t1 i32[N], joint
     probabilities f64[V * V] of (t0, t1) under plain sampling)."""
     L0, L1, L2, q0, q1 = toy_model
-    p0, p1 = softmax(L0.astype(np.float64) / TEMP), softmax(L1.astype(np.float64) / TEMP)
+    p0, p1 = exact_targets(mode, toy_model)
+    kw, variant = MODES[mode]
     if mode == "deterministic":  # a likely first draft, an unlikely second one
         d0 = int(np.argsort(-p0)[1])
-        d1 = int(np.argsort(-p1[d0])[V // 2])
-        drafts = np.tile([d0, d1], (N, 1))
+        drafts = np.tile([d0, np.argsort(-p1[d0])[V // 2]], (N, 1))
+        draft_probs = None
+    elif mode == "filtered":  # a likely first draft, a second one the filter drops
+        d0 = int(np.argsort(-p0)[1])
+        drafts = np.tile([d0, np.argsort(-p1[d0])[-1]], (N, 1))
+        assert p1[d0, drafts[0, 1]] == 0
         draft_probs = None
     else:  # drafts drawn from the toy drafter, which passes its distributions
         rng = np.random.default_rng(1)
@@ -109,12 +139,15 @@ def two_tokens(fn, toy_model, mode):
         drafts = np.stack([d0, d1], axis=1)
         draft_probs = np.stack([np.broadcast_to(q0, (N, V)), q1[d0]], axis=1)
     logits = np.stack([np.broadcast_to(L0, (N, V)), L1[drafts[:, 0]], L2[drafts[:, 1]]], axis=1)
-    inp = make_inputs(N, V, temperature=TEMP, step=STEP, seed_hi=3)
-    out = verify(fn, logits, drafts, inp, draft_probs)
+    state = dict(counts=np.zeros((N, V), np.int32), prompt_mask=np.broadcast_to(PROMPT, (N, V)))
+    inp = make_inputs(N, V, temperature=TEMP, step=STEP, seed_hi=3, slot=np.arange(N), **kw)
+    out = verify(fn, logits, drafts, inp, draft_probs, variant=variant, **state)
     t0 = out["tokens"][:, 0]
-    # Requests that emitted one token only sample the second from L1[t0] in a plain step.
-    plain = verify(fn, L1[t0][:, None], np.zeros((N, 0)), make_inputs(N, V, temperature=TEMP,
-                                                                      step=STEP + 1, seed_hi=3))
+    # Requests that emitted one token only sample the second from L1[t0] in a plain step,
+    # with the penalty state the verify step left.
+    state["counts"] = out["counts"]
+    inp = make_inputs(N, V, temperature=TEMP, step=STEP + 1, seed_hi=3, slot=np.arange(N), **kw)
+    plain = verify(fn, L1[t0][:, None], np.zeros((N, 0)), inp, variant=variant, **state)
     t1 = np.where(out["num_accepted"] >= 1, out["tokens"][:, 1], plain["next_token"])
     return t0, t1, (p0[:, None] * p1).reshape(-1)
 
@@ -125,7 +158,7 @@ WRONG_RULES = {
 }
 
 
-@pytest.mark.parametrize("mode", ["deterministic", "draft_probs"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("rule", ["exact", *WRONG_RULES])
 def test_two_token_distribution_matches_the_target(toy_model, mode, rule, monkeypatch):
     fn = rejection.verify_sampled_jit
@@ -168,7 +201,7 @@ def full_case(rng, R=6, k=3, V=40, B=4):
     logit bias and per-position bitmasks; each row its own penalty slot."""
     n, W = k + 1, (V + 31) // 32
     bits = rng.integers(-2**31, 2**31, (R, n, W), dtype=np.int64).astype(np.int32)
-    bits[..., 0] |= 0b111  # some tokens allowed at every position
+    bits[..., 0] |= 0xFF  # tokens 0..7 (the drafts' ids) allowed at every position
     inp = make_inputs(
         R, V, temperature=[0.0, 0.7, 1.0, 1.3, 0.0, 0.9], top_k=[0, 5, 0, 0, 3, 8],
         top_p=[1.0, 1.0, 0.8, 1.0, 1.0, 0.9], min_p=[0.0, 0.0, 0.0, 0.1, 0.0, 0.05],
@@ -179,6 +212,8 @@ def full_case(rng, R=6, k=3, V=40, B=4):
         bias_values=rng.normal(size=(R, B)).astype(np.float32) * 2)
     logits = rng.normal(size=(R, n, V)).astype(np.float32) * 3
     drafts = rng.integers(0, 8, (R, k)).astype(np.int32)  # small ids: often seen again
+    likely = rng.random((R, k)) < 0.8  # most drafts made likely, so that some are accepted
+    logits[np.arange(R)[:, None], np.arange(k), drafts] += np.where(likely, 8.0, 0.0)
     counts = rng.integers(0, 2, (R, V)).astype(np.int32)
     prompt_mask = rng.random((R, V)) < 0.2
     return logits, drafts, counts, prompt_mask, inp
@@ -228,6 +263,7 @@ def test_verify_emits_counts_and_reports_logprobs_of_its_tokens():
                    prompt_mask=prompt_mask, variant=sampler.FULL)
     for key in out:
         np.testing.assert_array_equal(out[key], again[key])  # seeded: deterministic
+    assert 0 < out["num_accepted"].sum() < R * (n - 1)  # some drafts accepted, some not
     want_counts = counts.copy()
     for r in range(R):
         a = out["num_accepted"][r]
@@ -235,7 +271,8 @@ def test_verify_emits_counts_and_reports_logprobs_of_its_tokens():
         np.testing.assert_array_equal(emitted[:a], drafts[r, :a])
         assert emitted[a] == out["next_token"][r]
         assert np.isfinite(scaled[r, np.arange(a + 1), emitted]).all()  # allowed by each target
-        np.testing.assert_allclose(out["logprobs"][r, : a + 1], logprobs[r, np.arange(a + 1), emitted], atol=1e-6)
+        np.testing.assert_allclose(out["logprobs"][r, : a + 1], logprobs[r, np.arange(a + 1), emitted],
+                                   atol=1e-6)
         assert (out["tokens"][r, a + 1:] == 0).all() and (out["logprobs"][r, a + 1:] == 0).all()
         np.add.at(want_counts[inp.slot[r]], emitted, 1)
     np.testing.assert_array_equal(out["counts"], want_counts)
