@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from sglang_tpu_backend.sampling.sampler import (
-    FULL, SamplerVariant, SamplingInputs, row_keys, draw_logits, process_logits)
+    FULL, SamplerVariant, SamplingInputs, draw_logits, process_logits, row_keys)
 
 KEY_SALT = 0x5EC1  # folded into every key drawn here; the plain sampler never folds it
 
@@ -69,9 +69,9 @@ def position_targets(logits, drafts, counts, prompt_mask, inp: SamplingInputs,
     else:
         c = jnp.broadcast_to(c[:, None], (R, n, V))
     bitmask = inp.bitmask if variant.mask else jnp.zeros((R, n, 0), jnp.int32)
-    if variant.mask and bitmask.shape[:2] != (R, n):
+    if variant.mask and (bitmask is None or bitmask.shape[:2] != (R, n)):
         raise ValueError(f"inp.bitmask must be i32[R, n, W] = [{R}, {n}, W] for a verify step, "
-                         f"got shape {bitmask.shape}")
+                         f"got {None if bitmask is None else bitmask.shape}")
     pm = prompt_mask[inp.slot]
 
     def one_position(x_j, c_j, m_j):

@@ -327,7 +327,8 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="drafts"):
         rejection.verify_sampled(logits, np.zeros((2, 1), np.int32), None, jnp.zeros((1, V), jnp.int32),
                                  jnp.zeros((1, V), bool), inp)
-    inp = make_inputs(2, V, bitmask=np.full((2, 1), -1, np.int32))
-    with pytest.raises(ValueError, match="bitmask"):
-        rejection.verify_sampled(logits, np.zeros((2, 2), np.int32), None, jnp.zeros((1, V), jnp.int32),
-                                 jnp.zeros((1, V), bool), inp, variant=sampler.FULL)
+    for bitmask in (np.full((2, 1), -1, np.int32), None):  # one mask per row, not per position
+        with pytest.raises(ValueError, match="bitmask"):
+            rejection.verify_sampled(logits, np.zeros((2, 2), np.int32), None, jnp.zeros((1, V), jnp.int32),
+                                     jnp.zeros((1, V), bool), make_inputs(2, V, bitmask=bitmask),
+                                     variant=sampler.FULL)
