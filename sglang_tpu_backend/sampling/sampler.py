@@ -152,7 +152,42 @@ def top_k_top_p_min_p_mask(probs, top_k, top_p, min_p):
     return jnp.zeros((R, V), jnp.bool_).at[rows, order].set(keep)
 
 
-def _row_keys(seed_lo, seed_hi, step):
+def process_logits(x, counts, prompt_mask, bitmask, inp: SamplingInputs, variant: SamplerVariant):
+    """The stages before temperature: penalties, logit bias, grammar bitmask.
+
+    x f32[R, V] the rows' logits; counts i32[R, V] and prompt_mask bool[R, V] the rows' penalty
+    state (read when ``variant.penalties``); bitmask i32[R, W] (read when ``variant.mask``);
+    ``inp``'s per-row fields (R rows). Returns f32[R, V]; a greedy row's token is its argmax.
+    """
+    if variant.penalties:
+        x = apply_penalties(x, counts, prompt_mask, inp.frequency_penalty, inp.presence_penalty,
+                            inp.repetition_penalty)
+    if variant.bias and inp.bias_ids is not None:
+        x = apply_logit_bias(x, inp.bias_ids, inp.bias_values)
+    if variant.mask:
+        x = apply_bitmask(x, bitmask)
+    return x
+
+
+def draw_logits(x, inp: SamplingInputs, variant: SamplerVariant):
+    """Temperature and the top-k/top-p/min-p filter of processed rows x f32[R, V].
+
+    Returns ``(logprobs, scaled)``, both f32[R, V]: ``logprobs`` the log-softmax at the row's
+    temperature (1 for greedy rows), what the logprob outputs report; ``scaled`` the logits a
+    draw samples from, tokens the filter drops (when ``variant.draw and variant.filter``) at -inf.
+    """
+    temp = jnp.where(inp.temperature <= 0.0, 1.0, inp.temperature)
+    scaled = x / temp[:, None]
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    if variant.draw and variant.filter:
+        keep = top_k_top_p_min_p_mask(jnp.exp(logprobs), inp.top_k, inp.top_p, inp.min_p)
+        scaled = jnp.where(keep, scaled, NEG_INF)
+    return logprobs, scaled
+
+
+def row_keys(seed_lo, seed_hi, step):
+    """Each row's PRNG key u32[R, 2] of (seed, output step): seed_lo, seed_hi u32[R], step i32[R]."""
+
     def one(lo, hi, t):
         k = jax.random.fold_in(jax.random.PRNGKey(lo), hi)
         return jax.random.fold_in(k, t)
@@ -184,28 +219,14 @@ def sample(logits, counts, prompt_mask, inp: SamplingInputs, *, num_top_logprobs
       ``row_logprobs`` f32[L] (raw log-softmax at ``target_ids``), ``row_top_logprobs``
       f32[L, K], ``row_top_ids`` i32[L, K]; and the updated ``counts``.
     """
-    x = logits[inp.sample_rows]  # f32[R, V]
-    if variant.penalties:
-        x = apply_penalties(
-            x, counts[inp.slot], prompt_mask[inp.slot],
-            inp.frequency_penalty, inp.presence_penalty, inp.repetition_penalty,
-        )
-    if variant.bias and inp.bias_ids is not None:
-        x = apply_logit_bias(x, inp.bias_ids, inp.bias_values)
-    if variant.mask:
-        x = apply_bitmask(x, inp.bitmask)
-    greedy = inp.temperature <= 0.0
-    temp = jnp.where(greedy, 1.0, inp.temperature)
-    scaled = x / temp[:, None]
-    logprobs = jax.nn.log_softmax(scaled, axis=-1)  # f32[R, V]
+    x = process_logits(logits[inp.sample_rows], counts[inp.slot], prompt_mask[inp.slot],
+                       inp.bitmask, inp, variant)  # f32[R, V]
+    logprobs, scaled = draw_logits(x, inp, variant)
     tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)  # i32[R] greedy
     if variant.draw:
-        if variant.filter:
-            keep = top_k_top_p_min_p_mask(jnp.exp(logprobs), inp.top_k, inp.top_p, inp.min_p)
-            scaled = jnp.where(keep, scaled, NEG_INF)
-        keys = _row_keys(inp.seed_lo, inp.seed_hi, inp.step)
+        keys = row_keys(inp.seed_lo, inp.seed_hi, inp.step)
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-        tokens = jnp.where(greedy, tokens, drawn)
+        tokens = jnp.where(inp.temperature <= 0.0, tokens, drawn)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     counts = counts.at[inp.slot, tokens].add(inp.valid.astype(counts.dtype))
     out = {"tokens": tokens, "logprobs": chosen, "counts": counts}

@@ -26,10 +26,11 @@ LAYERS = [
      "sglang_tpu_backend.sampling", "sglang_tpu_backend.constrained", "sglang_tpu_backend.metrics",
      "sglang_tpu_backend.profiler", "sglang_tpu_backend.roofline",
      "sglang_tpu_backend.managers.schedule_batch", "sglang_tpu_backend.managers.handover"),
-    # 2: running the model: one device, DP, TP, multi-host; loading into shardings; planning
+    # 2: running the model: one device, DP, TP, multi-host; loading into shardings; planning;
+    #    speculative drafting and verification
     ("sglang_tpu_backend.model_executor", "sglang_tpu_backend.parallel", "sglang_tpu_backend.plan",
      "sglang_tpu_backend.mem_budget", "sglang_tpu_backend.generate",
-     "sglang_tpu_backend.sharded_loader"),
+     "sglang_tpu_backend.sharded_loader", "sglang_tpu_backend.speculative"),
     # 3: the engine's components (scheduler, loop, outputs, handover, weight updates)
     ("sglang_tpu_backend.managers",),
     # 4: the engine facade

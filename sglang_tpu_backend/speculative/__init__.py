@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts, and their verification against the target model."""
