@@ -108,13 +108,15 @@ def _hf_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[tuple[int, ...]
     return out
 
 
-def _hf_layer_shapes(cfg: ModelConfig, p: str, kind: str, moe: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+def _hf_layer_shapes(cfg: ModelConfig, p: str, kind: str, moe: bool
+                     ) -> dict[str, tuple[tuple[int, ...], str]]:
     """One decoder layer's tensors under ``p`` (``...layers.N.``)."""
     h, e = cfg.hidden_size, cfg.num_experts
     i, s = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim
-    out = {p + "input_layernorm.weight": ((h,), "norm"), p + "post_attention_layernorm.weight": ((h,), "norm")}
+    out = {p + "input_layernorm.weight": ((h,), "norm"),
+           p + "post_attention_layernorm.weight": ((h,), "norm")}
     if kind == FULL_ATTENTION:
         a = p + "self_attn."
         out.update({a + "q_proj.weight": ((hq * 2 * d, h), "w"), a + "k_proj.weight": ((hkv * d, h), "w"),

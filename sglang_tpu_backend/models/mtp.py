@@ -2,8 +2,9 @@
 
 Qwen3.5 and Qwen3-Next checkpoints ship ``mtp_num_hidden_layers`` (1) extra decoder layers
 under ``mtp.*`` that predict the token after next. For a token row at position p whose target
-hidden state ``hidden[p]`` (the target's output after its final norm) and next token
-``x[p+1]`` are known, one MTP step computes
+hidden state ``hidden[p]`` (the target's output after its final norm, as
+``qwen3_5_moe.forward_hidden`` returns it and the LM head reads it) and next token ``x[p+1]``
+are known, one MTP step computes
 
     e   = rms_norm(embed_tokens[x[p+1]], pre_fc_norm_embedding)        [T, H]
     h   = rms_norm(hidden[p], pre_fc_norm_hidden)                      [T, H]
@@ -35,7 +36,6 @@ D head dim, k draft steps.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +59,7 @@ def init_mtp_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
 def mtp_forward(params: Params, mtp_params: Params, cache: jax.Array, batch: ForwardBatch,
                 hidden: jax.Array, cfg: ModelConfig, impl: str = "auto", step: int = 0,
                 batch_invariant: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One MTP step over a ragged batch (module docstring for the math).
+    """One MTP step over a ragged batch on one device (module docstring for the math).
 
     Args:
       params: the target's params (``embed_tokens`` and ``lm_head`` are read).
@@ -118,5 +118,5 @@ def draft_chain(params: Params, mtp_params: Params, cache: jax.Array, batch: For
     return jnp.stack(drafts, axis=1), cache
 
 
-draft_chain_jit = functools.partial(
-    jax.jit, static_argnames=("cfg", "num_steps", "impl"), donate_argnames=("cache",))(draft_chain)
+draft_chain_jit = jax.jit(draft_chain, static_argnames=("cfg", "num_steps", "impl"),
+                          donate_argnames=("cache",))
