@@ -57,6 +57,8 @@ class ModelConfig:
     dense_mlp_layers: tuple[int, ...] = ()
     intermediate_size: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    # Multi-token-prediction layers shipped under ``mtp.*`` (0: none; ``models/mtp.py``).
+    mtp_num_hidden_layers: int = 0
 
     # Derived sizes -------------------------------------------------------------------
     @property
@@ -191,6 +193,7 @@ def model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         dense_mlp_layers=dense,
         intermediate_size=int(f.get("intermediate_size", 0)),
         eos_token_ids=eos_ids,
+        mtp_num_hidden_layers=int(f.get("mtp_num_hidden_layers") or 0),
     )
 
 

@@ -4,6 +4,8 @@ Reads HF Qwen3.5-MoE (``model.language_model.`` / ``model.`` prefixes) and Qwen3
 checkpoints, fused or per-expert expert layouts, bf16/fp32/FP8-block-scaled weights. Every
 expected tensor's name and shape is checked from the file headers before any data is read;
 then tensors stream one at a time: read, dequantise, transpose to [in, out], cast, place.
+``load_params`` skips the multi-token-prediction layers under ``mtp.*``; ``load_mtp_params``
+reads them, with the same checks and dtype/FP8 handling (layout in ``models/mtp.py``).
 
 Letters: H hidden, V vocab, E experts, I expert width, Is shared-expert width, Hq/Hkv attention
 heads of size D, Hk/Hv GDN key/value heads of sizes Dk/Dv, C = 2*Hk*Dk + Hv*Dv, K conv kernel.
@@ -37,11 +39,14 @@ from sglang_tpu_backend.checkpoint_io import (
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig, load_model_config
 from sglang_tpu_backend.models.qwen3_5_moe import stack_layers
 
-__all__ = ["CheckpointError", "CheckpointLeaves", "Leaf", "load_model", "load_params"]
+__all__ = ["CheckpointError", "CheckpointLeaves", "Leaf", "load_model", "load_mtp_params",
+           "load_params"]
 
 log = logging.getLogger(__name__)
 
-SKIPPED_PREFIXES = ("visual.", "model.visual.", "mtp.", "model.mtp.")
+SKIPPED_PREFIXES = ("visual.", "model.visual.", "mtp.", "model.mtp.")  # by load_params
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 _F8_CODES = ("F8_E4M3", "F8_E5M2")
 Shape = tuple[int, ...]
@@ -87,9 +92,9 @@ def _gdn_shapes(cfg: ModelConfig, p: str) -> dict[str, Shape]:
     return shapes
 
 
-def _mlp_shapes(cfg: ModelConfig, layer: int, p: str, fused: bool) -> dict[str, Shape]:
+def _mlp_shapes(cfg: ModelConfig, moe: bool, p: str, fused: bool) -> dict[str, Shape]:
     h = cfg.hidden_size
-    if not cfg.is_moe_layer(layer):
+    if not moe:
         i = cfg.intermediate_size
         return {f"{p}gate_proj.weight": (i, h), f"{p}up_proj.weight": (i, h), f"{p}down_proj.weight": (h, i)}
     e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
@@ -112,6 +117,20 @@ def _mlp_shapes(cfg: ModelConfig, layer: int, p: str, fused: bool) -> dict[str, 
     return shapes
 
 
+def _layer_shapes(cfg: ModelConfig, kind: str, moe: bool, lp: str,
+                  entries: dict[str, TensorEntry]) -> dict[str, Shape]:
+    """One decoder layer's tensors under ``lp`` (``...layers.N.``)."""
+    h = cfg.hidden_size
+    shapes = {f"{lp}input_layernorm.weight": (h,), f"{lp}post_attention_layernorm.weight": (h,)}
+    if kind == FULL_ATTENTION:
+        shapes.update(_attn_shapes(cfg, f"{lp}self_attn."))
+    else:
+        shapes.update(_gdn_shapes(cfg, f"{lp}linear_attn."))
+    fused = f"{lp}mlp.experts.gate_up_proj" in entries
+    shapes.update(_mlp_shapes(cfg, moe, f"{lp}mlp.", fused))
+    return shapes
+
+
 def expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntry]) -> dict[str, Shape]:
     """Every HF tensor name the model needs (FP8 scales included) -> expected shape.
     ``entries`` (the checkpoint's index) decides fused vs per-expert experts and which
@@ -121,15 +140,25 @@ def expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntr
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     for i, kind in enumerate(cfg.layer_types):
-        lp = f"{prefix}layers.{i}."
-        shapes[f"{lp}input_layernorm.weight"] = (h,)
-        shapes[f"{lp}post_attention_layernorm.weight"] = (h,)
-        if kind == FULL_ATTENTION:
-            shapes.update(_attn_shapes(cfg, f"{lp}self_attn."))
-        else:
-            shapes.update(_gdn_shapes(cfg, f"{lp}linear_attn."))
-        fused = f"{lp}mlp.experts.gate_up_proj" in entries
-        shapes.update(_mlp_shapes(cfg, i, f"{lp}mlp.", fused))
+        shapes.update(_layer_shapes(cfg, kind, cfg.is_moe_layer(i), f"{prefix}layers.{i}.", entries))
+    return _with_fp8_scales(shapes, entries)
+
+
+def mtp_expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntry]
+                        ) -> dict[str, Shape]:
+    """The MTP tensors under ``prefix`` (``mtp.``) -> expected shape, like ``expected_shapes``:
+    ``fc`` [H, 2H] (input columns [embedding | hidden]), three norms, and
+    ``mtp_num_hidden_layers`` full-attention MoE decoder layers."""
+    h = cfg.hidden_size
+    shapes: dict[str, Shape] = {f"{prefix}fc.weight": (h, 2 * h)}
+    shapes.update({f"{prefix}{n}.weight": (h,) for n in MTP_NORMS})
+    for i in range(cfg.mtp_num_hidden_layers):
+        shapes.update(_layer_shapes(cfg, FULL_ATTENTION, True, f"{prefix}layers.{i}.", entries))
+    return _with_fp8_scales(shapes, entries)
+
+
+def _with_fp8_scales(shapes: dict[str, Shape], entries: dict[str, TensorEntry]) -> dict[str, Shape]:
+    """``shapes`` plus the ``*_scale_inv`` block scales of the entries stored as FP8."""
     for name, shape in list(shapes.items()):
         e = entries.get(name)
         if e is None or e.dtype not in _F8_CODES:
@@ -360,8 +389,8 @@ def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str,
     }
 
 
-def _mlp_leaves(r: _Reader, cfg: ModelConfig, layer: int, p: str, keep_fp8: bool) -> dict:
-    if not cfg.is_moe_layer(layer):
+def _mlp_leaves(r: _Reader, cfg: ModelConfig, moe: bool, p: str, keep_fp8: bool) -> dict:
+    if not moe:
         return {"gate_up": _swapped(r.gate_up, f"{p}gate_proj.weight", f"{p}up_proj.weight"),
                 "down": _swapped(r.linear, f"{p}down_proj.weight")}
     mlp = {"gate": _swapped(r.linear, f"{p}gate.weight"), "experts": _expert_leaves(r, cfg, f"{p}experts.", keep_fp8)}
@@ -447,15 +476,36 @@ class CheckpointLeaves:
                 "lm_head": self._row_leaf(head, True)}
 
     def layer(self, i: int) -> dict:
-        r, lp = self.reader, f"{self.prefix}layers.{i}."
+        return self._layer(self.cfg.layer_types[i], self.cfg.is_moe_layer(i),
+                           f"{self.prefix}layers.{i}.")
+
+    def _layer(self, kind: str, moe: bool, lp: str) -> dict:
+        r = self.reader
         layer = {"input_layernorm": _leaf(r.vec, f"{lp}input_layernorm.weight"),
                  "post_attention_layernorm": _leaf(r.vec, f"{lp}post_attention_layernorm.weight")}
-        if self.cfg.layer_types[i] == FULL_ATTENTION:
+        if kind == FULL_ATTENTION:
             layer["self_attn"] = _attn_leaves(r, f"{lp}self_attn.")
         else:
             layer["linear_attn"] = _gdn_leaves(r, self.cfg, f"{lp}linear_attn.")
-        layer["mlp"] = _mlp_leaves(r, self.cfg, i, f"{lp}mlp.", self.keep_fp8)
+        layer["mlp"] = _mlp_leaves(r, self.cfg, moe, f"{lp}mlp.", self.keep_fp8)
         return layer
+
+    def mtp(self) -> dict | None:
+        """The MTP params' leaves (layout in ``models/mtp.py``), or None when the config lists
+        no MTP layer or the checkpoint has no ``mtp.*`` tensors. Checks the MTP tensors'
+        names and shapes first (CheckpointError)."""
+        prefix = next((p for p in MTP_PREFIXES if f"{p}fc.weight" in self.entries), None)
+        if not self.cfg.mtp_num_hidden_layers or prefix is None:
+            if self.cfg.mtp_num_hidden_layers:
+                log.info("config lists %d MTP layer(s) but %s has no mtp.* tensors",
+                         self.cfg.mtp_num_hidden_layers, self.dir)
+            return None
+        _check_entries(self.dir, mtp_expected_shapes(self.cfg, prefix, self.entries), self.entries)
+        r = self.reader
+        return {"fc": _swapped(r.linear, f"{prefix}fc.weight"),
+                **{n: _leaf(r.vec, f"{prefix}{n}.weight") for n in MTP_NORMS},
+                "layers": tuple(self._layer(FULL_ATTENTION, True, f"{prefix}layers.{i}.")
+                                for i in range(self.cfg.mtp_num_hidden_layers))}
 
 
 def resolve_keep_fp8(keep_fp8_experts: bool, backend: str | None) -> bool:
@@ -512,6 +562,17 @@ def load_params(
     layers = [read(leaves.layer(i)) for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights",
                                                   unit="layer", disable=disable)]
     return {**read(leaves.top()), "layer_groups": stack_layers(layers, cfg)}
+
+
+def load_mtp_params(checkpoint_dir: str | Path, cfg: ModelConfig, *, dtype: Any = jnp.bfloat16,
+                    keep_fp8_experts: bool = False, backend: str | None = None) -> dict | None:
+    """The checkpoint's MTP params (layout in ``models/mtp.py``) on the default device, or
+    None when it has none (``CheckpointLeaves.mtp``). Arguments as for :func:`load_params`,
+    whose params (the embedding and LM head the MTP layers share) are loaded separately."""
+    leaves = CheckpointLeaves(checkpoint_dir, cfg, dtype=dtype,
+                              keep_fp8_experts=resolve_keep_fp8(keep_fp8_experts, backend))
+    tree = leaves.mtp()
+    return None if tree is None else jax.tree.map(lambda leaf: read_whole(leaf, cfg.num_experts), tree)
 
 
 def load_model(

@@ -37,6 +37,9 @@ activations, one step of T = --max-num-batched-tokens tokens per DP rank, b = --
                + M*(2*H + I))    routed rows: gathered-in and expert-out [M, H], SwiGLU [M, I],
                                  M = Tg*k (the static row count the MoE kernels allocate)
           + 4 * r * V            f32 logits for the device's running requests
+MTP       with ``--mtp`` (NEXTN drafting) also the ``mtp.*`` layers: their weights (fc, norms, one
+          full-attention MoE layer each, split like the main layers') and their KV pages (one
+          more attention layer per MTP layer in La).
 headroom  = HBM per device - (weights + KV + GDN + activations); max_running_requests is the
           largest R with headroom >= 0 (binary search; the plan is monotone in R).
 """
@@ -57,7 +60,7 @@ import jax
 
 from kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.config import ModelConfig, load_model_config, model_config_from_dict
-from sglang_tpu_backend.models.param_shapes import num_param_bytes, param_shapes
+from sglang_tpu_backend.models.param_shapes import mtp_param_shapes, num_param_bytes, param_shapes
 
 GiB = 1 << 30
 DEFAULT_CONFIG = Path(__file__).parent / "assets" / "configs" / "qwen3.5-397b-a17b.json"
@@ -135,6 +138,7 @@ class MemoryPlan:
     max_running_requests: int  # per host
     redundant_experts: int = 0  # EPLB: physical expert slots per MoE layer beyond E
     expert_slots_per_device: int = 0  # (E + redundant) / ep
+    mtp_layers: int = 0  # MTP layers planned (weights and KV pages), 0 without --mtp
 
     @property
     def weights(self) -> int:
@@ -174,14 +178,19 @@ def _tp_heads(cfg: ModelConfig, tp: int) -> tuple[int, int, int, int]:
 
 
 def weight_bytes(cfg: ModelConfig, *, ep: int, tp: int, expert_dtype: str = "fp8",
-                 dtype: Any = None, redundant_experts: int = 0) -> tuple[int, int]:
+                 dtype: Any = None, redundant_experts: int = 0, mtp: bool = False
+                 ) -> tuple[int, int]:
     """(replicated, sharded) weight bytes per device, ``dtype`` (default bf16) but for FP8
     routed experts (``expert_dtype`` "fp8"); ``redundant_experts`` extra expert slots per
-    MoE layer (EPLB) and their maps."""
+    MoE layer (EPLB) and their maps; ``mtp``: the MTP layers' weights too."""
     dtype = jax.numpy.bfloat16 if dtype is None else dtype
     slots = cfg.num_experts + redundant_experts if redundant_experts else None
-    shapes = param_shapes(cfg, dtype, fp8_experts=expert_dtype == "fp8",
-                          num_physical_experts=slots)
+    fp8 = expert_dtype == "fp8"
+    shapes = param_shapes(cfg, dtype, fp8_experts=fp8, num_physical_experts=slots)
+    if mtp:
+        _check(cfg.mtp_num_hidden_layers > 0, "--mtp: the config lists no MTP layer "
+                                              "(mtp_num_hidden_layers)")
+        shapes = (shapes, mtp_param_shapes(cfg, dtype, fp8_experts=fp8))
     g, _, hv, conv_dev = _tp_heads(cfg, tp)
     tp_split = {  # (module, leaf) -> (numerator, denominator) of the leaf one device holds
         ("self_attn", "q_proj"): (1, tp), ("self_attn", "o_proj"): (1, tp),
@@ -207,10 +216,13 @@ def weight_bytes(cfg: ModelConfig, *, ep: int, tp: int, expert_dtype: str = "fp8
     return replicated, sharded
 
 
-def kv_page_bytes(cfg: ModelConfig, *, tp: int, page_size: int, kv_bytes: int) -> int:
-    """One KV page (``page_size`` tokens) of every attention layer, bytes per device."""
+def kv_page_bytes(cfg: ModelConfig, *, tp: int, page_size: int, kv_bytes: int,
+                  mtp: bool = False) -> int:
+    """One KV page (``page_size`` tokens) of every attention layer (and with ``mtp`` every
+    MTP layer), bytes per device."""
     g = _tp_heads(cfg, tp)[0]
-    return len(cfg.attention_layers) * 2 * g * page_size * cfg.head_dim * kv_bytes
+    layers = len(cfg.attention_layers) + (cfg.mtp_num_hidden_layers if mtp else 0)
+    return layers * 2 * g * page_size * cfg.head_dim * kv_bytes
 
 
 def gdn_slot_bytes(cfg: ModelConfig, *, tp: int, kv_bytes: int, state_bytes: int) -> int:
@@ -236,7 +248,8 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
          ep: int | None = None, tp: int | None = None, running_requests: int | None = None,
          context_length: int = 9216, page_size: int = 256, expert_dtype: str = "fp8",
          dtype: str = "bf16", kv_dtype: str = "bf16", state_dtype: str = "bf16",
-         max_num_batched_tokens: int = 1024, redundant_experts: int = 0) -> MemoryPlan:
+         max_num_batched_tokens: int = 1024, redundant_experts: int = 0,
+         mtp: bool = False) -> MemoryPlan:
     """Memory per device for ``running_requests`` per host (default: the most that fit).
 
     dp and tp default to fill the topology (dp = devices / tp, tp = devices / dp; both unset:
@@ -254,6 +267,7 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
     tp = tp or (n // dp if dp else 1)
     dp = dp or max(1, n // tp)
     ep = ep or n
+    mtp_layers = cfg.mtp_num_hidden_layers if mtp else 0
     _check(dp * tp == n, f"--dp {dp} x --tp {tp} = {dp * tp} must equal the {n} devices "
                          f"of --topology {topo.name}")
     _check(n % ep == 0, f"--ep {ep} must divide the {n} devices of --topology {topo.name}")
@@ -266,11 +280,11 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
            f"--tp {tp} must divide num_attention_heads ({cfg.num_attention_heads}) and "
            f"linear_num_value_heads ({cfg.linear_num_value_heads})")
     replicated, sharded = weight_bytes(cfg, ep=ep, tp=tp, expert_dtype=expert_dtype,
-                                       redundant_experts=redundant_experts)
+                                       redundant_experts=redundant_experts, mtp=mtp)
 
     b_kv, b_state, b = DTYPE_BYTES[kv_dtype], DTYPE_BYTES[state_dtype], DTYPE_BYTES[dtype]
     kv_per_req = (-(-context_length // page_size)) * kv_page_bytes(cfg, tp=tp, page_size=page_size,
-                                                                 kv_bytes=b_kv)
+                                                                 kv_bytes=b_kv, mtp=mtp)
     gdn_per_req = gdn_slot_bytes(cfg, tp=tp, kv_bytes=b_kv, state_bytes=b_state)
     act_fixed = step_activation_bytes(cfg, ep=ep, tp=tp, tokens=max_num_batched_tokens,
                                       dtype_bytes=b)
@@ -296,7 +310,8 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
                       requests_per_device=r, weights_replicated=replicated,
                       weights_sharded=sharded, kv_pages=kv, gdn_state=gdn, activations=act,
                       hbm=hbm, max_running_requests=max_r, redundant_experts=redundant_experts,
-                      expert_slots_per_device=(cfg.num_experts + redundant_experts) // ep)
+                      expert_slots_per_device=(cfg.num_experts + redundant_experts) // ep,
+                      mtp_layers=mtp_layers)
 
 
 def format_plan(p: MemoryPlan) -> str:
@@ -305,7 +320,7 @@ def format_plan(p: MemoryPlan) -> str:
     head = (f"{p.topology}: {p.devices} devices on {p.hosts} host(s), {mode}, context "
             f"{p.context_length} tokens, page {p.page_size}, "
             f"{p.expert_slots_per_device} expert slots per device per MoE layer "
-            f"({p.redundant_experts} redundant)\n"
+            f"({p.redundant_experts} redundant), {p.mtp_layers} MTP layer(s)\n"
             f"running requests per host {p.running_requests} "
             f"({p.requests_per_device} per DP rank, held on each of its {p.tp} device(s))\n")
     rows = [("weights, replicated", p.weights_replicated), ("weights, sharded", p.weights_sharded),
@@ -346,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="EPLB's redundant expert slots per MoE layer (the server's flag)")
     for flag, choices in DTYPE_FLAGS.items():
         ap.add_argument(flag, default=choices[0], choices=choices)
+    ap.add_argument("--mtp", action="store_true",
+                    help="also hold the MTP layers' weights and KV pages (NEXTN drafting)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--compile", action="store_true",
                     help="also compile the DP x EP step for the topology with libtpu and print "
@@ -363,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                  page_size=a.page_size, expert_dtype=a.expert_dtype, dtype=a.dtype,
                  kv_dtype=a.kv_dtype, state_dtype=a.state_dtype,
                  max_num_batched_tokens=a.max_num_batched_tokens,
-                 redundant_experts=a.ep_num_redundant_experts)
+                 redundant_experts=a.ep_num_redundant_experts, mtp=a.mtp)
     except ValueError as e:  # ConfigError is a ValueError
         ap.error(str(e))
     print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))

@@ -3,8 +3,10 @@
 The repo ships only the tokenizer and ``config.json`` (``assets/tiny-qwen3.5-moe/``); the
 weights come from a seeded numpy generator and are written once into a cache directory
 (``$STB_CACHE_DIR`` or ``~/.cache/sglang_tpu_backend/``) as an HF-style bf16 checkpoint
-(prefix ``model.language_model.``, fused expert layout). ``random_checkpoint_tensors`` also
-builds random checkpoints of any other config for tests (qwen3_next included).
+(prefix ``model.language_model.``, fused expert layout) with one MTP layer under ``mtp.*``
+(each tensor drawn from its own name's stream, so the main tensors do not depend on it).
+``random_checkpoint_tensors`` also builds random checkpoints of any other config for tests
+(qwen3_next included).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def tiny_config_dict(vocab_size: int, eos_token_id: int, pad_token_id: int = 0) 
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
+        "mtp_num_hidden_layers": 1,
     }
     return {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
@@ -88,47 +91,61 @@ def _rng(seed: int, name: str) -> np.random.Generator:
 
 
 def _hf_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """HF name -> (shape, init kind) for a fused-expert checkpoint of ``cfg``."""
-    h, v, e = cfg.hidden_size, cfg.vocab_size, cfg.num_experts
-    i, s = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim
+    """HF name -> (shape, init kind) for a fused-expert checkpoint of ``cfg``: the main model,
+    then the ``mtp.*`` layers when the config lists any."""
+    h, v = cfg.hidden_size, cfg.vocab_size
     out = {f"{prefix}embed_tokens.weight": ((v, h), "w"), f"{prefix}norm.weight": ((h,), "norm")}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = ((v, h), "w")
     for n, kind in enumerate(cfg.layer_types):
-        p = f"{prefix}layers.{n}."
-        out[p + "input_layernorm.weight"] = ((h,), "norm")
-        out[p + "post_attention_layernorm.weight"] = ((h,), "norm")
-        if kind == FULL_ATTENTION:
-            a = p + "self_attn."
-            out.update({a + "q_proj.weight": ((hq * 2 * d, h), "w"), a + "k_proj.weight": ((hkv * d, h), "w"),
-                        a + "v_proj.weight": ((hkv * d, h), "w"), a + "o_proj.weight": ((h, hq * d), "w"),
-                        a + "q_norm.weight": ((d,), "norm"), a + "k_norm.weight": ((d,), "norm")})
+        out.update(_hf_layer_shapes(cfg, f"{prefix}layers.{n}.", kind, cfg.is_moe_layer(n)))
+    if cfg.mtp_num_hidden_layers:
+        out["mtp.fc.weight"] = ((h, 2 * h), "w")
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            out[f"mtp.{name}.weight"] = ((h,), "norm")
+        for n in range(cfg.mtp_num_hidden_layers):
+            out.update(_hf_layer_shapes(cfg, f"mtp.layers.{n}.", FULL_ATTENTION, True))
+    return out
+
+
+def _hf_layer_shapes(cfg: ModelConfig, p: str, kind: str, moe: bool
+                     ) -> dict[str, tuple[tuple[int, ...], str]]:
+    """One decoder layer's tensors under ``p`` (``...layers.N.``)."""
+    h, e = cfg.hidden_size, cfg.num_experts
+    i, s = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    hv, dv, c = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_conv_dim
+    out = {p + "input_layernorm.weight": ((h,), "norm"),
+           p + "post_attention_layernorm.weight": ((h,), "norm")}
+    if kind == FULL_ATTENTION:
+        a = p + "self_attn."
+        out.update({a + "q_proj.weight": ((hq * 2 * d, h), "w"), a + "k_proj.weight": ((hkv * d, h), "w"),
+                    a + "v_proj.weight": ((hkv * d, h), "w"), a + "o_proj.weight": ((h, hq * d), "w"),
+                    a + "q_norm.weight": ((d,), "norm"), a + "k_norm.weight": ((d,), "norm")})
+    else:
+        g = p + "linear_attn."
+        if cfg.model_type == "qwen3_next":
+            out[g + "in_proj_qkvz.weight"] = ((c + hv * dv, h), "w")
+            out[g + "in_proj_ba.weight"] = ((2 * hv, h), "w")
         else:
-            g = p + "linear_attn."
-            if cfg.model_type == "qwen3_next":
-                out[g + "in_proj_qkvz.weight"] = ((c + hv * dv, h), "w")
-                out[g + "in_proj_ba.weight"] = ((2 * hv, h), "w")
-            else:
-                out.update({g + "in_proj_qkv.weight": ((c, h), "w"), g + "in_proj_z.weight": ((hv * dv, h), "w"),
-                            g + "in_proj_b.weight": ((hv, h), "w"), g + "in_proj_a.weight": ((hv, h), "w")})
-            out.update({g + "conv1d.weight": ((c, 1, cfg.linear_conv_kernel_dim), "conv"),
-                        g + "A_log": ((hv,), "A_log"), g + "dt_bias": ((hv,), "dt_bias"),
-                        g + "norm.weight": ((dv,), "gated_norm"), g + "out_proj.weight": ((h, hv * dv), "w")})
-        m = p + "mlp."
-        if not cfg.is_moe_layer(n):
-            di = cfg.intermediate_size
-            out.update({m + "gate_proj.weight": ((di, h), "w"), m + "up_proj.weight": ((di, h), "w"),
-                        m + "down_proj.weight": ((h, di), "w")})
-            continue
-        out.update({m + "gate.weight": ((e, h), "router"), m + "experts.gate_up_proj": ((e, 2 * i, h), "w"),
-                    m + "experts.down_proj": ((e, h, i), "w")})
-        if s:
-            out.update({m + "shared_expert.gate_proj.weight": ((s, h), "w"),
-                        m + "shared_expert.up_proj.weight": ((s, h), "w"),
-                        m + "shared_expert.down_proj.weight": ((h, s), "w"),
-                        m + "shared_expert_gate.weight": ((1, h), "w")})
+            out.update({g + "in_proj_qkv.weight": ((c, h), "w"), g + "in_proj_z.weight": ((hv * dv, h), "w"),
+                        g + "in_proj_b.weight": ((hv, h), "w"), g + "in_proj_a.weight": ((hv, h), "w")})
+        out.update({g + "conv1d.weight": ((c, 1, cfg.linear_conv_kernel_dim), "conv"),
+                    g + "A_log": ((hv,), "A_log"), g + "dt_bias": ((hv,), "dt_bias"),
+                    g + "norm.weight": ((dv,), "gated_norm"), g + "out_proj.weight": ((h, hv * dv), "w")})
+    m = p + "mlp."
+    if not moe:
+        di = cfg.intermediate_size
+        out.update({m + "gate_proj.weight": ((di, h), "w"), m + "up_proj.weight": ((di, h), "w"),
+                    m + "down_proj.weight": ((h, di), "w")})
+        return out
+    out.update({m + "gate.weight": ((e, h), "router"), m + "experts.gate_up_proj": ((e, 2 * i, h), "w"),
+                m + "experts.down_proj": ((e, h, i), "w")})
+    if s:
+        out.update({m + "shared_expert.gate_proj.weight": ((s, h), "w"),
+                    m + "shared_expert.up_proj.weight": ((s, h), "w"),
+                    m + "shared_expert.down_proj.weight": ((h, s), "w"),
+                    m + "shared_expert_gate.weight": ((1, h), "w")})
     return out
 
 

@@ -33,10 +33,19 @@ def layer_param_shapes(cfg: ModelConfig, layer: int, dtype: Any = jnp.bfloat16,
                        fp8_experts: bool = False, num_physical_experts: int | None = None
                        ) -> dict:
     """One layer's param dict as ShapeDtypeStructs (what the loader builds for ``layer``)."""
+    return decoder_layer_shapes(cfg, cfg.layer_types[layer], cfg.is_moe_layer(layer), dtype,
+                                fp8_experts, num_physical_experts)
+
+
+def decoder_layer_shapes(cfg: ModelConfig, kind: str, moe: bool, dtype: Any = jnp.bfloat16,
+                         fp8_experts: bool = False, num_physical_experts: int | None = None
+                         ) -> dict:
+    """The param dict of a decoder layer whose token mixer is ``kind`` (FULL_ATTENTION or
+    LINEAR_ATTENTION) and whose MLP is a MoE (``moe``) or dense."""
     H = cfg.hidden_size
     out: dict[str, Any] = {"input_layernorm": _sd((H,), dtype),
                            "post_attention_layernorm": _sd((H,), dtype)}
-    if cfg.layer_types[layer] == FULL_ATTENTION:
+    if kind == FULL_ATTENTION:
         N, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         out["self_attn"] = {
             "q_proj": _sd((H, N * 2 * D), dtype), "k_proj": _sd((H, G * D), dtype),
@@ -52,7 +61,7 @@ def layer_param_shapes(cfg: ModelConfig, layer: int, dtype: Any = jnp.bfloat16,
             "A_log": _sd((Hv,), jnp.float32), "dt_bias": _sd((Hv,), jnp.float32),
             "norm": _sd((Dv,), dtype), "out_proj": _sd((Hv * Dv, H), dtype),
         }
-    if not cfg.is_moe_layer(layer):
+    if not moe:
         Id = cfg.intermediate_size
         out["mlp"] = {"gate_up": _sd((H, 2 * Id), dtype), "down": _sd((Id, H), dtype)}
         return out
@@ -92,6 +101,22 @@ def param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16, fp8_experts: bool 
     V, H = cfg.vocab_size, cfg.hidden_size
     return {"embed_tokens": _sd((V, H), dtype), "layer_groups": groups,
             "norm": _sd((H,), dtype), "lm_head": _sd((H, V), dtype)}
+
+
+def mtp_param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16, fp8_experts: bool = False
+                     ) -> dict | None:
+    """The MTP params (``models/mtp.py``) as ShapeDtypeStructs, None without MTP layers:
+    fc [2H, H] (input rows [embedding | hidden]), pre_fc_norm_embedding [H],
+    pre_fc_norm_hidden [H], norm [H], and ``layers``: a tuple of ``mtp_num_hidden_layers``
+    full-attention MoE layer dicts (layout of one decoder layer, unstacked). The embedding
+    and the LM head are the main model's."""
+    if not cfg.mtp_num_hidden_layers:
+        return None
+    H = cfg.hidden_size
+    layer = decoder_layer_shapes(cfg, FULL_ATTENTION, True, dtype, fp8_experts)
+    return {"fc": _sd((2 * H, H), dtype), "pre_fc_norm_embedding": _sd((H,), dtype),
+            "pre_fc_norm_hidden": _sd((H,), dtype), "norm": _sd((H,), dtype),
+            "layers": tuple(layer for _ in range(cfg.mtp_num_hidden_layers))}
 
 
 def num_param_bytes(shapes) -> int:

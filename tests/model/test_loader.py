@@ -19,8 +19,8 @@ from sglang_tpu_backend.checkpoint_io import (
     write_checkpoint,
 )
 from sglang_tpu_backend.config import model_config_from_dict
-from sglang_tpu_backend.loader import load_model
-from sglang_tpu_backend.models.param_shapes import param_shapes
+from sglang_tpu_backend.loader import CheckpointError, load_model, load_mtp_params
+from sglang_tpu_backend.models.param_shapes import mtp_param_shapes, param_shapes
 from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.tiny_model import random_checkpoint_tensors
 
@@ -171,6 +171,70 @@ def test_nested_and_flat_configs_load_the_same(tmp_path, caplog):
     assert_trees_equal(a, b)
     assert cfg_a.model_type == "qwen3_5_moe" and cfg_b.model_type == "qwen3_5_moe_text"
     assert {**vars(cfg_a), "model_type": ""} == {**vars(cfg_b), "model_type": ""}
+
+
+def assert_shaped_like(tree, shapes):
+    assert jax.tree.structure(tree) == jax.tree.structure(shapes)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(tree)] == \
+        [(x.shape, x.dtype) for x in jax.tree.leaves(shapes)]
+
+
+def test_mtp_layers_load_into_their_params(tmp_path):
+    """``mtp.*`` -> the MTP params (values transposed to [in, out] like the main layers');
+    without ``mtp.*`` tensors, or without MTP layers in the config, the main params load as
+    before and there are no MTP params; a missing MTP tensor is named."""
+    config = nested_config(mtp_num_hidden_layers=1)
+    tensors = tensors_for(config, dtype=ml_dtypes.bfloat16)
+    path = write_checkpoint(tmp_path / "mtp", tensors, config)
+    cfg, params = load_model(path, dtype=jnp.bfloat16)
+    mtp = load_mtp_params(path, cfg, dtype=jnp.bfloat16)
+    assert_shaped_like(mtp, mtp_param_shapes(cfg, jnp.bfloat16))
+    hf = lambda name: tensors["mtp." + name].astype(np.float32)  # noqa: E731
+    got = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    np.testing.assert_array_equal(got(mtp["fc"]), hf("fc.weight").T)  # [2H, H]: rows [emb | hidden]
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        np.testing.assert_array_equal(got(mtp[name]), hf(f"{name}.weight"))
+    layer = mtp["layers"][0]
+    np.testing.assert_array_equal(got(layer["self_attn"]["q_proj"]),
+                                  hf("layers.0.self_attn.q_proj.weight").T)
+    np.testing.assert_array_equal(got(layer["mlp"]["experts"]["gate_up"]),
+                                  hf("layers.0.mlp.experts.gate_up_proj").transpose(0, 2, 1))
+    shared = np.concatenate([hf("layers.0.mlp.shared_expert.gate_proj.weight"),
+                             hf("layers.0.mlp.shared_expert.up_proj.weight")]).T
+    np.testing.assert_array_equal(got(layer["mlp"]["shared_expert"]["gate_up"]), shared)
+
+    without = {n: t for n, t in tensors.items() if not n.startswith("mtp.")}
+    for name, cfg_dict, ts in (("none", config, without), ("plain", nested_config(), tensors)):
+        other = write_checkpoint(tmp_path / name, ts, cfg_dict)
+        other_cfg, other_params = load_model(other, dtype=jnp.bfloat16)
+        assert_trees_equal(other_params, params)
+        assert load_mtp_params(other, other_cfg, dtype=jnp.bfloat16) is None
+
+    missing = "mtp.layers.0.self_attn.k_norm.weight"
+    broken = write_checkpoint(tmp_path / "broken", {n: t for n, t in tensors.items() if n != missing},
+                              config)
+    assert_trees_equal(load_model(broken, dtype=jnp.bfloat16)[1], params)  # main load unaffected
+    with pytest.raises(CheckpointError, match=missing):
+        load_mtp_params(broken, cfg, dtype=jnp.bfloat16)
+
+
+def test_fp8_mtp_layers_load_like_the_main_layers(tmp_path):
+    """FP8 block-scaled ``mtp.*`` (per-expert layout): dequantised to the reference, or with
+    kept FP8 experts shaped like ``mtp_param_shapes(fp8_experts=True)``."""
+    config = nested_config(mtp_num_hidden_layers=1)
+    fp8 = quantize_checkpoint_fp8(tensors_for(config, seed=4))
+    assert fp8["mtp.fc.weight"].dtype == ml_dtypes.float8_e4m3fn
+    assert "mtp.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in fp8
+    path = write_checkpoint(tmp_path / "fp8", fp8, config)
+    ref = write_checkpoint(tmp_path / "ref", dequantized_reference(fp8), config)
+    cfg, _ = load_model(path, dtype=jnp.float32)
+    assert_trees_equal(load_mtp_params(path, cfg, dtype=jnp.float32),
+                       load_mtp_params(ref, cfg, dtype=jnp.float32))
+    kept = load_mtp_params(path, cfg, dtype=jnp.float32, keep_fp8_experts=True, backend="tpu")
+    assert_shaped_like(kept, mtp_param_shapes(cfg, jnp.float32, fp8_experts=True))
+    bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
+    np.testing.assert_array_equal(bits(kept["layers"][0]["mlp"]["experts"]["down"])[3],
+                                  bits(fp8["mtp.layers.0.mlp.experts.3.down_proj.weight"]).T)
 
 
 def test_unknown_tensors_are_warned_about(tmp_path, caplog):

@@ -8,6 +8,7 @@ E 512 experts of width 1024, shared expert 1024), not from the planner's helpers
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -170,3 +171,23 @@ def test_redundant_experts_weights_equal_hand_computed_sizes():
     assert p.weights_replicated == REPLICATED_DP + 60 * (512 * 33 + 512 + 544) * 4
     with pytest.raises(ValueError, match="--ep-num-redundant-experts 4"):
         plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, redundant_experts=4, **COMMON)
+
+
+def test_mtp_layer_weights_and_kv_pages_equal_hand_computed_sizes(capsys):
+    """--mtp: the shipped config's one MTP layer adds fc [2H, H], three norms and one
+    full-attention MoE layer (experts split over EP like the main ones) and one attention
+    layer's KV pages."""
+    assert CFG.mtp_num_hidden_layers == 1
+    base = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, running_requests=512, **COMMON)
+    p = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, running_requests=512, mtp=True, **COMMON)
+    assert (base.mtp_layers, p.mtp_layers) == (0, 1)
+    fc_and_norms = 2 * 4096 * 4096 * 2 + 3 * 4096 * 2
+    assert p.weights_replicated == REPLICATED_DP + fc_and_norms + PER_LAYER + ATTN_PROJ + ATTN_NORMS
+    assert p.weights_sharded == EXPERTS_PER_DEVICE_EP8 * 61 // 60
+    assert p.kv_pages == 64 * 36 * 16 * (2 * 2 * 256 * 256 * 2)
+    assert p.max_running_requests < base.max_running_requests
+    assert main(["--mtp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mtp_layers"] == 1
+    no_mtp = dataclasses.replace(CFG, mtp_num_hidden_layers=0)
+    with pytest.raises(ValueError, match="--mtp"):
+        plan(no_mtp, "tpu7x:2x2x1", mtp=True, **COMMON)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from sglang_tpu_backend import tiny_model
 from sglang_tpu_backend.assets.build_tiny_tokenizer import build_tokenizer
+from sglang_tpu_backend.config import load_model_config
 from sglang_tpu_backend.loader import load_model
 from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.tiny_model import ASSET_DIR, default_model_path, tiny_config_dict
@@ -147,7 +149,8 @@ def test_padding_ids_have_zero_embeddings_and_logit_rows(model_dir):
 
 
 def test_generated_checkpoint_fits_transformers_model_exactly(model_dir):
-    """Every generated tensor has the name and shape of transformers' own (fused) state dict."""
+    """Every generated tensor but the MTP layer's has the name and shape of transformers' own
+    (fused) state dict; transformers' loader ignores the ``mtp.*`` tensors."""
     torch = pytest.importorskip("torch")
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -155,6 +158,25 @@ def test_generated_checkpoint_fits_transformers_model_exactly(model_dir):
 
     text = json.loads((model_dir / "config.json").read_text())["text_config"]
     model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{k: v for k, v in text.items() if k != "model_type"}))
+    tensors = read_checkpoint(model_dir)
     state = {name.replace("model.language_model.", "model."): torch.from_numpy(t.astype(np.float32))
-             for name, t in read_checkpoint(model_dir).items()}
+             for name, t in tensors.items() if not name.startswith("mtp.")}
+    assert len(state) < len(tensors)  # the MTP layer is there too
     model.load_state_dict(state, strict=True)  # raises on any missing/unexpected/mis-shaped tensor
+    _, info = Qwen3_5MoeForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    assert not any(info.values())  # nothing missing, unexpected (mtp.* ignored) or mis-shaped
+
+
+def test_default_model_has_one_mtp_layer(model_dir):
+    """The MTP params load beside the main ones (the embedding and head are shared)."""
+    from sglang_tpu_backend.loader import load_mtp_params
+    from sglang_tpu_backend.models.param_shapes import mtp_param_shapes
+
+    cfg = load_model_config(model_dir)
+    assert cfg.mtp_num_hidden_layers == 1
+    mtp = load_mtp_params(model_dir, cfg)
+    want = mtp_param_shapes(cfg, jnp.bfloat16)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(mtp)] == \
+        [(x.shape, x.dtype) for x in jax.tree.leaves(want)]
+    fc = np.asarray(mtp["fc"], np.float32)
+    assert fc.shape == (2 * cfg.hidden_size, cfg.hidden_size) and 0.015 < fc.std() < 0.025
