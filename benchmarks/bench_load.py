@@ -163,8 +163,12 @@ def run_load(ckpt: Path, devices: int) -> dict:
 
 # Driver ---------------------------------------------------------------------------------
 def _child(kind: str, ckpt: Path, devices: int) -> dict:
+    # Transparent huge pages for malloc's large blocks (glibc >= 2.35; ignored by older ones):
+    # where THP is madvise-only, first touches of fresh 4 KiB pages ran at ~0.35 GB/s on this
+    # VM and dominated the load (every leaf lands in fresh host-memory "device" buffers).
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
     out = subprocess.run([sys.executable, __file__, "--child", kind, "--dir", str(ckpt),
                           "--devices", str(devices)], env=env, capture_output=True, text=True)
     if out.returncode:

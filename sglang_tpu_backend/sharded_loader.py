@@ -16,7 +16,7 @@
     go in row chunks of ``CHUNK_BYTES``.
   * Meanwhile a thread asks the kernel to read the next layer's share into the page cache.
 
-Files are read through memory maps of just the bytes wanted (``checkpoint_io.read_rows``);
+Files are read with positional reads of just the bytes wanted (``checkpoint_io.read_rows``);
 ``LoadReport`` has the bytes this process read and which experts each local device holds.
 
 ``dummy_init(cfg, ...)``: random weights of the config's shapes (``--load-format dummy``),
