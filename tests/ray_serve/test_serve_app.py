@@ -230,8 +230,12 @@ def test_dp4_prefill_hands_over_to_dp2_decode(base_url, reference):
     engine that batches requests cuts a prompt's chunks where the step's token budget ends,
     and rounds its state differently on XLA:CPU: up to 5e-5 apart.) Every rank of every
     replica took requests and ends with its pages and slots free."""
-    pd = _concurrently(base_url + "/pd", EXACT_PROMPTS, return_logprob=True)
-    _assert_reference_outputs(pd, reference(EXACT_PROMPTS))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:  # the reference engine runs while the replicas serve
+        refs = pool.submit(reference, EXACT_PROMPTS)
+        pd = _concurrently(base_url + "/pd", EXACT_PROMPTS, return_logprob=True)
+        _assert_reference_outputs(pd, refs.result())
     _assert_every_rank_served_and_free("pd", "PrefillServer", ranks=4, replicas=2)
     _assert_every_rank_served_and_free("pd", "DecodeServer", ranks=2)  # autoscaled: 1 or 2
 
