@@ -228,8 +228,9 @@ def test_dp4_prefill_hands_over_to_dp2_decode(base_url, reference):
     per rank): a prompt's prefill chunks end at the same points, and its decode steps, like
     the decode replica's, never share a program with another request's prefill chunk. (An
     engine that batches requests cuts a prompt's chunks where the step's token budget ends,
-    and rounds its state differently on XLA:CPU: up to 5e-5 apart.) Every rank of every
-    replica took requests and ends with its pages and slots free."""
+    e.g. 196 tokens as 14+34+48+48+48+4 instead of 64+64+64+4, and XLA:CPU rounds the GDN
+    state of other chunkings differently: that request's logprobs came out up to 5e-5 apart.)
+    Every rank of every replica took requests and ends with its pages and slots free."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1) as pool:  # the reference engine runs while the replicas serve
@@ -241,9 +242,10 @@ def test_dp4_prefill_hands_over_to_dp2_decode(base_url, reference):
 
 
 def test_tp2_prefill_hands_over_to_dp2_decode(base_url, reference):
-    """A tensor-parallel prefill replica (2 devices, heads split over them) hands over to a
-    DP2 decode replica through Ray: 12 concurrent requests of 5 to 600 tokens, the same
-    tokens and logprobs within 1e-5 of one device; both replicas end with every page free."""
+    """A tensor-parallel prefill replica (heads and experts split over 2 devices; one request
+    at a time, so its chunks end where the reference's do) hands over to a DP2 decode replica
+    through Ray: 12 concurrent requests of 5 to 600 tokens, the same tokens and logprobs
+    within 1e-5 of one device; both replicas end with every page and slot free."""
     prompts = EXACT_PROMPTS[:12]
     pd = _concurrently(base_url + "/pdtp", prompts, return_logprob=True)
     _assert_reference_outputs(pd, reference(prompts))
@@ -494,10 +496,9 @@ def _wait_until(cond, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _running_replicas(app: str, deployment: str) -> int:
+def _num_replicas(app: str, deployment: str, states=("RUNNING",)) -> int:
     dep = serve.status().applications[app].deployments[deployment]
-    return sum(n for state, n in dep.replica_states.items()
-               if str(getattr(state, "value", state)) == "RUNNING")
+    return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) in states)
 
 
 def test_replica_deaths_under_load_end_every_request_exactly_or_aborted(base_url):
@@ -543,7 +544,7 @@ def test_replica_deaths_under_load_end_every_request_exactly_or_aborted(base_url
     assert outcomes["replica failed"] >= 1  # the requests decoding on the killed decode replica
     assert set(outcomes) <= {"exact", "replica failed", "handover lost"}, outcomes
 
-    _wait_until(lambda: _running_replicas("pd", "PrefillServer") == 2, timeout_s=180)
+    _wait_until(lambda: _num_replicas("pd", "PrefillServer") == 2, timeout_s=180)
     results, threads = _post_all(base_url + "/pd", FAULT_PROMPTS)  # after recovery
     _join(threads, 300)
     assert [r.json()["text"] for r in results] == [o["text"] for o in clean]
@@ -688,8 +689,7 @@ def test_a_duplicate_rid_in_flight_is_refused_and_the_first_request_runs_on():
 
 
 def _num_decode_replicas(states=("RUNNING",)) -> int:
-    dep = serve.status().applications["pd"].deployments["DecodeServer"]
-    return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) in states)
+    return _num_replicas("pd", "DecodeServer", states)
 
 
 def _wait_for_one_decode_replica(timeout_s: float = 60.0) -> None:
