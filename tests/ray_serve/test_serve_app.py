@@ -228,8 +228,9 @@ def test_dp4_prefill_hands_over_to_dp2_decode(base_url, reference):
     per rank): a prompt's prefill chunks end at the same points, and its decode steps, like
     the decode replica's, never share a program with another request's prefill chunk. (An
     engine that batches requests cuts a prompt's chunks where the step's token budget ends,
-    e.g. 196 tokens as 14+34+48+48+48+4 instead of 64+64+64+4, and XLA:CPU rounds the GDN
-    state of other chunkings differently: that request's logprobs came out up to 5e-5 apart.)
+    e.g. 196 tokens as 14+34+48+48+48+4 instead of 64+64+64+4, and on XLA:CPU the cache
+    state of another chunking is rounded differently: that request's logprobs came out up to
+    5e-5 apart.)
     Every rank of every replica took requests and ends with its pages and slots free."""
     from concurrent.futures import ThreadPoolExecutor
 
