@@ -35,6 +35,7 @@ class RequestHandover:
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[Any] = dataclasses.field(default_factory=list)
     export_time: float = 0.0  # time.time() when the prefill engine started the export (s)
+    cached_tokens: int = 0  # prompt tokens the prefill engine reused from its prefix cache
 
     @property
     def nbytes(self) -> int:

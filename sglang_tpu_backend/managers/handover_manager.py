@@ -166,7 +166,8 @@ class HandoverManager:
             input_logprobs=list(req.input_logprobs),
             input_top_logprobs=list(req.input_top_logprobs),
             output_logprobs=list(req.output_logprobs),
-            output_top_logprobs=list(req.output_top_logprobs), export_time=export_time)
+            output_top_logprobs=list(req.output_top_logprobs), export_time=export_time,
+            cached_tokens=req.cached_tokens)
 
     def fail_exports(self, message: str) -> None:
         """``export_finished`` raised: end every request still waiting for export (lock held)."""

@@ -134,9 +134,11 @@ class Req:
 
     def resume_from(self, h: Any) -> None:
         """Decode side of a handover (``managers/handover.RequestHandover``): continue from
-        what the prefill side computed (its first token(s), seed, logprobs; the KV and GDN
-        state of ``h.num_computed`` tokens are installed into this request's pages / slot)."""
+        what the prefill side computed (its first token(s), seed, logprobs, the prompt tokens
+        its prefix cache served; the KV and GDN state of ``h.num_computed`` tokens are
+        installed into this request's pages / slot)."""
         self.seed = h.seed
+        self.cached_tokens = h.cached_tokens
         self.output_ids = list(h.output_ids)
         self.num_computed = h.num_computed
         self.num_sent_tokens = len(self.output_ids)  # the prefill side delivered those

@@ -83,6 +83,22 @@ def test_handover_streams_and_reports_metrics(engine, decode_engine):
     assert "sglang:kv_transfer_latency_seconds_count" in text
 
 
+def test_handover_reports_the_prefill_sides_cached_tokens(engine, decode_engine):
+    """A prompt whose prefix the prefill engine has cached: the decode side's outputs report
+    the cached prompt tokens the prefill side reused (usage's ``cached_tokens``), not 0."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    ids = _prompt(110, 3)
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    asyncio.run(_collect(engine.generate_request(GenerateReqInput(input_ids=ids, sampling_params=sp))))
+    outs, h = asyncio.run(_disaggregated(engine, decode_engine,
+                                         GenerateReqInput(input_ids=ids, sampling_params=sp)))
+    cached = outs[0]["meta_info"]["cached_tokens"]
+    assert cached >= 64  # at least one GDN chunk reused
+    assert [o["meta_info"]["cached_tokens"] for o in outs[1:]] == [cached] * (len(outs) - 1)
+    assert h.cached_tokens == cached
+
+
 def test_first_token_finish_needs_no_handover(engine):
     from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 
