@@ -137,19 +137,25 @@ class Engine:
             tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
             deterministic=det, expert_location=location,
             eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
-            else None)
+            else None, num_drafts=args.speculative_num_drafts)
         self.requests = RequestBuilder(
             self.tokenizer, vocab_size=cfg.vocab_size, context_length=args.context_length,
-            kv_capacity_tokens=self.num_pages_per_rank * args.page_size, page_size=args.page_size,
+            # (a verify step holds pages for k positions past the sequence)
+            kv_capacity_tokens=self.num_pages_per_rank * args.page_size - args.speculative_num_drafts,
+            page_size=args.page_size,
             max_top_logprobs_num=self.runner.max_top_logprobs_num, eos_ids=self.eos_ids,
             grammar_backend=GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids)),
             random_seed=args.random_seed, per_rank=dp > 1)
         self.metrics = EngineMetrics(args.served_model_name, role=role, dp_size=dp,
                                      num_moe_layers=cfg.num_hidden_layers,
                                      step_phases=PHASES + BETWEEN_STEPS)
-        self.outputs = OutputBuilder(self.requests.decode_token)
+        self.outputs = OutputBuilder(self.requests.decode_token,
+                                     speculative=args.speculative_algorithm is not None)
         # Overlap scheduling needs decode inputs read on the device (one device, no DP / TP).
-        overlap = not args.disable_overlap_schedule and self.runner.backend.in_flight_inputs
+        # Speculative decoding turns it off: a step's drafts are proposed on the host from the
+        # tokens the previous step accepted, so that step must be complete first.
+        overlap = (not args.disable_overlap_schedule and self.runner.backend.in_flight_inputs
+                   and args.speculative_algorithm is None)
         self.loop = SchedulerLoop(
             self.scheduler, self.runner, Delivery(self.outputs, self.metrics, args.stream_interval),
             self.metrics, overlap=overlap, watchdog_timeout=args.watchdog_timeout,

@@ -24,6 +24,7 @@ DETERMINISTIC_MIN_CHUNK = 64  # a multiple of every GDN chunk size (kernels/gdn.
 # time-to-first-token without limit.
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_PROFILE_MAX_SECONDS = 600.0  # a trace without num_steps stops by itself after this
+SPECULATIVE_ALGORITHMS = ("NGRAM", "NEXTN", "EAGLE")  # SGLang's names; NGRAM is served today
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,14 @@ class ServerArgs:
     of every host) and run the same DP x EP steps; node 0 runs the engine (scheduler, HTTP,
     sampling), the others follow its steps (``parallel/multihost.py``). The prefix cache,
     TP attention and weight updates are not available there.
+
+    Speculative decoding (SGLang's ``--speculative-algorithm``; ``speculative/``): each decode
+    step verifies ``speculative_num_draft_tokens - 1`` chain drafts per request in one
+    TARGET_VERIFY forward and keeps the longest greedy-agreeing prefix plus one token.
+    NGRAM drafts from the request's own prompt + output (suffixes of
+    ``speculative_ngram_min/max_match_window_size`` tokens); NEXTN / EAGLE need the MTP
+    drafter and are refused for now. One device only (no DP / TP / multi-host); the overlap
+    scheduler is off under it (the next step's drafts need this step's tokens).
 
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
@@ -142,6 +151,12 @@ class ServerArgs:
     init_expert_location: str | None = None  # None / "trivial": slot p holds expert p mod E
     enable_eplb: bool = False
     eplb_rebalance_num_iterations: int = 1000  # steps between rebalances
+    # Speculative decoding (speculative/): None = off.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None  # k + 1 (drafts plus the last token)
+    speculative_num_steps: int | None = None  # chain drafts: num_draft_tokens - 1
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
 
     def __post_init__(self):
         self.validate()
@@ -203,6 +218,7 @@ class ServerArgs:
                 f"--max-gdn-snapshots {self.max_gdn_snapshots} is split over --dp-size "
                 f"{self.dp_size} ranks: it must be at least {self.dp_size}")
         self._validate_multihost()
+        self._validate_speculative()
         if (self.enable_deterministic_inference
                 and self.chunked_prefill_size < DETERMINISTIC_MIN_CHUNK):
             raise ValueError(
@@ -249,6 +265,50 @@ class ServerArgs:
         if self.uses_expert_location and self.nnodes > 1:
             raise ValueError("--ep-num-redundant-experts / --init-expert-location / --enable-eplb "
                              f"are not supported with --nnodes {self.nnodes}")
+
+    def _validate_speculative(self) -> None:
+        """The speculative flags: an algorithm served here, chain drafts (num_steps + 1 ==
+        num_draft_tokens), window sizes in order, one device. Unset counts are derived
+        (num_draft_tokens = num_steps + 1, default 4)."""
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                             f"got {algo!r}")
+        if algo != "NGRAM":
+            raise ValueError(f"--speculative-algorithm {algo} needs the MTP draft model, which "
+                             "this server does not have yet; use NGRAM")
+        steps, n = self.speculative_num_steps, self.speculative_num_draft_tokens
+        for name, value in (("speculative_num_steps", steps), ("speculative_num_draft_tokens", n)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < (1 if name.endswith("steps") else 2)):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= "
+                                 f"{1 if name.endswith('steps') else 2}, got {value!r}")
+        if n is None:
+            object.__setattr__(self, "speculative_num_draft_tokens", 4 if steps is None else steps + 1)
+        if steps is None:
+            object.__setattr__(self, "speculative_num_steps", self.speculative_num_draft_tokens - 1)
+        if self.speculative_num_steps + 1 != self.speculative_num_draft_tokens:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} with "
+                f"--speculative-num-steps {self.speculative_num_steps}: drafts are a chain, so "
+                "num_draft_tokens must be num_steps + 1")
+        lo, hi = (self.speculative_ngram_min_match_window_size,
+                  self.speculative_ngram_max_match_window_size)
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(
+                f"--speculative-ngram-min-match-window-size {lo!r} and "
+                f"--speculative-ngram-max-match-window-size {hi!r} must be integers with "
+                "1 <= min <= max")
+        if self.dp_size != 1 or self.tp_size != 1 or self.nnodes != 1:
+            raise ValueError("--speculative-algorithm runs on one device: it needs --dp-size 1, "
+                             "--tp-size 1 and --nnodes 1")
+
+    @property
+    def speculative_num_drafts(self) -> int:
+        """Drafts verified per request and step (k); 0 when speculation is off."""
+        return 0 if self.speculative_algorithm is None else self.speculative_num_draft_tokens - 1
 
     def _validate_multihost(self) -> None:
         if not isinstance(self.nnodes, int) or self.nnodes < 1:
@@ -432,6 +492,21 @@ def _add_serving_flags(a, d) -> None:
       help="rebalance the expert placement periodically from the recorded expert loads")
     a("--eplb-rebalance-num-iterations", type=int, default=d.eplb_rebalance_num_iterations,
       help="steps between EPLB rebalances (with --enable-eplb)")
+
+    a("--speculative-algorithm", type=str, default=d.speculative_algorithm,
+      choices=SPECULATIVE_ALGORITHMS,
+      help="speculative decoding: NGRAM drafts from the request's own tokens (NEXTN / EAGLE "
+           "need the MTP drafter: refused for now)")
+    a("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+      help="tokens verified per request and step: the last token plus the drafts (default 4)")
+    a("--speculative-num-steps", type=int, default=d.speculative_num_steps,
+      help="draft steps (chain drafts: --speculative-num-draft-tokens - 1)")
+    a("--speculative-ngram-min-match-window-size", type=int,
+      default=d.speculative_ngram_min_match_window_size,
+      help="NGRAM: shortest suffix of the sequence matched against its earlier tokens")
+    a("--speculative-ngram-max-match-window-size", type=int,
+      default=d.speculative_ngram_max_match_window_size,
+      help="NGRAM: longest suffix matched (the longest match wins)")
 
     a("--nnodes", type=int, default=d.nnodes,
       help="hosts (processes) one engine spans; node 0 serves, the others follow its steps")

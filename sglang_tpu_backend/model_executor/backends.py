@@ -47,6 +47,7 @@ class StepBackend(abc.ABC):
     in_flight_inputs: bool = False  # ``forward`` reads decode inputs from ``last_tokens``
     state_transfer: bool = False  # request state export / install (handover)
     weight_updates: bool = True  # ``place_params`` after start-up
+    verify_steps: bool = False  # ``verify``: TARGET_VERIFY steps (speculative decoding)
     dp = None  # the DPForward whose rank layout the caches follow (None: one pool)
     tp = None  # the TPForward whose head layout the caches follow (None: whole heads)
 
@@ -94,6 +95,13 @@ class StepBackend(abc.ABC):
         and rows per physical expert slot f32[layers, P], ``metrics/router_stats.py``).
         ``from_slot`` i32[T] / ``last_tokens`` i32[S]: see ``in_flight_inputs``."""
 
+    def verify(self, params: Any, cache: qwen3_5_moe.ModelCache, batches: Sequence[ForwardBatch]
+               ) -> tuple[jax.Array, qwen3_5_moe.ModelCache, Any]:
+        """One TARGET_VERIFY step (``model_executor/verify.py``): (logits f32[L, V], the
+        cache with KV written and GDN slots unchanged, ``VerifyStates``)."""
+        raise NotImplementedError(f"speculative decoding is not supported with "
+                                  f"{type(self).__name__}")
+
     def close(self) -> None:
         """Release what the backend holds beyond arrays (multi-host: the followers)."""
 
@@ -113,6 +121,7 @@ class SingleDeviceBackend(StepBackend):
 
     in_flight_inputs = True
     state_transfer = True
+    verify_steps = True
 
     def __init__(self, cfg: ModelConfig, **kw):
         super().__init__(cfg, **kw)
@@ -148,6 +157,13 @@ class SingleDeviceBackend(StepBackend):
         return self._split(self.forward_fn(params, cache, fb, cfg=self.cfg, impl=self.impl,
                                            with_stats=self.with_stats,
                                            batch_invariant=self.batch_invariant))
+
+    def verify(self, params, cache, batches):
+        from sglang_tpu_backend.model_executor.verify import forward_verify_jit
+
+        (fb,) = batches
+        return forward_verify_jit(params, cache, fb, cfg=self.cfg, impl=self.impl,
+                                  batch_invariant=self.batch_invariant)
 
 
 class TPBackend(StepBackend):
