@@ -67,8 +67,9 @@ def abort_output(rid: str, message: str, last: dict | None = None,
 class OutputBuilder:
     """Builds a request's outputs; ``decode_token(id) -> str`` gives a token's text for
     ``return_text_in_logprobs``. ``speculative``: meta_info carries SGLang's
-    ``spec_verify_ct`` (verify steps the request ran) and ``spec_accept_length`` (tokens it
-    gained per verify step: 1 + the drafts accepted, on average; 0 before its first)."""
+    ``spec_verify_ct`` (verify steps the request ran) and ``spec_accept_length`` (output
+    tokens it gained per verify step, on average: 1 + the drafts accepted, less what a stop
+    dropped; 0 before its first)."""
 
     def __init__(self, decode_token: Callable[[int], str], speculative: bool = False):
         self.decode_token = decode_token
@@ -88,7 +89,7 @@ class OutputBuilder:
         if self.speculative:
             n = req.spec_verify_ct
             meta["spec_verify_ct"] = n
-            meta["spec_accept_length"] = (n + req.spec_accepted_drafts) / n if n else 0.0
+            meta["spec_accept_length"] = req.spec_verify_tokens / n if n else 0.0
         lists = {"output_ids": (req.output_ids, len(req.output_ids))}
         if req.return_logprob:
             e = self.logprob_entries(req)

@@ -469,9 +469,9 @@ class Scheduler:
             if chunk.sample:
                 run = res.run if res.run is not None else [(res.next_token, res.logprob,
                                                             res.top_logprobs)]
-                self._append_tokens(req, run, now)
+                appended = self._append_tokens(req, run, now)
                 if chunk.is_verify:
-                    self._after_verify(req, chunk, res)
+                    self._after_verify(req, chunk, res, appended)
                 touched.append(req)
             elif (chunk.start + chunk.num_tokens == req.num_fill
                   and len(req.output_ids) >= req.max_new_tokens):  # its last chunk, not just any
@@ -488,11 +488,12 @@ class Scheduler:
         return touched
 
     @staticmethod
-    def _append_tokens(req: Req, run: list, now: float) -> None:
+    def _append_tokens(req: Req, run: list, now: float) -> int:
         """Append sampled (token, logprob, top logprobs) in order, checking the finish
         conditions (EOS, stop ids and strings, lengths) after each: tokens after the one
-        that finishes the request are dropped, as sequential decoding never makes them."""
-        for tok, logprob, top in run:
+        that finishes the request are dropped, as sequential decoding never makes them.
+        Returns the tokens appended."""
+        for i, (tok, logprob, top) in enumerate(run):
             req.output_ids.append(int(tok))
             if req.return_logprob:
                 req.output_logprobs.append(logprob)
@@ -505,13 +506,15 @@ class Scheduler:
             req.check_token_finish()
             req.update_text()
             if req.finished:
-                return
+                return i + 1
+        return len(run)
 
-    def _after_verify(self, req: Req, chunk: ScheduledChunk, res: ChunkResult) -> None:
+    def _after_verify(self, req: Req, chunk: ScheduledChunk, res: ChunkResult,
+                      appended: int) -> None:
         """A verify step kept its last token and ``res.num_accepted`` drafts in the cache:
         advance ``num_computed`` and give back the pages reserved past the new sequence."""
         req.spec_verify_ct += 1
-        req.spec_accepted_drafts += res.num_accepted
+        req.spec_verify_tokens += appended
         req.num_computed = chunk.start + 1 + res.num_accepted
         if req.finished:
             return  # released below
