@@ -286,7 +286,8 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= "
                                  f"{1 if name.endswith('steps') else 2}, got {value!r}")
         if n is None:
-            object.__setattr__(self, "speculative_num_draft_tokens", 4 if steps is None else steps + 1)
+            n = 4 if steps is None else steps + 1
+            object.__setattr__(self, "speculative_num_draft_tokens", n)
         if steps is None:
             object.__setattr__(self, "speculative_num_steps", self.speculative_num_draft_tokens - 1)
         if self.speculative_num_steps + 1 != self.speculative_num_draft_tokens:
@@ -368,6 +369,7 @@ class ServerArgs:
         """Every field as SGLang's flag (``--dash-name``)."""
         _add_model_and_server_flags(parser.add_argument, ServerArgs)
         _add_serving_flags(parser.add_argument, ServerArgs)
+        _add_speculative_flags(parser.add_argument, ServerArgs)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
@@ -493,6 +495,15 @@ def _add_serving_flags(a, d) -> None:
     a("--eplb-rebalance-num-iterations", type=int, default=d.eplb_rebalance_num_iterations,
       help="steps between EPLB rebalances (with --enable-eplb)")
 
+    a("--nnodes", type=int, default=d.nnodes,
+      help="hosts (processes) one engine spans; node 0 serves, the others follow its steps")
+    a("--node-rank", type=int, default=d.node_rank, help="this process's node (0: leader)")
+    a("--dist-init-addr", type=str, default=d.dist_init_addr,
+      help="HOST:PORT of node 0's jax.distributed coordinator (with --nnodes > 1)")
+
+
+def _add_speculative_flags(a, d) -> None:
+    """Speculative decoding (SGLang's names)."""
     a("--speculative-algorithm", type=str, default=d.speculative_algorithm,
       choices=SPECULATIVE_ALGORITHMS,
       help="speculative decoding: NGRAM drafts from the request's own tokens (NEXTN / EAGLE "
@@ -507,9 +518,3 @@ def _add_serving_flags(a, d) -> None:
     a("--speculative-ngram-max-match-window-size", type=int,
       default=d.speculative_ngram_max_match_window_size,
       help="NGRAM: longest suffix matched (the longest match wins)")
-
-    a("--nnodes", type=int, default=d.nnodes,
-      help="hosts (processes) one engine spans; node 0 serves, the others follow its steps")
-    a("--node-rank", type=int, default=d.node_rank, help="this process's node (0: leader)")
-    a("--dist-init-addr", type=str, default=d.dist_init_addr,
-      help="HOST:PORT of node 0's jax.distributed coordinator (with --nnodes > 1)")

@@ -119,11 +119,10 @@ class Req:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.logprob_entries: Any = None  # output entries built so far (output_builder.LogprobEntries)
-        # Speculative decoding: the drafter's state for this sequence (``speculative/``), the
-        # verify steps run (SGLang's ``spec_verify_ct``) and the output tokens they appended.
+        # Speculative decoding: the drafter's state (``speculative/``), the verify steps run
+        # (SGLang's ``spec_verify_ct``) and the output tokens they appended.
         self.draft_state: Any = None
-        self.spec_verify_ct = 0
-        self.spec_verify_tokens = 0
+        self.spec_verify_ct = self.spec_verify_tokens = 0
         # Timing (seconds, time.monotonic()).
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

@@ -373,7 +373,8 @@ class Scheduler:
             step = steps[req.dp_rank]
             step.running += 1
             if req.is_decode_ready:  # admission keeps pages for the running decodes
-                step.reserve += pages_for(1 + self.num_drafts, self.pools[req.dp_rank].page_pool.page_size)
+                page_size = self.pools[req.dp_rank].page_pool.page_size
+                step.reserve += pages_for(1 + self.num_drafts, page_size)
             if (step.budget <= 0 or step.rows_left <= 0 or req.is_decode_ready
                     or req.num_inflight or req.num_pending <= 0):
                 continue  # (a request with a token in flight only ever decodes)
