@@ -265,7 +265,7 @@ def slot_states(engine, req) -> tuple[np.ndarray, np.ndarray]:
 
 def test_rollback_at_every_position(det_engines):
     plain, spec = det_engines
-    prompt, new = list(range(40, 51)), 10
+    prompt, new = list(range(40, 53)), 10  # 13 tokens: 13 + 1 + K positions span 2 pages
     sp = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
     ref = plain.add_request(GenerateReqInput(input_ids=prompt, sampling_params=sp))
     states = {}  # tokens in the cache -> the slot's (conv, rec) states
