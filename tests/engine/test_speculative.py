@@ -31,7 +31,7 @@ from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
 from sglang_tpu_backend.server_args import ServerArgs
 from sglang_tpu_backend.speculative.drafter import CallbackDrafter
 from sglang_tpu_backend.speculative.ngram import NgramDrafter, NgramIndex
-from tests.engine.conftest import ENGINE_ARGS, wait_pools_empty
+from tests.engine.conftest import ENGINE_ARGS, small_page_pool, wait_pools_empty
 
 K = 3  # drafts per verify step
 SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=K + 1)
@@ -208,6 +208,39 @@ def test_accepted_drafts_keep_outputs_exact(clean_spec_engine, clean_engine):
     assert re.search(r'^sglang:spec_accept_rate\{[^}]*\} (\S+)$', text, re.M)
 
 
+def test_sampled_requests_accept_no_drafts_and_match(clean_spec_engine, clean_engine):
+    """Seeded draws, penalties and a logit bias: the sampler draws from the last token's row
+    and no draft is accepted (until rejection sampling lands), so outputs equal the plain
+    engine's."""
+    rng = random.Random(11)
+    objs = []
+    for i in range(8):
+        sp = {"max_new_tokens": 12, "temperature": 0.8, "seed": 100 + i, "ignore_eos": True}
+        if i % 2:
+            sp = {"max_new_tokens": 12, "temperature": 0, "frequency_penalty": 0.7,
+                  "logit_bias": {"5": 3.0}, "ignore_eos": True}
+        pattern = [rng.randrange(3, 1000) for _ in range(3)]
+        objs.append(GenerateReqInput(rid=f"samp{i}", input_ids=pattern * 5, sampling_params=sp,
+                                     return_logprob=True))
+    want = run_all(clean_engine, objs)
+    with drafts_from(clean_spec_engine, lambda req, k: [1] * k):
+        got = run_all(clean_spec_engine, objs)
+    assert_same_outputs(got, want)
+    for g in got:
+        assert g["meta_info"]["spec_verify_ct"] == 11 and g["meta_info"]["spec_accept_length"] == 1.0
+
+
+def test_retraction_under_speculation_keeps_outputs(clean_spec_engine, clean_engine):
+    """A KV pool too small for all requests' verify reservations: requests are retracted and
+    re-prefilled, outputs stay the plain engine's, and the small pool ends empty."""
+    objs = workload(2, n=12)
+    want = run_all(clean_engine, objs)
+    with small_page_pool(clean_spec_engine, 14):
+        got = run_all(clean_spec_engine, fresh(objs, "r"))
+    assert clean_spec_engine.scheduler.num_retracted_total > 0
+    assert_same_outputs(got, want)
+
+
 def test_max_new_tokens_and_stops_inside_a_verified_run(clean_spec_engine, clean_engine):
     """With every draft right a request gains K+1 tokens per verify step; a length limit,
     a stop token id or a stop string inside such a run ends the request exactly where the
@@ -311,6 +344,20 @@ def test_rollback_at_every_position(det_engines):
 def test_bad_speculative_flags_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         ServerArgs(**kw)
+
+
+def test_speculative_flags_from_the_command_line():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    a = ServerArgs.from_cli_args(parser.parse_args([
+        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6",
+        "--speculative-ngram-min-match-window-size", "2",
+        "--speculative-ngram-max-match-window-size", "8"]))
+    assert (a.speculative_num_drafts, a.speculative_num_steps) == (5, 5)
+    assert (a.speculative_ngram_min_match_window_size,
+            a.speculative_ngram_max_match_window_size) == (2, 8)
 
 
 def test_speculative_flag_defaults():
