@@ -86,7 +86,7 @@ class ServerArgs:
     TARGET_VERIFY forward and keeps the longest greedy-agreeing prefix plus one token.
     NGRAM drafts from the request's own prompt + output (suffixes of
     ``speculative_ngram_min/max_match_window_size`` tokens); NEXTN / EAGLE need the MTP
-    drafter and are refused for now. One device only (no DP / TP / multi-host); the overlap
+    drafter and are refused for now. One device or DP ranks (no TP / multi-host); the overlap
     scheduler is off under it (the next step's drafts need this step's tokens).
 
     Compilation cache: XLA executables of the step programs are kept under
@@ -302,9 +302,9 @@ class ServerArgs:
                 f"--speculative-ngram-min-match-window-size {lo!r} and "
                 f"--speculative-ngram-max-match-window-size {hi!r} must be integers with "
                 "1 <= min <= max")
-        if self.dp_size != 1 or self.tp_size != 1 or self.nnodes != 1:
-            raise ValueError("--speculative-algorithm runs on one device: it needs --dp-size 1, "
-                             "--tp-size 1 and --nnodes 1")
+        if self.tp_size != 1 or self.nnodes != 1:
+            raise ValueError("--speculative-algorithm runs on one device or --dp-size ranks of "
+                             "one process: it needs --tp-size 1 and --nnodes 1")
 
     @property
     def speculative_num_drafts(self) -> int:

@@ -102,6 +102,14 @@ class StepBackend(abc.ABC):
         raise NotImplementedError(f"speculative decoding is not supported with "
                                   f"{type(self).__name__}")
 
+    def commit(self, cache: qwen3_5_moe.ModelCache, states: Any, slots: np.ndarray,
+               accepted_len: jax.Array) -> qwen3_5_moe.ModelCache:
+        """Each verified request's GDN slot := its state after ``accepted_len`` positions
+        (``verify.commit_accepted``; slots i32[num_ranks*R], rank-local ids)."""
+        from sglang_tpu_backend.model_executor.verify import commit_accepted_jit
+
+        return commit_accepted_jit(cache, states, slots, accepted_len)
+
     def close(self) -> None:
         """Release what the backend holds beyond arrays (multi-host: the followers)."""
 
@@ -201,6 +209,7 @@ class DPBackend(StepBackend):
     """``parallel.DPForward`` over the first ``dp_size`` devices (of every process)."""
 
     state_transfer = True  # rank-local (``state_transfer.StateTransfer``)
+    verify_steps = True
 
     def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
         from sglang_tpu_backend.parallel.dp_forward import DPForward
@@ -230,6 +239,12 @@ class DPBackend(StepBackend):
         self._no_in_flight(from_slot)
         return self._split(self.dp(params, cache, self.dp.put_batch(batches)))
 
+    def verify(self, params, cache, batches):
+        return self.dp.verify(params, cache, self.dp.put_batch(batches))
+
+    def commit(self, cache, states, slots, accepted_len):
+        return self.dp.commit(cache, states, slots, accepted_len)
+
 
 class MultiHostDPBackend(DPBackend):
     """DPBackend of the leader (process 0) of several processes; the followers run
@@ -239,6 +254,7 @@ class MultiHostDPBackend(DPBackend):
 
     weight_updates = False
     state_transfer = False  # a follower's ranks are not addressable here
+    verify_steps = False  # the followers run forward steps only
 
     def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
         super().__init__(cfg, dp_size, **kw)

@@ -12,10 +12,10 @@ penalty state indexed by the global slot ``rank * num_state_slots + slot``
 Where the step runs (one device, DP ranks, TP heads, DP over several processes) is the step
 backend's business (``backends.py``), picked once at construction.
 
-Speculative decoding (``num_drafts`` k > 0, one device): a TARGET_VERIFY step (every chunk a
-verify chunk) runs the verify forward, greedy acceptance, the commit of the accepted positions
-into the GDN slots and the sampler on each request's row 0, all dispatched without a wait
-(``verify_step.py``). A request's pages then cover up to k positions past the context length,
+Speculative decoding (``num_drafts`` k > 0; one device or DP ranks): a TARGET_VERIFY step
+(every chunk a verify chunk) runs the verify forward, greedy acceptance, the commit of the
+accepted positions into the GDN slots (rank-local with DP) and the sampler on each request's
+row 0, all dispatched without a wait (``verify_step.py``). A request's pages then cover up to k positions past the context length,
 hence ``pages_per_seq`` of ``context_length + k`` tokens.
 
 Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
@@ -35,15 +35,15 @@ import numpy as np
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledBatch, ScheduledChunk
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
-from sglang_tpu_backend.model_executor import state_transfer, verify, warmup
+from sglang_tpu_backend.model_executor import state_transfer, warmup
 from sglang_tpu_backend.model_executor.backends import make_backend
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.sampler_state import (SamplerState, sampler_variant,
                                                              sampling_inputs, uses_penalties)
 from sglang_tpu_backend.model_executor.step_buckets import StepBuckets
-from sglang_tpu_backend.model_executor.verify_step import (VerifyInputs, sampling_view,
-                                                           verify_chunk_result, verify_inputs)
+from sglang_tpu_backend.model_executor.verify_step import (
+    VerifyInputs, concat_verify_inputs, sampling_view, verify_chunk_result, verify_inputs)
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.sampling import sampler
 from sglang_tpu_backend.sharded_loader import LoadReport, WeightSource
@@ -137,7 +137,8 @@ class ModelRunner:
         self.backend = make_backend(cfg, dp_size=dp_size, tp_size=tp_size, impl=impl,
                                     with_stats=router_stats, batch_invariant=deterministic)
         if num_drafts and not self.backend.verify_steps:
-            raise ValueError("speculative decoding runs on one device (no DP / TP)")
+            raise ValueError(f"speculative decoding is not supported with "
+                             f"{type(self.backend).__name__}")
         # Shape / dtype of each param as loaded (before placement): what a weight update's
         # checkpoint must match (``weight_update.load_host_params``).
         source = params if isinstance(params, WeightSource) else None
@@ -233,19 +234,21 @@ class ModelRunner:
         mode, T, R, L = self.shapes_for(
             batch.kind, max(sum(c.num_tokens for c in cs) for cs in per_rank),
             max(len(cs) for cs in per_rank), max(_num_rows(cs) for cs in per_rank))
-        fbs, rank_rows, inps, from_slots = [], [], [], []
-        spec = verify_inputs(batch.chunks, R, self.num_drafts) if mode.is_verify() else None
+        fbs, rank_rows, inps, from_slots, specs = [], [], [], [], []
         for k, chunks in enumerate(per_rank):
             fb, rows, from_slot = self._rank_batch(chunks, mode, T, R, L)
             fbs.append(fb)
             rank_rows.append(rows)
             from_slots.append(from_slot)
-            if spec is not None:  # the sampler sees row 0 of each request (f32[R, V])
-                chunks, rows, L = [sampling_view(c) for c in chunks], [
+            sL = L  # the sampler's logits rows per rank
+            if mode.is_verify():  # it samples row 0 of each request (f32[D*R, V])
+                specs.append(verify_inputs(chunks, R, self.num_drafts))
+                chunks, rows, sL = [sampling_view(c) for c in chunks], [
                     np.array([j]) for j in range(len(chunks))], R
             inps.append(sampling_inputs(
-                chunks, rows, R, L, self.vocab_size, row_offset=k * L,
+                chunks, rows, R, sL, self.vocab_size, row_offset=k * sL,
                 slot_offset=k * self.num_state_slots, mask=variant.mask, bias=variant.bias))
+        spec = concat_verify_inputs(specs) if specs else None
         inp = inps[0] if len(inps) == 1 else jax.tree.map(
             lambda *xs: np.concatenate(xs, axis=0), *inps)
         want_lp = any(c.req.return_logprob for c in batch.chunks)
@@ -290,11 +293,10 @@ class ModelRunner:
         """A TARGET_VERIFY forward, greedy acceptance and the commit of each request's
         accepted positions into its GDN slot (cache donated, nothing waited for). Returns
         ``speculative.greedy.greedy_verify``'s device outputs."""
-        (fb,) = fbs
         logits, self.cache, states = self.backend.verify(self.params, self.cache, fbs)
         out = greedy_verify_jit(logits, spec.drafts, spec.accept, spec.real, num_top_logprobs=K)
-        self.cache = verify.commit_accepted_jit(self.cache, states, fb.state_slots,
-                                                out["accepted_len"])
+        slots = np.concatenate([fb.state_slots for fb in fbs])
+        self.cache = self.backend.commit(self.cache, states, slots, out["accepted_len"])
         self._stats = None
         return out
 

@@ -38,6 +38,12 @@ def verify_inputs(chunks: Sequence[ScheduledChunk], R: int, k: int) -> VerifyInp
     return VerifyInputs(drafts, accept, real)
 
 
+def concat_verify_inputs(per_rank: Sequence[VerifyInputs]) -> VerifyInputs:
+    """The DP ranks' draft inputs, rank after rank ([D*R] rows)."""
+    return VerifyInputs(*(np.concatenate([getattr(x, f.name) for x in per_rank])
+                          for f in dataclasses.fields(VerifyInputs)))
+
+
 def dummy_verify_inputs(R: int, k: int) -> VerifyInputs:
     """All-padding draft inputs (warm-up)."""
     return verify_inputs([], R, k)

@@ -66,7 +66,7 @@ def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
         for kind, T, R, L in tqdm(shapes, desc="warmup (compile)", disable=not progress):
             fbs = [dummy_batch(kind, T, R, L, runner.pages_per_seq)] * D
             if kind.is_verify():
-                spec = dummy_verify_inputs(R, runner.num_drafts)
+                spec = dummy_verify_inputs(D * R, runner.num_drafts)
                 for K in (runner.max_top_logprobs_num, 0):
                     logits = runner.verify(fbs, spec, K)["first_rows"]
                 L = R  # the sampler's rows of a verify step

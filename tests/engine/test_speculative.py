@@ -13,6 +13,8 @@ float32 model: outputs equal the plain engine's, whatever the drafts.
   those a non-speculative engine leaves after the same tokens; nothing leaks;
 - max_new_tokens, stop strings and stop token ids that fall inside a verified run;
 - no program lowered while serving after warm-up;
+- with --dp-size 4 (``dp_spec_run.py``, 4 simulated CPU devices): NGRAM and replayed drafts
+  give the plain engine's outputs, every rank served, nothing lowered after warm-up;
 - the flags' validation and the NGRAM drafter itself.
 """
 
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +35,7 @@ from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
 from sglang_tpu_backend.server_args import ServerArgs
 from sglang_tpu_backend.speculative.drafter import CallbackDrafter
 from sglang_tpu_backend.speculative.ngram import NgramDrafter, NgramIndex
+from tests.cpu_devices import run_on_cpu_devices
 from tests.engine.conftest import ENGINE_ARGS, small_page_pool, wait_pools_empty
 
 K = 3  # drafts per verify step
@@ -272,6 +277,18 @@ def test_max_new_tokens_and_stops_inside_a_verified_run(clean_spec_engine, clean
     assert len(got[2]["output_ids"]) <= stop_str + 1 < 16
 
 
+def test_data_parallel_speculation(tmp_path):
+    out = tmp_path / "dp_spec.json"
+    run_on_cpu_devices(Path(__file__).with_name("dp_spec_run.py"), str(out), num_devices=4)
+    r = json.loads(out.read_text())
+    assert r["ngram"] == r["ref"] and r["replay"] == r["ref"]
+    assert sum(r["replay_accept"]) / len(r["replay_accept"]) > 1.5, r["replay_accept"]
+    assert r["lowerings"] == 0
+    assert all(n > 0 for n in r["admitted"]), r["admitted"]
+    s = r["stats"]
+    assert (s["kv_pages_used"], s["state_slots_used"], s["num_running"]) == (0, 0, 0), s
+
+
 # Rollback: deterministic engines (batch-invariant attention), driven step by step. The plain
 # engine runs 32 requests per decode step so its decode steps have the verify steps' 32 token
 # rows (8 requests x 4): the dense matmuls then see the same shapes on both sides.
@@ -339,7 +356,7 @@ def test_rollback_at_every_position(det_engines):
     (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), ">= 2"),
     (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
           speculative_ngram_max_match_window_size=3), "min <= max"),
-    (dict(speculative_algorithm="NGRAM", dp_size=2, max_running_requests=4), "one device"),
+    (dict(speculative_algorithm="NGRAM", tp_size=2), "--tp-size 1"),
 ])
 def test_bad_speculative_flags_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
