@@ -272,6 +272,9 @@ class ServerArgs:
         (num_draft_tokens = num_steps + 1, default 4)."""
         algo = self.speculative_algorithm
         if algo is None:
+            if self.speculative_num_draft_tokens is not None or self.speculative_num_steps is not None:
+                raise ValueError("--speculative-num-draft-tokens / --speculative-num-steps need "
+                                 "--speculative-algorithm")
             return
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, "

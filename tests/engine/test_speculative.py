@@ -357,6 +357,7 @@ def test_rollback_at_every_position(det_engines):
     (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
           speculative_ngram_max_match_window_size=3), "min <= max"),
     (dict(speculative_algorithm="NGRAM", tp_size=2), "--tp-size 1"),
+    (dict(speculative_num_draft_tokens=4), "need --speculative-algorithm"),
 ])
 def test_bad_speculative_flags_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
