@@ -153,7 +153,7 @@ class ServerArgs:
     eplb_rebalance_num_iterations: int = 1000  # steps between rebalances
     # Speculative decoding (speculative/): None = off.
     speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int | None = None  # k + 1 (drafts plus the last token)
+    speculative_num_draft_tokens: int | None = None  # k + 1 (drafts plus the last token); None: 4
     speculative_num_steps: int | None = None  # chain drafts: num_draft_tokens - 1
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
@@ -268,11 +268,11 @@ class ServerArgs:
 
     def _validate_speculative(self) -> None:
         """The speculative flags: an algorithm served here, chain drafts (num_steps + 1 ==
-        num_draft_tokens), window sizes in order, one device. Unset counts are derived
-        (num_draft_tokens = num_steps + 1, default 4)."""
-        algo = self.speculative_algorithm
+        num_draft_tokens when both are given), window sizes in order, no TP / multi-host."""
+        algo, steps, n = (self.speculative_algorithm, self.speculative_num_steps,
+                          self.speculative_num_draft_tokens)
         if algo is None:
-            if self.speculative_num_draft_tokens is not None or self.speculative_num_steps is not None:
+            if n is not None or steps is not None:
                 raise ValueError("--speculative-num-draft-tokens / --speculative-num-steps need "
                                  "--speculative-algorithm")
             return
@@ -282,22 +282,16 @@ class ServerArgs:
         if algo != "NGRAM":
             raise ValueError(f"--speculative-algorithm {algo} needs the MTP draft model, which "
                              "this server does not have yet; use NGRAM")
-        steps, n = self.speculative_num_steps, self.speculative_num_draft_tokens
-        for name, value in (("speculative_num_steps", steps), ("speculative_num_draft_tokens", n)):
+        for name, value, low in (("speculative_num_steps", steps, 1),
+                                 ("speculative_num_draft_tokens", n, 2)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < (1 if name.endswith("steps") else 2)):
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= "
-                                 f"{1 if name.endswith('steps') else 2}, got {value!r}")
-        if n is None:
-            n = 4 if steps is None else steps + 1
-            object.__setattr__(self, "speculative_num_draft_tokens", n)
-        if steps is None:
-            object.__setattr__(self, "speculative_num_steps", self.speculative_num_draft_tokens - 1)
-        if self.speculative_num_steps + 1 != self.speculative_num_draft_tokens:
+                                      or value < low):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, "
+                                 f"got {value!r}")
+        if steps is not None and n is not None and steps + 1 != n:
             raise ValueError(
-                f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens} with "
-                f"--speculative-num-steps {self.speculative_num_steps}: drafts are a chain, so "
-                "num_draft_tokens must be num_steps + 1")
+                f"--speculative-num-draft-tokens {n} with --speculative-num-steps {steps}: "
+                "drafts are a chain, so num_draft_tokens must be num_steps + 1")
         lo, hi = (self.speculative_ngram_min_match_window_size,
                   self.speculative_ngram_max_match_window_size)
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
@@ -311,8 +305,13 @@ class ServerArgs:
 
     @property
     def speculative_num_drafts(self) -> int:
-        """Drafts verified per request and step (k); 0 when speculation is off."""
-        return 0 if self.speculative_algorithm is None else self.speculative_num_draft_tokens - 1
+        """Drafts verified per request and step (k): num_draft_tokens - 1, else num_steps,
+        else 3; 0 when speculation is off."""
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return self.speculative_num_steps if self.speculative_num_steps is not None else 3
 
     def _validate_multihost(self) -> None:
         if not isinstance(self.nnodes, int) or self.nnodes < 1:

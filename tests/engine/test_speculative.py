@@ -373,16 +373,22 @@ def test_speculative_flags_from_the_command_line():
         "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6",
         "--speculative-ngram-min-match-window-size", "2",
         "--speculative-ngram-max-match-window-size", "8"]))
-    assert (a.speculative_num_drafts, a.speculative_num_steps) == (5, 5)
+    assert a.speculative_num_drafts == 5
     assert (a.speculative_ngram_min_match_window_size,
             a.speculative_ngram_max_match_window_size) == (2, 8)
 
 
 def test_speculative_flag_defaults():
+    import dataclasses
+
     a = ServerArgs(speculative_algorithm="NGRAM", speculative_num_steps=5)
-    assert (a.speculative_num_draft_tokens, a.speculative_num_drafts) == (6, 5)
+    assert a.speculative_num_drafts == 5
     assert ServerArgs().speculative_num_drafts == 0
-    assert ServerArgs(speculative_algorithm="NGRAM").speculative_num_draft_tokens == 4
+    assert ServerArgs(speculative_algorithm="NGRAM").speculative_num_drafts == 3
+    # A per-role override of one count (Ray app role arguments) is not checked against a
+    # value derived from the other.
+    b = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    assert dataclasses.replace(b, speculative_num_draft_tokens=6).speculative_num_drafts == 5
 
 
 def brute_force_drafts(t: list[int], k: int, lo: int, hi: int) -> list[int]:
