@@ -15,8 +15,10 @@ backend's business (``backends.py``), picked once at construction.
 Speculative decoding (``num_drafts`` k > 0; one device or DP ranks): a TARGET_VERIFY step
 (every chunk a verify chunk) runs the verify forward, greedy acceptance, the commit of the
 accepted positions into the GDN slots (rank-local with DP) and the sampler on each request's
-row 0, all dispatched without a wait (``verify_step.py``). A request's pages then cover up to k positions past the context length,
-hence ``pages_per_seq`` of ``context_length + k`` tokens.
+row 0, all dispatched without a wait (``verify_step.py``). Verify steps return no router
+stats (the MoE health gauges and EPLB's expert loads then come from prefill steps). A
+request's pages cover up to k positions past the context length, hence ``pages_per_seq`` of
+``context_length + k`` tokens.
 
 Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
 (``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
