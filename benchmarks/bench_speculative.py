@@ -73,7 +73,10 @@ def run(engine: Engine, prompts: list[list[int]], max_new: int) -> dict:
 
 def replay(outputs: dict[str, list[int]]) -> CallbackDrafter:
     """Drafts: each request's continuation from ``outputs`` (the plain engine's)."""
-    return CallbackDrafter(lambda req, k: outputs[req.rid][len(req.output_ids):len(req.output_ids) + k])
+    def drafts(req, k):
+        o = len(req.output_ids)
+        return outputs[req.rid][o:o + k]
+    return CallbackDrafter(drafts)
 
 
 def main() -> None:
@@ -96,7 +99,8 @@ def main() -> None:
           f"median of {a.rounds} alternating rounds (output tokens/s)")
     for name, prompts in workloads(plain, a.requests).items():
         reference = run(plain, prompts, a.max_new_tokens)["outputs"]  # also compiles, untimed
-        setups = {"plain": (plain, None), "ngram": (spec, ngram), "replay": (spec, replay(reference))}
+        setups = {"plain": (plain, None), "ngram": (spec, ngram),
+                  "replay": (spec, replay(reference))}
         for eng, drafter in setups.values():
             if drafter is not None:
                 eng.scheduler.drafter = drafter

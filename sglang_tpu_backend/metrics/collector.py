@@ -175,7 +175,8 @@ class EngineMetrics:
         ).labels(*self._lv)
         self.spec_accept_rate = gauge(
             "sglang:spec_accept_rate",
-            "Accepted / proposed speculative drafts (rows that may accept drafts)").labels(*self._lv)
+            "Accepted / proposed speculative drafts (rows that may accept drafts)"
+        ).labels(*self._lv)
         self._spec = [0, 0, 0, 0]  # verify rows, tokens gained, drafts accepted, drafts proposed
         self._pool_stats: dict[str, Any] = {}
         self._router_stats: np.ndarray | None = None

@@ -125,14 +125,14 @@ class DPForward:
         """One rank-local batch per DP rank (equal shapes) -> the global, placed batch. Every
         process passes all ranks' batches (multi-host: see ``parallel/multihost.py``).
 
-        The step is a DECODE step only when every rank's batch is one (all-padding batches of
-        idle ranks are built with the common mode by the caller).
+        The step is a DECODE (TARGET_VERIFY) step only when every rank's batch is one
+        (all-padding batches of idle ranks are built with the common mode by the caller).
         """
         if len(batches) != self.dp_size:
             raise ValueError(f"need {self.dp_size} rank batches, got {len(batches)}")
         modes = {b.mode for b in batches}
-        mode = modes.pop() if len(modes) == 1 and modes & {ForwardMode.DECODE,
-                                                        ForwardMode.TARGET_VERIFY} else ForwardMode.MIXED
+        one_kind = {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}  # kept when all ranks agree
+        mode = modes.pop() if len(modes) == 1 and modes <= one_kind else ForwardMode.MIXED
         shapes = {tuple(np.shape(getattr(b, n)) for n in ("input_ids", "cu_q_lens", "page_table",
                                                            "logits_indices")) for b in batches}
         if len(shapes) != 1:
