@@ -68,6 +68,15 @@ def deterministic_limits(args: ServerArgs) -> dict:
                 max_logits_rows=deterministic_prefill_rows(running, args.max_tokens_per_step))
 
 
+def _overlap_schedule(args: ServerArgs, runner: ModelRunner) -> bool:
+    """Whether the loop launches step i+1 before completing step i: unless turned off, when
+    decode inputs can be read on the device (one device, no DP / TP) and without
+    speculative decoding (a step's drafts are proposed on the host from the tokens the
+    previous step accepted, so that step must be complete first)."""
+    return not (args.disable_overlap_schedule or not runner.backend.in_flight_inputs
+                or args.speculative_algorithm)
+
+
 async def _last(outputs: AsyncIterator[dict]) -> dict | None:
     """The last output of ``outputs``; a caller cancelled meanwhile closes (aborts) it at once."""
     last = None
@@ -138,19 +147,20 @@ class Engine:
             tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
             deterministic=det, expert_location=location,
             eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
-            else None)
+            else None, num_drafts=args.speculative_num_drafts)
         self.requests = RequestBuilder(
             self.tokenizer, vocab_size=cfg.vocab_size, context_length=args.context_length,
-            kv_capacity_tokens=self.num_pages_per_rank * args.page_size, page_size=args.page_size,
+            kv_capacity_tokens=self.num_pages_per_rank * args.page_size
+            - args.speculative_num_drafts, page_size=args.page_size,  # (k pages past the end)
             max_top_logprobs_num=self.runner.max_top_logprobs_num, eos_ids=self.eos_ids,
             grammar_backend=GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids)),
             random_seed=args.random_seed, per_rank=dp > 1)
         self.metrics = EngineMetrics(args.served_model_name, role=role, dp_size=dp,
                                      num_moe_layers=cfg.num_hidden_layers,
                                      step_phases=PHASES + BETWEEN_STEPS)
-        self.outputs = OutputBuilder(self.requests.decode_token)
-        # Overlap scheduling needs decode inputs read on the device (one device, no DP / TP).
-        overlap = not args.disable_overlap_schedule and self.runner.backend.in_flight_inputs
+        self.outputs = OutputBuilder(self.requests.decode_token,
+                                     speculative=args.speculative_algorithm is not None)
+        overlap = _overlap_schedule(args, self.runner)
         self.loop = SchedulerLoop(
             self.scheduler, self.runner, Delivery(self.outputs, self.metrics, args.stream_interval),
             self.metrics, overlap=overlap, watchdog_timeout=args.watchdog_timeout,

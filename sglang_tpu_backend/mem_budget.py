@@ -8,6 +8,9 @@ requests (= GDN state slots) and ``s`` GDN snapshots per rank, V the vocabulary:
     state       = (r + s) * plan.gdn_slot_bytes          (conv state in --dtype, recurrence f32)
     penalty     = r * (4V + V + 4)                       (token counts i32, prompt mask, last token)
     activations = plan.step_activation_bytes(max_tokens_per_step) + 4 * r * V   (f32 logits)
+                  speculative decoding (n = k+1 rows per request): activations of
+                  max(max_tokens_per_step, r * n) tokens + 4 * r * n * V, plus the verify
+                  step's per-position GDN states (about n * r * gdn_slot_bytes)
     pages       = (budget - weights - state - penalty - activations) // plan.kv_page_bytes
 
 On a CPU a 16-bit ``--dtype`` keeps the KV pages and conv states in f32
@@ -82,14 +85,16 @@ def size_pools(cfg: ModelConfig, args: ServerArgs, device_memory: int) -> PoolBu
     cache_b = jnp.dtype(cache_storage_dtype(args.dtype, jax.default_backend())).itemsize
     page = kv_page_bytes(cfg, tp=tp, page_size=args.page_size, kv_bytes=cache_b)
     slot = gdn_slot_bytes(cfg, tp=tp, kv_bytes=cache_b, state_bytes=STATE_DTYPE_BYTES)
-    act_fixed = step_activation_bytes(cfg, ep=args.ep_size, tp=tp, tokens=args.max_tokens_per_step,
-                                      dtype_bytes=b)
+    n = args.speculative_num_drafts + 1  # logits rows per request and step
+    tokens = args.max_tokens_per_step if n == 1 else max(
+        args.max_tokens_per_step, n * args.max_running_requests_per_rank)
+    act_fixed = step_activation_bytes(cfg, ep=args.ep_size, tp=tp, tokens=tokens, dtype_bytes=b)
 
     def sized(r: int) -> PoolBudget:
         a = dataclasses.replace(args, max_running_requests=r * args.dp_size)
         state = (r + a.num_gdn_snapshots_per_rank) * slot
         penalty = r * (5 * V + 4)
-        activations = act_fixed + 4 * r * V
+        activations = act_fixed + 4 * r * n * V + (r * n * slot if n > 1 else 0)
         free = budget - weights - state - penalty - activations
         return PoolBudget(device_memory, F, budget, weights, state, penalty, activations, page,
                           max(0, free // page), r)

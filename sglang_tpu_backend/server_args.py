@@ -24,6 +24,7 @@ DETERMINISTIC_MIN_CHUNK = 64  # a multiple of every GDN chunk size (kernels/gdn.
 # time-to-first-token without limit.
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_PROFILE_MAX_SECONDS = 600.0  # a trace without num_steps stops by itself after this
+SPECULATIVE_ALGORITHMS = ("NGRAM", "NEXTN", "EAGLE")  # SGLang's names; NGRAM is served today
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,14 @@ class ServerArgs:
     sampling, the prefix tree), the others follow its steps, snapshot copies and handover
     transfers (``parallel/multihost.py``). TP attention and weight updates are not available
     there.
+
+    Speculative decoding (SGLang's ``--speculative-algorithm``; ``speculative/``): each decode
+    step verifies ``speculative_num_draft_tokens - 1`` chain drafts per request in one
+    TARGET_VERIFY forward and keeps the longest greedy-agreeing prefix plus one token.
+    NGRAM drafts from the request's own prompt + output (suffixes of
+    ``speculative_ngram_min/max_match_window_size`` tokens); NEXTN / EAGLE need the MTP
+    drafter and are refused for now. One device or DP ranks (no TP / multi-host); the overlap
+    scheduler is off under it (the next step's drafts need this step's tokens).
 
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
@@ -143,6 +152,12 @@ class ServerArgs:
     init_expert_location: str | None = None  # None / "trivial": slot p holds expert p mod E
     enable_eplb: bool = False
     eplb_rebalance_num_iterations: int = 1000  # steps between rebalances
+    # Speculative decoding (speculative/): None = off.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None  # k + 1 (drafts plus the last token); None: 4
+    speculative_num_steps: int | None = None  # chain drafts: num_draft_tokens - 1
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
 
     def __post_init__(self):
         self.validate()
@@ -204,6 +219,7 @@ class ServerArgs:
                 f"--max-gdn-snapshots {self.max_gdn_snapshots} is split over --dp-size "
                 f"{self.dp_size} ranks: it must be at least {self.dp_size}")
         self._validate_multihost()
+        self._validate_speculative()
         if (self.enable_deterministic_inference
                 and self.chunked_prefill_size < DETERMINISTIC_MIN_CHUNK):
             raise ValueError(
@@ -250,6 +266,53 @@ class ServerArgs:
         if self.uses_expert_location and self.nnodes > 1:
             raise ValueError("--ep-num-redundant-experts / --init-expert-location / --enable-eplb "
                              f"are not supported with --nnodes {self.nnodes}")
+
+    def _validate_speculative(self) -> None:
+        """The speculative flags: an algorithm served here, chain drafts (num_steps + 1 ==
+        num_draft_tokens when both are given), window sizes in order, no TP / multi-host."""
+        algo, steps, n = (self.speculative_algorithm, self.speculative_num_steps,
+                          self.speculative_num_draft_tokens)
+        if algo is None:
+            if n is not None or steps is not None:
+                raise ValueError("--speculative-num-draft-tokens / --speculative-num-steps need "
+                                 "--speculative-algorithm")
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                             f"got {algo!r}")
+        if algo != "NGRAM":
+            raise ValueError(f"--speculative-algorithm {algo} needs the MTP draft model, which "
+                             "this server does not have yet; use NGRAM")
+        for name, value, low in (("speculative_num_steps", steps, 1),
+                                 ("speculative_num_draft_tokens", n, 2)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < low):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {low}, "
+                                 f"got {value!r}")
+        if steps is not None and n is not None and steps + 1 != n:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {n} with --speculative-num-steps {steps}: "
+                "drafts are a chain, so num_draft_tokens must be num_steps + 1")
+        lo, hi = (self.speculative_ngram_min_match_window_size,
+                  self.speculative_ngram_max_match_window_size)
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(
+                f"--speculative-ngram-min-match-window-size {lo!r} and "
+                f"--speculative-ngram-max-match-window-size {hi!r} must be integers with "
+                "1 <= min <= max")
+        if self.tp_size != 1 or self.nnodes != 1:
+            raise ValueError("--speculative-algorithm runs on one device or --dp-size ranks of "
+                             "one process: it needs --tp-size 1 and --nnodes 1")
+
+    @property
+    def speculative_num_drafts(self) -> int:
+        """Drafts verified per request and step (k): num_draft_tokens - 1, else num_steps,
+        else 3; 0 when speculation is off."""
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return self.speculative_num_steps if self.speculative_num_steps is not None else 3
 
     def _validate_multihost(self) -> None:
         if not isinstance(self.nnodes, int) or self.nnodes < 1:
@@ -306,6 +369,7 @@ class ServerArgs:
         """Every field as SGLang's flag (``--dash-name``)."""
         _add_model_and_server_flags(parser.add_argument, ServerArgs)
         _add_serving_flags(parser.add_argument, ServerArgs)
+        _add_speculative_flags(parser.add_argument, ServerArgs)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
@@ -436,3 +500,21 @@ def _add_serving_flags(a, d) -> None:
     a("--node-rank", type=int, default=d.node_rank, help="this process's node (0: leader)")
     a("--dist-init-addr", type=str, default=d.dist_init_addr,
       help="HOST:PORT of node 0's jax.distributed coordinator (with --nnodes > 1)")
+
+
+def _add_speculative_flags(a, d) -> None:
+    """Speculative decoding (SGLang's names)."""
+    a("--speculative-algorithm", type=str, default=d.speculative_algorithm,
+      choices=SPECULATIVE_ALGORITHMS,
+      help="speculative decoding: NGRAM drafts from the request's own tokens (NEXTN / EAGLE "
+           "need the MTP drafter: refused for now)")
+    a("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+      help="tokens verified per request and step: the last token plus the drafts (default 4)")
+    a("--speculative-num-steps", type=int, default=d.speculative_num_steps,
+      help="draft steps (chain drafts: --speculative-num-draft-tokens - 1)")
+    a("--speculative-ngram-min-match-window-size", type=int,
+      default=d.speculative_ngram_min_match_window_size,
+      help="NGRAM: shortest suffix of the sequence matched against its earlier tokens")
+    a("--speculative-ngram-max-match-window-size", type=int,
+      default=d.speculative_ngram_max_match_window_size,
+      help="NGRAM: longest suffix matched (the longest match wins)")

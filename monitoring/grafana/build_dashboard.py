@@ -59,6 +59,14 @@ ROWS = [
             (f'max by (role) (sglang:cache_hit_rate{{{M}}})', "{{role}}"),
         ]),
     ]),
+    ("Speculative decoding", [
+        ("Accept length (tokens per verify step)", "short", [
+            (f'max by (role) (sglang:spec_accept_length{{{M}}})', "{{role}}"),
+        ]),
+        ("Draft accept rate", "percentunit", [
+            (f'max by (role) (sglang:spec_accept_rate{{{M}}})', "{{role}}"),
+        ]),
+    ]),
     ("Prefill-to-decode handover", [
         ("Handover latency (s)", "s", q("handover", "sglang:kv_transfer_latency_seconds")),
         ("Handover bytes / s and failures / s", "short", [

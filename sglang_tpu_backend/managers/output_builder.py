@@ -66,10 +66,14 @@ def abort_output(rid: str, message: str, last: dict | None = None,
 
 class OutputBuilder:
     """Builds a request's outputs; ``decode_token(id) -> str`` gives a token's text for
-    ``return_text_in_logprobs``."""
+    ``return_text_in_logprobs``. ``speculative``: meta_info carries SGLang's
+    ``spec_verify_ct`` (verify steps the request ran) and ``spec_accept_length`` (output
+    tokens it gained per verify step, on average: 1 + the drafts accepted, less what a stop
+    dropped; 0 before its first)."""
 
-    def __init__(self, decode_token: Callable[[int], str]):
+    def __init__(self, decode_token: Callable[[int], str], speculative: bool = False):
         self.decode_token = decode_token
+        self.speculative = speculative
 
     def snapshot(self, req: Any) -> OutputSnapshot:
         """``req``'s SGLang output so far (cumulative text, ids and logprob lists)."""
@@ -82,6 +86,10 @@ class OutputBuilder:
         }
         if req.finished:
             meta["e2e_latency"] = time.monotonic() - req.arrival_time
+        if self.speculative:
+            n = req.spec_verify_ct
+            meta["spec_verify_ct"] = n
+            meta["spec_accept_length"] = req.spec_verify_tokens / n if n else 0.0
         lists = {"output_ids": (req.output_ids, len(req.output_ids))}
         if req.return_logprob:
             e = self.logprob_entries(req)

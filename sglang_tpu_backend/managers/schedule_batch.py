@@ -119,6 +119,10 @@ class Req:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.logprob_entries: Any = None  # output entries built so far (output_builder.LogprobEntries)
+        # Speculative decoding: the drafter's state (``speculative/``), the verify steps run
+        # (SGLang's ``spec_verify_ct``) and the output tokens they appended.
+        self.draft_state: Any = None
+        self.spec_verify_ct = self.spec_verify_tokens = 0
         # Timing (seconds, time.monotonic()).
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
@@ -273,6 +277,9 @@ class ScheduledChunk:
     pages, state_slot: snapshots taken at scheduling time (an abort during the step may
     free the request's own lists; the pages are only reallocated at the next schedule).
     dp_rank: the DP rank the chunk runs on; ``pages`` and ``state_slot`` are its local ids.
+    drafts: a verify chunk's k drafts (None otherwise): it computes the last token and the
+    drafts (``num_tokens`` = k+1) and appends 1 + the accepted drafts; ``accept_drafts``
+    False keeps only the last token (a row the greedy acceptance does not cover).
     """
 
     req: Req
@@ -283,6 +290,12 @@ class ScheduledChunk:
     pages: list[int] = dataclasses.field(default_factory=list)
     state_slot: int = 0
     dp_rank: int = 0
+    drafts: list[int] | None = None
+    accept_drafts: bool = False
+
+    @property
+    def is_verify(self) -> bool:
+        return self.drafts is not None
 
     @property
     def input_in_flight(self) -> bool:
@@ -335,3 +348,7 @@ class ChunkResult:
     top_logprobs: list[tuple[float, int]] | None = None
     input_logprobs: list[float] | None = None  # one per row of req.input_logprob_rows(...)
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # A verify chunk: the accepted drafts then the next token, each (token, logprob, top
+    # logprobs), in order; ``num_accepted`` drafts of them.
+    run: list[tuple[int, float, list[tuple[float, int]] | None]] | None = None
+    num_accepted: int = 0

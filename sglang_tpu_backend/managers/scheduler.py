@@ -19,6 +19,13 @@ either decodes only or prefill chunks only (prefill first, as SGLang without mix
 decodes wait while any prefill chunk can run), and a prefill chunk ends at a multiple of
 ``prefill_align`` tokens or at the end of what the request has to fill. Each request's chunk
 boundaries then depend on the request alone, never on what shares the step.
+
+Speculative decoding (``num_drafts`` k > 0, a ``drafter``): decode-ready requests run in
+TARGET_VERIFY steps, each with its last token and exactly k drafts (the drafter's, padded),
+and prefill chunks run in steps of their own (prefill first, as in deterministic mode: a
+verify step has a fixed k+1 tokens per request, so the two kinds never share a step). A
+verify chunk reserves pages for its k+1 positions; after the step the request keeps 1 + the
+accepted drafts of them and the pages past its new length go back to the pool.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
+from sglang_tpu_backend.speculative.drafter import Drafter, accepts_greedy_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +75,15 @@ class Scheduler:
         prefix: PrefixCache | None = None,
         prefill_align: int | None = None,
         max_prefill_chunks: int | None = None,
+        drafter: Drafter | None = None,
+        num_drafts: int = 0,
     ):
         """``prefill_align``: deterministic mode (see the module docstring); None: off.
-        ``max_prefill_chunks``: prefill chunks per step and rank (None: no limit)."""
+        ``max_prefill_chunks``: prefill chunks per step and rank (None: no limit).
+        ``drafter`` / ``num_drafts``: speculative decoding (k drafts per verify step)."""
+        if (drafter is None) != (num_drafts == 0):
+            raise ValueError("speculative decoding needs a drafter and num_drafts > 0")
+        self.drafter, self.num_drafts = drafter, num_drafts
         self.pools = pools
         self.prefill_align = prefill_align
         self.max_prefill_chunks = max_prefill_chunks
@@ -108,6 +122,14 @@ class Scheduler:
         if num_snapshots > 0:
             prefix = PrefixCache([RadixCache(p.page_pool, SnapshotPool(num_snapshots))
                                   for p in pools])
+        if args.speculative_algorithm is not None:
+            from sglang_tpu_backend.speculative.drafter import make_drafter
+
+            limits = dict(drafter=make_drafter(
+                args.speculative_algorithm,
+                min_window=args.speculative_ngram_min_match_window_size,
+                max_window=args.speculative_ngram_max_match_window_size),
+                num_drafts=args.speculative_num_drafts, **limits)
         return cls(pools, max_running_requests=running,
                    max_tokens_per_step=args.max_tokens_per_step, prefix=prefix, **limits)
 
@@ -281,7 +303,7 @@ class Scheduler:
         for c in batch.chunks:
             if c.req.finished or c.req not in self.running:
                 continue  # aborted since it was scheduled
-            c.req.num_computed = c.start + c.num_tokens
+            c.req.num_computed = c.start + (1 if c.is_verify else c.num_tokens)
             if c.sample:
                 c.req.num_inflight += 1
 
@@ -291,7 +313,8 @@ class Scheduler:
         chunks = self._schedule_decodes()
         steps = [RankStep(self.max_tokens_per_step, self.max_logits_rows)
                  for _ in range(self.dp_size)]
-        separate = self.prefill_align is not None  # decodes drop out of a step with prefill
+        # Decodes drop out of a step with prefill (deterministic mode, speculative decoding).
+        separate = self.prefill_align is not None or self.num_drafts > 0
         for c in chunks if not separate else ():
             steps[c.dp_rank].budget -= 1
             steps[c.dp_rank].rows_left -= 1
@@ -302,7 +325,10 @@ class Scheduler:
             chunks, num_decodes = chunks[num_decodes:], 0  # their pages stay for the next step
         if not chunks:
             return None
-        if num_decodes == len(chunks):
+        if num_decodes == len(chunks) and self.num_drafts:
+            kind = ForwardMode.TARGET_VERIFY
+            self._add_drafts(chunks)
+        elif num_decodes == len(chunks):
             kind = ForwardMode.DECODE
         elif num_decodes == 0:
             kind = ForwardMode.EXTEND
@@ -318,7 +344,7 @@ class Scheduler:
         for req in [r for r in self.running if r.is_decode_ready]:
             if req not in self.running:
                 continue  # retracted below for an older request
-            while not self._ensure_pages(req, req.num_computed + 1):
+            while not self._ensure_pages(req, req.num_computed + 1 + self.num_drafts):
                 victim = self.running_on(req.dp_rank)[-1]
                 self._retract(victim)
                 if victim is req:
@@ -327,14 +353,28 @@ class Scheduler:
                 chunks.append(self._chunk(req, 1))
         return chunks
 
+    def _add_drafts(self, chunks: list[ScheduledChunk]) -> None:
+        """Turn a step's decode chunks into verify chunks: each request's last token and k
+        drafts (the drafter's, padded with the last token; greedy-exact requests only)."""
+        k = self.num_drafts
+        greedy = [c for c in chunks if accepts_greedy_drafts(c.req)]
+        proposed = dict(zip(map(id, greedy), self.drafter.propose([c.req for c in greedy], k)))
+        for c in chunks:
+            last = c.req.fill_slice(c.start, 1)[0]
+            drafts = [int(t) for t in proposed.get(id(c), [])][:k]
+            c.drafts = drafts + [last] * (k - len(drafts))
+            c.accept_drafts = id(c) in proposed
+            c.num_tokens, c.logits = 1 + k, "all"
+
     def _schedule_prefills(self, steps: list[RankStep]) -> list[ScheduledChunk]:
         """2. Running requests in the middle of a (chunked) prefill."""
         chunks = []
         for req in self.running:
             step = steps[req.dp_rank]
             step.running += 1
-            if req.is_decode_ready:
-                step.reserve += 1  # admission keeps a page per running decode in reserve
+            if req.is_decode_ready:  # admission keeps pages for the running decodes
+                page_size = self.pools[req.dp_rank].page_pool.page_size
+                step.reserve += pages_for(1 + self.num_drafts, page_size)
             if (step.budget <= 0 or step.rows_left <= 0 or req.is_decode_ready
                     or req.num_inflight or req.num_pending <= 0):
                 continue  # (a request with a token in flight only ever decodes)
@@ -422,22 +462,17 @@ class Scheduler:
                 req.num_inflight = max(0, req.num_inflight - 1)
             if req.finished or req not in self.running:
                 continue
-            req.num_computed = max(req.num_computed, chunk.start + chunk.num_tokens)  # no on_launch
+            if not chunk.is_verify:  # (no on_launch)
+                req.num_computed = max(req.num_computed, chunk.start + chunk.num_tokens)
             if res.input_logprobs:
                 req.input_logprobs.extend(res.input_logprobs)
                 req.input_top_logprobs.extend(res.input_top_logprobs or [[] for _ in res.input_logprobs])
             if chunk.sample:
-                req.output_ids.append(int(res.next_token))
-                if req.return_logprob:
-                    req.output_logprobs.append(res.logprob)
-                    req.output_top_logprobs.append(res.top_logprobs or [])
-                if req.grammar is not None:
-                    req.grammar.accept(int(res.next_token))
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                req.last_token_time = now
-                req.check_token_finish()
-                req.update_text()
+                run = res.run if res.run is not None else [(res.next_token, res.logprob,
+                                                            res.top_logprobs)]
+                appended = self._append_tokens(req, run, now)
+                if chunk.is_verify:
+                    self._after_verify(req, chunk, res, appended)
                 touched.append(req)
             elif (chunk.start + chunk.num_tokens == req.num_fill
                   and len(req.output_ids) >= req.max_new_tokens):  # its last chunk, not just any
@@ -452,6 +487,43 @@ class Scheduler:
                 self.running.remove(req)
                 self.exported.append(req)
         return touched
+
+    @staticmethod
+    def _append_tokens(req: Req, run: list, now: float) -> int:
+        """Append sampled (token, logprob, top logprobs) in order, checking the finish
+        conditions (EOS, stop ids and strings, lengths) after each: tokens after the one
+        that finishes the request are dropped, as sequential decoding never makes them.
+        Returns the tokens appended."""
+        for i, (tok, logprob, top) in enumerate(run):
+            req.output_ids.append(int(tok))
+            if req.return_logprob:
+                req.output_logprobs.append(logprob)
+                req.output_top_logprobs.append(top or [])
+            if req.grammar is not None:
+                req.grammar.accept(int(tok))
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            req.check_token_finish()
+            req.update_text()
+            if req.finished:
+                return i + 1
+        return len(run)
+
+    def _after_verify(self, req: Req, chunk: ScheduledChunk, res: ChunkResult,
+                      appended: int) -> None:
+        """A verify step kept its last token and ``res.num_accepted`` drafts in the cache:
+        advance ``num_computed`` and give back the pages reserved past the new sequence."""
+        req.spec_verify_ct += 1
+        req.spec_verify_tokens += appended
+        req.num_computed = chunk.start + 1 + res.num_accepted
+        if req.finished:
+            return  # released below
+        pool = self.pools[req.dp_rank].page_pool
+        keep = max(pages_for(req.num_fill, pool.page_size), req.num_shared_pages)
+        if len(req.pages) > keep:
+            pool.free(req.pages[keep:])
+            del req.pages[keep:]
 
     # Handover (disaggregated prefill / decode) -------------------------------------------
     def release_exported(self, req: Req) -> None:

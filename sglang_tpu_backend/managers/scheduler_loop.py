@@ -211,8 +211,12 @@ class SchedulerLoop:
     def _process(self, batch: ScheduledBatch, results: list) -> list[Req]:
         touched = self.scheduler.process_result(batch, results)
         self.stats["num_steps"] += 1
-        self.stats["generation_tokens_total"] += sum(1 for c in batch.chunks if c.sample)
+        self.stats["generation_tokens_total"] += sum(
+            len(res.run) if res.run is not None else 1
+            for c, res in zip(batch.chunks, results) if c.sample)
         self.metrics.on_step(batch.chunks, touched)
+        if batch.kind.is_verify():
+            self.metrics.on_verify(batch.chunks, results)
         if self.runner.last_router_stats is not None:
             self.metrics.on_router_stats(self.runner.last_router_stats)
         return touched

@@ -12,6 +12,7 @@ Fed by the engine through five calls (all cheap, plain Python):
   end-to-end latency;
 - ``on_step_error(phase)`` when a phase of the scheduler loop raised;
 - ``on_router_stats(stats)`` with the step's per-layer expert-load summary (``router_stats.py``);
+- ``on_verify(chunks, results)`` after a speculative verify step: accept length and rate;
 - ``render(pool_stats)`` at scrape time: gauges and cumulative scheduler counters read from
   the engine's ``pool_stats()`` snapshot, then the text exposition.
 
@@ -167,6 +168,16 @@ class EngineMetrics:
             for k in range(dp_size):
                 for g in (self.expert_load_ratio, self.router_entropy, self.router_top1):
                     g.labels(*self._lv, str(layer), str(k))
+        # Speculative decoding (cumulative since start-up; 0 without it).
+        self.spec_accept_length = gauge(
+            "sglang:spec_accept_length",
+            "Mean tokens a request gains per speculative verify step (1 + accepted drafts)"
+        ).labels(*self._lv)
+        self.spec_accept_rate = gauge(
+            "sglang:spec_accept_rate",
+            "Accepted / proposed speculative drafts (rows that may accept drafts)"
+        ).labels(*self._lv)
+        self._spec = [0, 0, 0, 0]  # verify rows, tokens gained, drafts accepted, drafts proposed
         self._pool_stats: dict[str, Any] = {}
         self._router_stats: np.ndarray | None = None
         self.registry.register(_PoolCollector(self))
@@ -210,6 +221,17 @@ class EngineMetrics:
         self.prompt_tokens.inc(len(req.prompt_ids))
         self.finish_reason.labels(*self._lv, req.finish_reason["type"]).inc()
         self.e2e.observe(max(0.0, now - req.arrival_time))
+
+    def on_verify(self, chunks: Iterable[Any], results: Iterable[Any]) -> None:
+        """After a verify step: each chunk's accepted drafts (``ChunkResult.num_accepted``)."""
+        s = self._spec
+        for c, res in zip(chunks, results):
+            s[0] += 1
+            s[1] += 1 + res.num_accepted
+            s[2] += res.num_accepted
+            s[3] += len(c.drafts) if c.accept_drafts else 0
+        self.spec_accept_length.set(s[1] / s[0] if s[0] else 0.0)
+        self.spec_accept_rate.set(s[2] / s[3] if s[3] else 0.0)
 
     def on_router_stats(self, stats: np.ndarray) -> None:
         """Keep the step's stats f32[D, L, 3] (max/mean expert load, mean entropy, mean top-1

@@ -50,6 +50,7 @@ class StepBackend(abc.ABC):
     in_flight_inputs: bool = False  # ``forward`` reads decode inputs from ``last_tokens``
     state_transfer: bool = False  # request state export / install (handover)
     weight_updates: bool = True  # ``place_params`` after start-up
+    verify_steps: bool = False  # ``verify``: TARGET_VERIFY steps (speculative decoding)
     dp = None  # the DPForward whose rank layout the caches follow (None: one pool)
     tp = None  # the TPForward whose head layout the caches follow (None: whole heads)
 
@@ -106,6 +107,21 @@ class StepBackend(abc.ABC):
         and rows per physical expert slot f32[layers, P], ``metrics/router_stats.py``).
         ``from_slot`` i32[T] / ``last_tokens`` i32[S]: see ``in_flight_inputs``."""
 
+    def verify(self, params: Any, cache: qwen3_5_moe.ModelCache, batches: Sequence[ForwardBatch]
+               ) -> tuple[jax.Array, qwen3_5_moe.ModelCache, Any]:
+        """One TARGET_VERIFY step (``model_executor/verify.py``): (logits f32[L, V], the
+        cache with KV written and GDN slots unchanged, ``VerifyStates``)."""
+        raise NotImplementedError(f"speculative decoding is not supported with "
+                                  f"{type(self).__name__}")
+
+    def commit(self, cache: qwen3_5_moe.ModelCache, states: Any, slots: np.ndarray,
+               accepted_len: jax.Array) -> qwen3_5_moe.ModelCache:
+        """Each verified request's GDN slot := its state after ``accepted_len`` positions
+        (``verify.commit_accepted``; slots i32[num_ranks*R], rank-local ids)."""
+        from sglang_tpu_backend.model_executor.verify import commit_accepted_jit
+
+        return commit_accepted_jit(cache, states, slots, accepted_len)
+
     def close(self) -> None:
         """Release what the backend holds beyond arrays (multi-host: the followers)."""
 
@@ -125,6 +141,7 @@ class SingleDeviceBackend(StepBackend):
 
     in_flight_inputs = True
     state_transfer = True
+    verify_steps = True
 
     def __init__(self, cfg: ModelConfig, **kw):
         super().__init__(cfg, **kw)
@@ -160,6 +177,13 @@ class SingleDeviceBackend(StepBackend):
         return self._split(self.forward_fn(params, cache, fb, cfg=self.cfg, impl=self.impl,
                                            with_stats=self.with_stats,
                                            batch_invariant=self.batch_invariant))
+
+    def verify(self, params, cache, batches):
+        from sglang_tpu_backend.model_executor.verify import forward_verify_jit
+
+        (fb,) = batches
+        return forward_verify_jit(params, cache, fb, cfg=self.cfg, impl=self.impl,
+                                  batch_invariant=self.batch_invariant)
 
 
 class TPBackend(StepBackend):
@@ -197,6 +221,7 @@ class DPBackend(StepBackend):
     """``parallel.DPForward`` over the first ``dp_size`` devices (of every process)."""
 
     state_transfer = True  # rank-local (``state_transfer.StateTransfer``)
+    verify_steps = True
 
     def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
         from sglang_tpu_backend.parallel.dp_forward import DPForward
@@ -226,6 +251,12 @@ class DPBackend(StepBackend):
         self._no_in_flight(from_slot)
         return self._split(self.dp(params, cache, self.dp.put_batch(batches)))
 
+    def verify(self, params, cache, batches):
+        return self.dp.verify(params, cache, self.dp.put_batch(batches))
+
+    def commit(self, cache, states, slots, accepted_len):
+        return self.dp.commit(cache, states, slots, accepted_len)
+
 
 class MultiHostDPBackend(DPBackend):
     """DPBackend of the leader (process 0) of several processes; the followers run
@@ -235,6 +266,7 @@ class MultiHostDPBackend(DPBackend):
 
     weight_updates = False
     state_transfer = True  # announced to the followers (``multihost.FollowerOps``)
+    verify_steps = False  # the followers run forward steps only
 
     def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
         super().__init__(cfg, dp_size, **kw)

@@ -12,6 +12,14 @@ penalty state indexed by the global slot ``rank * num_state_slots + slot``
 Where the step runs (one device, DP ranks, TP heads, DP over several processes) is the step
 backend's business (``backends.py``), picked once at construction.
 
+Speculative decoding (``num_drafts`` k > 0; one device or DP ranks): a TARGET_VERIFY step
+(every chunk a verify chunk) runs the verify forward, greedy acceptance, the commit of the
+accepted positions into the GDN slots (rank-local with DP) and the sampler on each request's
+row 0, all dispatched without a wait (``verify_step.py``). Verify steps return no router
+stats (the MoE health gauges and EPLB's expert loads then come from prefill steps). A
+request's pages cover up to k positions past the context length, hence ``pages_per_seq`` of
+``context_length + k`` tokens.
+
 Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
 (``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
 slots and, after the forward, its ``state_saves`` out of them.
@@ -36,9 +44,12 @@ from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, Forwar
 from sglang_tpu_backend.model_executor.sampler_state import (SamplerState, sampler_variant,
                                                              sampling_inputs, uses_penalties)
 from sglang_tpu_backend.model_executor.step_buckets import StepBuckets
+from sglang_tpu_backend.model_executor.verify_step import (
+    VerifyInputs, concat_verify_inputs, sampling_view, verify_chunk_result, verify_inputs)
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.sampling import sampler
 from sglang_tpu_backend.sharded_loader import LoadReport, WeightSource
+from sglang_tpu_backend.speculative.greedy import greedy_verify_jit
 
 
 @dataclasses.dataclass
@@ -48,7 +59,8 @@ class StepInputs:
     fbs: one numpy ForwardBatch per rank (common bucket). from_slot: i32[T] or None, decode
     rows whose input is in flight (one rank only). inp: SamplingInputs of [D*R] rows.
     rows: each chunk's logits rows (global). sample_idx: each chunk's sampling row.
-    K: top logprobs to compute (0 or ``max_top_logprobs_num``).
+    K: top logprobs to compute (0 or ``max_top_logprobs_num``). spec: a verify step's draft
+    inputs (None otherwise; its ``inp`` then samples row 0 of each request).
     """
 
     fbs: list[ForwardBatch]
@@ -57,6 +69,7 @@ class StepInputs:
     rows: list[np.ndarray]
     sample_idx: list[int]
     K: int
+    spec: VerifyInputs | None = None
 
 
 @dataclasses.dataclass
@@ -99,6 +112,7 @@ class ModelRunner:
         deterministic: bool = False,
         expert_location: Any = None,
         eplb_rebalance_num_iterations: int | None = None,
+        num_drafts: int = 0,
     ):
         """``params``: host params, or a ``sharded_loader.WeightSource`` the backend loads
         straight into its shardings (``load_report`` says what this process read).
@@ -108,19 +122,25 @@ class ModelRunner:
         (``balancer``). ``deterministic``: see ``step_buckets``. ``expert_location``
         (``parallel.eplb.ExpertLocation``, EPLB): routed experts stored per physical slot of
         it; ``eplb_rebalance_num_iterations``: steps between rebalances (None: never)
-        (``expert_balancer.py``)."""
+        (``expert_balancer.py``). ``num_drafts``: k drafts per verify step (speculative
+        decoding; 0: off)."""
         self.cfg = cfg
         self.last_router_stats = None
         self._stats = None
         self.page_size = page_size
         self.vocab_size = cfg.vocab_size
         self.max_top_logprobs_num = min(max_top_logprobs_num, cfg.vocab_size)
-        self.pages_per_seq = pages_for(context_length, page_size)
-        self.buckets = StepBuckets(max_running_requests, max_tokens_per_step, deterministic)
+        self.num_drafts = num_drafts
+        self.pages_per_seq = pages_for(context_length + num_drafts, page_size)
+        self.buckets = StepBuckets(max_running_requests, max_tokens_per_step, deterministic,
+                                   verify_tokens=num_drafts + 1 if num_drafts else None)
         self.req_buckets, self.token_buckets = self.buckets.req_buckets, self.buckets.token_buckets
         self.num_state_slots = num_state_slots  # per rank
         self.backend = make_backend(cfg, dp_size=dp_size, tp_size=tp_size, impl=impl,
                                     with_stats=router_stats, batch_invariant=deterministic)
+        if num_drafts and not self.backend.verify_steps:
+            raise ValueError(f"speculative decoding is not supported with "
+                             f"{type(self.backend).__name__}")
         # Shape / dtype of each param as loaded (before placement): what a weight update's
         # checkpoint must match (``weight_update.load_host_params``).
         source = params if isinstance(params, WeightSource) else None
@@ -211,22 +231,28 @@ class ModelRunner:
         mode, T, R, L = self.shapes_for(
             batch.kind, max(sum(c.num_tokens for c in cs) for cs in per_rank),
             max(len(cs) for cs in per_rank), max(_num_rows(cs) for cs in per_rank))
-        fbs, rank_rows, inps, from_slots = [], [], [], []
+        fbs, rank_rows, inps, from_slots, specs = [], [], [], [], []
         for k, chunks in enumerate(per_rank):
             fb, rows, from_slot = self._rank_batch(chunks, mode, T, R, L)
             fbs.append(fb)
             rank_rows.append(rows)
             from_slots.append(from_slot)
+            sL = L  # the sampler's logits rows per rank
+            if mode.is_verify():  # it samples row 0 of each request (f32[D*R, V])
+                specs.append(verify_inputs(chunks, R, self.num_drafts))
+                chunks, rows, sL = [sampling_view(c) for c in chunks], [
+                    np.array([j]) for j in range(len(chunks))], R
             inps.append(sampling_inputs(
-                chunks, rows, R, L, self.vocab_size, row_offset=k * L,
+                chunks, rows, R, sL, self.vocab_size, row_offset=k * sL,
                 slot_offset=k * self.num_state_slots, mask=variant.mask, bias=variant.bias))
+        spec = concat_verify_inputs(specs) if specs else None
         inp = inps[0] if len(inps) == 1 else jax.tree.map(
             lambda *xs: np.concatenate(xs, axis=0), *inps)
         want_lp = any(c.req.return_logprob for c in batch.chunks)
         return StepInputs(
             fbs=fbs, from_slot=_in_flight_rows(from_slots), inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
             sample_idx=[k * R + j for k, j in where],
-            K=self.max_top_logprobs_num if want_lp else 0)
+            K=self.max_top_logprobs_num if want_lp else 0, spec=spec)
 
     def _rank_batch(self, chunks: list[ScheduledChunk], mode: ForwardMode, T: int, R: int, L: int
                     ) -> tuple[ForwardBatch, list[np.ndarray], np.ndarray | None]:
@@ -239,6 +265,8 @@ class ModelRunner:
                     from_slot = np.full(T, -1, np.int32)
                 from_slot[offset] = c.state_slot
                 ids = [0]
+            elif c.is_verify:
+                ids = c.req.fill_slice(c.start, 1) + list(c.drafts)
             else:
                 ids = c.req.fill_slice(c.start, c.num_tokens)
             seq_chunks.append(SeqChunk(ids, c.start, c.pages, c.state_slot, c.logits))
@@ -257,6 +285,17 @@ class ModelRunner:
         logits, self.cache, self._stats = self.backend.forward(
             self.params, self.cache, fbs, from_slot, self.sampler.last_tokens)
         return logits
+
+    def verify(self, fbs: list[ForwardBatch], spec: VerifyInputs, K: int) -> dict[str, jax.Array]:
+        """A TARGET_VERIFY forward, greedy acceptance and the commit of each request's
+        accepted positions into its GDN slot (cache donated, nothing waited for). Returns
+        ``speculative.greedy.greedy_verify``'s device outputs."""
+        logits, self.cache, states = self.backend.verify(self.params, self.cache, fbs)
+        out = greedy_verify_jit(logits, spec.drafts, spec.accept, spec.real, num_top_logprobs=K)
+        slots = np.concatenate([fb.state_slots for fb in fbs])
+        self.cache = self.backend.commit(self.cache, states, slots, out["accepted_len"])
+        self._stats = None
+        return out
 
     def sample(self, logits: jax.Array, inp: sampler.SamplingInputs, K: int,
                variant: sampler.SamplerVariant = sampler.FULL) -> dict[str, jax.Array]:
@@ -281,6 +320,11 @@ class ModelRunner:
                 self.cache, [(x.rank, x.snapshot, x.slot) for x in batch.state_loads])
         variant = sampler_variant(batch.chunks)
         step = self.prepare(batch, variant)
+        if step.spec is not None:
+            spec = self.verify(step.fbs, step.spec, step.K)
+            out = self.sample(spec.pop("first_rows"), step.inp, step.K, variant)
+            out.update({f"spec_{key}": v for key, v in spec.items()})
+            return LaunchedStep(batch, out, step.rows, step.sample_idx, None)
         logits = self.forward(step.fbs, step.from_slot)
         if batch.state_saves:
             self.snapshots.save(self.cache, [(x.rank, x.slot, x.snapshot) for x in batch.state_saves])
@@ -296,8 +340,8 @@ class ModelRunner:
             self.last_router_stats = np.asarray(health).reshape(self.dp_size, -1, 3)
             if self.balancer is not None:
                 self.balancer.record(slot_counts)
-        return [_chunk_result(out, i, c, r) for i, c, r in
-                zip(step.sample_idx, step.batch.chunks, step.rows)]
+        return [verify_chunk_result(out, i, c) if c.is_verify else _chunk_result(out, i, c, r)
+                for i, c, r in zip(step.sample_idx, step.batch.chunks, step.rows)]
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every program serving can use (``warmup.warm_up``; with EPLB rebalancing

@@ -18,6 +18,11 @@ The page table is always ``pages_per_seq`` wide (context length / page size): th
 kernels read only the pages a request holds, so the width costs an upload of the table, not
 work, and needs no bucket of its own.
 
+Speculative decoding (``verify_tokens`` n = k+1): decodes run as TARGET_VERIFY steps instead
+of DECODE ones, n token rows and n logits rows per request: T = L = R * n for R in
+``req_buckets`` (deterministic mode: R = max_running_requests). DECODE shapes are then never
+used and not compiled.
+
 Deterministic mode (``--enable-deterministic-inference``): two shapes only
 (``deterministic_shapes``): DECODE with T = R = L = max_running_requests, and a prefill-only
 MIXED step with T = max_tokens_per_step, R = ``deterministic_prefill_reqs`` (the scheduler
@@ -111,23 +116,34 @@ class StepBuckets:
     """The buckets of one runner's limits (per DP rank), and the bucket of a step."""
 
     def __init__(self, max_running_requests: int, max_tokens_per_step: int,
-                 deterministic: bool = False):
+                 deterministic: bool = False, verify_tokens: int | None = None):
+        """``verify_tokens``: n = k+1 under speculative decoding (None: off)."""
         self.limits = (max_running_requests, max_tokens_per_step)
         self.deterministic = deterministic
+        self.verify_tokens = verify_tokens
         self.req_buckets, self.extend_req_buckets, self.token_buckets = ladders(*self.limits)
 
     def all_shapes(self) -> list[Shape]:
         """Every (mode, T, R, L) serving can produce (what warm-up compiles)."""
-        if self.deterministic:
-            return deterministic_shapes(*self.limits)
-        return step_shapes(*self.limits)
+        shapes = (deterministic_shapes if self.deterministic else step_shapes)(*self.limits)
+        n = self.verify_tokens
+        if n is None:
+            return shapes
+        return [(ForwardMode.TARGET_VERIFY, R * n, R, R * n) if mode == ForwardMode.DECODE
+                else (mode, T, R, L) for mode, T, R, L in shapes]
 
     def shape_for(self, kind: ForwardMode, num_tokens: int, num_reqs: int, num_rows: int
                   ) -> Shape:
         """Bucketed (mode, T, R, L) of a step: DECODE stays DECODE, anything else runs as
         MIXED. Deterministic mode: the one shape of each kind, whatever the counts."""
+        if kind == ForwardMode.TARGET_VERIFY and self.verify_tokens is None:
+            raise ValueError("a TARGET_VERIFY step needs buckets built with verify_tokens")
+        decode_kind = kind in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
         if self.deterministic:
-            return self.all_shapes()[0 if kind == ForwardMode.DECODE else 1]
+            return self.all_shapes()[0 if decode_kind else 1]
+        if kind == ForwardMode.TARGET_VERIFY:
+            r = pick_bucket(self.req_buckets, num_reqs)
+            return kind, r * self.verify_tokens, r, r * self.verify_tokens
         if kind == ForwardMode.DECODE:
             r = pick_bucket(self.req_buckets, num_reqs)
             return ForwardMode.DECODE, r, r, r

@@ -54,14 +54,15 @@ class VerifyStates:
 
 
 def forward_verify(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig,
-                   impl: str = "auto", batch_invariant: bool = False):
-    """One TARGET_VERIFY step (single device). Returns (f32[L, V] logits of the rows
+                   impl: str = "auto", batch_invariant: bool = False, ep=None):
+    """One TARGET_VERIFY step (one device, or one DP rank under ``shard_map`` with ``ep``,
+    ``parallel/dp_forward.py``). Returns (f32[L, V] logits of the rows
     ``batch.logits_indices``, the cache with KV written and GDN slots unchanged,
     :class:`VerifyStates`)."""
     if not batch.mode.is_verify():
         raise ValueError(f"forward_verify needs a TARGET_VERIFY batch, got {batch.mode!r}")
     hidden, cache, _, (windows, rec_steps) = qwen3_5_moe.forward_hidden(
-        params, cache, batch, cfg, impl, batch_invariant=batch_invariant)
+        params, cache, batch, cfg, impl, ep=ep, batch_invariant=batch_invariant)
     logits = qwen3_5_moe.compute_logits(params, hidden, batch)
     return logits, cache, VerifyStates(windows, rec_steps)
 

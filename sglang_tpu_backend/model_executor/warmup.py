@@ -2,7 +2,9 @@
 
 Every step bucket (``step_buckets``) of the forward, each with every sampler variant
 (``sampling.sampler.VARIANTS``) and top-logprob count (0, max_top_logprobs_num), the penalty
-row program and the GDN snapshot copies. Same jitted functions, same argument shapes and
+row program and the GDN snapshot copies. A TARGET_VERIFY bucket (speculative decoding) warms
+the verify forward, the greedy acceptance (both top-logprob counts) and the commit, and the
+sampler on its [R, V] first rows. Same jitted functions, same argument shapes and
 placements as serving, so serving reuses every program compiled here.
 """
 
@@ -19,6 +21,7 @@ import numpy as np
 
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.sampler_state import dummy_sampling_inputs
+from sglang_tpu_backend.model_executor.verify_step import dummy_verify_inputs
 
 if TYPE_CHECKING:
     from sglang_tpu_backend.model_executor.model_runner import ModelRunner
@@ -61,7 +64,14 @@ def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
     with ThreadPoolExecutor(1, thread_name_prefix="warmup-sampler") as pool:
         pending = []
         for kind, T, R, L in tqdm(shapes, desc="warmup (compile)", disable=not progress):
-            logits = runner.forward([dummy_batch(kind, T, R, L, runner.pages_per_seq)] * D)
+            fbs = [dummy_batch(kind, T, R, L, runner.pages_per_seq)] * D
+            if kind.is_verify():
+                spec = dummy_verify_inputs(D * R, runner.num_drafts)
+                for K in (runner.max_top_logprobs_num, 0):
+                    logits = runner.verify(fbs, spec, K)["first_rows"]
+                L = R  # the sampler's rows of a verify step
+            else:
+                logits = runner.forward(fbs)
             pending.append(pool.submit(warm_sampler, logits, R, L))
         for f in pending:
             f.result()  # re-raises a failed sampler compile here

@@ -17,6 +17,10 @@ Global arrays (D = DP ranks, every rank's part the same bucketed size):
           r*N .. r*N+N-1, addressed as 0..N-1 in its batch).
   params: expert leaves [groups, E, ...] split on E; everything else replicated.
   logits: [D*L, V], rank r's rows at r*L .. r*L+L-1.
+
+Speculative decoding: ``verify`` runs ``model_executor/verify.forward_verify`` on every rank
+(its VerifyStates split over the ranks on the request axis, [Lyr, D*R, ...]) and ``commit``
+sets each rank's slots from them (``verify.commit_accepted``, rank-local slot ids).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.model_executor import verify
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.weight_layout import (is_routed_expert, uses_native_layouts,
                                                              weight_formats)
@@ -72,6 +77,8 @@ class DPForward:
         self.with_stats, self.batch_invariant = with_stats, batch_invariant
         self.dp_size = mesh.size
         self._step = jax.jit(self._global_step, donate_argnums=(1,))
+        self._verify = jax.jit(self._global_verify, donate_argnums=(1,))
+        self._commit = jax.jit(self._global_commit, donate_argnums=(0,))
 
     # Placement ------------------------------------------------------------------------------
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
@@ -118,13 +125,14 @@ class DPForward:
         """One rank-local batch per DP rank (equal shapes) -> the global, placed batch. Every
         process passes all ranks' batches (multi-host: see ``parallel/multihost.py``).
 
-        The step is a DECODE step only when every rank's batch is one (all-padding batches of
-        idle ranks are built with the common mode by the caller).
+        The step is a DECODE (TARGET_VERIFY) step only when every rank's batch is one
+        (all-padding batches of idle ranks are built with the common mode by the caller).
         """
         if len(batches) != self.dp_size:
             raise ValueError(f"need {self.dp_size} rank batches, got {len(batches)}")
         modes = {b.mode for b in batches}
-        mode = ForwardMode.DECODE if modes == {ForwardMode.DECODE} else ForwardMode.MIXED
+        one_kind = {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}  # kept when all ranks agree
+        mode = modes.pop() if len(modes) == 1 and modes <= one_kind else ForwardMode.MIXED
         shapes = {tuple(np.shape(getattr(b, n)) for n in ("input_ids", "cu_q_lens", "page_table",
                                                            "logits_indices")) for b in batches}
         if len(shapes) != 1:
@@ -151,6 +159,37 @@ class DPForward:
             out_specs=out_specs,
             check_vma=False)
         return step(params, cache, batch)
+
+    def _states_specs(self) -> verify.VerifyStates:
+        return verify.VerifyStates(windows=rank_spec(self.ep, 1), rec_steps=rank_spec(self.ep, 1))
+
+    def _global_verify(self, params, cache, batch):
+        local = functools.partial(verify.forward_verify, cfg=self.cfg, impl=self.impl,
+                                  batch_invariant=self.batch_invariant, ep=self.ep)
+        step = jax.shard_map(
+            lambda p, c, b: local(p, c, b), mesh=self.mesh,
+            in_specs=(self.param_specs(params), self.cache_specs(), self.batch_specs(batch.mode)),
+            out_specs=(rank_spec(self.ep, 0), self.cache_specs(), self._states_specs()),
+            check_vma=False)
+        return step(params, cache, batch)
+
+    def _global_commit(self, cache, states, slots, accepted_len):
+        by_rank = rank_spec(self.ep, 0)
+        step = jax.shard_map(
+            verify.commit_accepted, mesh=self.mesh,
+            in_specs=(self.cache_specs(), self._states_specs(), by_rank, by_rank),
+            out_specs=self.cache_specs(), check_vma=False)
+        return step(cache, states, slots, accepted_len)
+
+    def verify(self, params, cache, batch: ForwardBatch):
+        """A TARGET_VERIFY step on every rank: (logits f32[D*L, V], the cache (donated) with KV
+        written, VerifyStates [Lyr, D*R, ...])."""
+        return self._verify(params, cache, batch)
+
+    def commit(self, cache, states: verify.VerifyStates, slots, accepted_len):
+        """Each rank's slots (``slots`` i32[D*R], rank-local ids) := the state after
+        ``accepted_len`` i32[D*R] positions (cache donated)."""
+        return self._commit(cache, states, slots, accepted_len)
 
     def __call__(self, params, cache, batch: ForwardBatch):
         """f32[D*L, V] logits and the updated cache (donated) (+ router stats, see __init__)."""

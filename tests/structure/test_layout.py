@@ -20,17 +20,17 @@ LAYERS = [
      "sglang_tpu_backend.managers.io_struct", "sglang_tpu_backend.model_executor.forward_mode",
      "sglang_tpu_backend.model_executor.forward_batch", "sglang_tpu_backend.parallel.mesh",
      "sglang_tpu_backend.metrics.router_stats"),
-    # 1: the model, tokenizer, caches, sampling, grammars, metrics, per-request state
+    # 1: the model, tokenizer, caches, sampling, drafting, grammars, metrics, per-request state
     ("sglang_tpu_backend.server_args", "sglang_tpu_backend.models", "sglang_tpu_backend.tokenizer",
      "sglang_tpu_backend.tiny_model", "sglang_tpu_backend.loader", "sglang_tpu_backend.mem_cache",
      "sglang_tpu_backend.sampling", "sglang_tpu_backend.constrained", "sglang_tpu_backend.metrics",
      "sglang_tpu_backend.profiler", "sglang_tpu_backend.roofline",
-     "sglang_tpu_backend.managers.schedule_batch", "sglang_tpu_backend.managers.handover"),
-    # 2: running the model: one device, DP, TP, multi-host; loading into shardings; planning;
-    #    speculative drafting and verification
+     "sglang_tpu_backend.managers.schedule_batch", "sglang_tpu_backend.managers.handover",
+     "sglang_tpu_backend.speculative"),
+    # 2: running the model: one device, DP, TP, multi-host; loading into shardings; planning
     ("sglang_tpu_backend.model_executor", "sglang_tpu_backend.parallel", "sglang_tpu_backend.plan",
      "sglang_tpu_backend.mem_budget", "sglang_tpu_backend.generate",
-     "sglang_tpu_backend.sharded_loader", "sglang_tpu_backend.speculative"),
+     "sglang_tpu_backend.sharded_loader"),
     # 3: the engine's components (scheduler, loop, outputs, handover, weight updates)
     ("sglang_tpu_backend.managers",),
     # 4: the engine facade

@@ -1,0 +1,96 @@
+"""Speculative decoding with --dp-size 4 --ep-size 4 vs a plain --dp-size 1 engine (run as a
+script).
+
+Run by tests/engine/test_speculative.py in a subprocess with 4 simulated CPU devices (fixed
+before jax starts). The DP engine (NGRAM, k = 3, warmed up) serves 16 concurrent greedy
+requests twice:
+with its NGRAM drafter, and with drafts replaying the plain engine's continuation (a wrong one
+at a varying position, so most tokens come from accepted drafts). Writes JSON: the outputs of
+each run, their requests' accept lengths, the programs lowered while serving, how many
+requests each rank admitted, and the final pool stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+
+import jax
+
+from sglang_tpu_backend.engine import Engine
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
+from sglang_tpu_backend.server_args import ServerArgs
+from sglang_tpu_backend.speculative.drafter import CallbackDrafter
+
+ARGS = dict(max_running_requests=16, chunked_prefill_size=64, context_length=128, page_size=16,
+            dtype="float32", random_seed=0, skip_warmup=True)
+K = 3
+
+
+def requests(tag: str) -> list[GenerateReqInput]:
+    rng = random.Random(0)
+    out = []
+    for i in range(16):
+        ids = [rng.randrange(3, 1000) for _ in range(rng.randint(1, 50))]
+        out.append(GenerateReqInput(rid=f"{tag}{i}", input_ids=ids, sampling_params={
+            "max_new_tokens": rng.randint(2, 16), "temperature": 0, "ignore_eos": True}))
+    return out
+
+
+def serve(engine, tag: str) -> list[dict]:
+    async def one(obj):
+        return [o async for o in engine.generate_request(obj)][-1]
+
+    async def run_all():
+        return await asyncio.gather(*(one(o) for o in requests(tag)))
+
+    return asyncio.run(run_all())
+
+
+def wait_idle(engine, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = engine.pool_stats()
+        if s["num_running"] == 0 and s["kv_pages_used"] == 0 or time.monotonic() > deadline:
+            return s
+
+
+def main(out_path: str) -> None:
+    assert len(jax.devices()) == 4, jax.devices()
+    plain = Engine(ServerArgs(**ARGS))
+    ref = [o["output_ids"] for o in serve(plain, "p")]
+    plain.shutdown()
+    spec = Engine(ServerArgs(dp_size=4, ep_size=4, speculative_algorithm="NGRAM",
+                             speculative_num_draft_tokens=K + 1, **{**ARGS, "skip_warmup": False}))
+    result = {"ref": ref}
+    counter = CompileCounter()
+    ngram = serve(spec, "n")
+    result["ngram"] = [o["output_ids"] for o in ngram]
+    reference = {f"r{i}": ids for i, ids in enumerate(ref)}
+
+    def replay(req, k):
+        o = len(req.output_ids)
+        drafts = list(reference[req.rid][o:o + k])
+        j = (o + len(req.prompt_ids)) % (K + 2)  # the first wrong draft (>= K: none)
+        if j < len(drafts):
+            drafts[j] = (drafts[j] + 1) % 1000
+        return drafts
+
+    spec.scheduler.drafter = CallbackDrafter(replay)
+    replayed = serve(spec, "r")
+    result["replay"] = [o["output_ids"] for o in replayed]
+    result["replay_accept"] = [o["meta_info"]["spec_accept_length"] for o in replayed]
+    result["lowerings"] = counter.lowerings
+    result["stats"] = wait_idle(spec)
+    result["admitted"] = [r["num_admitted_total"] for r in result["stats"]["dp_ranks"]]
+    spec.shutdown()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,435 @@
+"""Speculative decoding (``--speculative-algorithm NGRAM``, greedy verification) on the tiny
+float32 model: outputs equal the plain engine's, whatever the drafts.
+
+- the NGRAM engine and the plain one (the shared ``engine`` fixture) give identical tokens,
+  text and finish reasons, and logprobs within 1e-5, on 48 concurrent requests;
+- the same with drafts that are mostly right (a test draft source replaying the plain
+  engine's greedy continuation, one wrong token at a varying position), so that most
+  positions come from accepted drafts: the accept length must exceed 1. The tiny random
+  model's own greedy continuations do not repeat earlier text, so NGRAM drafts are rarely
+  right on it and this draft source is what exercises acceptance;
+- rollback at every position: after one verify step with the first wrong draft at j (or
+  none), the request kept j drafts and its GDN recurrent and conv states equal bit for bit
+  those a non-speculative engine leaves after the same tokens; nothing leaks;
+- max_new_tokens, stop strings and stop token ids that fall inside a verified run;
+- no program lowered while serving after warm-up;
+- with --dp-size 4 (``dp_spec_run.py``, 4 simulated CPU devices): NGRAM and replayed drafts
+  give the plain engine's outputs, every rank served, nothing lowered after warm-up;
+- the flags' validation and the NGRAM drafter itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
+from sglang_tpu_backend.server_args import ServerArgs
+from sglang_tpu_backend.speculative.drafter import CallbackDrafter
+from sglang_tpu_backend.speculative.ngram import NgramDrafter, NgramIndex
+from tests.cpu_devices import run_on_cpu_devices
+from tests.engine.conftest import ENGINE_ARGS, small_page_pool, wait_pools_empty
+
+K = 3  # drafts per verify step
+SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=K + 1)
+SPEC_ARGS = {**ENGINE_ARGS, "max_running_requests": 32, **SPEC}
+
+
+@pytest.fixture(scope="module")
+def spec_engine():
+    from sglang_tpu_backend.engine import Engine
+
+    eng = Engine(ServerArgs(**SPEC_ARGS))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def clean_spec_engine(spec_engine):
+    yield spec_engine
+    s = wait_pools_empty(spec_engine)
+    assert s["kv_pages_used"] == 0 and s["state_slots_used"] == 0, s
+
+
+def run_all(engine, objs) -> list[dict]:
+    async def one(o):
+        return [x async for x in engine.generate_request(o)][-1]
+
+    async def go():
+        return await asyncio.gather(*(one(o) for o in objs))
+    return asyncio.run(go())
+
+
+@contextlib.contextmanager
+def drafts_from(engine, fn):
+    """Serve with ``CallbackDrafter(fn)`` instead of the engine's NGRAM drafter."""
+    sched = engine.scheduler
+    with engine.loop.lock:
+        own, sched.drafter = sched.drafter, CallbackDrafter(fn)
+    try:
+        yield
+    finally:
+        with engine.loop.lock:
+            sched.drafter = own
+
+
+def workload(seed: int = 0, n: int = 48) -> list[GenerateReqInput]:
+    """``n`` greedy requests of 1-90 prompt tokens and 1-24 outputs; every third prompt
+    repeats a short pattern, a few repeat an earlier prompt (prefix-cache hits), some ask
+    for logprobs (with top 3)."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        if i % 3 == 0:
+            pattern = [rng.randrange(3, 1000) for _ in range(rng.randint(2, 6))]
+            prompts.append(pattern * rng.randint(2, 12))
+        elif i % 8 == 7:
+            prompts.append(list(prompts[i - 5]))
+        else:
+            prompts.append([rng.randrange(3, 1000) for _ in range(rng.randint(1, 90))])
+    return [GenerateReqInput(
+        rid=f"w{seed}-{i}", input_ids=p, return_logprob=i % 2 == 0,
+        top_logprobs_num=3 if i % 4 == 0 else 0,
+        sampling_params={"max_new_tokens": rng.randint(1, 24), "temperature": 0,
+                         "ignore_eos": True}) for i, p in enumerate(prompts)]
+
+
+def fresh(objs, tag: str) -> list[GenerateReqInput]:
+    """The same requests under new rids."""
+    return [GenerateReqInput(rid=f"{tag}{o.rid}", input_ids=list(o.input_ids),
+                             return_logprob=o.return_logprob, top_logprobs_num=o.top_logprobs_num,
+                             sampling_params=dict(o.sampling_params)) for o in objs]
+
+
+def assert_same_outputs(got: list[dict], want: list[dict]) -> None:
+    """Identical ids, text and finish reasons; logprobs within 1e-5 (top ones too)."""
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"]
+        assert g["text"] == w["text"]
+        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            if key not in w["meta_info"]:
+                continue
+            gl, wl = g["meta_info"][key], w["meta_info"][key]
+            assert [e[1] for e in gl] == [e[1] for e in wl]
+            np.testing.assert_allclose([e[0] if e[0] is not None else 0.0 for e in gl],
+                                       [e[0] if e[0] is not None else 0.0 for e in wl], atol=1e-5)
+        for gt, wt in zip(g["meta_info"].get("output_top_logprobs", []),
+                          w["meta_info"].get("output_top_logprobs", [])):
+            np.testing.assert_allclose([e[0] for e in gt], [e[0] for e in wt], atol=1e-5)
+
+
+def replay_drafts(reference: dict[str, list[int]], wrong_at):
+    """Draft source: the plain engine's continuation of each request, with the draft at
+    ``wrong_at(req, o)`` (o = outputs so far; >= K: none) made wrong."""
+    def fn(req, k):
+        o = len(req.output_ids)
+        drafts = list(reference[req.rid][o:o + k])
+        j = wrong_at(req, o)
+        if j < len(drafts):
+            drafts[j] = (drafts[j] + 1) % 1000
+        return drafts
+    return fn
+
+
+def test_no_lowering_while_serving(clean_spec_engine):
+    """After warm-up, NGRAM speculation over greedy, sampled, penalised, biased, grammar and
+    logprob requests lowers no program, and every verify step has a warm-up shape."""
+    eng = clean_spec_engine
+    runner = eng.runner
+    runner.warmup(progress=False)
+    seen = []
+    real_verify = runner.verify
+
+    def recording_verify(fbs, spec, K):
+        fb, = fbs
+        seen.append((fb.mode, fb.input_ids.shape[0], fb.kv_lens.shape[0],
+                     fb.logits_indices.shape[0]))
+        return real_verify(fbs, spec, K)
+
+    rng = random.Random(3)
+    objs = []
+    for i in range(24):
+        pattern = [rng.randrange(3, 1000) for _ in range(rng.randint(1, 5))]
+        sp = {"max_new_tokens": rng.randint(2, 16), "temperature": (i % 3) * 0.5,
+              "ignore_eos": True}
+        if i % 4 == 1:
+            sp.update(top_k=5, top_p=0.9, frequency_penalty=0.5, repetition_penalty=1.2)
+        if i % 5 == 2:
+            sp.update(logit_bias={"7": -100}, stop=["ab"], min_new_tokens=2)
+        if i == 6:
+            sp = {"max_new_tokens": 8, "regex": "[0-9]{3,8}"}
+        objs.append(GenerateReqInput(input_ids=pattern * rng.randint(1, 20),
+                                     return_logprob=i % 5 == 0,
+                                     top_logprobs_num=2 if i % 10 == 0 else 0,
+                                     sampling_params=sp))
+    runner.verify = recording_verify
+    counter = CompileCounter()
+    try:
+        outs = run_all(eng, objs)
+    finally:
+        runner.verify = real_verify
+    assert all(o["meta_info"]["finish_reason"]["type"] in ("length", "stop") for o in outs)
+    assert counter.lowerings == 0, f"{counter.lowerings} programs lowered after warm-up"
+    assert seen, "no verify step ran"
+    warm = set(runner.all_shapes())
+    assert all(s in warm for s in seen), (seen, warm)
+
+
+def test_ngram_outputs_equal_the_plain_engine(clean_spec_engine, clean_engine):
+    objs = workload(0)
+    want = run_all(clean_engine, objs)
+    got = run_all(clean_spec_engine, fresh(objs, "s"))
+    assert_same_outputs(got, want)
+    for g in got:
+        n, ct = len(g["output_ids"]), g["meta_info"]["spec_verify_ct"]
+        assert (ct == 0) == (n == 1) and ct <= n - 1  # one verify step per step after the first
+        assert g["meta_info"]["spec_accept_length"] >= (1.0 if ct else 0.0)
+
+
+def test_accepted_drafts_keep_outputs_exact(clean_spec_engine, clean_engine):
+    objs = workload(1)
+    want = run_all(clean_engine, objs)
+    reference = {f"a{o.rid}": w["output_ids"] for o, w in zip(objs, want)}
+    # The first wrong draft moves through 0..K (K: all right) from step to step.
+    fn = replay_drafts(reference, lambda req, o: (o + len(req.prompt_ids)) % (K + 2))
+    with drafts_from(clean_spec_engine, fn):
+        got = run_all(clean_spec_engine, fresh(objs, "a"))
+    assert_same_outputs(got, want)
+    lengths = [g["meta_info"]["spec_accept_length"] for g in got
+               if g["meta_info"]["spec_verify_ct"] > 0]
+    assert np.mean(lengths) > 1.5, lengths
+    text = clean_spec_engine.metrics_text().decode()
+    gauge = re.search(r'^sglang:spec_accept_length\{[^}]*\} (\S+)$', text, re.M)
+    assert gauge is not None and float(gauge.group(1)) > 1.0
+    assert re.search(r'^sglang:spec_accept_rate\{[^}]*\} (\S+)$', text, re.M)
+
+
+def test_sampled_requests_accept_no_drafts_and_match(clean_spec_engine, clean_engine):
+    """Seeded draws, penalties and a logit bias: the sampler draws from the last token's row
+    and no draft is accepted (until rejection sampling lands), so outputs equal the plain
+    engine's."""
+    rng = random.Random(11)
+    objs = []
+    for i in range(8):
+        sp = {"max_new_tokens": 12, "temperature": 0.8, "seed": 100 + i, "ignore_eos": True}
+        if i % 2:
+            sp = {"max_new_tokens": 12, "temperature": 0, "frequency_penalty": 0.7,
+                  "logit_bias": {"5": 3.0}, "ignore_eos": True}
+        pattern = [rng.randrange(3, 1000) for _ in range(3)]
+        objs.append(GenerateReqInput(rid=f"samp{i}", input_ids=pattern * 5, sampling_params=sp,
+                                     return_logprob=True))
+    want = run_all(clean_engine, objs)
+    with drafts_from(clean_spec_engine, lambda req, k: [1] * k):
+        got = run_all(clean_spec_engine, objs)
+    assert_same_outputs(got, want)
+    for g in got:
+        meta = g["meta_info"]
+        assert meta["spec_verify_ct"] == 11 and meta["spec_accept_length"] == 1.0
+
+
+def test_retraction_under_speculation_keeps_outputs(clean_spec_engine, clean_engine):
+    """A KV pool too small for all requests' verify reservations: requests are retracted and
+    re-prefilled, outputs stay the plain engine's, and the small pool ends empty."""
+    objs = workload(2, n=12)
+    want = run_all(clean_engine, objs)
+    with small_page_pool(clean_spec_engine, 14):
+        got = run_all(clean_spec_engine, fresh(objs, "r"))
+    assert clean_spec_engine.scheduler.num_retracted_total > 0
+    assert_same_outputs(got, want)
+
+
+def test_max_new_tokens_and_stops_inside_a_verified_run(clean_spec_engine, clean_engine):
+    """With every draft right a request gains K+1 tokens per verify step; a length limit,
+    a stop token id or a stop string inside such a run ends the request exactly where the
+    plain engine ends it (tokens after the stop are dropped)."""
+    prompt = [11, 12, 13, 14, 15, 16, 17]
+    base = {"temperature": 0, "ignore_eos": True}
+    G = run_all(clean_engine, [GenerateReqInput(input_ids=prompt, sampling_params={
+        **base, "max_new_tokens": 16})])[0]["output_ids"]
+    tok_text = clean_spec_engine.requests.decode_token
+    stop_at = next(i for i in range(6, 12) if G.index(G[i]) == i)  # first occurrence, mid-run
+    stop_str = next(i for i in range(6, 12) if tok_text(G[i]).strip()
+                    and tok_text(G[i]) not in clean_spec_engine.tokenizer.decode(G[:i]))
+    cases = [{"max_new_tokens": 7}, {"max_new_tokens": 16, "stop_token_ids": [G[stop_at]]},
+             {"max_new_tokens": 16, "stop": [tok_text(G[stop_str])]}]
+    objs = [GenerateReqInput(rid=f"stop{i}", input_ids=prompt, sampling_params={**base, **c})
+            for i, c in enumerate(cases)]
+    want = run_all(clean_engine, objs)
+    with drafts_from(clean_spec_engine, replay_drafts({o.rid: G for o in objs},
+                                                      lambda req, o: K)):
+        got = run_all(clean_spec_engine, objs)
+    assert_same_outputs(got, want)
+    assert got[0]["output_ids"] == G[:7]
+    assert got[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
+    # 1 token from the prefill, then runs of 4: 1 -> 5 -> 7 (the second run cut after 2).
+    assert got[0]["meta_info"]["spec_verify_ct"] == 2
+    assert got[0]["meta_info"]["spec_accept_length"] == (K + 1 + 2) / 2
+    assert got[1]["output_ids"] == G[:stop_at + 1]
+    assert got[2]["meta_info"]["finish_reason"]["matched"] == tok_text(G[stop_str])
+    assert len(got[2]["output_ids"]) <= stop_str + 1 < 16
+
+
+def test_data_parallel_speculation(tmp_path):
+    out = tmp_path / "dp_spec.json"
+    run_on_cpu_devices(Path(__file__).with_name("dp_spec_run.py"), str(out), num_devices=4)
+    r = json.loads(out.read_text())
+    assert r["ngram"] == r["ref"] and r["replay"] == r["ref"]
+    assert sum(r["replay_accept"]) / len(r["replay_accept"]) > 1.5, r["replay_accept"]
+    assert r["lowerings"] == 0
+    assert all(n > 0 for n in r["admitted"]), r["admitted"]
+    s = r["stats"]
+    assert (s["kv_pages_used"], s["state_slots_used"], s["num_running"]) == (0, 0, 0), s
+
+
+# Rollback: deterministic engines (batch-invariant attention), driven step by step. The plain
+# engine runs 32 requests per decode step so its decode steps have the verify steps' 32 token
+# rows (8 requests x 4): the dense matmuls then see the same shapes on both sides.
+DET = dict(chunked_prefill_size=64, context_length=128, page_size=16, dtype="float32",
+           skip_warmup=True, random_seed=0, enable_deterministic_inference=True)
+
+
+@pytest.fixture(scope="module")
+def det_engines():
+    from sglang_tpu_backend.engine import Engine
+
+    plain = Engine(ServerArgs(max_running_requests=32, **DET), start_loop=False)
+    spec = Engine(ServerArgs(max_running_requests=8, **DET, **SPEC), start_loop=False)
+    yield plain, spec
+    plain.shutdown()
+    spec.shutdown()
+
+
+def slot_states(engine, req) -> tuple[np.ndarray, np.ndarray]:
+    cache = engine.runner.cache
+    return (np.asarray(cache.conv_state[:, req.state_slot]),
+            np.asarray(cache.rec_state[:, req.state_slot]))
+
+
+def test_rollback_at_every_position(det_engines):
+    plain, spec = det_engines
+    prompt, new = list(range(40, 53)), 10  # 13 tokens: 13 + 1 + K positions span 2 pages
+    sp = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+    ref = plain.add_request(GenerateReqInput(input_ids=prompt, sampling_params=sp))
+    states = {}  # tokens in the cache -> the slot's (conv, rec) states
+    while not ref.finished:
+        plain.step()
+        if not ref.finished:
+            states[ref.num_computed] = slot_states(plain, ref)
+    G = ref.output_ids
+    wrong = {f"roll{j}": j for j in range(K + 1)}  # rid -> first wrong draft (K: none)
+    with drafts_from(spec, replay_drafts({rid: G for rid in wrong},
+                                         lambda req, o: wrong[req.rid])):
+        reqs = [spec.add_request(GenerateReqInput(rid=rid, input_ids=prompt, sampling_params=sp))
+                for rid in wrong]
+        spec.step()  # the prefill: one token each
+        spec.step()  # one verify step
+        for req in reqs:
+            j = wrong[req.rid]
+            assert req.spec_verify_ct == 1 and req.spec_verify_tokens == 1 + j
+            assert req.output_ids == G[:2 + j] and req.num_computed == len(prompt) + 1 + j
+            for got, want in zip(slot_states(spec, req), states[req.num_computed]):
+                np.testing.assert_array_equal(got, want, f"first wrong draft {j}")
+            pool = spec.scheduler.pools[0].page_pool
+            assert len(req.pages) == -(-req.num_fill // pool.page_size)  # the rest went back
+        while not all(r.finished for r in reqs):
+            spec.step()
+    assert all(r.output_ids == G for r in reqs)
+    s = spec.pool_stats()
+    assert s["kv_pages_used"] == 0 and s["state_slots_used"] == 0 and s["num_running"] == 0, s
+
+
+# Flags and the NGRAM drafter (no model) ------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    (dict(speculative_algorithm="EAGLE"), "MTP draft model"),
+    (dict(speculative_algorithm="NEXTN"), "MTP draft model"),
+    (dict(speculative_algorithm="MEDUSA"), "must be one of"),
+    (dict(speculative_algorithm="NGRAM", speculative_num_steps=2,
+          speculative_num_draft_tokens=4), "num_steps \\+ 1"),
+    (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), ">= 2"),
+    (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
+          speculative_ngram_max_match_window_size=3), "min <= max"),
+    (dict(speculative_algorithm="NGRAM", tp_size=2), "--tp-size 1"),
+    (dict(speculative_num_draft_tokens=4), "need --speculative-algorithm"),
+])
+def test_bad_speculative_flags_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ServerArgs(**kw)
+
+
+def test_speculative_flags_from_the_command_line():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    a = ServerArgs.from_cli_args(parser.parse_args([
+        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "6",
+        "--speculative-ngram-min-match-window-size", "2",
+        "--speculative-ngram-max-match-window-size", "8"]))
+    assert a.speculative_num_drafts == 5
+    assert (a.speculative_ngram_min_match_window_size,
+            a.speculative_ngram_max_match_window_size) == (2, 8)
+
+
+def test_speculative_flag_defaults():
+    import dataclasses
+
+    a = ServerArgs(speculative_algorithm="NGRAM", speculative_num_steps=5)
+    assert a.speculative_num_drafts == 5
+    assert ServerArgs().speculative_num_drafts == 0
+    assert ServerArgs(speculative_algorithm="NGRAM").speculative_num_drafts == 3
+    # A per-role override of one count (Ray app role arguments) is not checked against a
+    # value derived from the other.
+    b = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    assert dataclasses.replace(b, speculative_num_draft_tokens=6).speculative_num_drafts == 5
+
+
+def brute_force_drafts(t: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The NGRAM rule written directly: longest suffix, latest earlier end, self-extending copy."""
+    L = len(t)
+    for w in range(min(hi, L), lo - 1, -1):
+        ends = [e for e in range(w, L) if t[e - w:e] == t[L - w:]]
+        if ends:
+            e, out = ends[-1], []
+            for j in range(k):
+                out.append(t[e + j] if e + j < L else out[e + j - L])
+            return out
+    return []
+
+
+def test_ngram_index_equals_the_rule_incrementally():
+    rng = random.Random(5)
+    for trial in range(20):
+        lo, hi = rng.randint(1, 3), rng.randint(3, 6)
+        seq = [rng.randrange(4) for _ in range(60)]
+        index = NgramIndex(lo, hi)
+        for L in range(1, len(seq)):
+            index.extend(seq[len(index.tokens):L])
+            assert index.propose(5) == brute_force_drafts(seq[:L], 5, lo, hi), (trial, L)
+
+
+def test_ngram_drafter_continues_a_period_and_the_longest_match():
+    class FakeReq:
+        def __init__(self, prompt, output):
+            self.prompt_ids, self.output_ids, self.draft_state = prompt, output, None
+
+        def fill_slice(self, start, n):
+            return (self.prompt_ids + self.output_ids)[start:start + n]
+
+    drafter = NgramDrafter(1, 4)
+    periodic = FakeReq([7, 8, 9] * 3, [7])
+    assert drafter.propose([periodic], 5) == [[8, 9, 7, 8, 9]]  # past the end: its own drafts
+    periodic.output_ids += [8, 9, 7]  # incremental: indexes only the new tokens
+    assert drafter.propose([periodic], 2) == [[8, 9]]
+    # "1 2" occurred twice: once followed by 3, later (the 2-token match) by 4; "5 1 2" once.
+    longest = FakeReq([5, 1, 2, 3, 0, 1, 2, 4, 5, 1, 2], [])
+    assert drafter.propose([longest], 2) == [[3, 0]]
+    assert drafter.propose([FakeReq([1, 2, 3], [])], 3) == [[]]
