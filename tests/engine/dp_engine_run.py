@@ -72,8 +72,9 @@ def fp8_experts_per_expert(config: dict, tensors: dict) -> None:
 
 
 def checkpoint_bytes(path: Path) -> dict:
-    """Tensor bytes of a checkpoint: all, and those of the routed experts."""
-    entries = index_checkpoint(path).values()
+    """Tensor bytes of a checkpoint the engine loads (all but the MTP layer's ``mtp.*``, which
+    only speculative decoding with NEXTN reads), and those of the routed experts."""
+    entries = [e for e in index_checkpoint(path).values() if not e.name.startswith("mtp.")]
     return {"total": sum(e.end - e.begin for e in entries),
             "experts": sum(e.end - e.begin for e in entries if ".mlp.experts." in e.name)}
 

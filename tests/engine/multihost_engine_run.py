@@ -87,10 +87,11 @@ def transfer_round_trip(runner) -> dict:
 
 
 def checkpoint_bytes(path: str) -> dict:
-    """Tensor bytes of a checkpoint: all, and those of the routed experts."""
+    """Tensor bytes of a checkpoint the engine loads (all but the MTP layer's ``mtp.*``, which
+    only speculative decoding with NEXTN reads), and those of the routed experts."""
     from sglang_tpu_backend.checkpoint_io import index_checkpoint
 
-    entries = index_checkpoint(path).values()
+    entries = [e for e in index_checkpoint(path).values() if not e.name.startswith("mtp.")]
     return {"total": sum(e.end - e.begin for e in entries),
             "experts": sum(e.end - e.begin for e in entries if ".mlp.experts." in e.name)}
 
