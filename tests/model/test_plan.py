@@ -69,8 +69,20 @@ def test_kv_and_gdn_state_for_64_requests_per_rank():
     assert p.gdn_state == 64 * 45 * (4 * 12288 * 2 + 64 * 128 * 128 * 2)
     fp8 = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, running_requests=512,
                **{**COMMON, "kv_dtype": "fp8", "state_dtype": "fp32"})
-    assert fp8.kv_pages == 64 * 36 * 15 * (2 * 2 * 256 * 256 * 1)
-    assert fp8.gdn_state == 64 * 45 * (4 * 12288 * 1 + 64 * 128 * 128 * 4)
+    # FP8 KV (--kv-cache-dtype fp8_e4m3): 1 byte per element + an f32 scale per K/V row; the
+    # conv state then stays in the state dtype (fp32 here).
+    assert fp8.kv_pages == 64 * 36 * 15 * (2 * 2 * 256 * (256 * 1 + 4))
+    assert fp8.gdn_state == 64 * 45 * (4 * 12288 * 4 + 64 * 128 * 128 * 4)
+
+
+def test_fp8_kv_raises_max_running_requests_at_9k():
+    auto = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, **COMMON)
+    fp8 = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, **{**COMMON, "kv_dtype": "fp8"})
+    print(f"max running requests per host at 9K, DP8+EP8: KV bf16 {auto.max_running_requests}, "
+          f"KV fp8_e4m3 {fp8.max_running_requests}")
+    assert fp8.max_running_requests > auto.max_running_requests
+    per_req = lambda p: (p.kv_pages + p.gdn_state) / p.requests_per_device  # noqa: E731
+    assert per_req(fp8) < per_req(auto)
 
 
 def test_activations_formula():
