@@ -7,6 +7,11 @@ cache, in place (input_output_aliases). XLA's scatter wants another HBM tiling o
 than Mosaic's, so inside the model's layer scan it relaid out the whole stacked cache twice
 per layer; with the Pallas write XLA never touches the cache.
 
+An FP8 cache (``quant.py``) takes ``kv_scales`` too: the new rows are quantised once by
+:func:`new_kv_rows`, both paths write them and their scales (the kernel reads, updates and
+writes back each touched page's whole ``[2*Hkv, S]`` scale block, so no dynamic offset falls on
+the lane dim).
+
 Dimension letters and the metadata contract: see the package docstring; W is the number of
 cache rows one write item updates (:func:`write_window_rows`).
 """

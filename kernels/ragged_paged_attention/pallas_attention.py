@@ -20,6 +20,11 @@ Kernel layout:
     ``[2, pages_per_block, 2 * Hkv, S, D]``; the first block of the next item is prefetched
     during the last block of the current one. Only pages up to the causal bound of the
     block's last query are fetched.
+  * an FP8 cache with scales (``quant.py``): each page's f32 ``[2 * Hkv, S]`` scale block is
+    DMA'd beside it into ``[2, pages_per_block, 2 * Hkv, S]``; a kv head's K (V) scales of
+    the block are one ``[1, pages_per_block * S]`` lane row (pages concatenated along lanes)
+    that multiplies the score columns (the probabilities before P @ V), so no scale moves
+    from lanes to sublanes.
   * online softmax per kv head over ``[q_tokens * G, D]`` query rows (the G query heads of a
     kv head stacked token-major), running max / sum / accumulator in fp32 VMEM scratch.
   * both grid steps and the KV loop are sequential ("arbitrary"): the cross-item prefetch

@@ -153,3 +153,21 @@ def test_fp8_kv_cache_layout_and_budget():
     assert fp8.num_pages_per_rank > auto.num_pages_per_rank
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         ServerArgs(kv_cache_dtype="fp8")
+
+
+def test_fp8_kv_cache_refuses_handover():
+    """The handover state (kv, conv, rec) has no scales: an FP8 cache is refused by the state
+    transfer, and a prefill / decode engine refuses the flag before loading anything."""
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.model_executor.state_transfer import StateTransfer
+
+    cfg = load_model_config(default_model_path())
+    cache = init_cache(cfg, num_pages=4, page_size=PAGE, num_state_slots=2,
+                       kv_dtype=jnp.float8_e4m3fn)
+    transfer = StateTransfer(4, 2)
+    with pytest.raises(NotImplementedError, match="kv-cache-dtype"):
+        transfer.gather(cache, [0], 0)
+    with pytest.raises(NotImplementedError, match="kv-cache-dtype"):
+        transfer.scatter(cache, *transfer.empty_state(cache, 1), [0], 0)
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3: a decode replica"):
+        Engine(role="decode", kv_cache_dtype="fp8_e4m3", skip_warmup=True, start_loop=False)
