@@ -531,12 +531,14 @@ def test_fp8_scaled_cache_all_paths(name):
     np.testing.assert_array_equal(bits(got_sc), bits(sc))
     close(got_o, o, c.kv_dtype)
     assert np.all(np.asarray(got_o[int(cu[len(c.q_lens)]):], np.float32) == 0.0)
-    xo, xkv, xsc = jax.jit(lambda *a, **kw: rpa.xla_ragged_paged_attention(
-        *a, sm_scale=c.head_dim ** -0.5, layer=c.layer, **kw))(
-        *(x[n] for n in ARGS), new_k=x["new_k"], new_v=x["new_v"], kv_scales=x["kv_scales"])
-    np.testing.assert_array_equal(bits(xkv), bits(kv))
-    np.testing.assert_array_equal(bits(xsc), bits(sc))
-    close(xo, o, c.kv_dtype)
+    for batch_invariant in (False, True):  # the split form and the all-from-pages form
+        xo, xkv, xsc = jax.jit(lambda *a, **kw: rpa.xla_ragged_paged_attention(
+            *a, sm_scale=c.head_dim ** -0.5, layer=c.layer, batch_invariant=batch_invariant,
+            **kw))(*(x[n] for n in ARGS), new_k=x["new_k"], new_v=x["new_v"],
+                   kv_scales=x["kv_scales"])
+        np.testing.assert_array_equal(bits(xkv), bits(kv))
+        np.testing.assert_array_equal(bits(xsc), bits(sc))
+        close(xo, o, c.kv_dtype)
 
 
 def test_fp8_scales_keep_rows_of_any_range():
