@@ -108,10 +108,7 @@ class Engine:
         self.model_config = cfg = load_model_config(args.model_path)
         args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
         args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
-        if role in ("prefill", "decode") and args.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: a {role} replica hands "
-                             "request state over, which does not carry the KV scales; use "
-                             "--kv-cache-dtype auto")
+        args.check_role(role)
         # Read by the runner's backend straight into its shardings (or drawn: dummy).
         params = WeightSource(cfg, args.model_path, args.load_format, DTYPES[args.dtype],
                               seed=args.random_seed)

@@ -302,6 +302,14 @@ class ServerArgs:
         total = self.max_running_requests if self.max_gdn_snapshots is None else self.max_gdn_snapshots
         return total // self.dp_size
 
+    def check_role(self, role: str) -> None:
+        """ValueError naming the flag when these args cannot serve ``role`` (colocated,
+        prefill or decode): the handover state carries no FP8 KV scales."""
+        if role in ("prefill", "decode") and self.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: a {role} replica hands "
+                             "request state over, which does not carry the KV scales; use "
+                             "--kv-cache-dtype auto")
+
     def kv_storage_dtype(self, backend: str) -> Any:
         """The dtype of the KV pages (``--dtype`` resolved, not "auto"): float8_e4m3fn with
         ``--kv-cache-dtype fp8_e4m3`` (scales beside the pages), else

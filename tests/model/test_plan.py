@@ -140,6 +140,22 @@ def test_cli_context_length_is_the_servers_flag(capsys):
     assert plans[0] == plans[1] and plans[0]["context_length"] == 4096
 
 
+def test_cli_kv_cache_dtype_is_the_servers_flag(capsys):
+    """``plan --kv-cache-dtype fp8_e4m3`` (the server's flag) plans what ``--kv-dtype fp8``
+    does; the server parses the same spelling."""
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    plans = []
+    for flags in (["--kv-cache-dtype", "fp8_e4m3"], ["--kv-dtype", "fp8"], []):
+        assert main(["--dp", "8", "--ep", "8", "--json", *flags]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0] == plans[1]
+    assert plans[0]["max_running_requests"] > plans[2]["max_running_requests"]
+
+
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(topology="tpu9:2x2x1"), "--topology"),
     (dict(topology="tpu7x:2x2"), "--topology"),
