@@ -340,15 +340,18 @@ def run_write(x, impl):
     """write_new_kv ("ref") or the Pallas write ("interpret") of x's new K/V, under jit."""
     lyr = x["kv_pages"].shape[0]
 
-    def fn(layer, kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def fn(layer, kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs,
+           kv_scales=None):
         meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
         if impl == "ref":
-            return rpa.write_new_kv(kv_pages, new_k, new_v, *meta, layer)
+            return rpa.write_new_kv(kv_pages, new_k, new_v, *meta, layer, kv_scales=kv_scales)
         return rpa._pallas_write_new_kv(kv_pages, new_k, new_v, rpa._layer_index(layer, lyr),
-                                        *meta, interpret=pltpu.InterpretParams())
+                                        *meta, interpret=pltpu.InterpretParams(),
+                                        kv_scales=kv_scales)
 
     args = [x[n] for n in ("kv_pages", "new_k", "new_v", "kv_lens", "page_indices",
-                           "cu_q_lens", "num_seqs")]
+                           "cu_q_lens", "num_seqs")] + ([x["kv_scales"]] if "kv_scales" in x
+                                                        else [])
     if x["traced_layer"]:
         return jax.jit(fn)(jnp.asarray(x["layer"], jnp.int32), *args)
     return jax.jit(lambda *a: fn(x["layer"], *a))(*args)
@@ -562,3 +565,46 @@ def test_fp8_scales_shape_is_validated():
     with pytest.raises(ValueError, match="kv_scales must be f32"):
         rpa.ragged_paged_attention(*(x[n] for n in ARGS), sm_scale=1.0, impl="reference",
                                    kv_scales=x["kv_scales"][..., :-1])
+
+
+SCALED_WRITE_CASES = {
+    # 40 tokens from position 250: windows 240 (page 0), 256, 288 (page 1), W = 32 rows.
+    "prefill_page256_w32_mid_window": Case([40, 1, 3], [250, 31, 7], head_dim=256,
+                                           page_size=256, dtype=jnp.bfloat16, kv_dtype=F8,
+                                           scaled=True, pad_rows=1, pad_tokens=2),
+    "mixed_page16_layer1_of_2_traced": Case([1, 19, 1], [15, 9, 0], head_dim=64, kv_dtype=F8,
+                                            scaled=True, num_layers=2, layer=1,
+                                            traced_layer=True, pad_tokens=3),
+    "padding_only": Case([2], [3], kv_dtype=F8, scaled=True, pad_rows=2, pad_tokens=3),
+}
+
+
+@pytest.mark.parametrize("name", jax_versions_cases(SCALED_WRITE_CASES,
+                                                    "prefill_page256_w32_mid_window"))
+def test_pallas_write_equals_write_new_kv_with_scales(name):
+    """FP8 rows and their scales: the Pallas write and the XLA scatter bit for bit; zero and
+    non-finite rows of real tokens land alike; padding tokens (NaN) write nowhere; other
+    layers and unwritten scales keep their bits."""
+    c = SCALED_WRITE_CASES[name]
+    x = make_inputs(c)
+    real = int(x["cu_q_lens"][len(c.q_lens)])
+    if name == "padding_only":
+        x["num_seqs"] = jnp.asarray([0], jnp.int32)
+    x["new_k"] = x["new_k"].at[0, 0].set(0.0).at[real - 1, -1, 0].set(jnp.inf)
+    x["new_k"] = x["new_k"].at[real:].set(jnp.nan)
+    x["new_v"] = x["new_v"].at[real:].set(jnp.nan)
+    (got_kv, got_sc), (want_kv, want_sc) = run_write(x, "interpret"), run_write(x, "ref")
+    np.testing.assert_array_equal(bits(got_kv), bits(want_kv))
+    np.testing.assert_array_equal(bits(got_sc), bits(want_sc))
+    assert np.all(np.isfinite(np.asarray(want_sc)))
+    changed = np.asarray(want_sc) != np.asarray(x["kv_scales"])  # [Lyr, N, 2*Hkv, S]
+    for layer in range(c.num_layers):
+        if layer != c.layer:
+            assert not changed[layer].any()
+            np.testing.assert_array_equal(bits(got_kv[layer]), bits(x["kv_pages"][layer]))
+    if name == "padding_only":
+        assert not changed.any()
+        np.testing.assert_array_equal(bits(got_kv), bits(x["kv_pages"]))
+    else:  # one scale per written (token, K/V head); the zero row's is 1
+        assert changed.sum() <= real * 2 * c.num_kv_heads
+        assert changed.sum() >= (real - 1) * 2 * c.num_kv_heads
