@@ -123,7 +123,7 @@ def step_seconds(runner: ModelRunner, fb: ForwardBatch) -> float:
 FAKES = {  # part -> (model function, stand-in that passes its input through)
     "routed experts": ("routed_experts", lambda experts, x, *a, **k: jnp.zeros_like(x)),
     "gdn": ("gdn_block", lambda p, h, conv, rec, *a, **k: (h, conv, rec)),
-    "attention": ("attention_block", lambda p, h, kv, *a, **k: (h, kv)),
+    "attention": ("attention_block", lambda p, h, kv, scales, *a, **k: (h, kv, scales)),
 }
 
 

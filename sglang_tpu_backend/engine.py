@@ -33,7 +33,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import jax
 
-from sglang_tpu_backend.config import DTYPES, cache_storage_dtype
+from sglang_tpu_backend.config import DTYPES
 from sglang_tpu_backend.constrained.grammar import GrammarBackend
 from sglang_tpu_backend.managers.delivery import Delivery
 from sglang_tpu_backend.managers.handover import RequestHandover
@@ -118,6 +118,7 @@ class Engine:
         self.model_config = cfg = load_model_config(args.model_path)
         args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
         args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
+        args.check_role(role)
         # Read by the runner's backend straight into its shardings (or drawn: dummy).
         params = WeightSource(cfg, args.model_path, args.load_format, DTYPES[args.dtype],
                               seed=args.random_seed)
@@ -142,7 +143,7 @@ class Engine:
             cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
             num_state_slots=running, max_running_requests=running,
             max_tokens_per_step=args.max_tokens_per_step, context_length=args.context_length,
-            kv_dtype=cache_storage_dtype(DTYPES[args.dtype], jax.default_backend()),
+            kv_dtype=args.kv_storage_dtype(jax.default_backend()),
             impl=args.kernel_impl, max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp,
             tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
             deterministic=det, expert_location=location,

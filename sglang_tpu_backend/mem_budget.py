@@ -5,7 +5,8 @@ requests (= GDN state slots) and ``s`` GDN snapshots per rank, V the vocabulary:
 
     budget      = floor(F * device_memory)
     weights     = plan.weight_bytes (replicated + this device's share of the sharded ones)
-    state       = (r + s) * plan.gdn_slot_bytes          (conv state in --dtype, recurrence f32)
+    state       = (r + s) * plan.gdn_slot_bytes          (conv state in --dtype, recurrence f32;
+                                                          conv f32 too with an FP8 KV cache)
     penalty     = r * (4V + V + 4)                       (token counts i32, prompt mask, last token)
     activations = plan.step_activation_bytes(max_tokens_per_step) + 4 * r * V   (f32 logits)
                   speculative decoding (n = k+1 rows per request): activations of
@@ -14,7 +15,8 @@ requests (= GDN state slots) and ``s`` GDN snapshots per rank, V the vocabulary:
     pages       = (budget - weights - state - penalty - activations) // plan.kv_page_bytes
 
 On a CPU a 16-bit ``--dtype`` keeps the KV pages and conv states in f32
-(``config.cache_storage_dtype``); their bytes are counted so.
+(``config.cache_storage_dtype``); their bytes are counted so. ``--kv-cache-dtype fp8_e4m3``
+counts 1 byte per KV element plus a 4-byte scale per K/V row.
 
 The byte formulas are the TPU memory planner's (``plan.py``), so the two agree. Every running
 request must be able to hold one page: while ``pages < r``, ``r`` drops by one (logged); when
@@ -29,6 +31,7 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from kernels.ragged_paged_attention import is_quantized
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.config import cache_storage_dtype
 from sglang_tpu_backend.plan import gdn_slot_bytes, kv_page_bytes, step_activation_bytes, weight_bytes
@@ -82,9 +85,14 @@ def size_pools(cfg: ModelConfig, args: ServerArgs, device_memory: int) -> PoolBu
     replicated, sharded = weight_bytes(cfg, ep=args.ep_size, tp=tp, expert_dtype="dense",
                                        dtype=jnp.dtype(args.dtype))
     weights = replicated + sharded
-    cache_b = jnp.dtype(cache_storage_dtype(args.dtype, jax.default_backend())).itemsize
-    page = kv_page_bytes(cfg, tp=tp, page_size=args.page_size, kv_bytes=cache_b)
-    slot = gdn_slot_bytes(cfg, tp=tp, kv_bytes=cache_b, state_bytes=STATE_DTYPE_BYTES)
+    backend = jax.default_backend()
+    kv_dtype = args.kv_storage_dtype(backend)
+    fp8_kv = is_quantized(kv_dtype)  # scales beside the pages; conv state in the state dtype
+    conv_b = STATE_DTYPE_BYTES if fp8_kv else jnp.dtype(
+        cache_storage_dtype(args.dtype, backend)).itemsize
+    page = kv_page_bytes(cfg, tp=tp, page_size=args.page_size,
+                         kv_bytes=jnp.dtype(kv_dtype).itemsize, kv_scales=fp8_kv)
+    slot = gdn_slot_bytes(cfg, tp=tp, conv_bytes=conv_b, state_bytes=STATE_DTYPE_BYTES)
     n = args.speculative_num_drafts + 1  # logits rows per request and step
     tokens = args.max_tokens_per_step if n == 1 else max(
         args.max_tokens_per_step, n * args.max_running_requests_per_rank)

@@ -217,20 +217,23 @@ def weight_bytes(cfg: ModelConfig, *, ep: int, tp: int, expert_dtype: str = "fp8
 
 
 def kv_page_bytes(cfg: ModelConfig, *, tp: int, page_size: int, kv_bytes: int,
-                  mtp: bool = False) -> int:
+                  mtp: bool = False, kv_scales: bool = False) -> int:
     """One KV page (``page_size`` tokens) of every attention layer (and with ``mtp`` every
-    MTP layer), bytes per device."""
+    MTP layer), bytes per device; with ``kv_scales`` (an FP8 cache) plus one f32 scale per
+    K/V row."""
     g = _tp_heads(cfg, tp)[0]
     layers = len(cfg.attention_layers) + (cfg.mtp_num_hidden_layers if mtp else 0)
-    return layers * 2 * g * page_size * cfg.head_dim * kv_bytes
+    row = cfg.head_dim * kv_bytes + (4 if kv_scales else 0)
+    return layers * 2 * g * page_size * row
 
 
-def gdn_slot_bytes(cfg: ModelConfig, *, tp: int, kv_bytes: int, state_bytes: int) -> int:
-    """One request's GDN state (conv state in the KV dtype + recurrent state) of every GDN
-    layer, bytes per device."""
+def gdn_slot_bytes(cfg: ModelConfig, *, tp: int, conv_bytes: int, state_bytes: int) -> int:
+    """One request's GDN state (conv state of ``conv_bytes`` per element: the KV dtype's, or
+    the state dtype's beside an FP8 KV cache, see ``qwen3_5_moe.init_cache``; + recurrent
+    state) of every GDN layer, bytes per device."""
     _, _, hv, c = _tp_heads(cfg, tp)
     return len(cfg.linear_layers) * (
-        conv_state_rows(cfg.linear_conv_kernel_dim) * c * kv_bytes
+        conv_state_rows(cfg.linear_conv_kernel_dim) * c * conv_bytes
         + hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_bytes)
 
 
@@ -283,9 +286,11 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
                                        redundant_experts=redundant_experts, mtp=mtp)
 
     b_kv, b_state, b = DTYPE_BYTES[kv_dtype], DTYPE_BYTES[state_dtype], DTYPE_BYTES[dtype]
-    kv_per_req = (-(-context_length // page_size)) * kv_page_bytes(cfg, tp=tp, page_size=page_size,
-                                                                 kv_bytes=b_kv, mtp=mtp)
-    gdn_per_req = gdn_slot_bytes(cfg, tp=tp, kv_bytes=b_kv, state_bytes=b_state)
+    fp8_kv = kv_dtype == "fp8"  # float8_e4m3fn pages + f32 scales; conv state in state_dtype
+    kv_per_req = (-(-context_length // page_size)) * kv_page_bytes(
+        cfg, tp=tp, page_size=page_size, kv_bytes=b_kv, mtp=mtp, kv_scales=fp8_kv)
+    gdn_per_req = gdn_slot_bytes(cfg, tp=tp, conv_bytes=b_state if fp8_kv else b_kv,
+                                 state_bytes=b_state)
     act_fixed = step_activation_bytes(cfg, ep=ep, tp=tp, tokens=max_num_batched_tokens,
                                       dtype_bytes=b)
 
@@ -363,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(flag, default=choices[0], choices=choices)
     ap.add_argument("--mtp", action="store_true",
                     help="also hold the MTP layers' weights and KV pages (NEXTN drafting)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
+                    help="the server's flag: fp8_e4m3 is --kv-dtype fp8 (float8_e4m3fn pages "
+                         "with f32 per-row scales), auto leaves --kv-dtype")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--compile", action="store_true",
                     help="also compile the DP x EP step for the topology with libtpu and print "
@@ -370,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int,
                     help="with --compile: plan and compile only the first N layers")
     a = ap.parse_args(argv)
+    if a.kv_cache_dtype == "fp8_e4m3":
+        a.kv_dtype = "fp8"
     try:
         cfg = _load(a.model_config)
         if a.layers:

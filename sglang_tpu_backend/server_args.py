@@ -10,12 +10,16 @@ import argparse
 import dataclasses
 from typing import Any
 
-from sglang_tpu_backend.config import DTYPES
+import jax.numpy as jnp
+
+from sglang_tpu_backend.config import DTYPES, cache_storage_dtype
 
 DTYPE_CHOICES = ("auto", *DTYPES)  # auto: config.resolve_dtype
 REASONING_PARSERS = ("qwen3",)  # entrypoints/chat_parsing.py implements each
 TOOL_CALL_PARSERS = ("qwen3_coder", "qwen25")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # SGLang's --load-format values we take
+# auto: the KV cache in the model dtype; fp8_e4m3: float8_e4m3fn pages with per-row f32 scales
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 KERNEL_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")  # kernels/dispatch.py
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DETERMINISTIC_MIN_CHUNK = 64  # a multiple of every GDN chunk size (kernels/gdn.py: 64 TPU, 32 XLA)
@@ -118,6 +122,7 @@ class ServerArgs:
     dp_size: int = 1
     ep_size: int | None = None  # None: --tp-size when > 1, else --dp-size
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     kernel_impl: str = "auto"
     random_seed: int = 0
     load_format: str = "auto"  # auto/safetensors: the checkpoint; dummy: random weights
@@ -208,6 +213,9 @@ class ServerArgs:
                 f"{self.dp_size} ranks: it must be at least {self.dp_size}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.kernel_impl not in KERNEL_IMPLS:
@@ -357,6 +365,22 @@ class ServerArgs:
         total = self.max_running_requests if self.max_gdn_snapshots is None else self.max_gdn_snapshots
         return total // self.dp_size
 
+    def check_role(self, role: str) -> None:
+        """ValueError naming the flag when these args cannot serve ``role`` (colocated,
+        prefill or decode): the handover state carries no FP8 KV scales."""
+        if role in ("prefill", "decode") and self.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: a {role} replica hands "
+                             "request state over, which does not carry the KV scales; use "
+                             "--kv-cache-dtype auto")
+
+    def kv_storage_dtype(self, backend: str) -> Any:
+        """The dtype of the KV pages (``--dtype`` resolved, not "auto"): float8_e4m3fn with
+        ``--kv-cache-dtype fp8_e4m3`` (scales beside the pages), else
+        ``config.cache_storage_dtype`` of ``--dtype`` on ``backend``."""
+        if self.kv_cache_dtype == "fp8_e4m3":
+            return jnp.float8_e4m3fn
+        return cache_storage_dtype(DTYPES[self.dtype], backend)
+
     @property
     def max_tokens_per_step(self) -> int:
         """Token rows one rank's step may hold: a prefill chunk budget that always fits all
@@ -415,6 +439,10 @@ def _add_model_and_server_flags(a, d) -> None:
     a("--dtype", type=str, default=d.dtype, choices=DTYPE_CHOICES,
       help="weights and KV cache dtype; auto: the checkpoint config's dtype "
            "as stated (float32 too), bfloat16 when it states none")
+    a("--kv-cache-dtype", type=str, default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+      help="KV cache storage: auto = the model dtype; fp8_e4m3 = float8_e4m3fn with one f32 "
+           "scale per token and K/V head (about half the KV bytes; not with prefill/decode "
+           "handover)")
     a("--kernel-impl", type=str, default=d.kernel_impl, choices=KERNEL_IMPLS)
     a("--random-seed", type=int, default=d.random_seed,
       help="sampling seed; with --load-format dummy also the weights' seed")

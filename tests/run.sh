@@ -48,11 +48,11 @@ if [ -x .venv312/bin/python ]; then
   LEG312=(312:tests/kernels 312:tests/model)
 fi
 
-# Lane A: the TPU compile leg, the model, the jax 0.12 leg and tests/parallel; lane B: the
-# kernels, the engine, the server and the Ray-based directories. A directory neither lane names
+# Lane A: the TPU compile leg, the model, the server, the jax 0.12 leg and tests/parallel;
+# lane B: the kernels, the engine and the Ray-based directories. A directory neither lane names
 # (a new one) runs in lane B.
-LANE_A=(tests/tpu tests/model tests/metrics tests/mem_cache "${LEG312[@]}" tests/parallel)
-LANE_B=(tests/kernels tests/engine tests/server tests/ray_serve tests/monitoring)
+LANE_A=(tests/tpu tests/model tests/server tests/metrics tests/mem_cache "${LEG312[@]}" tests/parallel)
+LANE_B=(tests/kernels tests/engine tests/ray_serve tests/monitoring)
 for d in tests/*/; do
   d=${d%/}
   [[ " ${LANE_A[*]} ${LANE_B[*]} " == *" $d "* ]] || LANE_B+=("$d")

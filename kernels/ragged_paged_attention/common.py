@@ -32,7 +32,8 @@ def _layer_index(layer, num_layers):
     return jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
 
 
-def _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer):
+def _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer,
+              kv_scales=None):
     def bad(msg):
         shapes = (f"q {q.shape}, kv_pages {kv_pages.shape}, kv_lens {kv_lens.shape}, "
                   f"page_indices {page_indices.shape}, cu_q_lens {cu_q_lens.shape}, num_seqs "
@@ -66,6 +67,10 @@ def _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, ne
         want = (q.shape[0], num_kv_heads, kv_pages.shape[4])
         if new_k.shape != want or new_v.shape != want:
             bad(f"new_k/new_v must be [T, Hkv, D] = {want}, got {new_k.shape}/{new_v.shape}")
+    if kv_scales is not None and (kv_scales.shape != kv_pages.shape[:4]
+                                  or kv_scales.dtype != jnp.float32):
+        bad(f"kv_scales must be f32[layers, num_pages, 2 * Hkv, page_size] = f32"
+            f"{list(kv_pages.shape[:4])}, got {kv_scales.dtype}{list(kv_scales.shape)}")
     if isinstance(layer, int):
         if not 0 <= layer < kv_pages.shape[0]:
             bad(f"layer {layer} out of range for {kv_pages.shape[0]} layers")

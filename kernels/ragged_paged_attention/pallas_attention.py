@@ -20,6 +20,11 @@ Kernel layout:
     ``[2, pages_per_block, 2 * Hkv, S, D]``; the first block of the next item is prefetched
     during the last block of the current one. Only pages up to the causal bound of the
     block's last query are fetched.
+  * an FP8 cache with scales (``quant.py``): each page's f32 ``[2 * Hkv, S]`` scale block is
+    DMA'd beside it into ``[2, pages_per_block, 2 * Hkv, S]``; a kv head's K (V) scales of
+    the block are one ``[1, pages_per_block * S]`` lane row (pages concatenated along lanes)
+    that multiplies the score columns (the probabilities before P @ V), so no scale moves
+    from lanes to sublanes.
   * online softmax per kv head over ``[q_tokens * G, D]`` query rows (the G query heads of a
     kv head stacked token-major), running max / sum / accumulator in fp32 VMEM scratch.
   * both grid steps and the KV loop are sequential ("arbitrary"): the cross-item prefetch
@@ -111,7 +116,7 @@ def _compute_dtype(q_dtype, kv_dtype):
 
 
 def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, block, max_items,
-                 compute_dtype, precision):
+                 compute_dtype, precision, with_scales):
     ppb = block.kv_pages_per_block
     bkv = ppb * page_size
 
@@ -125,24 +130,24 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
         item_seq_ref,  # i32[max_items]
         item_qblk_ref,  # i32[max_items]
         num_items_ref,  # i32[1]
-        # Input (HBM)
-        q_hbm,  # [T, Hkv, G, D]
-        kv_hbm,  # [Lyr, N, 2*Hkv, S, D]
-        _zeros_hbm,  # [T, Hkv, G, D], aliased to the output
-        # Output (HBM)
-        o_hbm,  # [T, Hkv, G, D]
-        # Scratch
-        q_buf,  # [2, prefill_q_tokens, Hkv, G, D]  q rows of this / the next item
-        o_buf,  # [2, prefill_q_tokens, Hkv, G, D]  output rows on their way to HBM
-        kv_buf,  # [2, ppb, 2*Hkv, S, D]  K/V block being computed / being fetched
-        m_scr,  # f32[Hkv, rows, 1]  running max
-        l_scr,  # f32[Hkv, rows, 1]  running sum
-        acc_scr,  # f32[Hkv, rows, D]  running numerator
-        q_sem,  # DMA[2]
-        o_sem,  # DMA[2]
-        kv_sem,  # DMA[2]
-        kv_state,  # i32[2] SMEM: [slot of the current item's first K/V block, already fetched]
+        *refs,
     ):
+        # Input (HBM): q_hbm [T, Hkv, G, D], kv_hbm [Lyr, N, 2*Hkv, S, D], with scales sc_hbm
+        #   f32[Lyr, N, 2*Hkv, S], _zeros_hbm [T, Hkv, G, D] (aliased to the output).
+        # Output (HBM): o_hbm [T, Hkv, G, D].
+        # Scratch: q_buf / o_buf [2, prefill_q_tokens, Hkv, G, D] (q rows of this / the next
+        #   item, output rows on their way to HBM); kv_buf [2, ppb, 2*Hkv, S, D] (K/V block
+        #   being computed / being fetched), with scales sc_buf f32[2, ppb, 2*Hkv, S] beside
+        #   it; m_scr / l_scr f32[Hkv, rows, 1] running max / sum, acc_scr f32[Hkv, rows, D]
+        #   running numerator; q_sem, o_sem, kv_sem DMA[2]; kv_state i32[2] SMEM (slot of the
+        #   current item's first K/V block, already fetched).
+        if with_scales:
+            (q_hbm, kv_hbm, sc_hbm, _zeros_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, m_scr,
+             l_scr, acc_scr, q_sem, o_sem, kv_sem, kv_state) = refs
+        else:
+            (q_hbm, kv_hbm, _zeros_hbm, o_hbm, q_buf, o_buf, kv_buf, m_scr, l_scr, acc_scr,
+             q_sem, o_sem, kv_sem, kv_state) = refs
+            sc_hbm = sc_buf = None
         step = pl.program_id(0)
         num_items = num_items_ref[0]
         layer = layer_ref[0]
@@ -178,15 +183,18 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
                 return c
             lax.fori_loop(0, it["n"], body, 0)
 
-        # ---- K/V block DMAs: one whole [2*Hkv, S, D] page per DMA. Pages past the block's
-        # causal bound re-fetch its last needed page (masked anyway), so page-table entries
-        # beyond a request's pages are never read.
+        # ---- K/V block DMAs: one whole [2*Hkv, S, D] page per DMA (and its [2*Hkv, S] scale
+        # block). Pages past the block's causal bound re-fetch its last needed page (masked
+        # anyway), so page-table entries beyond a request's pages are never read.
         def for_each_kv_copy(it, blk, slot, fn):
             def body(j, c):
                 page_pos = jnp.minimum(blk * ppb + j, it["last_page"])
                 page = page_indices_ref[it["r"] * pages_per_seq + page_pos]
                 fn(pltpu.make_async_copy(kv_hbm.at[layer, page], kv_buf.at[slot, j],
                                          kv_sem.at[slot]))
+                if with_scales:
+                    fn(pltpu.make_async_copy(sc_hbm.at[layer, page], sc_buf.at[slot, j],
+                                             kv_sem.at[slot]))
                 return c
             lax.fori_loop(0, ppb, body, 0)
 
@@ -196,8 +204,15 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
         def wait_kv(it, blk, slot):
             for_each_kv_copy(it, blk, slot, lambda c: c.wait())
 
+        def scale_row(slot, j):
+            """f32[1, bkv]: row j (2h: K, 2h + 1: V of kv head h) of every page's scales in
+            block ``slot``, pages side by side along lanes (no sublane -> lane transpose)."""
+            return jnp.concatenate([sc_buf[slot, b, j:j + 1, :] for b in range(ppb)], axis=1)
+
         def attend_block(qslot, slot, q_tokens, visible):
-            """Online-softmax update of every kv head with K/V block ``kv_buf[slot]``."""
+            """Online-softmax update of every kv head with K/V block ``kv_buf[slot]``. With
+            scales, a key's scale multiplies its score column and a value's scale its
+            probability column before P @ V: the same as attending to the dequantised rows."""
             rows = q_tokens * group
             for h in range(num_kv_heads):
                 q = q_buf[qslot, :q_tokens, h].reshape(rows, -1)  # [rows, D], token-major
@@ -207,13 +222,16 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
                 q, k, v = (a.astype(compute_dtype) for a in (q, k, v))
                 s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                     preferred_element_type=jnp.float32) * sm_scale
+                if with_scales:
+                    s = s * scale_row(slot, 2 * h)
                 s = jnp.where(visible, s, MASK_VALUE)  # f32[rows, bkv]
                 m_prev = m_scr[h, :rows]  # f32[rows, 1]
                 m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
                 p = jnp.exp(s - m_new)  # f32[rows, bkv]
                 alpha = jnp.exp(m_prev - m_new)  # f32[rows, 1]
                 l_scr[h, :rows] = alpha * l_scr[h, :rows] + jnp.sum(p, axis=1, keepdims=True)
-                pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                pw = p * scale_row(slot, 2 * h + 1) if with_scales else p
+                pv = lax.dot_general(pw.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                                      precision=precision, preferred_element_type=jnp.float32)
                 acc_scr[h, :rows] = alpha * acc_scr[h, :rows] + pv  # f32[rows, D]
                 m_scr[h, :rows] = m_new
@@ -307,8 +325,9 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
 
 
 def _pallas_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                      sm_scale, block: BlockSizes | None, interpret):
-    """q [T, Hq, D] -> o [T, Hq, D]; layer an i32 scalar."""
+                      sm_scale, block: BlockSizes | None, interpret, kv_scales=None):
+    """q [T, Hq, D] -> o [T, Hq, D]; layer an i32 scalar; kv_scales f32[Lyr, N, 2*Hkv, S] of
+    an FP8 cache (``quant.py``) or None."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, two_hkv, page_size, _ = kv_pages.shape
     num_kv_heads = two_hkv // 2
@@ -327,19 +346,23 @@ def _pallas_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_
     kernel = _make_kernel(sm_scale=sm_scale, group=group, num_kv_heads=num_kv_heads,
                           page_size=page_size, pages_per_seq=pages_per_seq, block=block,
                           max_items=max_items, compute_dtype=compute_dtype,
-                          precision=precision)
+                          precision=precision, with_scales=kv_scales is not None)
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, Hkv, G, D]
     q_rows = (block.prefill_q_tokens, num_kv_heads, group, head_dim)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    caches = [kv_pages] + ([kv_scales] if kv_scales is not None else [])
+    sc_buf = ([pltpu.VMEM((2, ppb, two_hkv, page_size), jnp.float32)]
+              if kv_scales is not None else [])
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=8,
         grid=(max_items,),
-        in_specs=[any_spec] * 3,
+        in_specs=[any_spec] * (2 + len(caches)),
         out_specs=any_spec,
         scratch_shapes=[
             pltpu.VMEM((2, *q_rows), q.dtype),  # q_buf
             pltpu.VMEM((2, *q_rows), q.dtype),  # o_buf
             pltpu.VMEM((2, ppb, two_hkv, page_size, head_dim), kv_pages.dtype),  # kv_buf
+            *sc_buf,  # f32[2, ppb, 2*Hkv, S] with scales
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),  # m_scr
             pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),  # l_scr
             pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # acc_scr
@@ -350,21 +373,22 @@ def _pallas_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_
         ],
     )
     cost = ragged_paged_attention_cost(q.shape, kv_pages.shape, page_indices.shape,
-                                       q_dtype=q.dtype, kv_dtype=kv_pages.dtype)
+                                       q_dtype=q.dtype, kv_dtype=kv_pages.dtype,
+                                       kv_scales=kv_scales is not None)
     zeros = jnp.zeros(q4.shape, q.dtype)  # [T, Hkv, G, D]
     o4 = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
-        # zeros is operand 8 + 2 (after the 8 scalar-prefetch operands, q and kv_pages).
-        input_output_aliases={10: 0},
+        # zeros follows the 8 scalar-prefetch operands, q and the cache arrays.
+        input_output_aliases={9 + len(caches): 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         cost_estimate=cost.to_pallas(),
         interpret=interpret,
     )(jnp.reshape(layer, (1,)), kv_lens.astype(jnp.int32),
       page_indices.reshape(-1).astype(jnp.int32), cu_q_lens.astype(jnp.int32),
-      num_seqs.astype(jnp.int32), item_seq, item_qblk, num_items, q4, kv_pages, zeros)
+      num_seqs.astype(jnp.int32), item_seq, item_qblk, num_items, q4, *caches, zeros)
     return o4.reshape(q.shape)
 
 
@@ -373,25 +397,27 @@ def _pallas_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_
 
 def ragged_paged_attention_cost(q_shape, kv_pages_shape, page_indices_shape, *,
                                 q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16,
-                                write_new_kv: bool = False) -> Cost:
+                                write_new_kv: bool = False, kv_scales: bool = False) -> Cost:
     """Upper-bound cost from shapes alone: every token attends to a full row of pages.
 
     q_shape [T, Hq, D], kv_pages_shape [Lyr, N, 2*Hkv, S, D], page_indices_shape [R, P]. Bytes:
     q read, o written, each request's pages of one layer read once (K and V, at most T * P
-    pages in all), metadata; plus the new K/V rows written when ``write_new_kv``.
+    pages in all), metadata; plus the new K/V rows written when ``write_new_kv``. With ``kv_scales`` (an
+    FP8 cache) each K/V row also moves its f32 scale.
     """
     num_tokens, num_q_heads, head_dim = q_shape
     _, _, two_hkv, page_size, _ = kv_pages_shape
     num_rows, pages_per_seq = page_indices_shape
     q_bytes = jnp.dtype(q_dtype).itemsize
     kv_bytes = jnp.dtype(kv_dtype).itemsize
+    row_bytes = head_dim * kv_bytes + (4 if kv_scales else 0)  # one cached K or V row
     max_kv = pages_per_seq * page_size
     pages_read = min(num_rows, max(num_tokens, 1)) * max_kv
     flops = 4 * num_tokens * num_q_heads * max_kv * head_dim  # QK^T and PV
     nbytes = (2 * num_tokens * num_q_heads * head_dim * q_bytes
-              + pages_read * two_hkv * head_dim * kv_bytes
+              + pages_read * two_hkv * row_bytes
               + 4 * (num_rows * (pages_per_seq + 2) + 3))
     if write_new_kv:
-        nbytes += num_tokens * two_hkv * head_dim * kv_bytes
+        nbytes += num_tokens * two_hkv * row_bytes
     return Cost(flops=int(flops), bytes_accessed=int(nbytes),
                 transcendentals=int(num_tokens * num_q_heads * max_kv))

@@ -11,15 +11,17 @@ from jax import lax
 
 from kernels.ragged_paged_attention.common import (MASK_VALUE, _layer_index, _token_metadata,
                                                    _validate)
-from kernels.ragged_paged_attention.kv_write import write_new_kv
+from kernels.ragged_paged_attention.kv_write import _outputs, _write
 
 # Memory budget of one lax.map batch of the reference (gathered K/V in fp32 plus scores).
 REF_BATCH_BYTES = 128 * 1024 * 1024
 
 
-def _ref_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale):
+def _ref_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
+                   kv_scales=None):
     """q [T, Hq, D] -> o [T, Hq, D] in q.dtype; layer an i32 scalar. Each token gathers all its
-    request's pages ``[P, 2*Hkv, S, D]`` of that layer and attends to them in fp32."""
+    request's pages ``[P, 2*Hkv, S, D]`` of that layer (times their scales f32[P, 2*Hkv, S]
+    when kv_scales is given) and attends to them in fp32."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, two_hkv, page_size, _ = kv_pages.shape
     num_kv_heads = two_hkv // 2
@@ -31,10 +33,12 @@ def _ref_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seq
     def one_token(args):
         q_t, r, p, ok = args  # [Hq, D], i32, i32, bool
         pages = page_indices[r]  # i32[P]
-        kv = kv_pages.at[layer, pages].get(mode="clip")  # [P, 2*Hkv, S, D]
+        kv = kv_pages.at[layer, pages].get(mode="clip").astype(jnp.float32)  # [P, 2*Hkv, S, D]
+        if kv_scales is not None:
+            kv = kv * kv_scales.at[layer, pages].get(mode="clip")[..., None]
         kv = kv.reshape(pages_per_seq, num_kv_heads, 2, page_size, head_dim)
         kv = kv.transpose(2, 1, 0, 3, 4).reshape(2, num_kv_heads, max_kv, head_dim)
-        k, v = kv[0].astype(jnp.float32), kv[1].astype(jnp.float32)  # f32[Hkv, P*S, D]
+        k, v = kv[0], kv[1]  # f32[Hkv, P*S, D]
         qg = q_t.reshape(num_kv_heads, group, head_dim).astype(jnp.float32)  # f32[Hkv, G, D]
         s = jnp.einsum("hgd,hsd->hgs", qg, k,
                        precision=lax.Precision.HIGHEST) * sm_scale  # f32[Hkv, G, P*S]
@@ -50,16 +54,18 @@ def _ref_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seq
 
 
 def ref_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                               *, sm_scale: float, new_k=None, new_v=None, layer=0):
+                               *, sm_scale: float, new_k=None, new_v=None, layer=0,
+                               kv_scales=None):
     """Pure-JAX reference; same contract as :func:`ragged_paged_attention`.
 
     Gathers each token's request pages of layer ``layer`` in ``lax.map`` batches sized to
     ~REF_BATCH_BYTES and masks causally; never materialises a [T, R, ...] array.
     """
-    _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer)
+    _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer,
+              kv_scales)
     if new_k is not None:
-        kv_pages = write_new_kv(kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
-                                num_seqs, layer)
+        kv_pages, kv_scales = _write(kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
+                                     num_seqs, layer, kv_scales)
     o = _ref_attention(q, kv_pages, _layer_index(layer, kv_pages.shape[0]), kv_lens,
-                       page_indices, cu_q_lens, num_seqs, sm_scale)
-    return o if new_k is None else (o, kv_pages)
+                       page_indices, cu_q_lens, num_seqs, sm_scale, kv_scales)
+    return _outputs(o, kv_pages, kv_scales, new_k is not None)

@@ -11,7 +11,8 @@ from jax import lax
 
 from kernels.ragged_paged_attention.common import (MASK_VALUE, _layer_index, _token_metadata,
                                                    _validate)
-from kernels.ragged_paged_attention.kv_write import write_new_kv
+from kernels.ragged_paged_attention.kv_write import _outputs, _write, new_kv_rows
+from kernels.ragged_paged_attention.quant import dequantize
 
 # KV tokens per block of the XLA path: small, so a short context reads little past its end.
 # Every row of a step reads as many blocks as the step's longest request, and XLA scores
@@ -28,13 +29,14 @@ def _softmax_init(rows: int, num_kv_heads: int, group: int, head_dim: int):
             jnp.zeros(shape + (head_dim,), jnp.float32))
 
 
-def _paged_softmax(qg, kv_pages, layer, tok_pages, limit, num_blocks, bp):
+def _paged_softmax(qg, kv_pages, layer, tok_pages, limit, num_blocks, bp, kv_scales=None):
     """Online softmax of each row over the keys its pages hold below ``limit``.
 
     qg f32[N, Hkv, G, D] scaled queries; tok_pages i32[N, W] each row's page ids (W a multiple
     of ``bp``); limit i32[N]: keys at positions < limit[n] are visible; ``num_blocks``
     (traced) blocks of ``bp`` pages are read, each row gathering its pages
-    ``[N, Bp, 2*Hkv, S, D]``. Returns the (max, sum, acc) state of :func:`_softmax_init`.
+    ``[N, Bp, 2*Hkv, S, D]`` (times their scales f32[N, Bp, 2*Hkv, S] when kv_scales is
+    given). Returns the (max, sum, acc) state of :func:`_softmax_init`.
     """
     n, num_kv_heads, group, head_dim = qg.shape
     page_size = kv_pages.shape[3]
@@ -43,10 +45,12 @@ def _paged_softmax(qg, kv_pages, layer, tok_pages, limit, num_blocks, bp):
     def block(j, carry):
         m, l, acc = carry  # f32[N, Hkv, G], f32[N, Hkv, G], f32[N, Hkv, G, D]
         pages = lax.dynamic_slice_in_dim(tok_pages, j * bp, bp, axis=1)  # i32[N, Bp]
-        kv = kv_pages.at[layer, pages].get(mode="clip")  # [N, Bp, 2*Hkv, S, D]
+        kv = kv_pages.at[layer, pages].get(mode="clip").astype(jnp.float32)  # [N,Bp,2Hkv,S,D]
+        if kv_scales is not None:
+            kv = kv * kv_scales.at[layer, pages].get(mode="clip")[..., None]
         kv = kv.reshape(n, bp, num_kv_heads, 2, page_size, head_dim)
         kv = kv.transpose(3, 0, 2, 1, 4, 5).reshape(2, n, num_kv_heads, bp * page_size, head_dim)
-        k, v = kv[0].astype(jnp.float32), kv[1].astype(jnp.float32)  # f32[N, Hkv, Bp*S, D]
+        k, v = kv[0], kv[1]  # f32[N, Hkv, Bp*S, D]
         s = jnp.einsum("thgd,thsd->thgs", qg, k, precision=lax.Precision.HIGHEST)
         visible = (j * bp * page_size + block_pos)[None, :] < limit[:, None]  # bool[N, Bp*S]
         s = jnp.where(visible[:, None, None, :], s, MASK_VALUE)  # f32[N, Hkv, G, Bp*S]
@@ -69,7 +73,7 @@ def _padded_table(page_indices, bp):
 
 
 def _xla_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale,
-                   pages_per_block):
+                   pages_per_block, kv_scales=None):
     """Online-softmax attention over blocks of ``pages_per_block`` pages, for CPU/GPU serving.
 
     The loop runs ``cdiv(longest real request's pages, pages_per_block)`` times (a traced trip
@@ -89,14 +93,14 @@ def _xla_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seq
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
     # qg f32[T, Hkv, G, D]; l f32[T, Hkv, G], acc f32[T, Hkv, G, D]
     _, l, acc = _paged_softmax(qg, kv_pages, layer, _padded_table(page_indices, bp)[req],
-                               pos + 1, num_blocks, bp)
+                               pos + 1, num_blocks, bp, kv_scales)
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
     o = jnp.where(valid[:, None, None, None], o, 0.0)
     return o.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
 def _xla_attention_split(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_seqs,
-                         sm_scale, pages_per_block, new_k, new_v):
+                         sm_scale, pages_per_block, new_k, new_v, kv_scales=None):
     """Attention as two online-softmax passes merged per token (prefill-heavy steps).
 
     Keys written in this step (the request's own new tokens) are read densely from
@@ -120,8 +124,10 @@ def _xla_attention_split(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, n
     qg = q.reshape(T, Hkv, group, D).astype(jnp.float32) * sm_scale  # f32[T, Hkv, G, D]
 
     # In-step keys: dense scores, same request and not later.
-    kn = new_k.astype(kv_pages.dtype).astype(jnp.float32)  # f32[T, Hkv, D], as cached
-    vn = new_v.astype(kv_pages.dtype).astype(jnp.float32)  # f32[T, Hkv, D]
+    cached, scales = new_kv_rows(new_k, new_v, kv_pages, kv_scales)  # [T, 2*Hkv, D] as cached
+    cached = cached.astype(jnp.float32) if scales is None else dequantize(cached, scales)
+    cached = cached.reshape(T, Hkv, 2, D)
+    kn, vn = cached[:, :, 0], cached[:, :, 1]  # f32[T, Hkv, D]
     s = jnp.einsum("thgd,shd->thgs", qg, kn, precision=lax.Precision.HIGHEST)  # [T,Hkv,G,T]
     # see bool[T, T]: query t sees the in-step key of token s
     see = (req[:, None] == req[None, :]) & (t_idx[None, :] <= t_idx[:, None]) & valid[None, :]
@@ -145,7 +151,7 @@ def _xla_attention_split(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, n
         limit = jnp.where(live, step_start[rows], 0)  # keys < limit are cached
         num_blocks = -(-jnp.max(limit) // (bp * kv_pages.shape[3]))
         m, l, acc = _paged_softmax(qg[rows], kv_pages, layer, table[req[rows]], limit,
-                                   num_blocks, bp)
+                                   num_blocks, bp, kv_scales)
         dest = jnp.where(live, rows, T)  # dead slots write nowhere
         om, ol, oacc = out
         return (om.at[dest].set(m, mode="drop"), ol.at[dest].set(l, mode="drop"),
@@ -165,7 +171,8 @@ def _xla_attention_split(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, n
 
 def xla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                                sm_scale: float, new_k=None, new_v=None, layer=0,
-                               pages_per_block: int | None = None, batch_invariant: bool = False):
+                               pages_per_block: int | None = None, batch_invariant: bool = False,
+                               kv_scales=None):
     """The serving path off TPU; same contract as :func:`ragged_paged_attention`.
 
     With new K/V (a serving step) it is :func:`_xla_attention_split`, unless
@@ -173,15 +180,17 @@ def xla_ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     positions (:func:`_xla_attention`), so its result does not depend on where in the step
     its request sits. ``pages_per_block`` defaults to ``XLA_KV_BLOCK_TOKENS // S`` (at
     least 1)."""
-    _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer)
+    _validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, new_k, new_v, layer,
+              kv_scales)
     if new_k is not None:
-        kv_pages = write_new_kv(kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
-                                num_seqs, layer)
+        kv_pages, kv_scales = _write(kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens,
+                                     num_seqs, layer, kv_scales)
     bp = pages_per_block or max(1, XLA_KV_BLOCK_TOKENS // kv_pages.shape[3])
+    lyr = _layer_index(layer, kv_pages.shape[0])
     if new_k is not None and not batch_invariant:
-        o = _xla_attention_split(q, kv_pages, _layer_index(layer, kv_pages.shape[0]), kv_lens,
-                                 page_indices, cu_q_lens, num_seqs, sm_scale, bp, new_k, new_v)
-        return o, kv_pages
-    o = _xla_attention(q, kv_pages, _layer_index(layer, kv_pages.shape[0]), kv_lens,
-                       page_indices, cu_q_lens, num_seqs, sm_scale, bp)
-    return o if new_k is None else (o, kv_pages)
+        o = _xla_attention_split(q, kv_pages, lyr, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                 sm_scale, bp, new_k, new_v, kv_scales)
+    else:
+        o = _xla_attention(q, kv_pages, lyr, kv_lens, page_indices, cu_q_lens, num_seqs,
+                           sm_scale, bp, kv_scales)
+    return _outputs(o, kv_pages, kv_scales, new_k is not None)

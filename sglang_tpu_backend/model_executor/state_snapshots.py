@@ -21,6 +21,7 @@ each copy before running it, and they run the same copy on their devices
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -116,7 +117,7 @@ class GDNSnapshots:
         src, dst = self._indices(loads, self.num_slots)
         self._announce(Op.SNAPSHOT_LOAD, loads)
         conv, rec = self._copy(cache.conv_state, cache.rec_state, self.conv, self.rec, src, dst)
-        return ModelCache(cache.kv_pages, conv, rec)
+        return dataclasses.replace(cache, conv_state=conv, rec_state=rec)
 
     def save(self, cache: ModelCache, saves: Sequence[tuple[int, int, int]]) -> None:
         """Copy state slots into snapshots: ``saves`` are (rank, slot, snapshot)."""
@@ -131,7 +132,7 @@ class GDNSnapshots:
         for K in self.buckets:
             src, dst = self._indices([], self.num_slots, K)
             conv, rec = self._copy(cache.conv_state, cache.rec_state, self.conv, self.rec, src, dst)
-            cache = ModelCache(cache.kv_pages, conv, rec)
+            cache = dataclasses.replace(cache, conv_state=conv, rec_state=rec)
             src, dst = self._indices([], self.num_snapshots, K)
             self.conv, self.rec = self._copy(self.conv, self.rec, cache.conv_state, cache.rec_state,
                                              src, dst)

@@ -31,6 +31,8 @@ on the host, so a TP replica hands over to a DP or one-device replica and back.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable, Sequence
 
 import jax
@@ -81,11 +83,20 @@ def _gather_local(cache: ModelCache, pages, slot):
 def _scatter_local(cache: ModelCache, kv, conv, rec, pages, slot) -> ModelCache:
     """Write kv [La, B, 2G, page, D] at pages i32[B] and the GDN states conv [Lg, rows, C] /
     rec [Lg, Hv, Dk, Dv] at slot i32[]; out-of-range pages and slots are dropped."""
-    return ModelCache(
+    return dataclasses.replace(
+        cache,
         kv_pages=cache.kv_pages.at[:, pages].set(kv.astype(cache.kv_pages.dtype), mode="drop"),
         conv_state=cache.conv_state.at[:, slot].set(conv.astype(cache.conv_state.dtype), mode="drop"),
         rec_state=cache.rec_state.at[:, slot].set(rec.astype(cache.rec_state.dtype), mode="drop"),
     )
+
+
+def check_transferable(cache: ModelCache) -> None:
+    """Handover moves (kv, conv, rec) only: an FP8 cache's per-row scales are not carried, so
+    its state is refused rather than installed without them."""
+    if cache.kv_scales is not None:
+        raise NotImplementedError("prefill/decode handover does not carry the KV scales of "
+                                  "--kv-cache-dtype fp8_e4m3; use --kv-cache-dtype auto")
 
 
 class StateTransfer:
@@ -181,6 +192,7 @@ class StateTransfer:
     def gather(self, cache: ModelCache, pages: list[int], slot: int, rank: int = 0) -> State:
         """Host copies of the request's KV pages (in ``pages`` order) and GDN states of ``slot``
         on ``rank``."""
+        check_transferable(cache)
         if self.announce is not None:
             self.announce(Op.EXPORT, [rank, slot, *pages])
         kv, conv, rec = self.export_program(cache, self._pages(pages, rank),
@@ -201,6 +213,7 @@ class StateTransfer:
         ``gather`` returns them."""
         if self.tp is not None:
             kv, conv, rec = self.tp.state_from_one_device(kv, conv, rec)
+        check_transferable(cache)
         self._check_shapes(cache, kv, conv, rec, len(pages))
         if self.announce is not None:
             self.announce(Op.INSTALL, [rank, slot, *pages])
@@ -247,6 +260,7 @@ class StateTransfer:
         """Compile the gather and/or scatter program of every page bucket up to ``max_pages``
         by running it on padding only (reads nothing used, writes nothing); returns the cache
         (a scatter donates it)."""
+        check_transferable(cache)
         if self.announce is not None:
             self.announce(Op.TRANSFER_WARM_UP, [int(gather), int(scatter), max_pages])
         pad_slot = self._slot(self.num_slots, 0)

@@ -121,7 +121,7 @@ def _abstract_dp_cache(cfg: ModelConfig, spec: StepSpec, dp: Any, kv_dtype: Any,
         cfg, num_pages=spec.num_pages * D, page_size=spec.page_size,
         num_state_slots=spec.num_state_slots * D, kv_dtype=kv_dtype, state_dtype=state_dtype))
     return jax.tree.map(lambda s, p: abstract(s.shape, s.dtype, dp.mesh, p), cache,
-                        dp.cache_specs())
+                        dp.cache_specs(kv_scales=cache.kv_scales is not None))
 
 
 def compile_dp_handover(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, install: bool,
@@ -168,6 +168,6 @@ def compile_tp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
         num_pages=spec.num_pages, page_size=spec.page_size, num_state_slots=spec.num_state_slots,
         kv_dtype=kv_dtype, state_dtype=state_dtype))
     cache = jax.tree.map(lambda s, p: abstract(s.shape, s.dtype, mesh, p), cache,
-                         tp.cache_specs())
+                         tp.cache_specs(kv_scales=cache.kv_scales is not None))
     return compile_for_tpu(tp._global_step, (params, cache, abstract_batch(spec, mesh)), mesh,
                            donate_argnums=(1,))

@@ -69,13 +69,17 @@ class ModelCache:
       conv_state: [num_gdn_layers, num_slots, rows, C]: rows 0..K-2 the last pre-conv inputs,
                   oldest first; rows = conv_state_rows(K) pads K-1 to a power of two.
       rec_state:  [num_gdn_layers, num_slots, Hv, Dk, Dv] recurrent state (fp32 or bf16).
-    Attention layer ``a`` (the a-th full_attention layer) owns ``kv_pages[a]``; GDN layer ``l``
-    owns ``conv_state[l]`` and ``rec_state[l]``.
+      kv_scales:  f32[num_attention_layers, num_pages, 2*G, page_size], the scale of each
+                  cached K/V row of an FP8 cache (``--kv-cache-dtype fp8_e4m3``, see
+                  ``kernels/ragged_paged_attention/quant.py``); None otherwise.
+    Attention layer ``a`` (the a-th full_attention layer) owns ``kv_pages[a]`` (and
+    ``kv_scales[a]``); GDN layer ``l`` owns ``conv_state[l]`` and ``rec_state[l]``.
     """
 
     kv_pages: jax.Array
     conv_state: jax.Array
     rec_state: jax.Array
+    kv_scales: jax.Array | None = None
 
     @property
     def num_pages(self) -> int:
@@ -96,8 +100,13 @@ def init_cache(
     state_dtype=jnp.float32,
     conv_dtype=None,
 ) -> ModelCache:
-    """Zeroed KV pages and GDN state slots. Every page and slot id is usable."""
-    conv_dtype = kv_dtype if conv_dtype is None else conv_dtype
+    """Zeroed KV pages and GDN state slots. Every page and slot id is usable.
+
+    An 8-bit float ``kv_dtype`` (FP8) makes a quantised cache: kv_scales of ones beside the
+    pages, and the conv state (default ``kv_dtype``) in ``state_dtype`` instead."""
+    quantized = rpa.is_quantized(kv_dtype)
+    if conv_dtype is None:
+        conv_dtype = state_dtype if quantized else kv_dtype
     n_attn, n_lin = len(cfg.attention_layers), len(cfg.linear_layers)
     kv_shape = (n_attn, num_pages, 2 * cfg.num_key_value_heads, page_size, cfg.head_dim)
     conv_shape = (n_lin, num_state_slots, conv_state_rows(cfg.linear_conv_kernel_dim),
@@ -108,6 +117,7 @@ def init_cache(
         kv_pages=jnp.zeros(kv_shape, kv_dtype),
         conv_state=jnp.zeros(conv_shape, conv_dtype),
         rec_state=jnp.zeros(rec_shape, state_dtype),
+        kv_scales=jnp.ones(rpa.scales_shape(kv_shape), jnp.float32) if quantized else None,
     )
 
 
@@ -139,9 +149,11 @@ def layer_params(params: Params, cfg: ModelConfig, layer: int) -> Params:
 # Blocks -------------------------------------------------------------------------------------
 
 
-def attention_block(p: Params, x, kv_pages, layer, cos, sin, batch: ForwardBatch, cfg, impl,
-                    batch_invariant: bool = False):
-    """Gated GQA attention of attention layer ``layer``. x: [T, H] -> ([T, H], kv_pages)."""
+def attention_block(p: Params, x, kv_pages, kv_scales, layer, cos, sin, batch: ForwardBatch,
+                    cfg, impl, batch_invariant: bool = False):
+    """Gated GQA attention of attention layer ``layer``. x: [T, H] -> ([T, H], kv_pages,
+    kv_scales); kv_scales None unless the cache is FP8 (then the new K/V go in unrounded and
+    are quantised with their scales)."""
     T = x.shape[0]
     N, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q_gate = (x @ p["q_proj"]).reshape(T, N, 2 * D)  # per head [query | gate]
@@ -150,7 +162,8 @@ def attention_block(p: Params, x, kv_pages, layer, cos, sin, batch: ForwardBatch
     v = (x @ p["v_proj"]).reshape(T, G, D)
     q = apply_partial_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = apply_partial_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
-    o, kv_pages = rpa.ragged_paged_attention(
+    cast = (lambda a: a) if kv_scales is not None else (lambda a: a.astype(kv_pages.dtype))
+    out = rpa.ragged_paged_attention(
         q,
         kv_pages,
         batch.kv_lens,
@@ -158,14 +171,16 @@ def attention_block(p: Params, x, kv_pages, layer, cos, sin, batch: ForwardBatch
         batch.cu_q_lens,
         batch.num_seqs,
         sm_scale=D**-0.5,
-        new_k=k.astype(kv_pages.dtype),
-        new_v=v.astype(kv_pages.dtype),
+        new_k=cast(k),
+        new_v=cast(v),
         layer=layer,
         impl=impl,
         batch_invariant=batch_invariant,
+        kv_scales=kv_scales,
     )  # o: [T, N, D]
+    o, kv_pages, kv_scales = out if kv_scales is not None else (*out, None)
     o = o.reshape(T, N * D) * jax.nn.sigmoid(gate.reshape(T, N * D))
-    return o @ p["o_proj"], kv_pages
+    return o @ p["o_proj"], kv_pages, kv_scales
 
 
 def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, cfg, impl):
@@ -347,7 +362,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
     num_slots = num_expert_slots(params, cfg)
 
     def group(carry, xs):
-        x, kv_pages, conv_state, rec_state = carry
+        x, kv_pages, kv_scales, conv_state, rec_state = carry
         group_params, g = xs
         i_attn = i_lin = 0
         stats, verify = [], []
@@ -355,8 +370,9 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
             h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
             if kind == FULL_ATTENTION:
                 layer = g * attn_per_group + i_attn
-                h, kv_pages = attention_block(p["self_attn"], h, kv_pages, layer, cos, sin,
-                                              batch, cfg, impl, batch_invariant)
+                h, kv_pages, kv_scales = attention_block(p["self_attn"], h, kv_pages, kv_scales,
+                                                         layer, cos, sin, batch, cfg, impl,
+                                                         batch_invariant)
                 i_attn += 1
             else:
                 layer = g * lin_per_group + i_lin
@@ -377,12 +393,12 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
         verify = (tuple(jnp.stack(v) for v in zip(*verify)) if batch.mode.is_verify()
                   else None)  # each [lin_per_group, R, ...]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if with_stats else None
-        return (x, kv_pages, conv_state, rec_state), (stacked, verify)
+        return (x, kv_pages, kv_scales, conv_state, rec_state), (stacked, verify)
 
     num_groups = cfg.num_hidden_layers // period
-    carry = (x, cache.kv_pages, cache.conv_state, cache.rec_state)
+    carry = (x, cache.kv_pages, cache.kv_scales, cache.conv_state, cache.rec_state)
     carry, (stats, verify) = jax.lax.scan(group, carry, (scanned, jnp.arange(num_groups)))
-    x, kv_pages, conv_state, rec_state = carry
+    x, kv_pages, kv_scales, conv_state, rec_state = carry
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     if with_stats:  # [groups, period, n] -> [layers, n] (layer g * period + j)
         health, counts = (s.reshape(cfg.num_hidden_layers, -1) for s in stats)
@@ -391,7 +407,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
         stats = (health, counts)
     if verify is not None:  # [groups, lin_per_group, ...] -> [Lyr, ...] (g * lin_per_group + i)
         verify = tuple(v.reshape(-1, *v.shape[2:]) for v in verify)
-    return x, ModelCache(kv_pages, conv_state, rec_state), stats, verify
+    return x, ModelCache(kv_pages, conv_state, rec_state, kv_scales), stats, verify
 
 
 def forward(

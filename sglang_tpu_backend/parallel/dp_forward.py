@@ -12,7 +12,7 @@ Global arrays (D = DP ranks, every rank's part the same bucketed size):
           (input_ids [D*T], cu_q_lens [D*(R+1)], page_table [D*R, P], num_seqs [D], ...),
           split over the ranks. A rank with nothing to do gets an all-padding batch
           (num_seqs 0) and still takes part in every collective.
-  cache:  kv_pages [Lyr, D*N, 2G, S, Dh], conv_state [Lyr, D*Sl, rows, C], rec_state
+  cache:  kv_pages [Lyr, D*N, 2G, S, Dh] (FP8: kv_scales [Lyr, D*N, 2G, S]), conv_state [Lyr, D*Sl, rows, C], rec_state
           [Lyr, D*Sl, Hv, Dk, Dv]: pages and slots split over the ranks (rank r owns pages
           r*N .. r*N+N-1, addressed as 0..N-1 in its batch).
   params: expert leaves [groups, E, ...] split on E; everything else replicated.
@@ -91,9 +91,13 @@ class DPForward:
             lambda path, _: rank_spec(self.ep, 1) if is_routed_expert(path) else REPLICATED,
             params)
 
-    def cache_specs(self) -> qwen3_5_moe.ModelCache:
+    def cache_specs(self, kv_scales: bool = True) -> qwen3_5_moe.ModelCache:
+        """Pages and slots split over the ranks. ``kv_scales``: give the FP8 cache's scales a
+        spec too (a cache without them takes either; ``jax.tree.map`` over cache and specs
+        wants them to match)."""
         spec = rank_spec(self.ep, 1)  # pages / slots
-        return qwen3_5_moe.ModelCache(kv_pages=spec, conv_state=spec, rec_state=spec)
+        return qwen3_5_moe.ModelCache(kv_pages=spec, conv_state=spec, rec_state=spec,
+                                      kv_scales=spec if kv_scales else None)
 
     def batch_specs(self, mode: ForwardMode) -> ForwardBatch:
         spec = rank_spec(self.ep, 0)

@@ -381,7 +381,7 @@ def run_follower(args) -> int:
     ``init_cache``, the parameter check (``agreement.py``), the snapshot sizes
     (``make_snapshots``), then every step and command (warm-up included) and the final stop.
     """
-    from sglang_tpu_backend.config import DTYPES, cache_storage_dtype, load_model_config, resolve_dtype
+    from sglang_tpu_backend.config import DTYPES, load_model_config, resolve_dtype
     from sglang_tpu_backend.model_executor.state_snapshots import GDNSnapshots
     from sglang_tpu_backend.model_executor.state_transfer import StateTransfer
     from sglang_tpu_backend.sharded_loader import WeightSource
@@ -405,7 +405,7 @@ def run_follower(args) -> int:
                    batch_invariant=args.enable_deterministic_inference)
     cache = dp.init_cache(num_pages=num_pages, page_size=args.page_size,
                           num_state_slots=num_slots,
-                          kv_dtype=cache_storage_dtype(DTYPES[args.dtype], jax.default_backend()))
+                          kv_dtype=args.kv_storage_dtype(jax.default_backend()))
     agreement.require_agreement("parameters", agreement.param_items(source.shapes()))
     params, report = source.load(dp.param_shardings(source.shapes()))
     logger.info("node %d read %.3f GB of weights in %.1f s", args.node_rank,

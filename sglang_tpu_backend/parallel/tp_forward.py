@@ -174,10 +174,13 @@ class TPForward:
             return x
         return jax.tree_util.tree_map_with_path(lay, params)
 
-    def cache_specs(self) -> qwen3_5_moe.ModelCache:
-        # kv_pages [Lyr, N, 2*Hkv, S, D], conv [Lyr, slots, K-1, C], rec [Lyr, slots, Hv, Dk, Dv]
+    def cache_specs(self, kv_scales: bool = True) -> qwen3_5_moe.ModelCache:
+        """Heads / channels split over the devices; ``kv_scales``: see ``DPForward``."""
+        # kv_pages [Lyr, N, 2*Hkv, S, D], conv [Lyr, slots, K-1, C], rec [Lyr, slots, Hv, Dk, Dv],
+        # kv_scales [Lyr, N, 2*Hkv, S]
         return qwen3_5_moe.ModelCache(kv_pages=self._split(5, 2), conv_state=self._split(4, -1),
-                                      rec_state=self._split(5, 2))
+                                      rec_state=self._split(5, 2),
+                                      kv_scales=self._split(4, 2) if kv_scales else None)
 
     # One request's state in the one-device layout (handover) --------------------------------
     def _kv_slot_heads(self) -> np.ndarray:

@@ -32,6 +32,7 @@ class Case:
     num_layers: int = 1  # layers of the stacked cache
     layer: int = 0  # the layer this call reads and writes
     traced_layer: bool = False  # pass the layer as a traced jit argument
+    scaled: bool = False  # an FP8 cache with per-row scales (kv_scales); new K/V in q's dtype
 
 
 def make_inputs(c: Case):
@@ -60,12 +61,21 @@ def make_inputs(c: Case):
     shape = (c.num_layers, num_pages, 2 * c.num_kv_heads, c.page_size, c.head_dim)
     kv_dtype = c.kv_dtype or c.dtype
     arr = lambda *s, dt=kv_dtype: jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dt)
+    extra = {}
+    if c.scaled:  # cached rows of scales 1e-2 .. 1e2; new rows of magnitudes 1e-2 .. 1e2
+        extra["kv_scales"] = jnp.asarray(10.0 ** rng.uniform(-2, 2, shape[:4]), jnp.float32)
+        mag = lambda: jnp.asarray(10.0 ** rng.uniform(-2, 2, (num_tokens, c.num_kv_heads, 1)),
+                                  jnp.float32)
+        new = lambda: (arr(num_tokens, c.num_kv_heads, c.head_dim, dt=jnp.float32)
+                       * mag()).astype(c.dtype)
+        extra.update(new_k=new(), new_v=new())
     return dict(
+        **extra,
         q=arr(num_tokens, c.num_q_heads, c.head_dim, dt=c.dtype), kv_pages=arr(*shape),
         kv_lens=jnp.asarray(kv, jnp.int32), page_indices=jnp.asarray(page_indices, jnp.int32),
         cu_q_lens=jnp.asarray(cu, jnp.int32), num_seqs=jnp.asarray([ns], jnp.int32),
-        new_k=arr(num_tokens, c.num_kv_heads, c.head_dim),
-        new_v=arr(num_tokens, c.num_kv_heads, c.head_dim),
+        **{n: arr(num_tokens, c.num_kv_heads, c.head_dim)
+           for n in ("new_k", "new_v") if n not in extra},
         layer=c.layer, traced_layer=c.traced_layer)
 
 
@@ -117,6 +127,8 @@ def run(x, impl, with_write, block_sizes=None):
     """Call the reference or the kernel under jit; the layer is static or a traced argument."""
     sm_scale = x["q"].shape[-1] ** -0.5
     extra = {"new_k": x["new_k"], "new_v": x["new_v"]} if with_write else {}
+    if "kv_scales" in x:
+        extra["kv_scales"] = x["kv_scales"]
     if impl == "ref":
         op = lambda *a, **kw: rpa.ref_ragged_paged_attention(*a, sm_scale=sm_scale, **kw)
     else:
@@ -328,15 +340,18 @@ def run_write(x, impl):
     """write_new_kv ("ref") or the Pallas write ("interpret") of x's new K/V, under jit."""
     lyr = x["kv_pages"].shape[0]
 
-    def fn(layer, kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def fn(layer, kv_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, num_seqs,
+           kv_scales=None):
         meta = (kv_lens, page_indices, cu_q_lens, num_seqs)
         if impl == "ref":
-            return rpa.write_new_kv(kv_pages, new_k, new_v, *meta, layer)
+            return rpa.write_new_kv(kv_pages, new_k, new_v, *meta, layer, kv_scales=kv_scales)
         return rpa._pallas_write_new_kv(kv_pages, new_k, new_v, rpa._layer_index(layer, lyr),
-                                        *meta, interpret=pltpu.InterpretParams())
+                                        *meta, interpret=pltpu.InterpretParams(),
+                                        kv_scales=kv_scales)
 
     args = [x[n] for n in ("kv_pages", "new_k", "new_v", "kv_lens", "page_indices",
-                           "cu_q_lens", "num_seqs")]
+                           "cu_q_lens", "num_seqs")] + ([x["kv_scales"]] if "kv_scales" in x
+                                                        else [])
     if x["traced_layer"]:
         return jax.jit(fn)(jnp.asarray(x["layer"], jnp.int32), *args)
     return jax.jit(lambda *a: fn(x["layer"], *a))(*args)
@@ -469,3 +484,127 @@ def test_auto_picks_the_xla_path_off_tpu():
     assert dispatch.resolve("auto") == "reference"  # kernels without an XLA path
     assert dispatch.resolve("xla") == "reference"
     assert dispatch.resolve("reference", has_xla=True) == "reference"
+
+
+# --- FP8 cache with per-row scales (kv_scales) ----------------------------------------------
+
+SCALED_CASES = {
+    # name: (case, Pallas block sizes or None for the defaults)
+    "decode_prefill_mix_page16": (Case([1, 9, 1, 5], [30, 20, 0, 11], dtype=jnp.bfloat16,
+                                       kv_dtype=F8, scaled=True, pad_rows=1, pad_tokens=2),
+                                  B(1, 4, 2)),
+    "gqa4_d64_f32_q": (Case([1, 6, 1], [21, 2, 40], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                            kv_dtype=F8, scaled=True, num_layers=2, layer=1,
+                            traced_layer=True), B(1, 4, 1)),
+    "page256_d256_defaults": (Case([3, 1], [250, 300], num_q_heads=4, num_kv_heads=1,
+                                   head_dim=256, page_size=256, dtype=jnp.bfloat16, kv_dtype=F8,
+                                   scaled=True, pad_tokens=2), None),
+}
+
+
+def dequantized_pages(kv_pages, kv_scales):
+    return np.asarray(kv_pages, np.float32) * np.asarray(kv_scales)[..., None]
+
+
+@pytest.mark.parametrize("name", jax_versions_cases(SCALED_CASES, "decode_prefill_mix_page16"))
+def test_fp8_scaled_cache_all_paths(name):
+    """Reference vs a numpy loop over the dequantised pages; the Pallas kernel (interpret) and
+    the XLA path vs the reference: written pages and scales bit-identical, outputs close."""
+    c, block = SCALED_CASES[name]
+    x = make_inputs(c)
+    o, kv, sc = run(x, "ref", with_write=True)
+    # Rows not written keep their scale; written rows hold fp8(row / scale), scale = amax / 448.
+    rows, scales = rpa.quantize_rows(
+        jnp.stack([x["new_k"], x["new_v"]], 2).reshape(x["q"].shape[0], -1, c.head_dim), F8)
+    want_scales = np.asarray(x["kv_scales"]).copy()
+    cu, kl, pi = (np.asarray(x[n]) for n in ("cu_q_lens", "kv_lens", "page_indices"))
+    for r in range(len(c.q_lens)):
+        for i in range(c.q_lens[r]):
+            pos = kl[r] - c.q_lens[r] + i
+            page, slot = pi[r, pos // c.page_size], pos % c.page_size
+            want_scales[c.layer, page, :, slot] = np.asarray(scales[cu[r] + i])
+            np.testing.assert_array_equal(bits(kv[c.layer, page, :, slot]),
+                                          bits(rows[cu[r] + i]))
+    np.testing.assert_array_equal(np.asarray(sc), want_scales)
+    want = numpy_attention(x, dequantized_pages(kv, sc), c.head_dim ** -0.5)
+    close(o, want, jnp.float32 if c.dtype == jnp.float32 else jnp.bfloat16)
+
+    got_o, got_kv, got_sc = run(x, "interpret", True, block)
+    np.testing.assert_array_equal(bits(got_kv), bits(kv))
+    np.testing.assert_array_equal(bits(got_sc), bits(sc))
+    close(got_o, o, c.kv_dtype)
+    assert np.all(np.asarray(got_o[int(cu[len(c.q_lens)]):], np.float32) == 0.0)
+    for batch_invariant in (False, True):  # the split form and the all-from-pages form
+        xo, xkv, xsc = jax.jit(lambda *a, **kw: rpa.xla_ragged_paged_attention(
+            *a, sm_scale=c.head_dim ** -0.5, layer=c.layer, batch_invariant=batch_invariant,
+            **kw))(*(x[n] for n in ARGS), new_k=x["new_k"], new_v=x["new_v"],
+                   kv_scales=x["kv_scales"])
+        np.testing.assert_array_equal(bits(xkv), bits(kv))
+        np.testing.assert_array_equal(bits(xsc), bits(sc))
+        close(xo, o, c.kv_dtype)
+
+
+def test_fp8_scales_keep_rows_of_any_range():
+    """Rows of magnitude 1e-3 and 1e3 come back within e4m3's relative step (2^-3 of the
+    row's max) with scales; a plain cast to fp8 flushes the small row to zero."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 64)), jnp.float32)
+    x = x * jnp.asarray([[1e-3], [1e3]])
+    q, s = rpa.quantize_rows(x, F8)
+    back = np.asarray(rpa.dequantize(q, s))
+    amax = np.abs(np.asarray(x)).max(-1, keepdims=True)
+    assert np.all(np.abs(back - np.asarray(x)) <= amax * 2.0 ** -4)
+    assert float(np.abs(q.astype(jnp.float32)).max()) == rpa.FP8_MAX
+    plain_err = np.abs(np.asarray(x[0].astype(F8), np.float32) - np.asarray(x[0])).max()
+    assert plain_err > 10 * np.abs(back[0] - np.asarray(x[0])).max()
+    zq, zs = rpa.quantize_rows(jnp.zeros((3, 8)), F8)  # zero rows: scale 1, values 0
+    assert np.all(np.asarray(zs) == 1.0) and np.all(np.asarray(zq, np.float32) == 0.0)
+
+
+def test_fp8_scales_shape_is_validated():
+    x = make_inputs(Case([1], [3], kv_dtype=F8, scaled=True))
+    with pytest.raises(ValueError, match="kv_scales must be f32"):
+        rpa.ragged_paged_attention(*(x[n] for n in ARGS), sm_scale=1.0, impl="reference",
+                                   kv_scales=x["kv_scales"][..., :-1])
+
+
+SCALED_WRITE_CASES = {
+    # 40 tokens from position 250: windows 240 (page 0), 256, 288 (page 1), W = 32 rows.
+    "prefill_page256_w32_mid_window": Case([40, 1, 3], [250, 31, 7], head_dim=256,
+                                           page_size=256, dtype=jnp.bfloat16, kv_dtype=F8,
+                                           scaled=True, pad_rows=1, pad_tokens=2),
+    "mixed_page16_layer1_of_2_traced": Case([1, 19, 1], [15, 9, 0], head_dim=64, kv_dtype=F8,
+                                            scaled=True, num_layers=2, layer=1,
+                                            traced_layer=True, pad_tokens=3),
+    "padding_only": Case([2], [3], kv_dtype=F8, scaled=True, pad_rows=2, pad_tokens=3),
+}
+
+
+@pytest.mark.parametrize("name", jax_versions_cases(SCALED_WRITE_CASES,
+                                                    "prefill_page256_w32_mid_window"))
+def test_pallas_write_equals_write_new_kv_with_scales(name):
+    """FP8 rows and their scales: the Pallas write and the XLA scatter bit for bit; zero and
+    non-finite rows of real tokens land alike; padding tokens (NaN) write nowhere; other
+    layers and unwritten scales keep their bits."""
+    c = SCALED_WRITE_CASES[name]
+    x = make_inputs(c)
+    real = int(x["cu_q_lens"][len(c.q_lens)])
+    if name == "padding_only":
+        x["num_seqs"] = jnp.asarray([0], jnp.int32)
+    x["new_k"] = x["new_k"].at[0, 0].set(0.0).at[real - 1, -1, 0].set(jnp.inf)
+    x["new_k"] = x["new_k"].at[real:].set(jnp.nan)
+    x["new_v"] = x["new_v"].at[real:].set(jnp.nan)
+    (got_kv, got_sc), (want_kv, want_sc) = run_write(x, "interpret"), run_write(x, "ref")
+    np.testing.assert_array_equal(bits(got_kv), bits(want_kv))
+    np.testing.assert_array_equal(bits(got_sc), bits(want_sc))
+    assert np.all(np.isfinite(np.asarray(want_sc)))
+    changed = np.asarray(want_sc) != np.asarray(x["kv_scales"])  # [Lyr, N, 2*Hkv, S]
+    for layer in range(c.num_layers):
+        if layer != c.layer:
+            assert not changed[layer].any()
+            np.testing.assert_array_equal(bits(got_kv[layer]), bits(x["kv_pages"][layer]))
+    if name == "padding_only":
+        assert not changed.any()
+        np.testing.assert_array_equal(bits(got_kv), bits(x["kv_pages"]))
+    else:  # one scale per written (token, K/V head); the zero row's is 1
+        assert changed.sum() <= real * 2 * c.num_kv_heads
+        assert changed.sum() >= (real - 1) * 2 * c.num_kv_heads

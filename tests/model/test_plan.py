@@ -70,8 +70,20 @@ def test_kv_and_gdn_state_for_64_requests_per_rank():
     assert p.gdn_state == 64 * 45 * (4 * 12288 * 2 + 64 * 128 * 128 * 2)
     fp8 = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, running_requests=512,
                **{**COMMON, "kv_dtype": "fp8", "state_dtype": "fp32"})
-    assert fp8.kv_pages == 64 * 36 * 15 * (2 * 2 * 256 * 256 * 1)
-    assert fp8.gdn_state == 64 * 45 * (4 * 12288 * 1 + 64 * 128 * 128 * 4)
+    # FP8 KV (--kv-cache-dtype fp8_e4m3): 1 byte per element + an f32 scale per K/V row; the
+    # conv state then stays in the state dtype (fp32 here).
+    assert fp8.kv_pages == 64 * 36 * 15 * (2 * 2 * 256 * (256 * 1 + 4))
+    assert fp8.gdn_state == 64 * 45 * (4 * 12288 * 4 + 64 * 128 * 128 * 4)
+
+
+def test_fp8_kv_raises_max_running_requests_at_9k():
+    auto = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, **COMMON)
+    fp8 = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, **{**COMMON, "kv_dtype": "fp8"})
+    print(f"max running requests per host at 9K, DP8+EP8: KV bf16 {auto.max_running_requests}, "
+          f"KV fp8_e4m3 {fp8.max_running_requests}")
+    assert fp8.max_running_requests > auto.max_running_requests
+    per_req = lambda p: (p.kv_pages + p.gdn_state) / p.requests_per_device  # noqa: E731
+    assert per_req(fp8) < per_req(auto)
 
 
 def test_activations_formula():
@@ -127,6 +139,22 @@ def test_cli_context_length_is_the_servers_flag(capsys):
         assert main(["--dp", "8", "--ep", "8", flag, "4096", "--json"]) == 0
         plans.append(json.loads(capsys.readouterr().out))
     assert plans[0] == plans[1] and plans[0]["context_length"] == 4096
+
+
+def test_cli_kv_cache_dtype_is_the_servers_flag(capsys):
+    """``plan --kv-cache-dtype fp8_e4m3`` (the server's flag) plans what ``--kv-dtype fp8``
+    does; the server parses the same spelling."""
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    plans = []
+    for flags in (["--kv-cache-dtype", "fp8_e4m3"], ["--kv-dtype", "fp8"], []):
+        assert main(["--dp", "8", "--ep", "8", "--json", *flags]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert plans[0] == plans[1]
+    assert plans[0]["max_running_requests"] > plans[2]["max_running_requests"]
 
 
 @pytest.mark.parametrize("kwargs, flag", [

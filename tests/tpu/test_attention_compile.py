@@ -120,3 +120,50 @@ def test_layer_scan_writes_cache_in_place(mesh, record):
     bad = [f"{name} = {op}" for name, op, rest in made if op not in allowed
            and not (op == "custom-call" and 'custom_call_target="tpu_custom_call"' in rest)]
     assert made and not bad, bad
+
+
+F8 = jnp.float8_e4m3fn
+# (label, T, R, Hq, Hkv, D, S, P, N, Lyr) of an FP8 cache with per-row f32 scales
+# (--kv-cache-dtype fp8_e4m3); q and the new K/V bf16 (quantised before the write kernel).
+FP8_SHAPES = [
+    ("tiny mixed", 64, 16, 4, 2, 64, 16, 8, 256, 2),
+    ("397B decode", 64, 64, 32, 2, 256, 256, 32, 4096, 15),
+    ("397B mixed", 1024, 64, 32, 2, 256, 256, 32, 4096, 15),
+]
+
+
+@pytest.mark.parametrize("label,t,r,hq,hkv,d,s,p,n,lyr", FP8_SHAPES,
+                         ids=[f"{sh[0].split()[0]}-T{sh[1]}-R{sh[2]}" for sh in FP8_SHAPES])
+def test_fp8_scaled_cache_compiles(mesh, record, label, t, r, hq, hkv, d, s, p, n, lyr):
+    """The FP8 write (rows and the touched pages' scale blocks) and attention (scale blocks
+    DMA'd beside the pages; K scales on the scores, V scales on the probabilities) compile,
+    both caches donated and updated in place."""
+    i32 = jnp.int32
+    args = [
+        abstract((t, hq, d), BF16, mesh),  # q
+        abstract((lyr, n, 2 * hkv, s, d), F8, mesh),  # kv_pages (donated)
+        abstract((lyr, n, 2 * hkv, s), F32, mesh),  # kv_scales (donated)
+        abstract((r,), i32, mesh),  # kv_lens
+        abstract((r, p), i32, mesh),  # page_indices
+        abstract((r + 1,), i32, mesh),  # cu_q_lens
+        abstract((1,), i32, mesh),  # num_seqs
+        abstract((), i32, mesh),  # layer (traced)
+        abstract((t, hkv, d), BF16, mesh),  # new_k
+        abstract((t, hkv, d), BF16, mesh),  # new_v
+    ]
+
+    def fn(q, kv_pages, kv_scales, kv_lens, page_indices, cu_q_lens, num_seqs, layer, new_k,
+           new_v):
+        return rpa.ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens,
+                                          num_seqs, sm_scale=d ** -0.5, new_k=new_k,
+                                          new_v=new_v, layer=layer, impl="pallas",
+                                          kv_scales=kv_scales)
+
+    report = compile_for_tpu(fn, args, mesh, donate_argnums=(1, 2))
+    record(f"ragged_paged_attention fp8+scales {label} T={t} R={r} Hq={hq} Hkv={hkv} D={d} "
+           f"page={s} cache [{lyr},{n},{2 * hkv},{s},{d}]", report)
+    assert len(report.kernels) == 2  # the K/V write and the attention
+    pages_bytes = lyr * n * 2 * hkv * s * d
+    scales_bytes = lyr * n * 2 * hkv * s * 4
+    assert report.memory["alias_size_in_bytes"] >= pages_bytes + scales_bytes  # in place
+    assert report.memory["temp_size_in_bytes"] < pages_bytes // lyr  # no copy of a cache

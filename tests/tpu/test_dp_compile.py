@@ -12,7 +12,9 @@ DP rank) at 9K-token contexts, page 256, KV and GDN pools sized by the planner. 
   all-gather of hidden states, and the Mosaic remote-DMA reduce-scatter kernel (no XLA
   reduce-scatter or all-reduce).
 One single-host step stores the experts in 544 physical slots (EPLB: 32 redundant, 68 per
-device; the step maps routed ids to slots) and checks the planner counts their bytes.
+device; the step maps routed ids to slots) and checks the planner counts their bytes; it also
+keeps the KV cache in FP8 with per-row f32 scales (``--kv-cache-dtype fp8_e4m3``), which the
+planner's KV bytes must count too.
 The compile time of each program is printed in the end-of-run table.
 """
 
@@ -101,16 +103,17 @@ def relaid_out_weights(hlo: str, cfg) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("topology,D,mode,T,redundant", [
-    ("tpu7x:2x2x1", 8, ForwardMode.DECODE, 64, 0),
-    ("tpu7x:2x2x1", 8, ForwardMode.MIXED, 256, 32),  # EPLB: 544 expert slots, 68 per device
-    ("tpu7x:2x2x2", 16, ForwardMode.DECODE, 64, 0),  # two hosts: DP16 x EP16
-], ids=["1host-decode64", "1host-mixed256-redundant32", "2hosts-decode64"])
+@pytest.mark.parametrize("topology,D,mode,T,redundant,kv", [
+    ("tpu7x:2x2x1", 8, ForwardMode.DECODE, 64, 0, "bf16"),
+    # EPLB: 544 expert slots, 68 per device; FP8 KV cache with per-row scales.
+    ("tpu7x:2x2x1", 8, ForwardMode.MIXED, 256, 32, "fp8"),
+    ("tpu7x:2x2x2", 16, ForwardMode.DECODE, 64, 0, "bf16"),  # two hosts: DP16 x EP16
+], ids=["1host-decode64", "1host-mixed256-redundant32-fp8kv", "2hosts-decode64"])
 def test_full_397b_dp_ep_step_fits_with_one_routing_all_gather_per_layer(
-        record, topology, D, mode, T, redundant):
+        record, topology, D, mode, T, redundant, kv):
     cfg = config_397b()
     sizes = dict(running_requests=512, context_length=9216, page_size=256, expert_dtype="fp8",
-                 dtype="bf16", kv_dtype="bf16", state_dtype="bf16", max_num_batched_tokens=1024)
+                 dtype="bf16", kv_dtype=kv, state_dtype="bf16", max_num_batched_tokens=1024)
     p = plan(cfg, topology, dp=D, ep=D, tp=1, redundant_experts=redundant, **sizes)
     r = p.requests_per_device
     assert r == 64
@@ -121,11 +124,12 @@ def test_full_397b_dp_ep_step_fits_with_one_routing_all_gather_per_layer(
         assert 0 < p.weights_replicated - plain.weights_replicated < 8 << 20  # the maps
     mesh = make_mesh(D, topology_devices(topology))
     spec = StepSpec(mode, T, r, r, PAGES, r * PAGES, 256, r)  # per DP rank
-    report = compile_dp_step(cfg, spec, mesh, fp8_experts=True, state_dtype=jnp.bfloat16,
-                             redundant_experts=redundant)
+    kv_dtype = jnp.float8_e4m3fn if kv == "fp8" else jnp.bfloat16
+    report = compile_dp_step(cfg, spec, mesh, fp8_experts=True, kv_dtype=kv_dtype,
+                             state_dtype=jnp.bfloat16, redundant_experts=redundant)
     slots = f", {cfg.num_experts + redundant} expert slots" if redundant else ""
-    record(f"DP{D}xEP{D} {topology} 397B (60 layers) {mode.name} T={T}/rank{slots}", report,
-           min_kernels=5)
+    record(f"DP{D}xEP{D} {topology} 397B (60 layers) {mode.name} T={T}/rank{slots}, KV {kv}",
+           report, min_kernels=5)
     used = report.memory["argument_size_in_bytes"] + report.memory["temp_size_in_bytes"]
     assert used <= p.hbm, (used, p.hbm)  # one TensorCore's HBM share
     assert abs(p.total / used - 1) < 0.10, (p.total, report.memory)
