@@ -14,7 +14,9 @@ in a row with no draft accepted, the request proposes nothing for its next ``pau
 decode steps; each further pause doubles (up to ``MAX_PAUSE``), and one accepted draft
 resets both. Acceptance is read off the sequence itself: a verify step appends the accepted
 drafts and then the target's own token, which differs from the first rejected draft, so the
-accepted count is the common prefix of the drafts and the tokens appended after them.
+accepted count is the common prefix of the drafts and the tokens appended after them. A
+proposal the scheduler dropped (its step ran as a plain decode) is judged the same way on
+the one token the step appended: whether its first draft was right.
 
 Cost: each request keeps an ``NgramIndex`` (in ``req.draft_state``) mapping every n-gram of
 each window size to its latest end. A step indexes only the tokens appended since the last
