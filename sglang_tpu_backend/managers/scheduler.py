@@ -22,11 +22,11 @@ boundaries then depend on the request alone, never on what shares the step.
 
 Speculative decoding (``num_drafts`` k > 0, a ``drafter``): decodes and prefill chunks run
 in steps of their own (prefill first, as in deterministic mode). The drafter is asked for
-each decode step: when at least ``MIN_DRAFTED_FRACTION`` of the step's requests (all DP
-ranks together: they run one program) have drafts, the step runs as TARGET_VERIFY, every
-request with its last token and exactly k drafts (the drafter's, padded); otherwise it runs
-as a plain DECODE step and the drafts are dropped. A verify step costs every request k+1
-rows, so drafts of a few requests do not pay for it. A decode
+each decode step: when at least ``MIN_DRAFTED_FRACTION`` of the step's requests that may
+accept drafts (all DP ranks together: they run one program) have drafts, the step runs as
+TARGET_VERIFY, every request with its last token and exactly k drafts (the drafter's,
+padded); otherwise it runs as a plain DECODE step and the drafts are dropped. A verify step
+costs every request k+1 rows, so drafts of a few requests do not pay for it. A decode
 reserves pages for k+1 positions; after a verify step the request keeps 1 + the accepted
 drafts of them and the pages past its new length go back to the pool.
 """
@@ -55,7 +55,8 @@ from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 from sglang_tpu_backend.speculative.drafter import Drafter, accepts_greedy_drafts
 
 logger = logging.getLogger(__name__)
-# A decode step runs as TARGET_VERIFY when at least this fraction of its requests has drafts.
+# A decode step runs as TARGET_VERIFY when at least this fraction of its requests that may
+# accept drafts (``accepts_greedy_drafts``) has drafts.
 MIN_DRAFTED_FRACTION = 0.5
 
 
@@ -362,12 +363,12 @@ class Scheduler:
     def _add_drafts(self, chunks: list[ScheduledChunk]) -> bool:
         """Turn a step's decode chunks into verify chunks: each request's last token and k
         drafts (the drafter's, padded with the last token; greedy-exact requests only).
-        False, the chunks left as decodes, when too few requests have drafts."""
+        False, the chunks left as decodes, when too few of those requests have drafts."""
         k = self.num_drafts
         greedy = [c for c in chunks if accepts_greedy_drafts(c.req)]
         proposed = dict(zip(map(id, greedy), self.drafter.propose([c.req for c in greedy], k)))
         num_drafted = sum(1 for d in proposed.values() if d)
-        if num_drafted == 0 or num_drafted < MIN_DRAFTED_FRACTION * len(chunks):
+        if num_drafted == 0 or num_drafted < MIN_DRAFTED_FRACTION * len(greedy):
             return False
         for c in chunks:
             last = c.req.fill_slice(c.start, 1)[0]
