@@ -18,10 +18,10 @@ The page table is always ``pages_per_seq`` wide (context length / page size): th
 kernels read only the pages a request holds, so the width costs an upload of the table, not
 work, and needs no bucket of its own.
 
-Speculative decoding (``verify_tokens`` n = k+1): a decode step in which some request has
-drafts runs as TARGET_VERIFY, n token rows and n logits rows per request: T = L = R * n for
-R in ``req_buckets`` (deterministic mode: R = max_running_requests); one without drafts runs
-as DECODE. Both sets of shapes are compiled.
+Speculative decoding (``verify_tokens`` n = k+1): a decode step whose drafts the scheduler
+verifies runs as TARGET_VERIFY, n token rows and n logits rows per request: T = L = R * n
+for R in ``req_buckets`` (deterministic mode: R = max_running_requests); one without drafts
+runs as DECODE. Both sets of shapes are compiled.
 
 Deterministic mode (``--enable-deterministic-inference``): two shapes only
 (``deterministic_shapes``): DECODE with T = R = L = max_running_requests, and a prefill-only

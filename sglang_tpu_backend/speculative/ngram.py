@@ -18,10 +18,10 @@ accepted count is the common prefix of the drafts and the tokens appended after 
 proposal the scheduler dropped (its step ran as a plain decode) is judged the same way on
 the one token the step appended: whether its first draft was right.
 
-Cost: each request keeps an ``NgramIndex`` (in ``req.draft_state``) mapping every n-gram of
-each window size to its latest end. A step indexes only the tokens appended since the last
-step, O(new tokens x windows x max_window) and one dictionary lookup per window size; nothing
-is proportional to the sequence length.
+Cost: each request keeps an ``NgramIndex`` (with its ``DraftGuard``, in ``req.draft_state``)
+mapping every n-gram of each window size to its latest end. A step indexes only the tokens
+appended since the last step, O(new tokens x windows x max_window) and one dictionary lookup
+per window size; nothing is proportional to the sequence length.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ class DraftGuard:
         return True
 
     def proposed(self, length: int, drafts: list[int]) -> None:
+        """Remember ``drafts`` proposed after the first ``length`` tokens, to judge later."""
         if drafts:
             self.pending = (length, list(drafts))
 
