@@ -15,7 +15,9 @@ float32 model: outputs equal the plain engine's, whatever the drafts.
 - no program lowered while serving after warm-up;
 - with --dp-size 4 (``dp_spec_run.py``, 4 simulated CPU devices): NGRAM and replayed drafts
   give the plain engine's outputs, every rank served, nothing lowered after warm-up;
-- the flags' validation and the NGRAM drafter itself.
+- adaptive speculation: random prompts run their decode steps as DECODE steps, steps that
+  switch between DECODE and TARGET_VERIFY keep the plain outputs and lower nothing;
+- the flags' validation, the NGRAM drafter itself and its back-off schedule.
 """
 
 from __future__ import annotations
