@@ -20,12 +20,15 @@ decodes wait while any prefill chunk can run), and a prefill chunk ends at a mul
 ``prefill_align`` tokens or at the end of what the request has to fill. Each request's chunk
 boundaries then depend on the request alone, never on what shares the step.
 
-Speculative decoding (``num_drafts`` k > 0, a ``drafter``): decode-ready requests run in
-TARGET_VERIFY steps, each with its last token and exactly k drafts (the drafter's, padded),
-and prefill chunks run in steps of their own (prefill first, as in deterministic mode: a
-verify step has a fixed k+1 tokens per request, so the two kinds never share a step). A
-verify chunk reserves pages for its k+1 positions; after the step the request keeps 1 + the
-accepted drafts of them and the pages past its new length go back to the pool.
+Speculative decoding (``num_drafts`` k > 0, a ``drafter``): decodes and prefill chunks run
+in steps of their own (prefill first, as in deterministic mode). The drafter is asked for
+each decode step: when at least ``MIN_DRAFTED_FRACTION`` of the step's requests that may
+accept drafts (all DP ranks together: they run one program) have drafts, the step runs as
+TARGET_VERIFY, every request with its last token and exactly k drafts (the drafter's,
+padded); otherwise it runs as a plain DECODE step and the drafts are dropped. A verify step
+costs every request k+1 rows, so drafts of a few requests do not pay for it. A decode
+reserves pages for k+1 positions; after a verify step the request keeps 1 + the accepted
+drafts of them and the pages past its new length go back to the pool.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 from sglang_tpu_backend.speculative.drafter import Drafter, accepts_greedy_drafts
 
 logger = logging.getLogger(__name__)
+# A decode step runs as TARGET_VERIFY when at least this fraction of its requests that may
+# accept drafts (``accepts_greedy_drafts``) has drafts.
+MIN_DRAFTED_FRACTION = 0.5
 
 
 class _InFlight(Exception):
@@ -98,6 +104,7 @@ class Scheduler:
         self.num_retracted_total = 0
         self.num_finished_total = 0
         self.num_aborted_total = 0
+        self.num_steps_by_kind: collections.Counter[ForwardMode] = collections.Counter()
         self.num_admitted_per_rank = [0] * self.dp_size  # admissions (re-admissions count again)
         self.num_prefill_tokens_total = 0  # prompt (and re-prefilled) tokens put in prefill chunks
         self.num_cached_tokens_total = 0  # prompt tokens reused from the prefix cache at admission
@@ -325,15 +332,15 @@ class Scheduler:
             chunks, num_decodes = chunks[num_decodes:], 0  # their pages stay for the next step
         if not chunks:
             return None
-        if num_decodes == len(chunks) and self.num_drafts:
+        if num_decodes == len(chunks) and self.num_drafts and self._add_drafts(chunks):
             kind = ForwardMode.TARGET_VERIFY
-            self._add_drafts(chunks)
         elif num_decodes == len(chunks):
             kind = ForwardMode.DECODE
         elif num_decodes == 0:
             kind = ForwardMode.EXTEND
         else:
             kind = ForwardMode.MIXED
+        self.num_steps_by_kind[kind] += 1
         return ScheduledBatch(chunks=chunks, kind=kind, state_loads=self._loads,
                               state_saves=self._saves)
 
@@ -353,18 +360,23 @@ class Scheduler:
                 chunks.append(self._chunk(req, 1))
         return chunks
 
-    def _add_drafts(self, chunks: list[ScheduledChunk]) -> None:
+    def _add_drafts(self, chunks: list[ScheduledChunk]) -> bool:
         """Turn a step's decode chunks into verify chunks: each request's last token and k
-        drafts (the drafter's, padded with the last token; greedy-exact requests only)."""
+        drafts (the drafter's, padded with the last token; greedy-exact requests only).
+        False, the chunks left as decodes, when too few of those requests have drafts."""
         k = self.num_drafts
         greedy = [c for c in chunks if accepts_greedy_drafts(c.req)]
         proposed = dict(zip(map(id, greedy), self.drafter.propose([c.req for c in greedy], k)))
+        num_drafted = sum(1 for d in proposed.values() if d)
+        if num_drafted == 0 or num_drafted < MIN_DRAFTED_FRACTION * len(greedy):
+            return False
         for c in chunks:
             last = c.req.fill_slice(c.start, 1)[0]
             drafts = [int(t) for t in proposed.get(id(c), [])][:k]
             c.drafts = drafts + [last] * (k - len(drafts))
             c.accept_drafts = id(c) in proposed
             c.num_tokens, c.logits = 1 + k, "all"
+        return True
 
     def _schedule_prefills(self, steps: list[RankStep]) -> list[ScheduledChunk]:
         """2. Running requests in the middle of a (chunked) prefill."""

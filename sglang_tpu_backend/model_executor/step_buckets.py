@@ -18,10 +18,10 @@ The page table is always ``pages_per_seq`` wide (context length / page size): th
 kernels read only the pages a request holds, so the width costs an upload of the table, not
 work, and needs no bucket of its own.
 
-Speculative decoding (``verify_tokens`` n = k+1): decodes run as TARGET_VERIFY steps instead
-of DECODE ones, n token rows and n logits rows per request: T = L = R * n for R in
-``req_buckets`` (deterministic mode: R = max_running_requests). DECODE shapes are then never
-used and not compiled.
+Speculative decoding (``verify_tokens`` n = k+1): a decode step whose drafts the scheduler
+verifies runs as TARGET_VERIFY, n token rows and n logits rows per request: T = L = R * n
+for R in ``req_buckets`` (deterministic mode: R = max_running_requests); one without drafts
+runs as DECODE. Both sets of shapes are compiled.
 
 Deterministic mode (``--enable-deterministic-inference``): two shapes only
 (``deterministic_shapes``): DECODE with T = R = L = max_running_requests, and a prefill-only
@@ -129,8 +129,8 @@ class StepBuckets:
         n = self.verify_tokens
         if n is None:
             return shapes
-        return [(ForwardMode.TARGET_VERIFY, R * n, R, R * n) if mode == ForwardMode.DECODE
-                else (mode, T, R, L) for mode, T, R, L in shapes]
+        return shapes + [(ForwardMode.TARGET_VERIFY, R * n, R, R * n)
+                         for mode, _, R, _ in shapes if mode == ForwardMode.DECODE]
 
     def shape_for(self, kind: ForwardMode, num_tokens: int, num_reqs: int, num_rows: int
                   ) -> Shape:
@@ -138,9 +138,10 @@ class StepBuckets:
         MIXED. Deterministic mode: the one shape of each kind, whatever the counts."""
         if kind == ForwardMode.TARGET_VERIFY and self.verify_tokens is None:
             raise ValueError("a TARGET_VERIFY step needs buckets built with verify_tokens")
-        decode_kind = kind in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
         if self.deterministic:
-            return self.all_shapes()[0 if decode_kind else 1]
+            if kind not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+                kind = ForwardMode.MIXED
+            return next(s for s in self.all_shapes() if s[0] == kind)
         if kind == ForwardMode.TARGET_VERIFY:
             r = pick_bucket(self.req_buckets, num_reqs)
             return kind, r * self.verify_tokens, r, r * self.verify_tokens
