@@ -213,27 +213,75 @@ def test_accepted_drafts_keep_outputs_exact(clean_spec_engine, clean_engine):
     assert re.search(r'^sglang:spec_accept_rate\{[^}]*\} (\S+)$', text, re.M)
 
 
-def test_sampled_requests_accept_no_drafts_and_match(clean_spec_engine, clean_engine):
-    """Seeded draws, penalties and a logit bias: the sampler draws from the last token's row
-    and no draft is accepted (until rejection sampling lands), so outputs equal the plain
-    engine's."""
+def test_penalised_greedy_requests_accept_drafts_and_match(clean_spec_engine, clean_engine):
+    """Greedy rows with a frequency / presence / repetition penalty and a logit bias accept
+    drafts (exact match after penalties that count the drafts before each position) and give
+    the plain engine's tokens and logprobs."""
     rng = random.Random(11)
     objs = []
     for i in range(8):
-        sp = {"max_new_tokens": 12, "temperature": 0.8, "seed": 100 + i, "ignore_eos": True}
-        if i % 2:
-            sp = {"max_new_tokens": 12, "temperature": 0, "frequency_penalty": 0.7,
-                  "logit_bias": {"5": 3.0}, "ignore_eos": True}
+        sp = {"max_new_tokens": 12, "temperature": 0, "logit_bias": {"5": 3.0},
+              "ignore_eos": True,
+              **[{"frequency_penalty": 0.7}, {"presence_penalty": 1.5},
+                 {"repetition_penalty": 1.3}, {"frequency_penalty": -0.4}][i % 4]}
         pattern = [rng.randrange(3, 1000) for _ in range(3)]
-        objs.append(GenerateReqInput(rid=f"samp{i}", input_ids=pattern * 5, sampling_params=sp,
-                                     return_logprob=True))
+        objs.append(GenerateReqInput(rid=f"pen{i}", input_ids=pattern * 5, sampling_params=sp,
+                                     return_logprob=True, top_logprobs_num=2 * (i % 2)))
     want = run_all(clean_engine, objs)
-    with drafts_from(clean_spec_engine, lambda req, k: [1] * k):
-        got = run_all(clean_spec_engine, objs)
+    reference = {f"s{o.rid}": w["output_ids"] for o, w in zip(objs, want)}
+    with drafts_from(clean_spec_engine, replay_drafts(reference, lambda req, o: o % (K + 2))):
+        got = run_all(clean_spec_engine, fresh(objs, "s"))
     assert_same_outputs(got, want)
+    assert np.mean([g["meta_info"]["spec_accept_length"] for g in got]) > 1.5
+
+
+def chi_square_homogeneity(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Pearson's statistic of two samples of categories 0..3 drawn from one distribution, and
+    its degrees of freedom (categories seen, less one)."""
+    table = np.array([np.bincount(x, minlength=4) for x in (a, b)], np.float64)
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return float(((table - expected) ** 2 / expected).sum()), table.shape[1] - 1
+
+
+CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27}  # chi-square quantiles of P = 1e-3 per dof
+
+
+def test_sampled_requests_accept_drafts_and_keep_the_distribution(clean_spec_engine,
+                                                                   clean_engine):
+    """One sampled, penalised, top-k filtered prompt under 160 seeds; a logit bias makes three
+    tokens likely (the tiny model's own rows are nearly flat) and every draft is the likeliest.
+    Drafts are accepted (accept length > 1) and each output position's token, binned as one of
+    the three or another, follows the plain engine's distribution (chi-square homogeneity at
+    p = 1e-3). Where a speculative and a plain sequence share their tokens up to j, token j's
+    reported logprob (after penalties, bias and temperature, as the sampler's) is the same."""
+    top3 = [65, 890, 760]
+    sp = {"max_new_tokens": 5, "temperature": 1.0, "top_k": 40, "frequency_penalty": 0.5,
+          "logit_bias": {"65": 6.0, "890": 5.0, "760": 4.0}, "ignore_eos": True}
+    objs = [GenerateReqInput(rid=f"dist{s}", input_ids=[31, 41, 59, 26, 53, 58, 97, 93],
+                             return_logprob=True, sampling_params={**sp, "seed": s})
+            for s in range(160)]
+    want = run_all(clean_engine, objs)
+    with drafts_from(clean_spec_engine, lambda req, k: [top3[0]] * k):
+        got = run_all(clean_spec_engine, fresh(objs, "s"))
+    assert np.mean([g["meta_info"]["spec_accept_length"] for g in got]) > 1.3
+    binned = lambda outs, j: [top3.index(t) if (t := o["output_ids"][j]) in top3 else 3  # noqa
+                              for o in outs]
+    for j in range(1, 5):
+        stat, dof = chi_square_homogeneity(binned(got, j), binned(want, j))
+        assert dof == 3 and stat < CHI2_P001[dof], (j, stat, np.bincount(binned(got, j), minlength=4),
+                                       np.bincount(binned(want, j), minlength=4))
+    plain = {}
+    for w in want:
+        for j, (lp, _, _) in enumerate(w["meta_info"]["output_token_logprobs"]):
+            plain[tuple(w["output_ids"][:j + 1])] = lp
+    shared = 0
     for g in got:
-        meta = g["meta_info"]
-        assert meta["spec_verify_ct"] == 11 and meta["spec_accept_length"] == 1.0
+        for j, (lp, _, _) in enumerate(g["meta_info"]["output_token_logprobs"]):
+            if j > 0 and (key := tuple(g["output_ids"][:j + 1])) in plain:
+                np.testing.assert_allclose(lp, plain[key], atol=1e-5)
+                shared += 1
+    assert shared > 100, shared
 
 
 def test_retraction_under_speculation_keeps_outputs(clean_spec_engine, clean_engine):
