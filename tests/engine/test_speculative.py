@@ -141,8 +141,9 @@ def replay_drafts(reference: dict[str, list[int]], wrong_at):
 
 
 def test_no_lowering_while_serving(clean_spec_engine):
-    """After warm-up, NGRAM speculation over greedy, sampled, penalised, biased, grammar and
-    logprob requests lowers no program, and every verify step has a warm-up shape."""
+    """After warm-up, NGRAM speculation over greedy, sampled, penalised, biased, grammar
+    (greedy and sampled) and logprob requests lowers no program, and every verify step has a
+    warm-up shape."""
     eng = clean_spec_engine
     runner = eng.runner
     runner.warmup(progress=False)
@@ -167,6 +168,9 @@ def test_no_lowering_while_serving(clean_spec_engine):
             sp.update(logit_bias={"7": -100}, stop=["ab"], min_new_tokens=2)
         if i == 6:
             sp = {"max_new_tokens": 8, "regex": "[0-9]{3,8}"}
+        if i == 7:
+            sp = {"max_new_tokens": 12, "temperature": 0.7, "min_new_tokens": 3,
+                  "json_schema": '{"type": "object", "properties": {"a": {"type": "integer"}}}'}
         objs.append(GenerateReqInput(input_ids=pattern * rng.randint(1, 20),
                                      return_logprob=i % 5 == 0,
                                      top_logprobs_num=2 if i % 10 == 0 else 0,
@@ -282,6 +286,45 @@ def test_sampled_requests_accept_drafts_and_keep_the_distribution(clean_spec_eng
                 np.testing.assert_allclose(lp, plain[key], atol=1e-5)
                 shared += 1
     assert shared > 100, shared
+
+
+def test_grammar_requests_under_speculation_are_exact_and_cut_bad_drafts(clean_spec_engine,
+                                                                        clean_engine):
+    """Greedy JSON-schema and regex requests, drafts replaying the plain output with token 0
+    (which neither grammar allows) at a varying position: outputs equal the plain engine's,
+    drafts are accepted, and the drafts cut are exactly those from each proposal's first one
+    the grammar rejects on (an independent matcher fed the request's output so far)."""
+    schema = json.dumps({"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}}})
+    grammars = [{"json_schema": schema}] * 3 + [{"regex": "[0-9]{3,8}"}]
+    objs = [GenerateReqInput(rid=f"gram{i}", input_ids=[5 + i, 6, 7, 8], return_logprob=True,
+                             sampling_params={"max_new_tokens": 24, "temperature": 0, **g})
+            for i, g in enumerate(grammars)]
+    want = run_all(clean_engine, objs)
+    reference = {f"s{o.rid}": w["output_ids"] for o, w in zip(objs, want)}
+    proposals = []
+
+    def fn(req, k):
+        o = len(req.output_ids)
+        drafts = list(reference[req.rid][o:o + k])
+        if (j := o % (K + 1)) < len(drafts):
+            drafts[j] = 0
+        padded = drafts + [req.output_ids[-1]] * (k - len(drafts))  # as the scheduler pads
+        proposals.append((int(req.rid[-1]), list(req.output_ids), padded))
+        return drafts
+
+    runner, backend = clean_spec_engine.runner, clean_spec_engine.requests.grammar_backend
+    cut_before = runner.num_grammar_cut_drafts
+    with drafts_from(clean_spec_engine, fn):
+        got = run_all(clean_spec_engine, fresh(objs, "s"))
+    assert_same_outputs(got, want)
+    assert np.mean([g["meta_info"]["spec_accept_length"] for g in got]) > 1.5
+    expected = 0
+    for i, outputs, padded in proposals:
+        matcher = backend.compile(**grammars[i]).matcher
+        assert all(matcher.consume_token(t) for t in outputs)
+        expected += K - matcher.try_consume_tokens(padded)
+    assert expected > 0 and runner.num_grammar_cut_drafts - cut_before == expected
 
 
 def test_retraction_under_speculation_keeps_outputs(clean_spec_engine, clean_engine):
