@@ -1,5 +1,5 @@
-"""Speculative decoding (``--speculative-algorithm NGRAM``, greedy verification) on the tiny
-float32 model: outputs equal the plain engine's, whatever the drafts.
+"""Speculative decoding (``--speculative-algorithm NGRAM``) on the tiny float32 model: greedy
+outputs equal the plain engine's whatever the drafts, sampled ones follow its distribution.
 
 - the NGRAM engine and the plain one (the shared ``engine`` fixture) give identical tokens,
   text and finish reasons, and logprobs within 1e-5, on 48 concurrent requests;
@@ -12,6 +12,9 @@ float32 model: outputs equal the plain engine's, whatever the drafts.
   none), the request kept j drafts and its GDN recurrent and conv states equal bit for bit
   those a non-speculative engine leaves after the same tokens; nothing leaks;
 - max_new_tokens, stop strings and stop token ids that fall inside a verified run;
+- penalised / biased greedy requests accept drafts and keep the plain outputs; sampled ones
+  accept drafts by rejection sampling and keep the plain distribution and logprobs;
+- grammar requests: drafts checked on a copy of the matcher, cut at the first rejected one;
 - no program lowered while serving after warm-up;
 - with --dp-size 4 (``dp_spec_run.py``, 4 simulated CPU devices): NGRAM and replayed drafts
   give the plain engine's outputs, every rank served, nothing lowered after warm-up;
