@@ -3,8 +3,9 @@
 Every step bucket (``step_buckets``) of the forward, each with every sampler variant
 (``sampling.sampler.VARIANTS``) and top-logprob count (0, max_top_logprobs_num), the penalty
 row program and the GDN snapshot copies. A TARGET_VERIFY bucket (speculative decoding) warms
-the verify forward, the verify sampler (every variant and top-logprob count) and the commit. Same jitted functions, same argument shapes and
-placements as serving, so serving reuses every program compiled here.
+the verify forward, the verify sampler (every variant and top-logprob count, on the real
+penalty state: padding rows change nothing) and the commit. Same jitted functions, same
+argument shapes and placements as serving, so serving reuses every program compiled here.
 """
 
 from __future__ import annotations
