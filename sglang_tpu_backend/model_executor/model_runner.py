@@ -61,7 +61,8 @@ class StepInputs:
     rows whose input is in flight (one rank only). inp: SamplingInputs of [D*R] rows.
     rows: each chunk's logits rows (global). sample_idx: each chunk's sampling row.
     K: top logprobs to compute (0 or ``max_top_logprobs_num``). spec: a verify step's draft
-    inputs (None otherwise; its ``inp`` then samples row 0 of each request).
+    inputs (None otherwise; its ``inp`` then holds each request's sampling values, read from
+    its row 0, and the per-position bitmask i32[D*R, k+1, W]).
     """
 
     fbs: list[ForwardBatch]
