@@ -4,7 +4,9 @@
 ``GrammarBackend.compile`` validates a request's regex or JSON schema (raising
 InvalidRequestError naming the field) and returns a per-request ``Grammar`` holding an
 ``LLMatcher``. Each step the runner asks ``fill_bitmask`` for the allowed tokens and the
-scheduler feeds the sampled token to ``accept``.
+scheduler feeds the sampled token to ``accept``. A speculative verify step asks
+``fill_draft_bitmasks`` for one mask per draft position, from a fork of the matcher: the
+request's own matcher only ever consumes emitted tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import copy
 import json
 import logging
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -36,9 +38,29 @@ class Grammar:
 
     def fill_bitmask(self, out: np.ndarray) -> None:
         """Write the allowed-token mask into ``out`` (i32[W])."""
+        self._fill(self.matcher, out)
+
+    def fill_draft_bitmasks(self, drafts: Sequence[int], out: np.ndarray) -> int:
+        """The masks of a verify step over ``drafts`` (k tokens): row j of ``out`` (i32[n, W],
+        n >= k + 1) := the tokens allowed after d_0 .. d_{j-1}. Stops at the first draft the
+        grammar rejects and returns how many it allows (a); rows past a are left as they are.
+        The drafts are consumed by a copy of the matcher: this request's state is unchanged."""
+        self._fill(self.matcher, out[0])
+        fork = None
+        for j, token in enumerate(drafts):
+            words = out[j].view(np.uint32)
+            if not 0 <= token < 32 * len(words) or not (words[token // 32] >> (token % 32)) & 1:
+                return j
+            fork = fork or self.matcher.deep_copy()
+            if not fork.consume_token(int(token)):
+                return j
+            self._fill(fork, out[j + 1])
+        return len(drafts)
+
+    def _fill(self, matcher: Any, out: np.ndarray) -> None:
         from llguidance.numpy import fill_next_token_bitmask
 
-        fill_next_token_bitmask(self.matcher, self._buf, 0)
+        fill_next_token_bitmask(matcher, self._buf, 0)
         n = min(self.num_words, self._buf.shape[1])
         out[:n] = self._buf[0, :n]
         out[n:] = 0

@@ -52,11 +52,11 @@ from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
-from sglang_tpu_backend.speculative.drafter import Drafter, accepts_greedy_drafts
+from sglang_tpu_backend.speculative.drafter import Drafter, accepts_drafts
 
 logger = logging.getLogger(__name__)
 # A decode step runs as TARGET_VERIFY when at least this fraction of its requests that may
-# accept drafts (``accepts_greedy_drafts``) has drafts.
+# accept drafts (``accepts_drafts``) has drafts.
 MIN_DRAFTED_FRACTION = 0.5
 
 
@@ -362,13 +362,13 @@ class Scheduler:
 
     def _add_drafts(self, chunks: list[ScheduledChunk]) -> bool:
         """Turn a step's decode chunks into verify chunks: each request's last token and k
-        drafts (the drafter's, padded with the last token; greedy-exact requests only).
+        drafts (the drafter's, padded with the last token; requests that may accept drafts).
         False, the chunks left as decodes, when too few of those requests have drafts."""
         k = self.num_drafts
-        greedy = [c for c in chunks if accepts_greedy_drafts(c.req)]
-        proposed = dict(zip(map(id, greedy), self.drafter.propose([c.req for c in greedy], k)))
+        drafting = [c for c in chunks if accepts_drafts(c.req)]
+        proposed = dict(zip(map(id, drafting), self.drafter.propose([c.req for c in drafting], k)))
         num_drafted = sum(1 for d in proposed.values() if d)
-        if num_drafted == 0 or num_drafted < MIN_DRAFTED_FRACTION * len(greedy):
+        if num_drafted == 0 or num_drafted < MIN_DRAFTED_FRACTION * len(drafting):
             return False
         for c in chunks:
             last = c.req.fill_slice(c.start, 1)[0]

@@ -13,9 +13,10 @@ Where the step runs (one device, DP ranks, TP heads, DP over several processes) 
 backend's business (``backends.py``), picked once at construction.
 
 Speculative decoding (``num_drafts`` k > 0; one device or DP ranks): a TARGET_VERIFY step
-(every chunk a verify chunk) runs the verify forward, greedy acceptance, the commit of the
-accepted positions into the GDN slots (rank-local with DP) and the sampler on each request's
-row 0, all dispatched without a wait (``verify_step.py``). Verify steps return no router
+(every chunk a verify chunk) runs the verify forward, the verify sampler (greedy rows by exact
+match, drawn rows by rejection sampling, both through penalties, bias and per-position masks)
+and the commit of the accepted positions into the GDN slots (rank-local with DP), all
+dispatched without a wait (``verify_step.py``). Verify steps return no router
 stats (the MoE health gauges and EPLB's expert loads then come from prefill steps). A
 request's pages cover up to k positions past the context length, hence ``pages_per_seq`` of
 ``context_length + k`` tokens.
@@ -49,7 +50,7 @@ from sglang_tpu_backend.model_executor.verify_step import (
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.sampling import sampler
 from sglang_tpu_backend.sharded_loader import LoadReport, WeightSource
-from sglang_tpu_backend.speculative.greedy import greedy_verify_jit
+from sglang_tpu_backend.speculative.rejection import sample_verify_step_jit
 
 
 @dataclasses.dataclass
@@ -60,7 +61,8 @@ class StepInputs:
     rows whose input is in flight (one rank only). inp: SamplingInputs of [D*R] rows.
     rows: each chunk's logits rows (global). sample_idx: each chunk's sampling row.
     K: top logprobs to compute (0 or ``max_top_logprobs_num``). spec: a verify step's draft
-    inputs (None otherwise; its ``inp`` then samples row 0 of each request).
+    inputs (None otherwise; its ``inp`` then holds each request's sampling values, read from
+    its row 0, and the per-position bitmask i32[D*R, k+1, W]).
     """
 
     fbs: list[ForwardBatch]
@@ -123,7 +125,8 @@ class ModelRunner:
         (``parallel.eplb.ExpertLocation``, EPLB): routed experts stored per physical slot of
         it; ``eplb_rebalance_num_iterations``: steps between rebalances (None: never)
         (``expert_balancer.py``). ``num_drafts``: k drafts per verify step (speculative
-        decoding; 0: off)."""
+        decoding; 0: off); ``num_grammar_cut_drafts`` counts the drafts cut because a
+        request's grammar rejects them."""
         self.cfg = cfg
         self.last_router_stats = None
         self._stats = None
@@ -131,6 +134,7 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.max_top_logprobs_num = min(max_top_logprobs_num, cfg.vocab_size)
         self.num_drafts = num_drafts
+        self.num_grammar_cut_drafts = 0
         self.pages_per_seq = pages_for(context_length + num_drafts, page_size)
         self.buckets = StepBuckets(max_running_requests, max_tokens_per_step, deterministic,
                                    verify_tokens=num_drafts + 1 if num_drafts else None)
@@ -238,16 +242,20 @@ class ModelRunner:
             rank_rows.append(rows)
             from_slots.append(from_slot)
             sL = L  # the sampler's logits rows per rank
-            if mode.is_verify():  # it samples row 0 of each request (f32[D*R, V])
-                specs.append(verify_inputs(chunks, R, self.num_drafts))
-                chunks, rows, sL = [sampling_view(c) for c in chunks], [
-                    np.array([j]) for j in range(len(chunks))], R
+            mask = variant.mask
+            if mode.is_verify():  # per-request values from row 0, masks per position
+                specs.append(verify_inputs(chunks, R, self.num_drafts, self.vocab_size, mask))
+                chunks, rows, sL, mask = [sampling_view(c) for c in chunks], [
+                    np.array([j]) for j in range(len(chunks))], R, False
             inps.append(sampling_inputs(
                 chunks, rows, R, sL, self.vocab_size, row_offset=k * sL,
-                slot_offset=k * self.num_state_slots, mask=variant.mask, bias=variant.bias))
+                slot_offset=k * self.num_state_slots, mask=mask, bias=variant.bias))
         spec = concat_verify_inputs(specs) if specs else None
         inp = inps[0] if len(inps) == 1 else jax.tree.map(
             lambda *xs: np.concatenate(xs, axis=0), *inps)
+        if spec is not None:
+            inp = dataclasses.replace(inp, bitmask=spec.bitmask)
+            self.num_grammar_cut_drafts += spec.num_cut
         want_lp = any(c.req.return_logprob for c in batch.chunks)
         return StepInputs(
             fbs=fbs, from_slot=_in_flight_rows(from_slots), inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
@@ -286,12 +294,16 @@ class ModelRunner:
             self.params, self.cache, fbs, from_slot, self.sampler.last_tokens)
         return logits
 
-    def verify(self, fbs: list[ForwardBatch], spec: VerifyInputs, K: int) -> dict[str, jax.Array]:
-        """A TARGET_VERIFY forward, greedy acceptance and the commit of each request's
-        accepted positions into its GDN slot (cache donated, nothing waited for). Returns
-        ``speculative.greedy.greedy_verify``'s device outputs."""
+    def verify(self, fbs: list[ForwardBatch], spec: VerifyInputs, inp: sampler.SamplingInputs,
+               K: int, variant: sampler.SamplerVariant = sampler.FULL) -> dict[str, jax.Array]:
+        """A TARGET_VERIFY forward, the verify sampler (updating the penalty counts and last
+        tokens) and the commit of each request's accepted positions into its GDN slot (cache
+        donated, nothing waited for). Returns ``rejection.sample_verify_step``'s outputs."""
         logits, self.cache, states = self.backend.verify(self.params, self.cache, fbs)
-        out = greedy_verify_jit(logits, spec.drafts, spec.accept, spec.real, num_top_logprobs=K)
+        state = self.sampler
+        out, state.counts, state.last_tokens = sample_verify_step_jit(
+            logits, state.counts, state.prompt_mask, state.last_tokens, spec.drafts,
+            spec.num_drafts, inp, num_top_logprobs=K, variant=variant)
         slots = np.concatenate([fb.state_slots for fb in fbs])
         self.cache = self.backend.commit(self.cache, states, slots, out["accepted_len"])
         self._stats = None
@@ -321,9 +333,7 @@ class ModelRunner:
         variant = sampler_variant(batch.chunks)
         step = self.prepare(batch, variant)
         if step.spec is not None:
-            spec = self.verify(step.fbs, step.spec, step.K)
-            out = self.sample(spec.pop("first_rows"), step.inp, step.K, variant)
-            out.update({f"spec_{key}": v for key, v in spec.items()})
+            out = self.verify(step.fbs, step.spec, step.inp, step.K, variant)
             return LaunchedStep(batch, out, step.rows, step.sample_idx, None)
         logits = self.forward(step.fbs, step.from_slot)
         if batch.state_saves:

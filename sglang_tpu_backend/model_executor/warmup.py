@@ -3,13 +3,14 @@
 Every step bucket (``step_buckets``) of the forward, each with every sampler variant
 (``sampling.sampler.VARIANTS``) and top-logprob count (0, max_top_logprobs_num), the penalty
 row program and the GDN snapshot copies. A TARGET_VERIFY bucket (speculative decoding) warms
-the verify forward, the greedy acceptance (both top-logprob counts) and the commit, and the
-sampler on its [R, V] first rows. Same jitted functions, same argument shapes and
-placements as serving, so serving reuses every program compiled here.
+the verify forward, the verify sampler (every variant and top-logprob count, on the real
+penalty state: padding rows change nothing) and the commit. Same jitted functions, same
+argument shapes and placements as serving, so serving reuses every program compiled here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,12 +67,15 @@ def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
         for kind, T, R, L in tqdm(shapes, desc="warmup (compile)", disable=not progress):
             fbs = [dummy_batch(kind, T, R, L, runner.pages_per_seq)] * D
             if kind.is_verify():
-                spec = dummy_verify_inputs(D * R, runner.num_drafts)
-                for K in (runner.max_top_logprobs_num, 0):
-                    logits = runner.verify(fbs, spec, K)["first_rows"]
-                L = R  # the sampler's rows of a verify step
-            else:
-                logits = runner.forward(fbs)
+                for variant in runner.sampler_variants():
+                    spec = dummy_verify_inputs(D * R, runner.num_drafts, runner.vocab_size,
+                                               variant.mask)
+                    inp = dataclasses.replace(dummy_sampling_inputs(
+                        D * R, D * R, runner.vocab_size, variant), bitmask=spec.bitmask)
+                    for K in (runner.max_top_logprobs_num, 0):
+                        runner.verify(fbs, spec, inp, K, variant)
+                continue
+            logits = runner.forward(fbs)
             pending.append(pool.submit(warm_sampler, logits, R, L))
         for f in pending:
             f.result()  # re-raises a failed sampler compile here

@@ -6,8 +6,8 @@ TARGET_VERIFY step (``model_executor/verify.py``).
               tests, experiments).
   ngram.py    NGRAM: drafts copied from the request's own prompt + output after the longest
               earlier occurrence of its current suffix (no draft model).
-  greedy.py   greedy acceptance on the device: the longest draft prefix the target's argmax
-              agrees with, the next token, logprobs of every kept token.
-  rejection.py  acceptance for sampled requests (speculative rejection sampling against the
-              sampler's per-position target distribution).
+  rejection.py  acceptance on the device for every request: greedy rows by exact match with
+              the argmax, drawn rows by speculative rejection sampling, both against the
+              sampler's per-position target (penalties, logit bias, grammar mask); the
+              verify step's sampler (``sample_verify_step``).
 """

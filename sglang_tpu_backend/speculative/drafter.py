@@ -43,12 +43,10 @@ def make_drafter(algorithm: str, *, min_window: int, max_window: int) -> Drafter
     raise ValueError(f"no drafter for --speculative-algorithm {algorithm}")
 
 
-def accepts_greedy_drafts(req: Req) -> bool:
-    """Whether greedy acceptance reproduces ``req``'s sampler exactly: a greedy row with no
-    penalty, logit bias, grammar or min_new_tokens ban (those change the logits the sampler
-    takes the argmax of). Other requests verify with no draft accepted, their token drawn by
-    the sampler from the last position's row, as without speculation."""
-    sp = req.sampling
-    return (sp.temperature <= 0 and sp.frequency_penalty == 0 and sp.presence_penalty == 0
-            and sp.repetition_penalty == 1 and not sp.logit_bias and req.grammar is None
-            and req.num_sampled >= sp.min_new_tokens)
+def accepts_drafts(req: Req) -> bool:
+    """Whether ``req`` may accept drafts: every request. The verify sampler reproduces each
+    one's sampler exactly (``speculative/rejection.py``): greedy rows by exact match after
+    penalties, logit bias and the per-position grammar / min_new_tokens mask, drawn rows by
+    rejection sampling against the same per-position target."""
+    del req
+    return True

@@ -109,7 +109,7 @@ def _sampled_rule(scaled, drafts, draft_probs, has_draft, inp: SamplingInputs):
 
 
 def verify_sampled(logits, drafts, draft_probs, counts, prompt_mask, inp: SamplingInputs, *,
-                   num_drafts=None, variant: SamplerVariant = FULL):
+                   num_drafts=None, num_top_logprobs: int = 0, variant: SamplerVariant = FULL):
     """Accept a prefix of each request's drafts and choose its next token.
 
     Args:
@@ -123,13 +123,15 @@ def verify_sampled(logits, drafts, draft_probs, counts, prompt_mask, inp: Sampli
                    predicts; ``bitmask`` is i32[R, n, W] (one mask per position) when
                    ``variant.mask``; ``sample_rows`` and ``target_ids`` are not read.
       num_drafts:  i32[R] drafts each request has (0..k), or None for k everywhere.
+      num_top_logprobs: static K; > 0 also returns each position's top-K logprobs.
       variant:     static SamplerVariant covering the rows' needs (as for ``sampler.sample``).
 
     Returns:
       dict with ``num_accepted`` i32[R] in 0..k, ``next_token`` i32[R], ``tokens`` i32[R, n]
       the emitted tokens (the accepted drafts, then the next token; 0 past it), ``logprobs``
       f32[R, n] of the emitted tokens (as ``sample`` reports them; 0 past them) and the updated
-      ``counts``. Padding rows (``valid`` False) accept 0 drafts, emit token 0, count nothing.
+      ``counts``; with K > 0 ``top_logprobs`` f32[R, n, K] and ``top_ids`` i32[R, n, K] (of
+      the logprobs ``sample`` reports its top ones from). Padding rows (``valid`` False) accept 0 drafts, emit token 0, count nothing.
     """
     R, n, V = logits.shape
     k = n - 1
@@ -155,9 +157,40 @@ def verify_sampled(logits, drafts, draft_probs, counts, prompt_mask, inp: Sampli
     tokens = jnp.where(emitted, tokens, 0).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
     counts = counts.at[inp.slot[:, None], tokens].add(emitted.astype(counts.dtype))
-    return {"num_accepted": num_accepted, "next_token": next_token, "tokens": tokens,
-            "logprobs": jnp.where(emitted, chosen, 0.0), "counts": counts}
+    out = {"num_accepted": num_accepted, "next_token": next_token, "tokens": tokens,
+           "logprobs": jnp.where(emitted, chosen, 0.0), "counts": counts}
+    if num_top_logprobs > 0:
+        vals, ids = jax.lax.top_k(logprobs, num_top_logprobs)
+        out["top_logprobs"], out["top_ids"] = vals, ids.astype(jnp.int32)
+    return out
 
 
-verify_sampled_jit = jax.jit(verify_sampled, static_argnames=("variant",),
+def sample_verify_step(logits, counts, prompt_mask, last_tokens, drafts, num_drafts,
+                       inp: SamplingInputs, *, num_top_logprobs: int = 0,
+                       variant: SamplerVariant = FULL):
+    """The sampler of a TARGET_VERIFY step: ``verify_sampled`` on the forward's logits rows.
+
+    logits f32[L, V] with request r's n rows at r*n .. r*n+k (L >= R*n); last_tokens i32[S]
+    (each slot's last sampled token); drafts i32[R, k]; num_drafts i32[R] the drafts request r
+    may accept (0 accepts none); other arguments as ``verify_sampled``.
+
+    Returns ``(out, counts, last_tokens)``: ``verify_sampled``'s outputs plus ``accepted_len``
+    i32[R] (1 + num_accepted, 0 for padding rows: what ``verify.commit_accepted`` keeps), the
+    updated counts and last tokens (each request's ``next_token``, its last emitted one).
+    """
+    R, k = drafts.shape
+    rows = logits[: R * (k + 1)].reshape(R, k + 1, -1)
+    out = verify_sampled(rows, drafts, None, counts, prompt_mask, inp, num_drafts=num_drafts,
+                         num_top_logprobs=num_top_logprobs, variant=variant)
+    counts = out.pop("counts")
+    out["accepted_len"] = jnp.where(inp.valid, 1 + out["num_accepted"], 0).astype(jnp.int32)
+    where = jnp.where(inp.valid, inp.slot, last_tokens.shape[0])
+    last_tokens = last_tokens.at[where].set(out["next_token"], mode="drop")
+    return out, counts, last_tokens
+
+
+verify_sampled_jit = jax.jit(verify_sampled, static_argnames=("num_top_logprobs", "variant"),
                              donate_argnames=("counts",))
+sample_verify_step_jit = jax.jit(sample_verify_step,
+                                 static_argnames=("num_top_logprobs", "variant"),
+                                 donate_argnames=("counts", "last_tokens"))

@@ -1,5 +1,5 @@
-"""Speculative decoding (``--speculative-algorithm NGRAM``, greedy verification) on the tiny
-float32 model: outputs equal the plain engine's, whatever the drafts.
+"""Speculative decoding (``--speculative-algorithm NGRAM``) on the tiny float32 model: greedy
+outputs equal the plain engine's whatever the drafts, sampled ones follow its distribution.
 
 - the NGRAM engine and the plain one (the shared ``engine`` fixture) give identical tokens,
   text and finish reasons, and logprobs within 1e-5, on 48 concurrent requests;
@@ -12,6 +12,9 @@ float32 model: outputs equal the plain engine's, whatever the drafts.
   none), the request kept j drafts and its GDN recurrent and conv states equal bit for bit
   those a non-speculative engine leaves after the same tokens; nothing leaks;
 - max_new_tokens, stop strings and stop token ids that fall inside a verified run;
+- penalised / biased greedy requests accept drafts and keep the plain outputs; sampled ones
+  accept drafts by rejection sampling and keep the plain distribution and logprobs;
+- grammar requests: drafts checked on a copy of the matcher, cut at the first rejected one;
 - no program lowered while serving after warm-up;
 - with --dp-size 4 (``dp_spec_run.py``, 4 simulated CPU devices): NGRAM and replayed drafts
   give the plain engine's outputs, every rank served, nothing lowered after warm-up;
@@ -150,19 +153,20 @@ def replay_drafts(reference: dict[str, list[int]], wrong_at):
 
 
 def test_no_lowering_while_serving(clean_spec_engine):
-    """After warm-up, NGRAM speculation over greedy, sampled, penalised, biased, grammar and
-    logprob requests lowers no program, and every verify step has a warm-up shape."""
+    """After warm-up, NGRAM speculation over greedy, sampled, penalised, biased, grammar
+    (greedy and sampled) and logprob requests lowers no program, and every verify step has a
+    warm-up shape."""
     eng = clean_spec_engine
     runner = eng.runner
     runner.warmup(progress=False)
     seen = []
     real_verify = runner.verify
 
-    def recording_verify(fbs, spec, K):
+    def recording_verify(fbs, *args):
         fb, = fbs
         seen.append((fb.mode, fb.input_ids.shape[0], fb.kv_lens.shape[0],
                      fb.logits_indices.shape[0]))
-        return real_verify(fbs, spec, K)
+        return real_verify(fbs, *args)
 
     rng = random.Random(3)
     objs = []
@@ -176,6 +180,9 @@ def test_no_lowering_while_serving(clean_spec_engine):
             sp.update(logit_bias={"7": -100}, stop=["ab"], min_new_tokens=2)
         if i == 6:
             sp = {"max_new_tokens": 8, "regex": "[0-9]{3,8}"}
+        if i == 7:
+            sp = {"max_new_tokens": 12, "temperature": 0.7, "min_new_tokens": 3,
+                  "json_schema": '{"type": "object", "properties": {"a": {"type": "integer"}}}'}
         objs.append(GenerateReqInput(input_ids=pattern * rng.randint(1, 20),
                                      return_logprob=i % 5 == 0,
                                      top_logprobs_num=2 if i % 10 == 0 else 0,
@@ -222,30 +229,114 @@ def test_accepted_drafts_keep_outputs_exact(clean_spec_engine, clean_engine):
     assert re.search(r'^sglang:spec_accept_rate\{[^}]*\} (\S+)$', text, re.M)
 
 
-def test_sampled_requests_accept_no_drafts_and_match(clean_spec_engine, clean_engine):
-    """Seeded draws, penalties and a logit bias: the sampler draws from the last token's row
-    and no draft is accepted (until rejection sampling lands), so outputs equal the plain
-    engine's. A plain greedy request with drafts, outliving the others, makes every decode
-    step of theirs a verify step."""
+def test_penalised_greedy_requests_accept_drafts_and_match(clean_spec_engine, clean_engine):
+    """Greedy rows with a frequency / presence / repetition penalty and a logit bias accept
+    drafts (exact match after penalties that count the drafts before each position) and give
+    the plain engine's tokens and logprobs."""
     rng = random.Random(11)
     objs = []
     for i in range(8):
-        sp = {"max_new_tokens": 12, "temperature": 0.8, "seed": 100 + i, "ignore_eos": True}
-        if i % 2:
-            sp = {"max_new_tokens": 12, "temperature": 0, "frequency_penalty": 0.7,
-                  "logit_bias": {"5": 3.0}, "ignore_eos": True}
+        sp = {"max_new_tokens": 12, "temperature": 0, "logit_bias": {"5": 3.0},
+              "ignore_eos": True,
+              **[{"frequency_penalty": 0.7}, {"presence_penalty": 1.5},
+                 {"repetition_penalty": 1.3}, {"frequency_penalty": -0.4}][i % 4]}
         pattern = [rng.randrange(3, 1000) for _ in range(3)]
-        objs.append(GenerateReqInput(rid=f"samp{i}", input_ids=pattern * 5, sampling_params=sp,
-                                     return_logprob=True))
-    objs.append(GenerateReqInput(rid="samp-greedy", input_ids=[4, 5, 6], sampling_params={
-        "max_new_tokens": 48, "temperature": 0, "ignore_eos": True}))
+        objs.append(GenerateReqInput(rid=f"pen{i}", input_ids=pattern * 5, sampling_params=sp,
+                                     return_logprob=True, top_logprobs_num=2 * (i % 2)))
     want = run_all(clean_engine, objs)
-    with drafts_from(clean_spec_engine, lambda req, k: [1] * k):
-        got = run_all(clean_spec_engine, objs)
+    reference = {f"s{o.rid}": w["output_ids"] for o, w in zip(objs, want)}
+    with drafts_from(clean_spec_engine, replay_drafts(reference, lambda req, o: o % (K + 2))):
+        got = run_all(clean_spec_engine, fresh(objs, "s"))
     assert_same_outputs(got, want)
-    for g in got[:-1]:
-        meta = g["meta_info"]
-        assert meta["spec_verify_ct"] == 11 and meta["spec_accept_length"] == 1.0
+    assert np.mean([g["meta_info"]["spec_accept_length"] for g in got]) > 1.5
+
+
+def chi_square_homogeneity(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Pearson's statistic of two samples of categories 0..3 drawn from one distribution, and
+    its degrees of freedom (categories seen, less one)."""
+    table = np.array([np.bincount(x, minlength=4) for x in (a, b)], np.float64)
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    return float(((table - expected) ** 2 / expected).sum()), table.shape[1] - 1
+
+
+CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27}  # chi-square quantiles of P = 1e-3 per dof
+
+
+def test_sampled_requests_accept_drafts_and_keep_the_distribution(clean_spec_engine,
+                                                                   clean_engine):
+    """One sampled, penalised, top-k filtered prompt under 160 seeds; a logit bias makes three
+    tokens likely (the tiny model's own rows are nearly flat) and every draft is the likeliest.
+    Drafts are accepted (accept length > 1) and each output position's token, binned as one of
+    the three or another, follows the plain engine's distribution (chi-square homogeneity at
+    p = 1e-3). Where a speculative and a plain sequence share their tokens up to j, token j's
+    reported logprob (after penalties, bias and temperature, as the sampler's) is the same."""
+    top3 = [65, 890, 760]
+    sp = {"max_new_tokens": 5, "temperature": 1.0, "top_k": 40, "frequency_penalty": 0.5,
+          "logit_bias": {"65": 6.0, "890": 5.0, "760": 4.0}, "ignore_eos": True}
+    objs = [GenerateReqInput(rid=f"dist{s}", input_ids=[31, 41, 59, 26, 53, 58, 97, 93],
+                             return_logprob=True, sampling_params={**sp, "seed": s})
+            for s in range(160)]
+    want = run_all(clean_engine, objs)
+    with drafts_from(clean_spec_engine, lambda req, k: [top3[0]] * k):
+        got = run_all(clean_spec_engine, fresh(objs, "s"))
+    assert np.mean([g["meta_info"]["spec_accept_length"] for g in got]) > 1.3
+    binned = lambda outs, j: [top3.index(t) if (t := o["output_ids"][j]) in top3 else 3  # noqa
+                              for o in outs]
+    for j in range(1, 5):
+        stat, dof = chi_square_homogeneity(binned(got, j), binned(want, j))
+        assert dof == 3 and stat < CHI2_P001[dof], (j, stat, np.bincount(binned(got, j), minlength=4),
+                                       np.bincount(binned(want, j), minlength=4))
+    plain = {}
+    for w in want:
+        for j, (lp, _, _) in enumerate(w["meta_info"]["output_token_logprobs"]):
+            plain[tuple(w["output_ids"][:j + 1])] = lp
+    shared = 0
+    for g in got:
+        for j, (lp, _, _) in enumerate(g["meta_info"]["output_token_logprobs"]):
+            if j > 0 and (key := tuple(g["output_ids"][:j + 1])) in plain:
+                np.testing.assert_allclose(lp, plain[key], atol=1e-5)
+                shared += 1
+    assert shared > 100, shared
+
+
+def test_grammar_requests_under_speculation_are_exact_and_cut_bad_drafts(clean_spec_engine,
+                                                                        clean_engine):
+    """Greedy JSON-schema and regex requests, drafts replaying the plain output with token 0
+    (which neither grammar allows) at a varying position: outputs equal the plain engine's,
+    drafts are accepted, and the drafts cut are exactly those from each proposal's first one
+    the grammar rejects on (an independent matcher fed the request's output so far)."""
+    schema = json.dumps({"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}}})
+    grammars = [{"json_schema": schema}] * 3 + [{"regex": "[0-9]{3,8}"}]
+    objs = [GenerateReqInput(rid=f"gram{i}", input_ids=[5 + i, 6, 7, 8], return_logprob=True,
+                             sampling_params={"max_new_tokens": 24, "temperature": 0, **g})
+            for i, g in enumerate(grammars)]
+    want = run_all(clean_engine, objs)
+    reference = {f"s{o.rid}": w["output_ids"] for o, w in zip(objs, want)}
+    proposals = []
+
+    def fn(req, k):
+        o = len(req.output_ids)
+        drafts = list(reference[req.rid][o:o + k])
+        if (j := o % (K + 1)) < len(drafts):
+            drafts[j] = 0
+        padded = drafts + [req.output_ids[-1]] * (k - len(drafts))  # as the scheduler pads
+        proposals.append((int(req.rid[-1]), list(req.output_ids), padded))
+        return drafts
+
+    runner, backend = clean_spec_engine.runner, clean_spec_engine.requests.grammar_backend
+    cut_before = runner.num_grammar_cut_drafts
+    with drafts_from(clean_spec_engine, fn):
+        got = run_all(clean_spec_engine, fresh(objs, "s"))
+    assert_same_outputs(got, want)
+    assert np.mean([g["meta_info"]["spec_accept_length"] for g in got]) > 1.5
+    expected = 0
+    for i, outputs, padded in proposals:
+        matcher = backend.compile(**grammars[i]).matcher
+        assert all(matcher.consume_token(t) for t in outputs)
+        expected += K - matcher.try_consume_tokens(padded)
+    assert expected > 0 and runner.num_grammar_cut_drafts - cut_before == expected
 
 
 def test_retraction_under_speculation_keeps_outputs(clean_spec_engine, clean_engine):
