@@ -153,9 +153,11 @@ def replay_drafts(reference: dict[str, list[int]], wrong_at):
 
 
 def test_no_lowering_while_serving(clean_spec_engine):
-    """After warm-up, NGRAM speculation over greedy, sampled, penalised, biased, grammar
-    (greedy and sampled) and logprob requests lowers no program, and every verify step has a
-    warm-up shape."""
+    """After warm-up, speculation over greedy, sampled, penalised, biased, grammar (greedy
+    and sampled) and logprob requests lowers no program, and every verify step has a warm-up
+    shape. Drafts are proposed for every request at every other output position, so steps
+    switch between TARGET_VERIFY and DECODE (NGRAM's back-off would leave these random
+    prompts to plain decode steps)."""
     eng = clean_spec_engine
     runner = eng.runner
     runner.warmup(progress=False)
@@ -190,7 +192,8 @@ def test_no_lowering_while_serving(clean_spec_engine):
     runner.verify = recording_verify
     counter = CompileCounter()
     try:
-        outs = run_all(eng, objs)
+        with drafts_from(eng, lambda req, k: [] if len(req.output_ids) % 2 else [11] * k):
+            outs = run_all(eng, objs)
     finally:
         runner.verify = real_verify
     assert all(o["meta_info"]["finish_reason"]["type"] in ("length", "stop") for o in outs)
