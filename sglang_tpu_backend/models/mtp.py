@@ -82,8 +82,9 @@ def mtp_forward(params: Params, mtp_params: Params, cache: jax.Array, batch: For
     h = rms_norm(hidden.astype(emb.dtype), mtp_params["pre_fc_norm_hidden"], eps)
     x = jnp.concatenate([emb, h], axis=-1) @ mtp_params["fc"]  # [T, H]
     cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta)
-    a, cache = attention_block(p["self_attn"], rms_norm(x, p["input_layernorm"], eps), cache,
-                               layer, cos, sin, batch, cfg, impl, batch_invariant)
+    # The MTP pages are never FP8 (no scales): the MTP layer is not wired to --kv-cache-dtype.
+    a, cache, _ = attention_block(p["self_attn"], rms_norm(x, p["input_layernorm"], eps), cache,
+                                  None, layer, cos, sin, batch, cfg, impl, batch_invariant)
     x = x + a
     num_valid = batch.cu_q_lens[batch.num_seqs[0]]  # real rows; padding is routed nowhere
     x = x + moe_block(p["mlp"], rms_norm(x, p["post_attention_layernorm"], eps), cfg, impl,
