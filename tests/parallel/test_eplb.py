@@ -149,7 +149,7 @@ def test_expert_move_on_device_matches_a_fresh_placement():
     balancer.record(np.ones((8, 24)))
     balancer.adopt(moved)
     assert (balancer.location.logical == new.logical).all() and balancer.window.num_steps == 0
-    assert (balancer.total == old.logical_loads(np.ones((8, 24)))).all()
+    assert (balancer.recorded == old.logical_loads(np.ones((8, 24)))).all()
 
 
 @pytest.mark.parametrize("kwargs,flag", [
