@@ -60,8 +60,8 @@ def handover_arrays(cfg_path: Path, page_size: int, tokens: int) -> dict[str, np
 
 @ray.remote
 class Prefill:
-    def __init__(self, arrays: dict[str, np.ndarray], page_size: int):
-        self.transports = {name: make_transport(name) for name in TRANSPORTS}
+    def __init__(self, arrays: dict[str, np.ndarray], page_size: int, transports: list[str]):
+        self.transports = {name: make_transport(name) for name in transports}
         self.h = RequestHandover(
             request=GenerateReqInput(input_ids=[1], rid="bench"), prompt_ids=[1], output_ids=[2],
             seed=0, num_computed=1, page_size=page_size, weight_version="bench", **arrays)
@@ -79,8 +79,8 @@ class Prefill:
 
 @ray.remote
 class Decode:
-    def __init__(self):
-        self.transports = {name: make_transport(name) for name in TRANSPORTS}
+    def __init__(self, transports: list[str]):
+        self.transports = {name: make_transport(name) for name in transports}
 
     async def receive(self, ticket: dict) -> tuple[float, int]:
         h = await self.transports[ticket["transport"]].receive(ticket)
@@ -91,9 +91,9 @@ class Decode:
         return time.time(), data.nbytes
 
 
-def measure(prefill, decode, trials: int) -> dict[str, list[float]]:
+def measure(prefill, decode, trials: int, transports: list[str]) -> dict[str, list[float]]:
     """Seconds per trial, send to received, for each transport and the raw put/get."""
-    kinds = ("raw", *TRANSPORTS)
+    kinds = ("raw", *transports)
     out = {k: [] for k in kinds}
     for i in range(trials + 1):  # the first round warms every path up
         for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
@@ -114,6 +114,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[500, 4000])
     ap.add_argument("--trials", type=int, default=15)
     ap.add_argument("--config", choices=sorted(CONFIGS), default="397b")
+    ap.add_argument("--transports", nargs="+", choices=sorted(TRANSPORTS), default=list(TRANSPORTS),
+                    help="which transports to measure beside the raw put/get (the device one "
+                         "starts a transfer server in both actors, whose threads share the cores)")
     args = ap.parse_args()
     cfg_path, page_size = CONFIGS[args.config]
     env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}  # the device transport's
@@ -122,15 +125,16 @@ def main() -> None:
     try:
         print(f"config {args.config}, page {page_size}, bf16 KV + GDN state, {args.trials} trials")
         print(f"{'tokens':>7} {'MiB/request':>12} {'raw GB/s':>9} "
-              + " ".join(f"{k + ' GB/s':>17} {'ratio':>6}" for k in TRANSPORTS))
+              + " ".join(f"{k + ' GB/s':>17} {'ratio':>6}" for k in args.transports))
         for tokens in args.tokens:
             arrays = handover_arrays(cfg_path, page_size, tokens)
             nbytes = sum(a.nbytes for a in arrays.values())
-            prefill, decode = Prefill.remote(arrays, page_size), Decode.remote()
-            times = measure(prefill, decode, args.trials)
+            prefill = Prefill.remote(arrays, page_size, args.transports)
+            decode = Decode.remote(args.transports)
+            times = measure(prefill, decode, args.trials, args.transports)
             bw = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
             print(f"{tokens:>7} {nbytes / 2**20:>12.1f} {bw['raw']:>9.2f} "
-                  + " ".join(f"{bw[k]:>17.2f} {bw[k] / bw['raw']:>6.2f}" for k in TRANSPORTS))
+                  + " ".join(f"{bw[k]:>17.2f} {bw[k] / bw['raw']:>6.2f}" for k in args.transports))
             for a in (prefill, decode):
                 ray.kill(a)
     finally:
