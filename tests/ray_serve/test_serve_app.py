@@ -542,7 +542,11 @@ def test_replica_deaths_under_load_end_every_request_exactly_or_aborted(base_url
             assert (out["text"], out["output_ids"]) == (ref["text"], ref["output_ids"]), i
             outcomes["exact"] += 1
     print(f"decode, then a prefill replica killed under 100 requests: {dict(outcomes)}")
-    assert outcomes["replica failed"] >= 1  # the requests decoding on the killed decode replica
+    # The kills hit requests in flight: those decoding on the killed decode replica end with
+    # "replica failed" and those whose state was on the killed prefill replica with "handover
+    # lost" (how many of each depends on where the requests were at the kill; runs gave
+    # 3-4 / 2-4, and once 0 / 4).
+    assert outcomes["replica failed"] + outcomes["handover lost"] >= 1, outcomes
     assert set(outcomes) <= {"exact", "replica failed", "handover lost"}, outcomes
 
     _wait_until(lambda: _num_replicas("pd", "PrefillServer") == 2, timeout_s=180)
