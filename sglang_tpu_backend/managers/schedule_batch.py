@@ -279,7 +279,7 @@ class ScheduledChunk:
     dp_rank: the DP rank the chunk runs on; ``pages`` and ``state_slot`` are its local ids.
     drafts: a verify chunk's k drafts (None otherwise): it computes the last token and the
     drafts (``num_tokens`` = k+1) and appends 1 + the accepted drafts; ``accept_drafts``
-    False keeps only the last token (a row the greedy acceptance does not cover).
+    False (the drafter proposed nothing for it) keeps only the last token.
     """
 
     req: Req

@@ -52,11 +52,10 @@ from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
-from sglang_tpu_backend.speculative.drafter import Drafter, accepts_drafts
+from sglang_tpu_backend.speculative.drafter import Drafter
 
 logger = logging.getLogger(__name__)
-# A decode step runs as TARGET_VERIFY when at least this fraction of its requests that may
-# accept drafts (``accepts_drafts``) has drafts.
+# A decode step runs as TARGET_VERIFY when at least this fraction of its requests has drafts.
 MIN_DRAFTED_FRACTION = 0.5
 
 
@@ -362,19 +361,20 @@ class Scheduler:
 
     def _add_drafts(self, chunks: list[ScheduledChunk]) -> bool:
         """Turn a step's decode chunks into verify chunks: each request's last token and k
-        drafts (the drafter's, padded with the last token; requests that may accept drafts).
-        False, the chunks left as decodes, when too few of those requests have drafts."""
+        drafts (the drafter's, padded with the last token). A request the drafter proposed
+        nothing for verifies its last token only (``accept_drafts`` False: its padding is not
+        counted as drafts). False, the chunks left as decodes, when too few requests have
+        drafts."""
         k = self.num_drafts
-        drafting = [c for c in chunks if accepts_drafts(c.req)]
-        proposed = dict(zip(map(id, drafting), self.drafter.propose([c.req for c in drafting], k)))
-        num_drafted = sum(1 for d in proposed.values() if d)
-        if num_drafted == 0 or num_drafted < MIN_DRAFTED_FRACTION * len(drafting):
+        proposed = self.drafter.propose([c.req for c in chunks], k)
+        num_drafted = sum(1 for d in proposed if d)
+        if num_drafted == 0 or num_drafted < MIN_DRAFTED_FRACTION * len(chunks):
             return False
-        for c in chunks:
+        for c, drafts in zip(chunks, proposed):
             last = c.req.fill_slice(c.start, 1)[0]
-            drafts = [int(t) for t in proposed.get(id(c), [])][:k]
+            drafts = [int(t) for t in drafts][:k]
             c.drafts = drafts + [last] * (k - len(drafts))
-            c.accept_drafts = id(c) in proposed
+            c.accept_drafts = bool(drafts)
             c.num_tokens, c.logits = 1 + k, "all"
         return True
 

@@ -50,7 +50,6 @@ from sglang_tpu_backend.model_executor.verify_step import (
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.sampling import sampler
 from sglang_tpu_backend.sharded_loader import LoadReport, WeightSource
-from sglang_tpu_backend.speculative.rejection import sample_verify_step_jit
 
 
 @dataclasses.dataclass
@@ -301,9 +300,8 @@ class ModelRunner:
         donated, nothing waited for). Returns ``rejection.sample_verify_step``'s outputs."""
         logits, self.cache, states = self.backend.verify(self.params, self.cache, fbs)
         state = self.sampler
-        out, state.counts, state.last_tokens = sample_verify_step_jit(
-            logits, state.counts, state.prompt_mask, state.last_tokens, spec.drafts,
-            spec.num_drafts, inp, num_top_logprobs=K, variant=variant)
+        out, state.counts, state.last_tokens = state.verify_with(
+            logits, state.counts, state.last_tokens, spec, inp, K, variant)
         slots = np.concatenate([fb.state_slots for fb in fbs])
         self.cache = self.backend.commit(self.cache, states, slots, out["accepted_len"])
         self._stats = None

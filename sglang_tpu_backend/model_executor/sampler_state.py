@@ -24,6 +24,7 @@ import numpy as np
 from sglang_tpu_backend.managers.schedule_batch import ScheduledChunk
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.sampling import sampler
+from sglang_tpu_backend.speculative.rejection import sample_verify_step_jit
 
 
 def uses_penalties(sp: Any) -> bool:
@@ -81,7 +82,7 @@ def no_bias(R: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     return np.full((R, B), vocab_size, np.int32), np.zeros((R, B), np.float32)
 
 
-def _ban_stop_tokens(words: np.ndarray, req: Any, vocab_size: int) -> None:
+def ban_stop_tokens(words: np.ndarray, req: Any, vocab_size: int) -> None:
     """Clear the bits of ``req``'s stop (and, unless ignored, eos) tokens in its bitmask row
     ``words`` u32[W]: it has not yet sampled ``min_new_tokens``."""
     sp = req.sampling
@@ -125,7 +126,7 @@ def sampling_inputs(chunks: Sequence[ScheduledChunk], rows: Sequence[np.ndarray]
         if req.grammar is not None:
             req.grammar.fill_bitmask(inp.bitmask[i])
         if req.num_sampled < sp.min_new_tokens:
-            _ban_stop_tokens(inp.bitmask.view(np.uint32)[i], req, vocab_size)
+            ban_stop_tokens(inp.bitmask.view(np.uint32)[i], req, vocab_size)
     return inp
 
 
@@ -189,3 +190,11 @@ class SamplerState:
                                  variant=variant)
         counts = out.pop("counts")
         return out, counts, _record_tokens_jit(last_tokens, inp.slot, out["tokens"], inp.valid)
+
+    def verify_with(self, logits, counts, last_tokens, spec, inp, K, variant):
+        """The verify sampler (``rejection.sample_verify_step``) on given penalty counts /
+        last tokens (both donated) and ``spec`` (``verify_step.VerifyInputs``): (outputs,
+        new counts, new last tokens). Warm-up runs it on scratch copies."""
+        return sample_verify_step_jit(logits, counts, self.prompt_mask, last_tokens,
+                                      spec.drafts, spec.num_drafts, inp,
+                                      num_top_logprobs=K, variant=variant)

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledChunk
-from sglang_tpu_backend.model_executor.sampler_state import _ban_stop_tokens
+from sglang_tpu_backend.model_executor.sampler_state import ban_stop_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ def verify_inputs(chunks: Sequence[ScheduledChunk], R: int, k: int, vocab_size: 
             num_cut += int(num_drafts[i]) - allowed
             num_drafts[i] = allowed
         for j in range(min(k + 1, max(0, sp.min_new_tokens - req.num_sampled))):
-            _ban_stop_tokens(bitmask[i, j].view(np.uint32), req, vocab_size)
+            ban_stop_tokens(bitmask[i, j].view(np.uint32), req, vocab_size)
     return VerifyInputs(drafts, num_drafts, bitmask, num_cut)
 
 

@@ -3,8 +3,8 @@
 Every step bucket (``step_buckets``) of the forward, each with every sampler variant
 (``sampling.sampler.VARIANTS``) and top-logprob count (0, max_top_logprobs_num), the penalty
 row program and the GDN snapshot copies. A TARGET_VERIFY bucket (speculative decoding) warms
-the verify forward, the verify sampler (every variant and top-logprob count, on the real
-penalty state: padding rows change nothing) and the commit. Same jitted functions, same
+the verify forward once, the verify sampler (every variant and top-logprob count, on scratch
+penalty state) and the commit. Same jitted functions, same
 argument shapes and placements as serving, so serving reuses every program compiled here.
 """
 
@@ -62,18 +62,29 @@ def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
                 _, scratch[0], scratch[1] = state.sample_with(logits, *scratch, inp, K, variant)
         jax.block_until_ready(scratch)
 
+    def warm_verify_sampler(logits, R: int):
+        accepted_len = None
+        for variant in runner.sampler_variants():
+            spec = dummy_verify_inputs(D * R, runner.num_drafts, runner.vocab_size, variant.mask)
+            inp = dataclasses.replace(dummy_sampling_inputs(D * R, D * R, runner.vocab_size,
+                                                            variant), bitmask=spec.bitmask)
+            for K in (0, runner.max_top_logprobs_num):
+                out, scratch[0], scratch[1] = state.verify_with(logits, *scratch, spec, inp, K,
+                                                                variant)
+                accepted_len = out["accepted_len"]
+        jax.block_until_ready(scratch)
+        return accepted_len
+
     with ThreadPoolExecutor(1, thread_name_prefix="warmup-sampler") as pool:
         pending = []
         for kind, T, R, L in tqdm(shapes, desc="warmup (compile)", disable=not progress):
             fbs = [dummy_batch(kind, T, R, L, runner.pages_per_seq)] * D
-            if kind.is_verify():
-                for variant in runner.sampler_variants():
-                    spec = dummy_verify_inputs(D * R, runner.num_drafts, runner.vocab_size,
-                                               variant.mask)
-                    inp = dataclasses.replace(dummy_sampling_inputs(
-                        D * R, D * R, runner.vocab_size, variant), bitmask=spec.bitmask)
-                    for K in (runner.max_top_logprobs_num, 0):
-                        runner.verify(fbs, spec, inp, K, variant)
+            if kind.is_verify():  # the forward once, its sampler per variant, the commit once
+                logits, runner.cache, states = runner.backend.verify(runner.params, runner.cache,
+                                                                     fbs)
+                accepted_len = pool.submit(warm_verify_sampler, logits, R).result()
+                slots = np.concatenate([fb.state_slots for fb in fbs])
+                runner.cache = runner.backend.commit(runner.cache, states, slots, accepted_len)
                 continue
             logits = runner.forward(fbs)
             pending.append(pool.submit(warm_sampler, logits, R, L))

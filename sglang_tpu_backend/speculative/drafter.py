@@ -2,9 +2,9 @@
 
 Plain Python (no JAX). A drafter proposes, for each decode-ready request of the step, up to
 ``k`` chain drafts: tokens it guesses follow the request's sequence (prompt + output ids).
-Fewer than ``k`` (even none) is allowed; the scheduler pads the rest, and a padded draft is
+Fewer than ``k`` is allowed; the scheduler pads the rest, and a padded draft is
 simply rejected unless the target happens to agree with it, which is then as correct as any
-accepted draft. Per-request drafter state may live in ``req.draft_state`` (it dies with the
+accepted draft. A request with no drafts at all verifies its last token only. Per-request drafter state may live in ``req.draft_state`` (it dies with the
 request and survives retraction, which keeps the sequence).
 """
 
@@ -41,12 +41,3 @@ def make_drafter(algorithm: str, *, min_window: int, max_window: int) -> Drafter
 
         return NgramDrafter(min_window, max_window)
     raise ValueError(f"no drafter for --speculative-algorithm {algorithm}")
-
-
-def accepts_drafts(req: Req) -> bool:
-    """Whether ``req`` may accept drafts: every request. The verify sampler reproduces each
-    one's sampler exactly (``speculative/rejection.py``): greedy rows by exact match after
-    penalties, logit bias and the per-position grammar / min_new_tokens mask, drawn rows by
-    rejection sampling against the same per-position target."""
-    del req
-    return True
