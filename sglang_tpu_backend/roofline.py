@@ -31,6 +31,16 @@ A request cycle is prefill of ``concurrency * input_len`` tokens (in steps of
 ``concurrency * (input_len + output_len) / cycle time / num_chips`` total tokens/s per chip.
 Communication (all-gathers, reduce-scatter) and host overhead are left out: they only lower
 real throughput, so the ceiling stays an upper bound.
+
+Speculative decoding (``--speculative-num-draft-tokens n``, ``--accept-length a``): each
+decode step is a TARGET_VERIFY step over n = k+1 rows per request (logits for every row;
+GDN layers read each request's state once and write it after each of the n positions, then
+the commit copies the accepted one into the slot), followed by k MTP draft steps (the MTP
+layer, one full-attention MoE layer behind its ``fc``, with the shared LM head: the first
+over the n verified rows, which writes the MTP KV of every position, then k-1 chain steps
+of one row per request). A request gains ``a`` tokens per step (1 <= a <= n: the accepted
+drafts plus the token sampled after them), so the decode phase takes ``output_len / a``
+steps. ``a`` is an input: it depends on the MTP layer and the text, not on the hardware.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.gdn import gated_delta_net_cost
+from kernels.gdn_verify import gated_delta_net_verify_cost
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig, model_config_from_dict
 from sglang_tpu_backend.models.param_shapes import layer_param_shapes
 
@@ -191,6 +202,47 @@ def step_terms(cfg: ModelConfig, *, tokens: int, seqs: int, kv_len: int, devices
     }
 
 
+def verify_step_terms(cfg: ModelConfig, *, seqs: int, kv_len: int, devices: int,
+                      num_draft_tokens: int, dtype: str = "bf16", expert_dtype: str = "bf16",
+                      kv_dtype: str = "bf16", state_dtype: str = "bf16") -> dict[str, float]:
+    """``step_terms`` of one TARGET_VERIFY step on one device: ``seqs`` requests of n =
+    ``num_draft_tokens`` rows each, logits for every row; the GDN terms are the verify
+    kernel's (one state read, n state writes per request and layer) plus the commit (the
+    accepted state read and written into the slot)."""
+    n = num_draft_tokens
+    t = step_terms(cfg, tokens=seqs * n, seqs=seqs, kv_len=kv_len, devices=devices,
+                   logits_rows=seqs * n, decode=True, dtype=dtype, expert_dtype=expert_dtype,
+                   kv_dtype=kv_dtype, state_dtype=state_dtype)
+    n_gdn = sum(t != FULL_ATTENTION for t in cfg.layer_types)
+    stb = DTYPE_BYTES[state_dtype]
+    v = gated_delta_net_verify_cost(seqs, n, cfg.linear_num_key_heads,
+                                    cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                    cfg.linear_value_head_dim,
+                                    conv_kernel=cfg.linear_conv_kernel_dim,
+                                    x_bytes=DTYPE_BYTES[dtype], state_bytes=stb)
+    state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+             * stb)
+    t["gdn_flops"] = float(v.flops) * n_gdn
+    t["gdn_state_bytes"] = float(v.bytes_accessed + 2 * seqs * state) * n_gdn
+    return t
+
+
+def mtp_step_terms(cfg: ModelConfig, *, tokens: int, seqs: int, kv_len: int, devices: int,
+                   dtype: str = "bf16", expert_dtype: str = "bf16", kv_dtype: str = "bf16",
+                   ) -> dict[str, float]:
+    """``step_terms`` of one MTP draft step on one device: ``tokens`` rows of ``seqs``
+    requests through the ``fc`` [2H, H] and one full-attention MoE layer (its own KV of
+    ``kv_len`` keys), then the shared LM head for one row per request."""
+    mtp = dataclasses.replace(cfg, num_hidden_layers=1, layer_types=(FULL_ATTENTION,))
+    t = step_terms(mtp, tokens=tokens, seqs=seqs, kv_len=kv_len, devices=devices,
+                   logits_rows=seqs, decode=True, dtype=dtype, expert_dtype=expert_dtype,
+                   kv_dtype=kv_dtype)
+    fc = 2 * cfg.hidden_size * cfg.hidden_size
+    t["dense_flops"] += 2.0 * tokens * fc
+    t["dense_weight_bytes"] += float(fc * DTYPE_BYTES[dtype])
+    return t
+
+
 def totals(terms: dict[str, float]) -> tuple[float, float, float]:
     """(bf16 FLOPs, expert FLOPs, bytes) of a step_terms dict."""
     bf16 = sum(v for k, v in terms.items() if k.endswith("_flops") and k != "expert_flops")
@@ -216,12 +268,19 @@ class Ceiling:
     decode_step_s: float  # one decode step at mean context
     decode_bound: str  # "memory" | "compute"
     prefill_terms: dict
-    decode_terms: dict
+    decode_terms: dict  # the decode (or, speculating, the verify) step's
+    draft_s: float = 0.0  # speculating: the MTP draft steps of one decode step (in decode_step_s)
+    tokens_per_step: float = 1.0  # tokens a request gains per decode step (the accept length)
 
 
 def ceiling(cfg: ModelConfig, hw: Hardware, *, input_len: int, output_len: int, concurrency: int,
             num_chips: int, dtype: str = "bf16", expert_dtype: str = "bf16", kv_dtype: str = "bf16",
-            state_dtype: str = "bf16", prefill_tokens_per_device: int = 8192) -> Ceiling:
+            state_dtype: str = "bf16", prefill_tokens_per_device: int = 8192,
+            num_draft_tokens: int = 1, accept_length: float = 1.0) -> Ceiling:
+    """The workload's ceiling (module docstring); ``num_draft_tokens`` > 1 speculates with
+    MTP drafts, each step gaining ``accept_length`` tokens per request."""
+    if num_draft_tokens > 1 and not 1.0 <= accept_length <= num_draft_tokens:
+        raise ValueError(f"accept_length {accept_length} must lie in [1, {num_draft_tokens}]")
     devices = num_chips * hw.devices_per_chip
     per_dev = concurrency / devices  # requests per DP rank
     kw = dict(dtype=dtype, expert_dtype=expert_dtype, kv_dtype=kv_dtype, state_dtype=state_dtype)
@@ -231,16 +290,29 @@ def ceiling(cfg: ModelConfig, hw: Hardware, *, input_len: int, output_len: int, 
     pre = step_terms(cfg, tokens=T, seqs=max(1, T / input_len), kv_len=input_len / 2, devices=devices,
                      decode=False, **kw)
     prefill_s = n_steps * step_seconds(pre, hw, expert_dtype)
-    dec = step_terms(cfg, tokens=per_dev, seqs=per_dev, kv_len=input_len + output_len / 2,
-                     devices=devices, decode=True, **kw)
-    step_s = step_seconds(dec, hw, expert_dtype)
+    kv_len = input_len + output_len / 2
+    draft_s, tokens_per_step = 0.0, 1.0
+    if num_draft_tokens > 1:
+        n = num_draft_tokens
+        dec = verify_step_terms(cfg, seqs=per_dev, kv_len=kv_len, devices=devices,
+                                num_draft_tokens=n, **kw)
+        drafts = [mtp_step_terms(cfg, tokens=per_dev * (n if i == 0 else 1), seqs=per_dev,
+                                 kv_len=kv_len, devices=devices, dtype=dtype,
+                                 expert_dtype=expert_dtype, kv_dtype=kv_dtype)
+                  for i in range(n - 1)]
+        draft_s = sum(step_seconds(d, hw, expert_dtype) for d in drafts)
+        tokens_per_step = accept_length
+    else:
+        dec = step_terms(cfg, tokens=per_dev, seqs=per_dev, kv_len=kv_len, devices=devices,
+                         decode=True, **kw)
+    step_s = step_seconds(dec, hw, expert_dtype) + draft_s
     bf16, ex, nbytes = totals(dec)
     dev = hw.devices_per_chip
     bound = "memory" if nbytes / (hw.hbm_bandwidth / dev) >= bf16 / (hw.bf16_flops / dev) else "compute"
-    cycle = prefill_s + output_len * step_s
+    cycle = prefill_s + output_len / tokens_per_step * step_s
     total = concurrency * (input_len + output_len) / cycle / num_chips
     out = concurrency * output_len / cycle / num_chips
-    return Ceiling(total, out, prefill_s, step_s, bound, pre, dec)
+    return Ceiling(total, out, prefill_s, step_s, bound, pre, dec, draft_s, tokens_per_step)
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -264,6 +336,10 @@ def main(argv=None) -> Ceiling:
                    help="default: the config's dtype")
     p.add_argument("--kv-dtype", default="bf16")
     p.add_argument("--state-dtype", default="bf16")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=1,
+                   help="n = k+1 rows verified per request and step (1: no speculation)")
+    p.add_argument("--accept-length", type=float, default=None,
+                   help="tokens a request gains per verify step, 1..n (default: n)")
     a = p.parse_args(argv)
     cfg = load_config(a.model_config)
     raw = json.loads(Path(a.model_config).read_text())
@@ -271,23 +347,39 @@ def main(argv=None) -> Ceiling:
     expert_dtype = a.expert_dtype or ("fp8" if "8" in str(cfg_dtype) else "bf16")
     hw = measure_cpu() if a.hardware == "cpu" else HARDWARE[a.hardware]
     chips = a.num_chips or hw.chips_per_host
-    c = ceiling(cfg, hw, input_len=a.input_len, output_len=a.output_len, concurrency=a.concurrency,
-                num_chips=chips, expert_dtype=expert_dtype, kv_dtype=a.kv_dtype, state_dtype=a.state_dtype)
+    kw = dict(input_len=a.input_len, output_len=a.output_len, concurrency=a.concurrency,
+              num_chips=chips, expert_dtype=expert_dtype, kv_dtype=a.kv_dtype,
+              state_dtype=a.state_dtype)
+    n = a.speculative_num_draft_tokens
+    accept = a.accept_length if a.accept_length is not None else float(n)
+    try:
+        c = ceiling(cfg, hw, num_draft_tokens=n, accept_length=accept, **kw)
+    except ValueError as e:
+        p.error(str(e))
     print(f"hardware {hw.name}: {chips} chips x {hw.devices_per_chip} devices, "
           f"bf16 {hw.bf16_flops / 1e12:.1f} / fp8 {hw.fp8_flops / 1e12:.1f} TFLOP/s per chip, "
           f"HBM {hw.hbm_bandwidth / 1e12:.2f} TB/s per chip")
     print(f"workload: {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
           f"experts {expert_dtype}, KV {a.kv_dtype}, GDN state {a.state_dtype}")
     print(f"  prefill step terms (per device):\n{_fmt(c.prefill_terms)}")
-    print(f"  decode step terms (per device):\n{_fmt(c.decode_terms)}")
+    what = "verify" if n > 1 else "decode"
+    print(f"  {what} step terms (per device):\n{_fmt(c.decode_terms)}")
     print(f"prefill time per cycle {c.prefill_s:.3f} s; decode step {c.decode_step_s * 1e3:.2f} ms "
           f"({c.decode_bound}-bound)")
+    if n > 1:
+        plain = ceiling(cfg, hw, **kw)
+        print(f"speculating: {n} rows verified per request, accept length {accept:.2f}; step "
+              f"{c.decode_step_s * 1e3:.2f} ms (MTP drafts {c.draft_s * 1e3:.2f} ms) against "
+              f"{plain.decode_step_s * 1e3:.2f} ms without; {accept / c.decode_step_s:.0f} "
+              f"against {1 / plain.decode_step_s:.0f} tokens/s per request")
+        print(f"ceiling without speculation: {plain.tokens_per_s_per_chip:.0f} total tok/s/chip")
     print(f"ceiling: {c.tokens_per_s_per_chip:.0f} total tok/s/chip, "
           f"{c.output_tokens_per_s_per_chip:.0f} output tok/s/chip")
     measured = PUBLISHED.get((a.input_len, a.output_len))
     if measured and a.hardware == "tpu7x" and a.concurrency == 64 and chips == 4:
+        spec = " (published without speculation)" if n > 1 else ""
         print(f"published: {measured:.0f} tok/s/chip -> implied efficiency "
-              f"{measured / c.tokens_per_s_per_chip:.1%} of this ceiling")
+              f"{measured / c.tokens_per_s_per_chip:.1%} of this ceiling{spec}")
     return c
 
 

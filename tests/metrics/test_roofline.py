@@ -1,13 +1,16 @@
 """Roofline for Qwen3.5-397B on one Ironwood host (4 chips, 8 TensorCores, DP8 x EP8) at
 concurrency 64: each term stated, and the published 3,707 (8K/1K) and 677 (1K/8K) total
-tokens/s per chip bounded from above within 2.5x."""
+tokens/s per chip bounded from above within 2.5x; the speculative (MTP + verify) decode step."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import pytest
 
+from sglang_tpu_backend.models.param_shapes import mtp_param_shapes, num_param_bytes
 from sglang_tpu_backend.roofline import (
-    CONFIG_397B, HARDWARE, ceiling, expert_coverage, load_config, main, model_sizes, step_terms)
+    CONFIG_397B, HARDWARE, ceiling, expert_coverage, load_config, main, model_sizes,
+    mtp_step_terms, step_terms, verify_step_terms)
 
 CFG = load_config(CONFIG_397B)
 TPU = HARDWARE["tpu7x"]
@@ -62,3 +65,50 @@ def test_cpu_hardware_is_measured():
     c = main(["--hardware", "cpu", "--input-len", "128", "--output-len", "16", "--concurrency", "4",
               "--num-chips", "1"])
     assert c.tokens_per_s_per_chip > 0
+
+
+def test_verify_step_terms_count_every_row_and_each_position_state():
+    # 8 requests x n = 4 rows per device: 32 tokens, logits for each, experts covered by
+    # 256 routed tokens; GDN: per request one state read, 4 writes, the commit's read + write.
+    n, seqs = 4, 8
+    v = verify_step_terms(CFG, seqs=seqs, kv_len=5120, devices=8, num_draft_tokens=n)
+    d = step_terms(CFG, tokens=seqs, seqs=seqs, kv_len=5120, devices=8, decode=True)
+    assert v["lm_head_flops"] == n * d["lm_head_flops"]
+    assert v["expert_rows"] == n * d["expert_rows"]
+    assert v["touched_local_experts"] == pytest.approx(expert_coverage(256, 512, 10) * 64)
+    state = 64 * 128 * 128 * 2  # bf16 [Hv, Dk, Dv]
+    rec = 45 * seqs * (1 + n + 2) * state
+    assert rec < v["gdn_state_bytes"] < 1.05 * rec
+    assert v["kv_bytes"] == 15 * (8 * 5120 + 32) * 2 * 2 * 256 * 2
+
+
+def test_mtp_step_reads_one_attention_moe_layer_and_its_fc():
+    t = mtp_step_terms(CFG, tokens=8, seqs=8, kv_len=5120, devices=1)
+    s = model_sizes(CFG)
+    shapes = mtp_param_shapes(CFG, jnp.bfloat16)
+    # One device holds all 512 experts; with 8 tokens it touches 1-(1-10/512)^8 of them.
+    all_bytes = t["dense_weight_bytes"] + 512 * s.expert_bytes
+    assert all_bytes == pytest.approx(num_param_bytes(shapes), rel=1e-4)
+    assert t["lm_head_flops"] == 8 * 2 * s.lm_head_params
+    assert t["kv_bytes"] == (8 * 5120 + 8) * 2 * 2 * 256 * 2
+
+
+def test_speculation_pays_only_above_its_break_even_accept_length():
+    kw = dict(input_len=1024, output_len=8192, concurrency=64, num_chips=4)
+    plain = ceiling(CFG, TPU, **kw).tokens_per_s_per_chip
+    spec = {a: ceiling(CFG, TPU, num_draft_tokens=4, accept_length=a, **kw) for a in (1.0, 2.5, 4.0)}
+    assert spec[1.0].tokens_per_s_per_chip < plain < spec[2.5].tokens_per_s_per_chip
+    assert spec[2.5].tokens_per_s_per_chip < spec[4.0].tokens_per_s_per_chip
+    # A verify step costs more than a decode step, and the MTP drafts are part of it.
+    assert spec[1.0].decode_step_s > ceiling(CFG, TPU, **kw).decode_step_s
+    assert 0 < spec[1.0].draft_s < spec[1.0].decode_step_s
+    with pytest.raises(ValueError, match="accept_length"):
+        ceiling(CFG, TPU, num_draft_tokens=4, accept_length=5.0, **kw)
+
+
+def test_cli_prints_the_speculative_ceiling_beside_the_published_figure(capsys):
+    c = main(["--input-len", "1024", "--output-len", "8192", "--speculative-num-draft-tokens",
+              "4", "--accept-length", "2.5"])
+    printed = capsys.readouterr().out
+    assert "ceiling without speculation" in printed and "published: 677" in printed
+    assert f"{c.tokens_per_s_per_chip:.0f} total tok/s/chip" in printed
