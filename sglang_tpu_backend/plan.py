@@ -40,6 +40,11 @@ activations, one step of T = --max-num-batched-tokens tokens per DP rank, b = --
 MTP       with ``--mtp`` (NEXTN drafting) also the ``mtp.*`` layers: their weights (fc, norms, one
           full-attention MoE layer each, split like the main layers') and their KV pages (one
           more attention layer per MTP layer in La).
+verify    with ``--speculative-num-draft-tokens n`` (n > 1: each decode step verifies n rows per
+          request) the step holds, per request, every GDN layer's state after each of the n
+          positions until the acceptance is known (``model_executor/verify.VerifyStates``):
+          r * Lg * (n * hv*Dk*Dv * b_state + (rows(K)-1+n) * c * conv bytes), and its f32
+          logits grow to 4 * r * n * V.
 headroom  = HBM per device - (weights + KV + GDN + activations); max_running_requests is the
           largest R with headroom >= 0 (binary search; the plan is monotone in R).
 """
@@ -80,12 +85,15 @@ class Generation:
     fp8_flops_per_chip: float
     vmem_per_core: int  # bytes
     chips_per_host: int
+    reserved_per_core: int = 0  # HBM bytes XLA keeps for itself: a program gets the rest
 
 
-GENERATIONS = {  # Ironwood: 192 GiB HBM, 7.4 TB/s, 2,307 / 4,614 TFLOP/s per chip
+GENERATIONS = {  # Ironwood: 192 GiB HBM, 7.4 TB/s, 2,307 / 4,614 TFLOP/s per chip; XLA:TPU
+    # offers a program 94.75 GiB of a TensorCore's 96 (its out-of-memory message says so).
     "tpu7x": Generation(cores_per_chip=2, hbm_per_chip=192 * GiB, hbm_bw_per_chip=7.4e12,
                         bf16_flops_per_chip=2307e12, fp8_flops_per_chip=4614e12,
-                        vmem_per_core=64 << 20, chips_per_host=4),
+                        vmem_per_core=64 << 20, chips_per_host=4,
+                        reserved_per_core=5 * GiB // 4),
 }
 
 
@@ -96,7 +104,7 @@ class Topology:
     chips: int
     devices: int  # chips * cores_per_chip
     hosts: int
-    hbm_per_device: int  # bytes
+    hbm_per_device: int  # bytes a program may use (HBM per core less what XLA reserves)
 
 
 def parse_topology(name: str) -> Topology:
@@ -112,7 +120,8 @@ def parse_topology(name: str) -> Topology:
                          f"{gen.chips_per_host} chips")
     return Topology(name, gen, chips, devices=chips * gen.cores_per_chip,
                     hosts=max(1, chips // gen.chips_per_host),
-                    hbm_per_device=gen.hbm_per_chip // gen.cores_per_chip)
+                    hbm_per_device=gen.hbm_per_chip // gen.cores_per_chip
+                    - gen.reserved_per_core)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +148,7 @@ class MemoryPlan:
     redundant_experts: int = 0  # EPLB: physical expert slots per MoE layer beyond E
     expert_slots_per_device: int = 0  # (E + redundant) / ep
     mtp_layers: int = 0  # MTP layers planned (weights and KV pages), 0 without --mtp
+    num_draft_tokens: int = 1  # n rows verified per request and step (1: no speculation)
 
     @property
     def weights(self) -> int:
@@ -237,6 +247,18 @@ def gdn_slot_bytes(cfg: ModelConfig, *, tp: int, conv_bytes: int, state_bytes: i
         + hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_bytes)
 
 
+def verify_state_bytes(cfg: ModelConfig, *, tp: int, num_draft_tokens: int, conv_bytes: int,
+                       state_bytes: int) -> int:
+    """One request's ``VerifyStates`` in a verify step of n = ``num_draft_tokens`` rows: every
+    GDN layer's recurrent state after each position and its conv window (the slot's rows,
+    then the n inputs), bytes per device."""
+    _, _, hv, c = _tp_heads(cfg, tp)
+    n = num_draft_tokens
+    return len(cfg.linear_layers) * (
+        n * hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_bytes
+        + (conv_state_rows(cfg.linear_conv_kernel_dim) - 1 + n) * c * conv_bytes)
+
+
 def step_activation_bytes(cfg: ModelConfig, *, ep: int, tp: int, tokens: int,
                           dtype_bytes: int) -> int:
     """Activations of one step of ``tokens`` token rows per DP rank, bytes per device, without
@@ -252,7 +274,7 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
          context_length: int = 9216, page_size: int = 256, expert_dtype: str = "fp8",
          dtype: str = "bf16", kv_dtype: str = "bf16", state_dtype: str = "bf16",
          max_num_batched_tokens: int = 1024, redundant_experts: int = 0,
-         mtp: bool = False) -> MemoryPlan:
+         mtp: bool = False, num_draft_tokens: int = 1) -> MemoryPlan:
     """Memory per device for ``running_requests`` per host (default: the most that fit).
 
     dp and tp default to fill the topology (dp = devices / tp, tp = devices / dp; both unset:
@@ -264,7 +286,7 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
                                    (expert_dtype, dtype, kv_dtype, state_dtype)):
         _check(val in choices, f"{flag} {val!r}: expected one of {', '.join(choices)}")
     for flag, val in (("--dp", dp), ("--ep", ep), ("--tp", tp), ("--context-length", context_length),
-                      ("--page-size", page_size),
+                      ("--page-size", page_size), ("--speculative-num-draft-tokens", num_draft_tokens),
                       ("--max-num-batched-tokens", max_num_batched_tokens)):
         _check(val is None or val >= 1, f"{flag} {val} must be >= 1")
     tp = tp or (n // dp if dp else 1)
@@ -293,10 +315,14 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
                                  state_bytes=b_state)
     act_fixed = step_activation_bytes(cfg, ep=ep, tp=tp, tokens=max_num_batched_tokens,
                                       dtype_bytes=b)
+    nd = num_draft_tokens
+    act_per_req = 4 * nd * cfg.vocab_size + (verify_state_bytes(
+        cfg, tp=tp, num_draft_tokens=nd, conv_bytes=b_state if fp8_kv else b_kv,
+        state_bytes=b_state) if nd > 1 else 0)
 
     def per_device(R: int) -> tuple[int, int, int, int]:
         r = -(-R * topo.hosts // dp)
-        return r, r * kv_per_req, r * gdn_per_req, act_fixed + 4 * r * cfg.vocab_size
+        return r, r * kv_per_req, r * gdn_per_req, act_fixed + r * act_per_req
 
     hbm = topo.hbm_per_device
     fits = lambda R: replicated + sharded + sum(per_device(R)[1:]) <= hbm  # noqa: E731
@@ -316,7 +342,7 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
                       weights_sharded=sharded, kv_pages=kv, gdn_state=gdn, activations=act,
                       hbm=hbm, max_running_requests=max_r, redundant_experts=redundant_experts,
                       expert_slots_per_device=(cfg.num_experts + redundant_experts) // ep,
-                      mtp_layers=mtp_layers)
+                      mtp_layers=mtp_layers, num_draft_tokens=nd)
 
 
 def format_plan(p: MemoryPlan) -> str:
@@ -325,7 +351,8 @@ def format_plan(p: MemoryPlan) -> str:
     head = (f"{p.topology}: {p.devices} devices on {p.hosts} host(s), {mode}, context "
             f"{p.context_length} tokens, page {p.page_size}, "
             f"{p.expert_slots_per_device} expert slots per device per MoE layer "
-            f"({p.redundant_experts} redundant), {p.mtp_layers} MTP layer(s)\n"
+            f"({p.redundant_experts} redundant), {p.mtp_layers} MTP layer(s), "
+            f"{p.num_draft_tokens} row(s) verified per request and step\n"
             f"running requests per host {p.running_requests} "
             f"({p.requests_per_device} per DP rank, held on each of its {p.tp} device(s))\n")
     rows = [("weights, replicated", p.weights_replicated), ("weights, sharded", p.weights_sharded),
@@ -368,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(flag, default=choices[0], choices=choices)
     ap.add_argument("--mtp", action="store_true",
                     help="also hold the MTP layers' weights and KV pages (NEXTN drafting)")
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=1,
+                    help="rows verified per request and decode step (the last token and its "
+                         "drafts; 1: no speculation): the verify step's GDN states and logits")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
                     help="the server's flag: fp8_e4m3 is --kv-dtype fp8 (float8_e4m3fn pages "
                          "with f32 per-row scales), auto leaves --kv-dtype")
@@ -390,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                  page_size=a.page_size, expert_dtype=a.expert_dtype, dtype=a.dtype,
                  kv_dtype=a.kv_dtype, state_dtype=a.state_dtype,
                  max_num_batched_tokens=a.max_num_batched_tokens,
-                 redundant_experts=a.ep_num_redundant_experts, mtp=a.mtp)
+                 redundant_experts=a.ep_num_redundant_experts, mtp=a.mtp,
+                 num_draft_tokens=a.speculative_num_draft_tokens)
     except ValueError as e:  # ConfigError is a ValueError
         ap.error(str(e))
     print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))

@@ -95,7 +95,9 @@ def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
     ``redundant_experts``: EPLB's extra physical expert slots per MoE layer (and their maps).
 
     ``spec`` is per DP rank (bucket, pages and slots of one rank); the global arrays are the
-    ranks' concatenation, placed as DPForward places them. Memory figures are per device.
+    ranks' concatenation, placed as DPForward places them. Memory figures are per device. A
+    TARGET_VERIFY spec compiles the verify forward (``DPForward.verify``: logits of every
+    row and the GDN states after each position).
     """
     from sglang_tpu_backend.parallel.dp_forward import DPForward
     from sglang_tpu_backend.parallel.mesh import EPContext
@@ -109,7 +111,8 @@ def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
     local = abstract_batch(spec, mesh)
     batch = jax.tree.map(lambda a, p: abstract((a.shape[0] * D, *a.shape[1:]), a.dtype, mesh, p),
                          local, dp.batch_specs(spec.mode))
-    return compile_for_tpu(dp._global_step, (params, cache, batch), mesh, donate_argnums=(1,),
+    step = dp._global_verify if spec.mode.is_verify() else dp._global_step
+    return compile_for_tpu(step, (params, cache, batch), mesh, donate_argnums=(1,),
                            compiler_options=compiler_options)
 
 

@@ -111,7 +111,8 @@ def test_dp8_ep8_fits_512_and_tp8_does_not():
 
 def test_two_hosts_split_requests_over_16_ranks():
     p = plan(CFG, "tpu7x:2x2x2", running_requests=512, **COMMON)
-    assert (p.devices, p.hosts, p.dp, p.ep, p.hbm) == (16, 2, 16, 16, 96 << 30)
+    # 96 GiB per TensorCore, 1.25 GiB of it kept by XLA:TPU (what a program may use: 94.75)
+    assert (p.devices, p.hosts, p.dp, p.ep, p.hbm) == (16, 2, 16, 16, (96 << 30) - (5 << 30) // 4)
     assert p.requests_per_device == 64  # 512 per host x 2 hosts / 16 ranks
     assert p.weights_sharded == EXPERTS_PER_DEVICE_EP8 // 2
 
@@ -219,3 +220,17 @@ def test_mtp_layer_weights_and_kv_pages_equal_hand_computed_sizes(capsys):
     no_mtp = dataclasses.replace(CFG, mtp_num_hidden_layers=0)
     with pytest.raises(ValueError, match="--mtp"):
         plan(no_mtp, "tpu7x:2x2x1", mtp=True, **COMMON)
+
+
+def test_verify_step_states_and_logits_are_planned():
+    """--speculative-num-draft-tokens 4: per request, 45 GDN layers x (4 recurrent states of
+    64 x 128 x 128 bf16 + a conv window of 3 + 4 rows of 12,288 bf16 channels) and 4 rows of
+    f32 logits; fewer requests then fit."""
+    base = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, running_requests=512, **COMMON)
+    p = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, running_requests=512, num_draft_tokens=4, **COMMON)
+    per_req = 45 * (4 * 64 * 128 * 128 * 2 + (3 + 4) * 12288 * 2) + 3 * 4 * 248320
+    assert p.activations - base.activations == 64 * per_req
+    assert (p.weights, p.kv_pages, p.gdn_state) == (base.weights, base.kv_pages, base.gdn_state)
+    assert p.num_draft_tokens == 4 and p.max_running_requests < 512 < base.max_running_requests
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens"):
+        plan(CFG, "tpu7x:2x2x1", num_draft_tokens=0, **COMMON)
