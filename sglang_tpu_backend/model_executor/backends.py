@@ -51,6 +51,7 @@ class StepBackend(abc.ABC):
     state_transfer: bool = False  # request state export / install (handover)
     weight_updates: bool = True  # ``place_params`` after start-up
     verify_steps: bool = False  # ``verify``: TARGET_VERIFY steps (speculative decoding)
+    hidden_states: bool = False  # ``forward_hidden`` / ``verify_hidden`` (NEXTN drafting)
     dp = None  # the DPForward whose rank layout the caches follow (None: one pool)
     tp = None  # the TPForward whose head layout the caches follow (None: whole heads)
 
@@ -114,6 +115,17 @@ class StepBackend(abc.ABC):
         raise NotImplementedError(f"speculative decoding is not supported with "
                                   f"{type(self).__name__}")
 
+    def forward_hidden(self, params: Any, cache: qwen3_5_moe.ModelCache,
+                       batches: Sequence[ForwardBatch]) -> tuple[StepOutput, jax.Array]:
+        """``forward`` (no in-flight inputs), and every row's hidden state [T, H] after the
+        final norm (NEXTN: the MTP drafter's input, ``nextn_step.py``)."""
+        raise NotImplementedError(f"NEXTN drafting is not supported with {type(self).__name__}")
+
+    def verify_hidden(self, params: Any, cache: qwen3_5_moe.ModelCache,
+                      batches: Sequence[ForwardBatch]) -> tuple[tuple, jax.Array]:
+        """``verify``, and every row's hidden state [T, H] after the final norm."""
+        raise NotImplementedError(f"NEXTN drafting is not supported with {type(self).__name__}")
+
     def commit(self, cache: qwen3_5_moe.ModelCache, states: Any, slots: np.ndarray,
                accepted_len: jax.Array) -> qwen3_5_moe.ModelCache:
         """Each verified request's GDN slot := its state after ``accepted_len`` positions
@@ -142,6 +154,7 @@ class SingleDeviceBackend(StepBackend):
     in_flight_inputs = True
     state_transfer = True
     verify_steps = True
+    hidden_states = True
 
     def __init__(self, cfg: ModelConfig, **kw):
         super().__init__(cfg, **kw)
@@ -184,6 +197,21 @@ class SingleDeviceBackend(StepBackend):
         (fb,) = batches
         return forward_verify_jit(params, cache, fb, cfg=self.cfg, impl=self.impl,
                                   batch_invariant=self.batch_invariant)
+
+    def forward_hidden(self, params, cache, batches):
+        (fb,) = batches
+        *out, hidden = qwen3_5_moe.forward_jit(
+            params, cache, fb, cfg=self.cfg, impl=self.impl, with_stats=self.with_stats,
+            batch_invariant=self.batch_invariant, with_hidden=True)
+        return self._split(tuple(out)), hidden
+
+    def verify_hidden(self, params, cache, batches):
+        from sglang_tpu_backend.model_executor.verify import forward_verify_jit
+
+        (fb,) = batches
+        *out, hidden = forward_verify_jit(params, cache, fb, cfg=self.cfg, impl=self.impl,
+                                          batch_invariant=self.batch_invariant, with_hidden=True)
+        return tuple(out), hidden
 
 
 class TPBackend(StepBackend):
