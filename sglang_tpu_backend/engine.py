@@ -143,6 +143,7 @@ class Engine:
         args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
         args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
         args.check_role(role)
+        mtp_params = _mtp_params(args, cfg, role)
         # Read by the runner's backend straight into its shardings (or drawn: dummy).
         params = WeightSource(cfg, args.model_path, args.load_format, DTYPES[args.dtype],
                               seed=args.random_seed)
@@ -172,8 +173,7 @@ class Engine:
             tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
             deterministic=det, expert_location=location,
             eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
-            else None, num_drafts=args.speculative_num_drafts,
-            mtp_params=_mtp_params(args, cfg, role))
+            else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params)
         self.requests = RequestBuilder(
             self.tokenizer, vocab_size=cfg.vocab_size, context_length=args.context_length,
             kv_capacity_tokens=self.num_pages_per_rank * args.page_size
