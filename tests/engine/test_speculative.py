@@ -740,3 +740,40 @@ def test_nextn_drafts_equal_the_mtp_reference(clean_nextn_engine, clean_engine):
         assert len(seen) >= 2
         for seq, drafts in seen:
             assert drafts == reference_drafts(eng.runner, seq, K), (rid, len(seq))
+
+
+def test_nextn_retraction_keeps_outputs(clean_nextn_engine, clean_engine):
+    """A KV pool too small for every request: retracted requests re-prefill (recomputing
+    their MTP KV) and the outputs stay the plain engine's."""
+    objs = workload(2, n=12)
+    want = run_all(clean_engine, objs)
+    before = clean_nextn_engine.scheduler.num_retracted_total
+    with small_page_pool(clean_nextn_engine, 14):
+        got = run_all(clean_nextn_engine, fresh(objs, "x"))
+    assert clean_nextn_engine.scheduler.num_retracted_total > before
+    assert_same_outputs(got, want)
+
+
+def no_mtp_model(tmp_path) -> dict:
+    """Args of a model directory whose config lists no MTP layer (only its config is read)."""
+    from sglang_tpu_backend.tiny_model import default_model_path
+
+    cfg = json.loads((default_model_path() / "config.json").read_text())
+    for c in (cfg, cfg.get("text_config", {})):
+        if "mtp_num_hidden_layers" in c:
+            c["mtp_num_hidden_layers"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return dict(model_path=str(tmp_path), tokenizer_path=str(default_model_path()))
+
+
+@pytest.mark.parametrize("case, role, match", [
+    ("dummy", "colocated", "--load-format dummy"),
+    ("decode", "decode", "decode replica hands request state over"),
+    ("no-mtp", "colocated", "mtp_num_hidden_layers 0"),
+])
+def test_nextn_refusals_name_the_flag(case, role, match, tmp_path):
+    from sglang_tpu_backend.engine import Engine
+
+    kw = {"dummy": dict(load_format="dummy"), "decode": {}, "no-mtp": no_mtp_model(tmp_path)}
+    with pytest.raises(ValueError, match=f"--speculative-algorithm NEXTN.*{match}"):
+        Engine(ServerArgs(**NEXTN_ARGS, **kw[case]), role=role, start_loop=False)
