@@ -98,6 +98,8 @@ class ModelRunner:
     are per DP rank (the whole cache with ``dp_size == 1``).
     """
 
+    last_hidden: Any = None  # NEXTN: the last forward's hidden states [T, H] (device)
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -176,7 +178,6 @@ class ModelRunner:
         self.transfer = self.backend.make_transfer(num_pages, num_state_slots)
         self.snapshots = self.backend.make_snapshots(self.cache, num_gdn_snapshots,
                                                      max_running_requests)
-        self.last_hidden = None  # NEXTN: the last forward's hidden states [T, H]
         self.nextn = None if mtp_params is None else self._init_nextn(
             mtp_params, num_pages, context_length, kv_dtype)
 
