@@ -92,9 +92,9 @@ class ServerArgs:
     NGRAM drafts from the request's own prompt + output (suffixes of
     ``speculative_ngram_min/max_match_window_size`` tokens); NEXTN (EAGLE an alias) drafts
     with the checkpoint's MTP layers on the device after every step
-    (``model_executor/nextn_step.py``): one device only (no DP), and the checkpoint must have
-    MTP weights (``Engine`` checks). One device or DP ranks (no TP / multi-host); the overlap
-    scheduler is off under it (the next step's drafts need this step's tokens).
+    (``model_executor/nextn_step.py``); the checkpoint must have MTP weights (``Engine``
+    checks). One device or DP ranks (no TP / multi-host); the overlap scheduler is off under
+    it (the next step's drafts need this step's tokens).
 
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
@@ -290,9 +290,6 @@ class ServerArgs:
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
                              f"got {algo!r}")
-        if algo != "NGRAM" and self.dp_size != 1:
-            raise ValueError(f"--speculative-algorithm {algo} drafts with the MTP layers on one "
-                             f"device: it needs --dp-size 1 (got {self.dp_size}); use NGRAM")
         for name, value, low in (("speculative_num_steps", steps, 1),
                                  ("speculative_num_draft_tokens", n, 2)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -537,7 +534,7 @@ def _add_speculative_flags(a, d) -> None:
     a("--speculative-algorithm", type=str, default=d.speculative_algorithm,
       choices=SPECULATIVE_ALGORITHMS,
       help="speculative decoding: NGRAM drafts from the request's own tokens; NEXTN (EAGLE "
-           "an alias) with the checkpoint's MTP layers (one device)")
+           "an alias) with the checkpoint's MTP layers")
     a("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
       help="tokens verified per request and step: the last token plus the drafts (default 4)")
     a("--speculative-num-steps", type=int, default=d.speculative_num_steps,

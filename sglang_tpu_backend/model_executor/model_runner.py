@@ -21,7 +21,7 @@ stats (the MoE health gauges and EPLB's expert loads then come from prefill step
 request's pages cover up to k positions past the context length, hence ``pages_per_seq`` of
 ``context_length + k`` tokens.
 
-NEXTN (``mtp_params`` given; one device): every step also returns the target's hidden
+NEXTN (``mtp_params`` given; one device or DP ranks): every step also returns the target's hidden
 states and dispatches the MTP pass and chain of drafts (``nextn_step.py``) after its sampler;
 each sampling chunk's k drafts come back with its tokens (``ChunkResult.drafts``).
 
@@ -67,7 +67,7 @@ class StepInputs:
     K: top logprobs to compute (0 or ``max_top_logprobs_num``). spec: a verify step's draft
     inputs (None otherwise; its ``inp`` then holds each request's sampling values, read from
     its row 0, and the per-position bitmask i32[D*R, k+1, W]). mtp: the MTP pass's inputs
-    (NEXTN only).
+    per rank (NEXTN only).
     """
 
     fbs: list[ForwardBatch]
@@ -77,7 +77,7 @@ class StepInputs:
     sample_idx: list[int]
     K: int
     spec: VerifyInputs | None = None
-    mtp: MtpInputs | None = None
+    mtp: list[MtpInputs] | None = None
 
 
 @dataclasses.dataclass
@@ -184,14 +184,14 @@ class ModelRunner:
     def _init_nextn(self, mtp_params: Any, num_pages: int, context_length: int,
                     kv_dtype: Any) -> NextnDrafts:
         if not self.num_drafts or not self.backend.hidden_states:
-            raise ValueError(f"NEXTN drafting needs num_drafts > 0 and one device, not "
-                             f"{type(self.backend).__name__}")
+            raise ValueError(f"NEXTN drafting needs num_drafts > 0 and a backend with hidden "
+                             f"states, not {type(self.backend).__name__}")
         if jnp.dtype(kv_dtype).itemsize == 1:  # the MTP pages are never FP8
             kv_dtype = jnp.bfloat16
-        return NextnDrafts(self.cfg, mtp_params, num_steps=self.num_drafts, num_pages=num_pages,
-                           page_size=self.page_size, context_length=context_length,
-                           max_reqs=max(R for _, _, R, _ in self.all_shapes()),
-                           kv_dtype=kv_dtype, place=self.backend.place_params)
+        return NextnDrafts(self.backend, mtp_params, num_steps=self.num_drafts,
+                           num_pages=num_pages, page_size=self.page_size,
+                           context_length=context_length, kv_dtype=kv_dtype,
+                           max_reqs=max(R for _, _, R, _ in self.all_shapes()))
 
     def _init_balancer(self, params: Any, source: Any, expert_location: Any, router_stats: bool,
                        rebalance_every: int | None) -> tuple[Any, Any]:
@@ -285,7 +285,7 @@ class ModelRunner:
             fbs=fbs, from_slot=_in_flight_rows(from_slots), inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
             sample_idx=[k * R + j for k, j in where],
             K=self.max_top_logprobs_num if want_lp else 0, spec=spec,
-            mtp=self.nextn.inputs(per_rank[0], T, R) if self.nextn is not None else None)
+            mtp=[self.nextn.inputs(cs, T, R) for cs in per_rank] if self.nextn else None)
 
     def _rank_batch(self, chunks: list[ScheduledChunk], mode: ForwardMode, T: int, R: int, L: int
                     ) -> tuple[ForwardBatch, list[np.ndarray], np.ndarray | None]:
@@ -333,12 +333,11 @@ class ModelRunner:
             logits, self.cache, states = self.backend.verify(self.params, self.cache, fbs)
         return logits, states
 
-    def draft(self, fb: ForwardBatch, mtp: MtpInputs, sampled: jax.Array, accepted_len: Any
-              ) -> jax.Array:
+    def draft(self, fbs: list[ForwardBatch], mtp: list[MtpInputs], sampled: jax.Array,
+              accepted_len: Any) -> jax.Array:
         """NEXTN: dispatch the MTP pass over the last forward's rows and the chain of drafts
-        (``nextn_step.py``); i32[R, k] on the device."""
-        return self.nextn.run(self.params, fb, self.last_hidden, mtp, sampled, accepted_len,
-                              self.backend.impl)
+        (``nextn_step.py``); i32[D*R, k] on the device."""
+        return self.nextn.run(self.params, fbs, self.last_hidden, mtp, sampled, accepted_len)
 
     def verify(self, fbs: list[ForwardBatch], spec: VerifyInputs, inp: sampler.SamplingInputs,
                K: int, variant: sampler.SamplerVariant = sampler.FULL) -> dict[str, jax.Array]:
@@ -380,7 +379,7 @@ class ModelRunner:
         if step.spec is not None:
             out = self.verify(step.fbs, step.spec, step.inp, step.K, variant)
             if step.mtp is not None:
-                out["drafts"] = self.draft(step.fbs[0], step.mtp, out["tokens"],
+                out["drafts"] = self.draft(step.fbs, step.mtp, out["tokens"],
                                            out["accepted_len"])
             return LaunchedStep(batch, out, step.rows, step.sample_idx, None)
         logits = self.forward(step.fbs, step.from_slot)
@@ -388,8 +387,8 @@ class ModelRunner:
             self.snapshots.save(self.cache, [(x.rank, x.slot, x.snapshot) for x in batch.state_saves])
         out = self.sample(logits, step.inp, step.K, variant)
         if step.mtp is not None:
-            out["drafts"] = self.draft(step.fbs[0], step.mtp, out["tokens"],
-                                       np.ones(len(step.mtp.draft_rows), np.int32))
+            out["drafts"] = self.draft(step.fbs, step.mtp, out["tokens"],
+                                       np.ones(len(out["tokens"]), np.int32))
         return LaunchedStep(batch, out, step.rows, step.sample_idx, self._stats)
 
     def complete(self, step: LaunchedStep) -> list[ChunkResult]:

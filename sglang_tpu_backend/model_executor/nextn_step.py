@@ -44,7 +44,7 @@ from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.managers.schedule_batch import ScheduledChunk
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
-from sglang_tpu_backend.models.mtp import init_mtp_cache, mtp_forward
+from sglang_tpu_backend.models.mtp import mtp_forward
 
 
 @jax.tree_util.register_dataclass
@@ -69,8 +69,10 @@ class MtpInputs:
 
 def mtp_drafts(params: Any, mtp_params: Any, cache: jax.Array, batch: ForwardBatch,
                hidden: jax.Array, inp: MtpInputs, sampled: jax.Array, accepted_len: jax.Array,
-               cfg: ModelConfig, impl: str, num_steps: int) -> tuple[jax.Array, jax.Array]:
-    """The MTP pass over the step's rows and the chain after each request's last valid row.
+               cfg: ModelConfig, impl: str, num_steps: int, ep=None
+               ) -> tuple[jax.Array, jax.Array]:
+    """The MTP pass over the step's rows and the chain after each request's last valid row
+    (one device, or one DP rank under ``shard_map`` with ``ep``: all arrays rank-local).
 
     batch: the step's ForwardBatch; hidden [T, H] its rows' hidden states; sampled: the
     step's sampled tokens (i32[R] or i32[R, n]); accepted_len i32[R] (1 unless verify).
@@ -81,7 +83,8 @@ def mtp_drafts(params: Any, mtp_params: Any, cache: jax.Array, batch: ForwardBat
     rows = inp.draft_rows + jnp.maximum(accepted_len - 1, 0)
     batch = dataclasses.replace(batch, input_ids=ids, page_table=inp.page_table,
                                 logits_indices=rows)
-    logits, out, cache = mtp_forward(params, mtp_params, cache, batch, hidden, cfg, impl, 0)
+    logits, out, cache = mtp_forward(params, mtp_params, cache, batch, hidden, cfg, impl, 0,
+                                     ep=ep)
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R]
     R = rows.shape[0]
     num_seqs = batch.num_seqs[0]
@@ -94,7 +97,7 @@ def mtp_drafts(params: Any, mtp_params: Any, cache: jax.Array, batch: ForwardBat
         logits_indices=jnp.arange(R, dtype=jnp.int32), mode=ForwardMode.DECODE)
     drafts, h = [token], out[rows]
     for s in range(1, num_steps):  # step s: x[p+s+1] at position p+s, fed its own output
-        logits, h, cache = mtp_forward(params, mtp_params, cache, chain, h, cfg, impl, s)
+        logits, h, cache = mtp_forward(params, mtp_params, cache, chain, h, cfg, impl, s, ep=ep)
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         drafts.append(token)
         chain = dataclasses.replace(chain, input_ids=token, positions=chain.positions + 1,
@@ -107,25 +110,24 @@ mtp_drafts_jit = jax.jit(mtp_drafts, static_argnames=("cfg", "impl", "num_steps"
 
 
 class NextnDrafts:
-    """The runner's MTP side: params (placed like the main ones), the MTP KV cache (the
-    pool's ``num_pages`` at the target's page ids, then the scratch pages) and the per-step
-    program. One device only."""
+    """The runner's MTP side: params (placed like the main ones by the step backend), the MTP
+    KV cache (per rank: the pool's ``num_pages`` at the target's page ids, then the scratch
+    pages) and the per-step program (``backend.mtp_drafts``)."""
 
-    def __init__(self, cfg: ModelConfig, mtp_params: Any, *, num_steps: int, num_pages: int,
-                 page_size: int, max_reqs: int, context_length: int, kv_dtype: Any, place):
-        """``place``: the backend's ``place_params``; ``max_reqs``: the largest request
-        bucket (rows that get scratch pages)."""
-        self.cfg, self.num_steps, self.page_size = cfg, num_steps, page_size
-        self.num_pages = num_pages
+    def __init__(self, backend: Any, mtp_params: Any, *, num_steps: int, num_pages: int,
+                 page_size: int, max_reqs: int, context_length: int, kv_dtype: Any):
+        """``backend``: the runner's ``StepBackend``; ``num_pages`` per rank; ``max_reqs``:
+        the largest request bucket (rows that get scratch pages)."""
+        self.backend, self.num_steps, self.num_pages = backend, num_steps, num_pages
         self.scratch_per_req = pages_for(num_steps, page_size) + 1  # S
         self.pages_per_seq = pages_for(context_length + 2 * num_steps, page_size)
-        self.params = place(mtp_params)
-        cache = init_mtp_cache(cfg, num_pages=num_pages + max_reqs * self.scratch_per_req,
-                               page_size=page_size, kv_dtype=kv_dtype)
-        self.cache = jax.device_put(cache, jax.devices()[0])
+        self.params = backend.place_mtp_params(mtp_params)
+        self.cache = backend.init_mtp_cache(
+            num_pages=num_pages + max_reqs * self.scratch_per_req, page_size=page_size,
+            kv_dtype=kv_dtype)
 
     def inputs(self, chunks: Sequence[ScheduledChunk], T: int, R: int) -> MtpInputs:
-        """The MTP inputs of one step's chunks in bucket (T, R) (module docstring)."""
+        """The MTP inputs of one rank's chunks in bucket (T, R) (module docstring)."""
         next_ids, from_sampled = np.zeros(T, np.int32), np.full(T, -1, np.int32)
         draft_rows = np.zeros(R, np.int32)
         page_table = np.zeros((R, self.pages_per_seq), np.int32)
@@ -153,17 +155,17 @@ class NextnDrafts:
         rest = [base + j % S for j in range(self.pages_per_seq - len(own))]
         return np.asarray(own + rest, np.int32)
 
-    def run(self, params: Any, batch: ForwardBatch, hidden: jax.Array, inp: MtpInputs,
-            sampled: jax.Array, accepted_len: Any, impl: str) -> jax.Array:
-        """Dispatch the step's MTP pass and chain (cache donated); i32[R, k] drafts on the
-        device."""
-        drafts, self.cache = mtp_drafts_jit(params, self.params, self.cache, batch, hidden,
-                                            inp, sampled, accepted_len, cfg=self.cfg, impl=impl,
-                                            num_steps=self.num_steps)
+    def run(self, params: Any, fbs: Sequence[ForwardBatch], hidden: jax.Array,
+            inps: Sequence[MtpInputs], sampled: jax.Array, accepted_len: Any) -> jax.Array:
+        """Dispatch the step's MTP pass and chain on one batch and MTP input per rank (cache
+        donated); i32[D*R, k] drafts on the device, rank after rank."""
+        drafts, self.cache = self.backend.mtp_drafts(
+            params, self.params, self.cache, fbs, hidden, inps, sampled, accepted_len,
+            self.num_steps)
         return drafts
 
-    def warm_up(self, params: Any, batch: ForwardBatch, hidden: jax.Array, sampled: jax.Array,
-                accepted_len: Any, impl: str) -> None:
-        """Compile the program of ``batch``'s bucket on all-padding inputs (writes nothing)."""
-        T, R = batch.input_ids.shape[0], batch.kv_lens.shape[0]
-        self.run(params, batch, hidden, self.inputs([], T, R), sampled, accepted_len, impl)
+    def warm_up(self, params: Any, fbs: Sequence[ForwardBatch], hidden: jax.Array,
+                sampled: Any, accepted_len: Any) -> None:
+        """Compile the program of ``fbs``' bucket on all-padding inputs (writes nothing)."""
+        T, R = fbs[0].input_ids.shape[0], fbs[0].kv_lens.shape[0]
+        self.run(params, fbs, hidden, [self.inputs([], T, R)] * len(fbs), sampled, accepted_len)

@@ -86,15 +86,14 @@ def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
                 runner.cache = runner.backend.commit(runner.cache, states, slots,
                                                      out["accepted_len"])
                 if runner.nextn is not None:
-                    runner.nextn.warm_up(runner.params, fbs[0], runner.last_hidden, out["tokens"],
-                                         out["accepted_len"], runner.backend.impl)
+                    runner.nextn.warm_up(runner.params, fbs, runner.last_hidden, out["tokens"],
+                                         out["accepted_len"])
                 continue
             logits = runner.forward(fbs)
             pending.append(pool.submit(warm_sampler, logits, R, L))
-            if runner.nextn is not None:  # sampled tokens as the sampler leaves them
-                sampled = jax.device_put(np.zeros(D * R, np.int32), jax.devices()[0])
-                runner.nextn.warm_up(runner.params, fbs[0], runner.last_hidden, sampled,
-                                     np.ones(R, np.int32), runner.backend.impl)
+            if runner.nextn is not None:  # (the backend places the sampled tokens)
+                runner.nextn.warm_up(runner.params, fbs, runner.last_hidden,
+                                     np.zeros(D * R, np.int32), np.ones(D * R, np.int32))
         for f in pending:
             f.result()  # re-raises a failed sampler compile here
     state.clear_row(0)  # slot 0 is free at warm-up

@@ -394,7 +394,10 @@ def test_data_parallel_speculation(tmp_path):
     out = tmp_path / "dp_spec.json"
     run_on_cpu_devices(Path(__file__).with_name("dp_spec_run.py"), str(out), num_devices=4)
     r = json.loads(out.read_text())
-    assert r["ngram"] == r["ref"] and r["replay"] == r["ref"]
+    assert r["ngram"] == r["ref"] and r["replay"] == r["ref"] and r["nextn"] == r["ref"]
+    assert min(r["nextn_verify_ct"]) > 0 and r["nextn_lowerings"] == 0
+    # The MTP drafts of every rank equal the one-device engine's for the same sequences.
+    assert r["nextn_drafts_shared"] >= 32 and r["nextn_drafts_differ"] == [], r
     assert sum(r["replay_accept"]) / len(r["replay_accept"]) > 1.5, r["replay_accept"]
     assert r["lowerings"] == 0
     assert all(n > 0 for n in r["admitted"]), r["admitted"]
@@ -461,8 +464,6 @@ def test_rollback_at_every_position(det_engines):
 
 # Flags and the NGRAM drafter (no model) ------------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
-    (dict(speculative_algorithm="EAGLE", dp_size=2), "--dp-size 1"),
-    (dict(speculative_algorithm="NEXTN", dp_size=2), "--dp-size 1"),
     (dict(speculative_algorithm="NEXTN", tp_size=2), "--tp-size 1"),
     (dict(speculative_algorithm="MEDUSA"), "must be one of"),
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=2,
