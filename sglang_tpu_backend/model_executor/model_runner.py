@@ -21,9 +21,9 @@ stats (the MoE health gauges and EPLB's expert loads then come from prefill step
 request's pages cover up to k positions past the context length, hence ``pages_per_seq`` of
 ``context_length + k`` tokens.
 
-NEXTN (``mtp_params`` given; one device or DP ranks): every step also returns the target's hidden
-states and dispatches the MTP pass and chain of drafts (``nextn_step.py``) after its sampler;
-each sampling chunk's k drafts come back with its tokens (``ChunkResult.drafts``).
+NEXTN (``mtp_params`` given; one device or DP ranks): every step also returns the target's
+hidden states and dispatches the MTP pass and chain of drafts (``nextn_step.py``) after its
+sampler; each sampling chunk's k drafts come back with its tokens (``ChunkResult.drafts``).
 
 Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
 (``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
@@ -316,6 +316,8 @@ class ModelRunner:
         (donated). f32[D*L, V] logits. ``from_slot`` i32[T] (one device only): rows >= 0 take
         their input id from the sampler's ``last_tokens``. NEXTN: keeps the hidden states."""
         if self.nextn is not None:
+            if from_slot is not None:  # (speculation turns overlap scheduling off)
+                raise ValueError("NEXTN steps take no in-flight decode inputs")
             (logits, self.cache, self._stats), self.last_hidden = self.backend.forward_hidden(
                 self.params, self.cache, fbs)
             return logits
