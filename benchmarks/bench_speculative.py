@@ -1,14 +1,17 @@
-"""Output tokens/s with and without speculative decoding (``--speculative-algorithm NGRAM``),
-side by side on the same traffic, plus the ceiling of greedy verification on this machine.
+"""Output tokens/s with and without speculative decoding (``--speculative-algorithm NGRAM``
+and NEXTN), side by side on the same traffic, plus the ceiling of greedy verification on this
+machine.
 
-Two engines of the embedded tiny model (float32, same limits, no loop thread: the benchmark
-steps them itself): plain, and NGRAM with ``--num-draft-tokens`` (k+1). Each workload runs
-``--rounds`` rounds, each on three setups in alternating order (the machine is shared and
-noisy):
+Three engines of the embedded tiny model (float32, same limits, no loop thread: the
+benchmark steps them itself): plain, NGRAM and NEXTN with ``--num-draft-tokens`` (k+1). Each
+workload runs ``--rounds`` rounds, each on four setups in alternating order (the machine is
+shared and noisy):
   plain   the engine without speculation;
   ngram   NGRAM drafts from each request's own prompt + output (adaptive: a decode step runs
           as a verify step only when enough of its requests have drafts, and a request
           whose drafts keep being rejected backs off);
+  nextn   NEXTN drafts from the checkpoint's MTP layer, run on the device after every step
+          (the tiny model's MTP weights are random: its drafts are rarely right);
   replay  the speculative engine drafting the plain engine's own greedy continuation of each
           request (a test draft source: every draft is right, so every verify step keeps k+1
           tokens): what verification gains when drafts are good, the ceiling of any drafter.
@@ -111,13 +114,15 @@ def main() -> None:
     spec = Engine(ServerArgs(**base, speculative_algorithm="NGRAM",
                              speculative_num_draft_tokens=a.num_draft_tokens), start_loop=False)
     ngram = spec.scheduler.drafter
+    nextn = Engine(ServerArgs(**base, speculative_algorithm="NEXTN",
+                              speculative_num_draft_tokens=a.num_draft_tokens), start_loop=False)
     print(f"tiny model float32, {a.requests} requests x {a.max_new_tokens} outputs, "
           f"max_running_requests {a.max_running_requests}, k+1 = {a.num_draft_tokens}, "
           f"median of {a.rounds} alternating rounds (output tokens/s)")
     for name, prompts in workloads(plain, a.requests, a.max_new_tokens).items():
         reference = run(plain, prompts, a.max_new_tokens)["outputs"]  # also compiles, untimed
         setups = {"plain": (plain, None), "ngram": (spec, ngram),
-                  "replay": (spec, replay(reference))}
+                  "replay": (spec, replay(reference)), "nextn": (nextn, nextn.scheduler.drafter)}
         for eng, drafter in setups.values():
             if drafter is not None:
                 eng.scheduler.drafter = drafter
@@ -136,9 +141,10 @@ def main() -> None:
         frac = {k: statistics.mean(x["verify_frac"] for x in v) for k, v in rounds.items()}
         print(f"{name:10s}: plain {tps['plain']:7.1f} | " + " | ".join(
             f"{k} {tps[k]:7.1f} (x{tps[k] / tps['plain']:.2f}, accept length {acc[k]:.2f}, "
-            f"verify steps {frac[k]:.0%})" for k in ("ngram", "replay")), flush=True)
+            f"verify steps {frac[k]:.0%})" for k in ("ngram", "replay", "nextn")), flush=True)
     plain.shutdown()
     spec.shutdown()
+    nextn.shutdown()
 
 
 if __name__ == "__main__":

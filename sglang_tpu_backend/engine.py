@@ -77,6 +77,30 @@ def _overlap_schedule(args: ServerArgs, runner: ModelRunner) -> bool:
                 or args.speculative_algorithm)
 
 
+def _mtp_params(args: ServerArgs, cfg, role: str):
+    """The checkpoint's MTP params under --speculative-algorithm NEXTN / EAGLE (else None);
+    ValueError naming the flag when the checkpoint has none or the role hands requests over
+    (the handover carries no MTP KV)."""
+    algo = args.speculative_algorithm
+    if algo not in ("NEXTN", "EAGLE"):
+        return None
+    flag = f"--speculative-algorithm {algo}"
+    if role in ("prefill", "decode"):
+        raise ValueError(f"{flag}: a {role} replica hands request state over, which does not "
+                         "carry the MTP KV cache; use NGRAM with disaggregation")
+    if not cfg.mtp_num_hidden_layers:
+        raise ValueError(f"{flag} needs MTP layers: {args.model_path}'s config has "
+                         "mtp_num_hidden_layers 0")
+    if args.load_format == "dummy":
+        raise ValueError(f"{flag} reads the checkpoint's MTP weights: not with --load-format dummy")
+    from sglang_tpu_backend.loader import load_mtp_params
+
+    mtp = load_mtp_params(args.model_path, cfg, dtype=DTYPES[args.dtype])
+    if mtp is None:
+        raise ValueError(f"{flag} needs MTP weights: {args.model_path} has no mtp.* tensors")
+    return mtp
+
+
 async def _last(outputs: AsyncIterator[dict]) -> dict | None:
     """The last output of ``outputs``; a caller cancelled meanwhile closes (aborts) it at once."""
     last = None
@@ -119,6 +143,7 @@ class Engine:
         args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
         args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
         args.check_role(role)
+        mtp_params = _mtp_params(args, cfg, role)
         # Read by the runner's backend straight into its shardings (or drawn: dummy).
         params = WeightSource(cfg, args.model_path, args.load_format, DTYPES[args.dtype],
                               seed=args.random_seed)
@@ -148,7 +173,7 @@ class Engine:
             tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
             deterministic=det, expert_location=location,
             eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
-            else None, num_drafts=args.speculative_num_drafts)
+            else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params)
         self.requests = RequestBuilder(
             self.tokenizer, vocab_size=cfg.vocab_size, context_length=args.context_length,
             kv_capacity_tokens=self.num_pages_per_rank * args.page_size

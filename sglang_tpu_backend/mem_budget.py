@@ -4,7 +4,8 @@ Per device (one DP rank, or one of the tensor-parallel devices), in bytes, with 
 requests (= GDN state slots) and ``s`` GDN snapshots per rank, V the vocabulary:
 
     budget      = floor(F * device_memory)
-    weights     = plan.weight_bytes (replicated + this device's share of the sharded ones)
+    weights     = plan.weight_bytes (replicated + this device's share of the sharded ones;
+                  with NEXTN the MTP layers' too, and a page then holds their KV as well)
     state       = (r + s) * plan.gdn_slot_bytes          (conv state in --dtype, recurrence f32;
                                                           conv f32 too with an FP8 KV cache)
     penalty     = r * (4V + V + 4)                       (token counts i32, prompt mask, last token)
@@ -82,8 +83,9 @@ def size_pools(cfg: ModelConfig, args: ServerArgs, device_memory: int) -> PoolBu
     b = jnp.dtype(args.dtype).itemsize
     tp, V = args.tp_size, cfg.vocab_size
     budget = int(F * device_memory)
+    mtp = args.speculative_algorithm in ("NEXTN", "EAGLE")  # MTP weights and KV pages too
     replicated, sharded = weight_bytes(cfg, ep=args.ep_size, tp=tp, expert_dtype="dense",
-                                       dtype=jnp.dtype(args.dtype))
+                                       dtype=jnp.dtype(args.dtype), mtp=mtp)
     weights = replicated + sharded
     backend = jax.default_backend()
     kv_dtype = args.kv_storage_dtype(backend)
@@ -91,7 +93,7 @@ def size_pools(cfg: ModelConfig, args: ServerArgs, device_memory: int) -> PoolBu
     conv_b = STATE_DTYPE_BYTES if fp8_kv else jnp.dtype(
         cache_storage_dtype(args.dtype, backend)).itemsize
     page = kv_page_bytes(cfg, tp=tp, page_size=args.page_size,
-                         kv_bytes=jnp.dtype(kv_dtype).itemsize, kv_scales=fp8_kv)
+                         kv_bytes=jnp.dtype(kv_dtype).itemsize, kv_scales=fp8_kv, mtp=mtp)
     slot = gdn_slot_bytes(cfg, tp=tp, conv_bytes=conv_b, state_bytes=STATE_DTYPE_BYTES)
     n = args.speculative_num_drafts + 1  # logits rows per request and step
     tokens = args.max_tokens_per_step if n == 1 else max(

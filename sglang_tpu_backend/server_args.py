@@ -90,9 +90,11 @@ class ServerArgs:
     step verifies ``speculative_num_draft_tokens - 1`` chain drafts per request in one
     TARGET_VERIFY forward and keeps the longest greedy-agreeing prefix plus one token.
     NGRAM drafts from the request's own prompt + output (suffixes of
-    ``speculative_ngram_min/max_match_window_size`` tokens); NEXTN / EAGLE need the MTP
-    drafter and are refused for now. One device or DP ranks (no TP / multi-host); the overlap
-    scheduler is off under it (the next step's drafts need this step's tokens).
+    ``speculative_ngram_min/max_match_window_size`` tokens); NEXTN (EAGLE an alias) drafts
+    with the checkpoint's MTP layers on the device after every step
+    (``model_executor/nextn_step.py``); the checkpoint must have MTP weights (``Engine``
+    checks). One device or DP ranks (no TP / multi-host); the overlap scheduler is off under
+    it (the next step's drafts need this step's tokens).
 
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
@@ -288,9 +290,6 @@ class ServerArgs:
         if algo not in SPECULATIVE_ALGORITHMS:
             raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
                              f"got {algo!r}")
-        if algo != "NGRAM":
-            raise ValueError(f"--speculative-algorithm {algo} needs the MTP draft model, which "
-                             "this server does not have yet; use NGRAM")
         for name, value, low in (("speculative_num_steps", steps, 1),
                                  ("speculative_num_draft_tokens", n, 2)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -534,8 +533,8 @@ def _add_speculative_flags(a, d) -> None:
     """Speculative decoding (SGLang's names)."""
     a("--speculative-algorithm", type=str, default=d.speculative_algorithm,
       choices=SPECULATIVE_ALGORITHMS,
-      help="speculative decoding: NGRAM drafts from the request's own tokens (NEXTN / EAGLE "
-           "need the MTP drafter: refused for now)")
+      help="speculative decoding: NGRAM drafts from the request's own tokens; NEXTN (EAGLE "
+           "an alias) with the checkpoint's MTP layers")
     a("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
       help="tokens verified per request and step: the last token plus the drafts (default 4)")
     a("--speculative-num-steps", type=int, default=d.speculative_num_steps,

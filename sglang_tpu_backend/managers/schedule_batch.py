@@ -352,3 +352,5 @@ class ChunkResult:
     # logprobs), in order; ``num_accepted`` drafts of them.
     run: list[tuple[int, float, list[tuple[float, int]] | None]] | None = None
     num_accepted: int = 0
+    # NEXTN: the k drafts the MTP layers propose after this chunk's sampled token(s).
+    drafts: list[int] | None = None

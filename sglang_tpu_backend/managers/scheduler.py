@@ -483,6 +483,8 @@ class Scheduler:
                 run = res.run if res.run is not None else [(res.next_token, res.logprob,
                                                             res.top_logprobs)]
                 appended = self._append_tokens(req, run, now)
+                if res.drafts is not None:  # NEXTN: what the next verify step checks
+                    req.draft_state = res.drafts
                 if chunk.is_verify:
                     self._after_verify(req, chunk, res, appended)
                 touched.append(req)

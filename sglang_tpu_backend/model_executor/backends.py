@@ -51,6 +51,7 @@ class StepBackend(abc.ABC):
     state_transfer: bool = False  # request state export / install (handover)
     weight_updates: bool = True  # ``place_params`` after start-up
     verify_steps: bool = False  # ``verify``: TARGET_VERIFY steps (speculative decoding)
+    hidden_states: bool = False  # hidden states and the MTP programs (NEXTN drafting)
     dp = None  # the DPForward whose rank layout the caches follow (None: one pool)
     tp = None  # the TPForward whose head layout the caches follow (None: whole heads)
 
@@ -114,6 +115,33 @@ class StepBackend(abc.ABC):
         raise NotImplementedError(f"speculative decoding is not supported with "
                                   f"{type(self).__name__}")
 
+    def forward_hidden(self, params: Any, cache: qwen3_5_moe.ModelCache,
+                       batches: Sequence[ForwardBatch]) -> tuple[StepOutput, jax.Array]:
+        """``forward`` (no in-flight inputs), and every row's hidden state [T, H] after the
+        final norm (NEXTN: the MTP drafter's input, ``nextn_step.py``)."""
+        raise NotImplementedError(f"NEXTN drafting is not supported with {type(self).__name__}")
+
+    def verify_hidden(self, params: Any, cache: qwen3_5_moe.ModelCache,
+                      batches: Sequence[ForwardBatch]) -> tuple[tuple, jax.Array]:
+        """``verify``, and every row's hidden state [T, H] after the final norm."""
+        raise NotImplementedError(f"NEXTN drafting is not supported with {type(self).__name__}")
+
+    def place_mtp_params(self, mtp_params: Any) -> Any:
+        """The MTP params (``models/mtp.py``) placed beside the main ones."""
+        raise NotImplementedError(f"NEXTN drafting is not supported with {type(self).__name__}")
+
+    def init_mtp_cache(self, *, num_pages: int, page_size: int, kv_dtype: Any) -> jax.Array:
+        """Zeroed MTP KV pages, ``num_pages`` per rank (``mtp.init_mtp_cache``)."""
+        raise NotImplementedError(f"NEXTN drafting is not supported with {type(self).__name__}")
+
+    def mtp_drafts(self, params: Any, mtp_params: Any, cache: jax.Array,
+                   batches: Sequence[ForwardBatch], hidden: jax.Array, inps: Sequence[Any],
+                   sampled: jax.Array, accepted_len: Any, num_steps: int
+                   ) -> tuple[jax.Array, jax.Array]:
+        """``nextn_step.mtp_drafts`` on every rank (one batch and ``MtpInputs`` per rank;
+        cache donated): (drafts i32[num_ranks*R, num_steps], cache)."""
+        raise NotImplementedError(f"NEXTN drafting is not supported with {type(self).__name__}")
+
     def commit(self, cache: qwen3_5_moe.ModelCache, states: Any, slots: np.ndarray,
                accepted_len: jax.Array) -> qwen3_5_moe.ModelCache:
         """Each verified request's GDN slot := its state after ``accepted_len`` positions
@@ -142,6 +170,7 @@ class SingleDeviceBackend(StepBackend):
     in_flight_inputs = True
     state_transfer = True
     verify_steps = True
+    hidden_states = True
 
     def __init__(self, cfg: ModelConfig, **kw):
         super().__init__(cfg, **kw)
@@ -185,6 +214,38 @@ class SingleDeviceBackend(StepBackend):
         return forward_verify_jit(params, cache, fb, cfg=self.cfg, impl=self.impl,
                                   batch_invariant=self.batch_invariant)
 
+    def forward_hidden(self, params, cache, batches):
+        (fb,) = batches
+        *out, hidden = qwen3_5_moe.forward_jit(
+            params, cache, fb, cfg=self.cfg, impl=self.impl, with_stats=self.with_stats,
+            batch_invariant=self.batch_invariant, with_hidden=True)
+        return self._split(tuple(out)), hidden
+
+    def verify_hidden(self, params, cache, batches):
+        from sglang_tpu_backend.model_executor.verify import forward_verify_jit
+
+        (fb,) = batches
+        *out, hidden = forward_verify_jit(params, cache, fb, cfg=self.cfg, impl=self.impl,
+                                          batch_invariant=self.batch_invariant, with_hidden=True)
+        return tuple(out), hidden
+
+    def place_mtp_params(self, mtp_params):
+        return self.place_params(mtp_params)
+
+    def init_mtp_cache(self, **sizes):
+        from sglang_tpu_backend.models.mtp import init_mtp_cache
+
+        return jax.device_put(init_mtp_cache(self.cfg, **sizes), self.device)
+
+    def mtp_drafts(self, params, mtp_params, cache, batches, hidden, inps, sampled,
+                   accepted_len, num_steps):
+        from sglang_tpu_backend.model_executor.nextn_step import mtp_drafts_jit
+
+        (fb,), (inp,) = batches, inps
+        sampled = jax.device_put(sampled, self.device)  # warm-up's and serving's placement
+        return mtp_drafts_jit(params, mtp_params, cache, fb, hidden, inp, sampled, accepted_len,
+                              cfg=self.cfg, impl=self.impl, num_steps=num_steps)
+
 
 class TPBackend(StepBackend):
     """``parallel.TPForward`` over the first ``tp_size`` devices."""
@@ -222,6 +283,7 @@ class DPBackend(StepBackend):
 
     state_transfer = True  # rank-local (``state_transfer.StateTransfer``)
     verify_steps = True
+    hidden_states = True
 
     def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
         from sglang_tpu_backend.parallel.dp_forward import DPForward
@@ -254,6 +316,25 @@ class DPBackend(StepBackend):
     def verify(self, params, cache, batches):
         return self.dp.verify(params, cache, self.dp.put_batch(batches))
 
+    def forward_hidden(self, params, cache, batches):
+        *out, hidden = self.dp.forward_hidden(params, cache, self.dp.put_batch(batches))
+        return self._split(tuple(out)), hidden
+
+    def verify_hidden(self, params, cache, batches):
+        *out, hidden = self.dp.verify_hidden(params, cache, self.dp.put_batch(batches))
+        return tuple(out), hidden
+
+    def place_mtp_params(self, mtp_params):
+        return self.dp.shard_mtp_params(mtp_params)
+
+    def init_mtp_cache(self, **sizes):
+        return self.dp.init_mtp_cache(**sizes)
+
+    def mtp_drafts(self, params, mtp_params, cache, batches, hidden, inps, sampled,
+                   accepted_len, num_steps):
+        return self.dp.mtp_drafts(params, mtp_params, cache, self.dp.put_batch(batches), hidden,
+                                  self.dp.put_mtp_inputs(inps), sampled, accepted_len, num_steps)
+
     def commit(self, cache, states, slots, accepted_len):
         return self.dp.commit(cache, states, slots, accepted_len)
 
@@ -267,6 +348,7 @@ class MultiHostDPBackend(DPBackend):
     weight_updates = False
     state_transfer = True  # announced to the followers (``multihost.FollowerOps``)
     verify_steps = False  # the followers run forward steps only
+    hidden_states = False
 
     def __init__(self, cfg: ModelConfig, dp_size: int, **kw):
         super().__init__(cfg, dp_size, **kw)

@@ -21,6 +21,10 @@ stats (the MoE health gauges and EPLB's expert loads then come from prefill step
 request's pages cover up to k positions past the context length, hence ``pages_per_seq`` of
 ``context_length + k`` tokens.
 
+NEXTN (``mtp_params`` given; one device or DP ranks): every step also returns the target's
+hidden states and dispatches the MTP pass and chain of drafts (``nextn_step.py``) after its
+sampler; each sampling chunk's k drafts come back with its tokens (``ChunkResult.drafts``).
+
 Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
 (``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
 slots and, after the forward, its ``state_saves`` out of them.
@@ -42,6 +46,7 @@ from sglang_tpu_backend.model_executor import state_transfer, warmup
 from sglang_tpu_backend.model_executor.backends import make_backend
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_backend.model_executor.nextn_step import MtpInputs, NextnDrafts
 from sglang_tpu_backend.model_executor.sampler_state import (SamplerState, sampler_variant,
                                                              sampling_inputs, uses_penalties)
 from sglang_tpu_backend.model_executor.step_buckets import StepBuckets
@@ -61,7 +66,8 @@ class StepInputs:
     rows: each chunk's logits rows (global). sample_idx: each chunk's sampling row.
     K: top logprobs to compute (0 or ``max_top_logprobs_num``). spec: a verify step's draft
     inputs (None otherwise; its ``inp`` then holds each request's sampling values, read from
-    its row 0, and the per-position bitmask i32[D*R, k+1, W]).
+    its row 0, and the per-position bitmask i32[D*R, k+1, W]). mtp: the MTP pass's inputs
+    per rank (NEXTN only).
     """
 
     fbs: list[ForwardBatch]
@@ -71,6 +77,7 @@ class StepInputs:
     sample_idx: list[int]
     K: int
     spec: VerifyInputs | None = None
+    mtp: list[MtpInputs] | None = None
 
 
 @dataclasses.dataclass
@@ -90,6 +97,8 @@ class ModelRunner:
     ``num_pages``, ``num_state_slots``, ``max_running_requests`` and ``max_tokens_per_step``
     are per DP rank (the whole cache with ``dp_size == 1``).
     """
+
+    last_hidden: Any = None  # NEXTN: the last forward's hidden states [T, H] (device)
 
     def __init__(
         self,
@@ -114,6 +123,7 @@ class ModelRunner:
         expert_location: Any = None,
         eplb_rebalance_num_iterations: int | None = None,
         num_drafts: int = 0,
+        mtp_params: Any = None,
     ):
         """``params``: host params, or a ``sharded_loader.WeightSource`` the backend loads
         straight into its shardings (``load_report`` says what this process read).
@@ -125,7 +135,8 @@ class ModelRunner:
         it; ``eplb_rebalance_num_iterations``: steps between rebalances (None: never)
         (``expert_balancer.py``). ``num_drafts``: k drafts per verify step (speculative
         decoding; 0: off); ``num_grammar_cut_drafts`` counts the drafts cut because a
-        request's grammar rejects them."""
+        request's grammar rejects them. ``mtp_params`` (NEXTN, ``models/mtp.py``): the
+        steps also draft the next verify step's k drafts with the MTP layers."""
         self.cfg = cfg
         self.last_router_stats = None
         self._stats = None
@@ -167,6 +178,20 @@ class ModelRunner:
         self.transfer = self.backend.make_transfer(num_pages, num_state_slots)
         self.snapshots = self.backend.make_snapshots(self.cache, num_gdn_snapshots,
                                                      max_running_requests)
+        self.nextn = None if mtp_params is None else self._init_nextn(
+            mtp_params, num_pages, context_length, kv_dtype)
+
+    def _init_nextn(self, mtp_params: Any, num_pages: int, context_length: int,
+                    kv_dtype: Any) -> NextnDrafts:
+        if not self.num_drafts or not self.backend.hidden_states:
+            raise ValueError(f"NEXTN drafting needs num_drafts > 0 and a backend with hidden "
+                             f"states, not {type(self.backend).__name__}")
+        if jnp.dtype(kv_dtype).itemsize == 1:  # the MTP pages are never FP8
+            kv_dtype = jnp.bfloat16
+        return NextnDrafts(self.backend, mtp_params, num_steps=self.num_drafts,
+                           num_pages=num_pages, page_size=self.page_size,
+                           context_length=context_length, kv_dtype=kv_dtype,
+                           max_reqs=max(R for _, _, R, _ in self.all_shapes()))
 
     def _init_balancer(self, params: Any, source: Any, expert_location: Any, router_stats: bool,
                        rebalance_every: int | None) -> tuple[Any, Any]:
@@ -259,7 +284,8 @@ class ModelRunner:
         return StepInputs(
             fbs=fbs, from_slot=_in_flight_rows(from_slots), inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
             sample_idx=[k * R + j for k, j in where],
-            K=self.max_top_logprobs_num if want_lp else 0, spec=spec)
+            K=self.max_top_logprobs_num if want_lp else 0, spec=spec,
+            mtp=[self.nextn.inputs(cs, T, R) for cs in per_rank] if self.nextn else None)
 
     def _rank_batch(self, chunks: list[ScheduledChunk], mode: ForwardMode, T: int, R: int, L: int
                     ) -> tuple[ForwardBatch, list[np.ndarray], np.ndarray | None]:
@@ -288,17 +314,39 @@ class ModelRunner:
     def forward(self, fbs: list[ForwardBatch], from_slot: np.ndarray | None = None) -> jax.Array:
         """The jitted forward on one numpy batch per rank; updates the cache in place
         (donated). f32[D*L, V] logits. ``from_slot`` i32[T] (one device only): rows >= 0 take
-        their input id from the sampler's ``last_tokens``."""
+        their input id from the sampler's ``last_tokens``. NEXTN: keeps the hidden states."""
+        if self.nextn is not None:
+            if from_slot is not None:  # (speculation turns overlap scheduling off)
+                raise ValueError("NEXTN steps take no in-flight decode inputs")
+            (logits, self.cache, self._stats), self.last_hidden = self.backend.forward_hidden(
+                self.params, self.cache, fbs)
+            return logits
         logits, self.cache, self._stats = self.backend.forward(
             self.params, self.cache, fbs, from_slot, self.sampler.last_tokens)
         return logits
+
+    def verify_forward(self, fbs: list[ForwardBatch]) -> tuple[jax.Array, Any]:
+        """The TARGET_VERIFY forward (cache donated): (logits, ``VerifyStates``). NEXTN:
+        keeps the hidden states."""
+        if self.nextn is not None:
+            (logits, self.cache, states), self.last_hidden = self.backend.verify_hidden(
+                self.params, self.cache, fbs)
+        else:
+            logits, self.cache, states = self.backend.verify(self.params, self.cache, fbs)
+        return logits, states
+
+    def draft(self, fbs: list[ForwardBatch], mtp: list[MtpInputs], sampled: jax.Array,
+              accepted_len: Any) -> jax.Array:
+        """NEXTN: dispatch the MTP pass over the last forward's rows and the chain of drafts
+        (``nextn_step.py``); i32[D*R, k] on the device."""
+        return self.nextn.run(self.params, fbs, self.last_hidden, mtp, sampled, accepted_len)
 
     def verify(self, fbs: list[ForwardBatch], spec: VerifyInputs, inp: sampler.SamplingInputs,
                K: int, variant: sampler.SamplerVariant = sampler.FULL) -> dict[str, jax.Array]:
         """A TARGET_VERIFY forward, the verify sampler (updating the penalty counts and last
         tokens) and the commit of each request's accepted positions into its GDN slot (cache
         donated, nothing waited for). Returns ``rejection.sample_verify_step``'s outputs."""
-        logits, self.cache, states = self.backend.verify(self.params, self.cache, fbs)
+        logits, states = self.verify_forward(fbs)
         state = self.sampler
         out, state.counts, state.last_tokens = state.verify_with(
             logits, state.counts, state.last_tokens, spec, inp, K, variant)
@@ -332,11 +380,17 @@ class ModelRunner:
         step = self.prepare(batch, variant)
         if step.spec is not None:
             out = self.verify(step.fbs, step.spec, step.inp, step.K, variant)
+            if step.mtp is not None:
+                out["drafts"] = self.draft(step.fbs, step.mtp, out["tokens"],
+                                           out["accepted_len"])
             return LaunchedStep(batch, out, step.rows, step.sample_idx, None)
         logits = self.forward(step.fbs, step.from_slot)
         if batch.state_saves:
             self.snapshots.save(self.cache, [(x.rank, x.slot, x.snapshot) for x in batch.state_saves])
         out = self.sample(logits, step.inp, step.K, variant)
+        if step.mtp is not None:
+            out["drafts"] = self.draft(step.fbs, step.mtp, out["tokens"],
+                                       np.ones(len(out["tokens"]), np.int32))
         return LaunchedStep(batch, out, step.rows, step.sample_idx, self._stats)
 
     def complete(self, step: LaunchedStep) -> list[ChunkResult]:
@@ -348,8 +402,12 @@ class ModelRunner:
             self.last_router_stats = np.asarray(health).reshape(self.dp_size, -1, 3)
             if self.balancer is not None:
                 self.balancer.record(slot_counts)
-        return [verify_chunk_result(out, i, c) if c.is_verify else _chunk_result(out, i, c, r)
-                for i, c, r in zip(step.sample_idx, step.batch.chunks, step.rows)]
+        results = [verify_chunk_result(out, i, c) if c.is_verify else _chunk_result(out, i, c, r)
+                   for i, c, r in zip(step.sample_idx, step.batch.chunks, step.rows)]
+        if "drafts" in out:
+            for i, c, res in zip(step.sample_idx, step.batch.chunks, results):
+                res.drafts = out["drafts"][i].tolist() if c.sample else None
+        return results
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every program serving can use (``warmup.warm_up``; with EPLB rebalancing

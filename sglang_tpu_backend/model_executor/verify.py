@@ -54,17 +54,20 @@ class VerifyStates:
 
 
 def forward_verify(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig,
-                   impl: str = "auto", batch_invariant: bool = False, ep=None):
+                   impl: str = "auto", batch_invariant: bool = False, ep=None,
+                   with_hidden: bool = False):
     """One TARGET_VERIFY step (one device, or one DP rank under ``shard_map`` with ``ep``,
     ``parallel/dp_forward.py``). Returns (f32[L, V] logits of the rows
     ``batch.logits_indices``, the cache with KV written and GDN slots unchanged,
-    :class:`VerifyStates`)."""
+    :class:`VerifyStates`), and with ``with_hidden`` every row's hidden state [T, H] after
+    the final norm (the MTP drafter's input, ``nextn_step.py``)."""
     if not batch.mode.is_verify():
         raise ValueError(f"forward_verify needs a TARGET_VERIFY batch, got {batch.mode!r}")
     hidden, cache, _, (windows, rec_steps) = qwen3_5_moe.forward_hidden(
         params, cache, batch, cfg, impl, ep=ep, batch_invariant=batch_invariant)
     logits = qwen3_5_moe.compute_logits(params, hidden, batch)
-    return logits, cache, VerifyStates(windows, rec_steps)
+    out = logits, cache, VerifyStates(windows, rec_steps)
+    return out + (hidden,) if with_hidden else out
 
 
 def commit_accepted(cache: ModelCache, states: VerifyStates, slots, accepted_len) -> ModelCache:
@@ -80,6 +83,7 @@ def commit_accepted(cache: ModelCache, states: VerifyStates, slots, accepted_len
     return dataclasses.replace(cache, conv_state=conv_state, rec_state=rec_state)
 
 
-forward_verify_jit = jax.jit(forward_verify, static_argnames=("cfg", "impl", "batch_invariant"),
+forward_verify_jit = jax.jit(forward_verify, static_argnames=("cfg", "impl", "batch_invariant",
+                                                              "with_hidden"),
                              donate_argnames=("cache",))
 commit_accepted_jit = jax.jit(commit_accepted, donate_argnames=("cache",))

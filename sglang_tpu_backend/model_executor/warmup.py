@@ -4,7 +4,8 @@ Every step bucket (``step_buckets``) of the forward, each with every sampler var
 (``sampling.sampler.VARIANTS``) and top-logprob count (0, max_top_logprobs_num), the penalty
 row program and the GDN snapshot copies. A TARGET_VERIFY bucket (speculative decoding) warms
 the verify forward once, the verify sampler (every variant and top-logprob count, on scratch
-penalty state) and the commit. Same jitted functions, same
+penalty state) and the commit. Under NEXTN each bucket also warms its MTP pass and chain
+(``nextn_step.py``) on the forward's hidden states. Same jitted functions, same
 argument shapes and placements as serving, so serving reuses every program compiled here.
 """
 
@@ -63,7 +64,7 @@ def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
         jax.block_until_ready(scratch)
 
     def warm_verify_sampler(logits, R: int):
-        accepted_len = None
+        out = None
         for variant in runner.sampler_variants():
             spec = dummy_verify_inputs(D * R, runner.num_drafts, runner.vocab_size, variant.mask)
             inp = dataclasses.replace(dummy_sampling_inputs(D * R, D * R, runner.vocab_size,
@@ -71,23 +72,28 @@ def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
             for K in (0, runner.max_top_logprobs_num):
                 out, scratch[0], scratch[1] = state.verify_with(logits, *scratch, spec, inp, K,
                                                                 variant)
-                accepted_len = out["accepted_len"]
         jax.block_until_ready(scratch)
-        return accepted_len
+        return out
 
     with ThreadPoolExecutor(1, thread_name_prefix="warmup-sampler") as pool:
         pending = []
         for kind, T, R, L in tqdm(shapes, desc="warmup (compile)", disable=not progress):
             fbs = [dummy_batch(kind, T, R, L, runner.pages_per_seq)] * D
             if kind.is_verify():  # the forward once, its sampler per variant, the commit once
-                logits, runner.cache, states = runner.backend.verify(runner.params, runner.cache,
-                                                                     fbs)
-                accepted_len = pool.submit(warm_verify_sampler, logits, R).result()
+                logits, states = runner.verify_forward(fbs)
+                out = pool.submit(warm_verify_sampler, logits, R).result()
                 slots = np.concatenate([fb.state_slots for fb in fbs])
-                runner.cache = runner.backend.commit(runner.cache, states, slots, accepted_len)
+                runner.cache = runner.backend.commit(runner.cache, states, slots,
+                                                     out["accepted_len"])
+                if runner.nextn is not None:
+                    runner.nextn.warm_up(runner.params, fbs, runner.last_hidden, out["tokens"],
+                                         out["accepted_len"])
                 continue
             logits = runner.forward(fbs)
             pending.append(pool.submit(warm_sampler, logits, R, L))
+            if runner.nextn is not None:  # (the backend places the sampled tokens)
+                runner.nextn.warm_up(runner.params, fbs, runner.last_hidden,
+                                     np.zeros(D * R, np.int32), np.ones(D * R, np.int32))
         for f in pending:
             f.result()  # re-raises a failed sampler compile here
     state.clear_row(0)  # slot 0 is free at warm-up

@@ -58,8 +58,11 @@ def init_mtp_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
 
 def mtp_forward(params: Params, mtp_params: Params, cache: jax.Array, batch: ForwardBatch,
                 hidden: jax.Array, cfg: ModelConfig, impl: str = "auto", step: int = 0,
-                batch_invariant: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One MTP step over a ragged batch on one device (module docstring for the math).
+                batch_invariant: bool = False, ep=None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One MTP step over a ragged batch on one device, or on one DP rank under ``shard_map``
+    with ``ep`` (its routed experts split over the ranks on their first axis, as
+    ``parallel/dp_forward.py`` places them) (module docstring for the math).
 
     Args:
       params: the target's params (``embed_tokens`` and ``lm_head`` are read).
@@ -88,7 +91,7 @@ def mtp_forward(params: Params, mtp_params: Params, cache: jax.Array, batch: For
     x = x + a
     num_valid = batch.cu_q_lens[batch.num_seqs[0]]  # real rows; padding is routed nowhere
     x = x + moe_block(p["mlp"], rms_norm(x, p["post_attention_layernorm"], eps), cfg, impl,
-                      num_valid=num_valid)
+                      ep, num_valid=num_valid)
     out = rms_norm(x, mtp_params["norm"], eps)
     return compute_logits(params, out, batch), out, cache
 

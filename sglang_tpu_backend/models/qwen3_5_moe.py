@@ -413,7 +413,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
 def forward(
     params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig, impl: str = "auto",
     ep: EPContext | None = None, tp: TPContext | None = None, with_stats: bool = False,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, with_hidden: bool = False,
 ) -> tuple[jax.Array, ModelCache]:
     """One model step over a ragged batch.
 
@@ -423,6 +423,8 @@ def forward(
     function per device under ``shard_map``; ``tp`` likewise by the tensor-parallel step
     (``parallel/tp_forward.py``). ``with_stats``: also return the router stats (health
     f32[num_layers, 3], rows per physical expert slot f32[num_layers, P]) as a third output.
+    ``with_hidden``: also return every row's hidden state [T, H] after the final norm as the
+    last output (what the MTP drafter reads, ``model_executor/nextn_step.py``).
     ``batch_invariant``:
     a row's result does not depend on the rest of the batch (the XLA attention then reads
     every key from the pages; ``--enable-deterministic-inference``).
@@ -432,7 +434,7 @@ def forward(
     hidden, cache, stats, _ = forward_hidden(params, cache, batch, cfg, impl, ep, tp, with_stats,
                                              batch_invariant)
     logits = compute_logits(params, hidden, batch)
-    return (logits, cache, stats) if with_stats else (logits, cache)
+    return (logits, cache) + ((stats,) if with_stats else ()) + ((hidden,) if with_hidden else ())
 
 
 def compute_logits(params: Params, hidden, batch: ForwardBatch):
@@ -442,5 +444,5 @@ def compute_logits(params: Params, hidden, batch: ForwardBatch):
 
 
 forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep", "tp", "with_stats",
-                                               "batch_invariant"),
+                                               "batch_invariant", "with_hidden"),
                       donate_argnames=("cache",))

@@ -20,7 +20,11 @@ Global arrays (D = DP ranks, every rank's part the same bucketed size):
 
 Speculative decoding: ``verify`` runs ``model_executor/verify.forward_verify`` on every rank
 (its VerifyStates split over the ranks on the request axis, [Lyr, D*R, ...]) and ``commit``
-sets each rank's slots from them (``verify.commit_accepted``, rank-local slot ids).
+sets each rank's slots from them (``verify.commit_accepted``, rank-local slot ids). NEXTN:
+``forward_hidden`` / ``verify_hidden`` also return the hidden states [D*T, H], and
+``mtp_drafts`` runs ``model_executor/nextn_step.mtp_drafts`` on every rank: MTP params
+replicated but for the routed experts [E, ...] split on E, MTP KV pages [n, D*N', ...] split
+like the main pages, drafts [D*R, k].
 """
 
 from __future__ import annotations
@@ -79,6 +83,12 @@ class DPForward:
         self._step = jax.jit(self._global_step, donate_argnums=(1,))
         self._verify = jax.jit(self._global_verify, donate_argnums=(1,))
         self._commit = jax.jit(self._global_commit, donate_argnums=(0,))
+        hidden = functools.partial(self._global_step, with_hidden=True)
+        self._step_hidden = jax.jit(hidden, donate_argnums=(1,))
+        hidden = functools.partial(self._global_verify, with_hidden=True)
+        self._verify_hidden = jax.jit(hidden, donate_argnums=(1,))
+        self._mtp = jax.jit(self._global_mtp, static_argnames=("num_steps",),
+                            donate_argnums=(2,))
 
     # Placement ------------------------------------------------------------------------------
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
@@ -151,12 +161,15 @@ class DPForward:
         return ForwardBatch(**fields, mode=mode)
 
     # Step -------------------------------------------------------------------------------------
-    def _global_step(self, params, cache, batch):
+    def _global_step(self, params, cache, batch, with_hidden: bool = False):
         local = functools.partial(qwen3_5_moe.forward, cfg=self.cfg, impl=self.impl, ep=self.ep,
-                                  with_stats=self.with_stats, batch_invariant=self.batch_invariant)
+                                  with_stats=self.with_stats, batch_invariant=self.batch_invariant,
+                                  with_hidden=with_hidden)
         out_specs = (rank_spec(self.ep, 0), self.cache_specs())
         if self.with_stats:  # (health per rank, rows per expert slot summed over the ranks)
             out_specs += ((rank_spec(self.ep, 0), REPLICATED),)
+        if with_hidden:
+            out_specs += (rank_spec(self.ep, 0),)
         step = jax.shard_map(
             lambda p, c, b: local(p, c, b), mesh=self.mesh,
             in_specs=(self.param_specs(params), self.cache_specs(), self.batch_specs(batch.mode)),
@@ -167,13 +180,15 @@ class DPForward:
     def _states_specs(self) -> verify.VerifyStates:
         return verify.VerifyStates(windows=rank_spec(self.ep, 1), rec_steps=rank_spec(self.ep, 1))
 
-    def _global_verify(self, params, cache, batch):
+    def _global_verify(self, params, cache, batch, with_hidden: bool = False):
         local = functools.partial(verify.forward_verify, cfg=self.cfg, impl=self.impl,
-                                  batch_invariant=self.batch_invariant, ep=self.ep)
+                                  batch_invariant=self.batch_invariant, ep=self.ep,
+                                  with_hidden=with_hidden)
+        out_specs = (rank_spec(self.ep, 0), self.cache_specs(), self._states_specs())
         step = jax.shard_map(
             lambda p, c, b: local(p, c, b), mesh=self.mesh,
             in_specs=(self.param_specs(params), self.cache_specs(), self.batch_specs(batch.mode)),
-            out_specs=(rank_spec(self.ep, 0), self.cache_specs(), self._states_specs()),
+            out_specs=out_specs + ((rank_spec(self.ep, 0),) if with_hidden else ()),
             check_vma=False)
         return step(params, cache, batch)
 
@@ -194,6 +209,64 @@ class DPForward:
         """Each rank's slots (``slots`` i32[D*R], rank-local ids) := the state after
         ``accepted_len`` i32[D*R] positions (cache donated)."""
         return self._commit(cache, states, slots, accepted_len)
+
+    def forward_hidden(self, params, cache, batch: ForwardBatch):
+        """``__call__``'s outputs, then every rank's hidden states [D*T, H] (NEXTN)."""
+        return self._step_hidden(params, cache, batch)
+
+    def verify_hidden(self, params, cache, batch: ForwardBatch):
+        """``verify``'s outputs, then every rank's hidden states [D*T, H] (NEXTN)."""
+        return self._verify_hidden(params, cache, batch)
+
+    # NEXTN: the MTP layers ------------------------------------------------------------------
+    def mtp_param_specs(self, mtp_params) -> Any:
+        """Routed expert leaves [E, ...] (one layer, not stacked) split on E; the rest
+        replicated."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: rank_spec(self.ep, 0) if is_routed_expert(path) else REPLICATED,
+            mtp_params)
+
+    def shard_mtp_params(self, mtp_params):
+        return place_params(mtp_params, jax.tree.map(self.sharding,
+                                                     self.mtp_param_specs(mtp_params)))
+
+    def init_mtp_cache(self, *, num_pages: int, page_size: int, kv_dtype) -> jax.Array:
+        """Zeroed MTP KV pages, ``num_pages`` per rank, split like the main pages."""
+        from sglang_tpu_backend.models.mtp import init_mtp_cache
+
+        make = functools.partial(init_mtp_cache, self.cfg, num_pages=num_pages * self.dp_size,
+                                 page_size=page_size, kv_dtype=kv_dtype)
+        return jax.jit(make, out_shardings=self.sharding(rank_spec(self.ep, 1)))()
+
+    def put_mtp_inputs(self, inps: Sequence[Any]) -> Any:
+        """One ``MtpInputs`` per rank -> the global, placed one (fields concatenated)."""
+        spec = self.sharding(rank_spec(self.ep, 0))
+        return jax.tree.map(lambda *xs: global_array(np.concatenate(xs, axis=0), spec), *inps)
+
+    def _global_mtp(self, params, mtp_params, cache, batch, hidden, inp, sampled, accepted_len,
+                    num_steps: int):
+        from sglang_tpu_backend.model_executor.nextn_step import mtp_drafts
+
+        local = functools.partial(mtp_drafts, cfg=self.cfg, impl=self.impl, num_steps=num_steps,
+                                  ep=self.ep)
+        by_rank = rank_spec(self.ep, 0)
+        step = jax.shard_map(
+            lambda *args: local(*args), mesh=self.mesh,
+            in_specs=(self.param_specs(params), self.mtp_param_specs(mtp_params),
+                      rank_spec(self.ep, 1), self.batch_specs(batch.mode), by_rank,
+                      jax.tree.map(lambda _: by_rank, inp), by_rank, by_rank),
+            out_specs=(by_rank, rank_spec(self.ep, 1)), check_vma=False)
+        return step(params, mtp_params, cache, batch, hidden, inp, sampled, accepted_len)
+
+    def mtp_drafts(self, params, mtp_params, cache, batch: ForwardBatch, hidden, inp, sampled,
+                   accepted_len, num_steps: int):
+        """``nextn_step.mtp_drafts`` on every rank (cache donated): (drafts i32[D*R, k],
+        cache). ``sampled`` [D*R] or [D*R, n], ``accepted_len`` [D*R]: rank r's rows at
+        r*R .. r*R+R-1."""
+        sampled = jax.device_put(sampled, self.sharding(rank_spec(self.ep, 0)))
+        accepted_len = jax.device_put(accepted_len, self.sharding(rank_spec(self.ep, 0)))
+        return self._mtp(params, mtp_params, cache, batch, hidden, inp, sampled, accepted_len,
+                         num_steps=num_steps)
 
     def __call__(self, params, cache, batch: ForwardBatch):
         """f32[D*L, V] logits and the updated cache (donated) (+ router stats, see __init__)."""

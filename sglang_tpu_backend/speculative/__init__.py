@@ -6,6 +6,8 @@ TARGET_VERIFY step (``model_executor/verify.py``).
               tests, experiments).
   ngram.py    NGRAM: drafts copied from the request's own prompt + output after the longest
               earlier occurrence of its current suffix (no draft model).
+  nextn.py    NEXTN / EAGLE: the drafts the model's MTP layers proposed on the device after
+              the request's latest step (``model_executor/nextn_step.py``).
   rejection.py  acceptance on the device for every request: greedy rows by exact match with
               the argmax, drawn rows by speculative rejection sampling, both against the
               sampler's per-position target (penalties, logit bias, grammar mask); the

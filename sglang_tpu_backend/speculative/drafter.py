@@ -40,4 +40,8 @@ def make_drafter(algorithm: str, *, min_window: int, max_window: int) -> Drafter
         from sglang_tpu_backend.speculative.ngram import NgramDrafter
 
         return NgramDrafter(min_window, max_window)
+    if algorithm in ("NEXTN", "EAGLE"):
+        from sglang_tpu_backend.speculative.nextn import NextnDrafter
+
+        return NextnDrafter()
     raise ValueError(f"no drafter for --speculative-algorithm {algorithm}")

@@ -5,9 +5,12 @@ Run by tests/engine/test_speculative.py in a subprocess with 4 simulated CPU dev
 before jax starts). The DP engine (NGRAM, k = 3, warmed up) serves 16 concurrent greedy
 requests twice:
 with its NGRAM drafter, and with drafts replaying the plain engine's continuation (a wrong one
-at a varying position, so most tokens come from accepted drafts). Writes JSON: the outputs of
-each run, their requests' accept lengths, the programs lowered while serving, how many
-requests each rank admitted, and the final pool stats.
+at a varying position, so most tokens come from accepted drafts). Then a NEXTN DP engine
+(the MTP layer drafting on every rank, warmed up) and a NEXTN one-device engine serve them
+once each, recording the MTP drafts every request holds at each proposal. Writes JSON: the
+outputs of each run, their requests' accept lengths (NEXTN: verify steps), the programs
+lowered while serving, the NEXTN drafts on which the two engines differ (and how many they
+share), how many requests each rank admitted, and the final pool stats.
 """
 
 from __future__ import annotations
@@ -51,6 +54,33 @@ def serve(engine, tag: str) -> list[dict]:
     return asyncio.run(run_all())
 
 
+class DraftRecorder:
+    """Wraps an engine's drafter: the MTP drafts each request holds, by (request index,
+    sequence length), at every proposal."""
+
+    def __init__(self, engine):
+        self.inner, self.seen = engine.scheduler.drafter, {}
+        engine.scheduler.drafter = self
+
+    def propose(self, reqs, k):
+        for r in reqs:
+            self.seen[f"{r.rid[1:]}/{r.num_fill}"] = list(r.draft_state)
+        return self.inner.propose(reqs, k)
+
+
+def serve_nextn(args: dict, tag: str) -> tuple[list[dict], int, dict]:
+    """A NEXTN engine of ``args`` serves the requests: (outputs, programs lowered while
+    serving, the recorded drafts)."""
+    engine = Engine(ServerArgs(speculative_algorithm="NEXTN", speculative_num_draft_tokens=K + 1,
+                               **args))
+    recorder = DraftRecorder(engine)
+    counter = CompileCounter()
+    got = serve(engine, tag)
+    lowerings = counter.lowerings
+    engine.shutdown()
+    return got, lowerings, recorder.seen
+
+
 def wait_idle(engine, timeout=30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -88,6 +118,15 @@ def main(out_path: str) -> None:
     result["stats"] = wait_idle(spec)
     result["admitted"] = [r["num_admitted_total"] for r in result["stats"]["dp_ranks"]]
     spec.shutdown()
+    got, result["nextn_lowerings"], dp_drafts = serve_nextn(
+        dict(dp_size=4, ep_size=4, **{**ARGS, "skip_warmup": False}), "x")
+    result["nextn"] = [o["output_ids"] for o in got]
+    result["nextn_verify_ct"] = [o["meta_info"]["spec_verify_ct"] for o in got
+                                 if len(o["output_ids"]) > 1]
+    _, _, one_drafts = serve_nextn(ARGS, "y")
+    shared = sorted(set(dp_drafts) & set(one_drafts))
+    result["nextn_drafts_shared"] = len(shared)
+    result["nextn_drafts_differ"] = [k for k in shared if dp_drafts[k] != one_drafts[k]]
     with open(out_path, "w") as f:
         json.dump(result, f)
 

@@ -20,12 +20,18 @@ outputs equal the plain engine's whatever the drafts, sampled ones follow its di
   give the plain engine's outputs, every rank served, nothing lowered after warm-up;
 - adaptive speculation: random prompts run their decode steps as DECODE steps, steps that
   switch between DECODE and TARGET_VERIFY keep the plain outputs and lower nothing;
-- the flags' validation, the NGRAM drafter itself and its back-off schedule.
+- the flags' validation, the NGRAM drafter itself and its back-off schedule;
+- NEXTN (the MTP layers draft on the device, one engine of 16 requests): after warm-up 48
+  greedy requests give the plain engine's outputs with verify steps and nothing lowered, and
+  the drafts the engine proposes equal a plain-JAX reference (the target's hidden states
+  over the sequence, then the MTP pass and chain), which checks the hidden states, next
+  tokens and positions the MTP pass sees.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import random
@@ -388,7 +394,10 @@ def test_data_parallel_speculation(tmp_path):
     out = tmp_path / "dp_spec.json"
     run_on_cpu_devices(Path(__file__).with_name("dp_spec_run.py"), str(out), num_devices=4)
     r = json.loads(out.read_text())
-    assert r["ngram"] == r["ref"] and r["replay"] == r["ref"]
+    assert r["ngram"] == r["ref"] and r["replay"] == r["ref"] and r["nextn"] == r["ref"]
+    assert min(r["nextn_verify_ct"]) > 0 and r["nextn_lowerings"] == 0
+    # The MTP drafts of every rank equal the one-device engine's for the same sequences.
+    assert r["nextn_drafts_shared"] >= 32 and r["nextn_drafts_differ"] == [], r
     assert sum(r["replay_accept"]) / len(r["replay_accept"]) > 1.5, r["replay_accept"]
     assert r["lowerings"] == 0
     assert all(n > 0 for n in r["admitted"]), r["admitted"]
@@ -455,8 +464,7 @@ def test_rollback_at_every_position(det_engines):
 
 # Flags and the NGRAM drafter (no model) ------------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
-    (dict(speculative_algorithm="EAGLE"), "MTP draft model"),
-    (dict(speculative_algorithm="NEXTN"), "MTP draft model"),
+    (dict(speculative_algorithm="NEXTN", tp_size=2), "--tp-size 1"),
     (dict(speculative_algorithm="MEDUSA"), "must be one of"),
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=2,
           speculative_num_draft_tokens=4), "num_steps \\+ 1"),
@@ -605,3 +613,169 @@ def test_ngram_back_off_after_rejected_drafts():
     assert step(accept=1)  # the pause is over; this step accepts one draft
     assert step() and step()  # misses reset: two more rejected proposals ...
     assert [step() for _ in range(FIRST_PAUSE + 1)] == [False] * FIRST_PAUSE + [True]  # ...
+
+
+# NEXTN: drafts from the MTP layers ------------------------------------------------------------
+NEXTN_ARGS = {**ENGINE_ARGS, "max_running_requests": 16, "speculative_algorithm": "NEXTN",
+              "speculative_num_steps": K}
+
+
+@pytest.fixture(scope="module")
+def nextn_engine():
+    from sglang_tpu_backend.engine import Engine
+
+    eng = Engine(ServerArgs(**NEXTN_ARGS))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def clean_nextn_engine(nextn_engine):
+    yield nextn_engine
+    s = wait_pools_empty(nextn_engine)
+    assert s["kv_pages_used"] == 0 and s["state_slots_used"] == 0, s
+
+
+def test_nextn_outputs_equal_the_plain_engine_without_lowering(clean_nextn_engine, clean_engine):
+    """48 greedy requests of mixed lengths (prefix-cache hits among them) through NEXTN
+    verify steps: the plain engine's tokens and logprobs, nothing lowered after warm-up."""
+    eng = clean_nextn_engine
+    eng.runner.warmup(progress=False)
+    objs = workload(3)
+    want = run_all(clean_engine, objs)
+    cached = eng.scheduler.num_cached_tokens_total
+    counter = CompileCounter()
+    got = run_all(eng, fresh(objs, "n"))
+    assert counter.lowerings == 0, f"{counter.lowerings} programs lowered after warm-up"
+    assert_same_outputs(got, want)
+    cts = [g["meta_info"]["spec_verify_ct"] for g in got]
+    assert all(ct > 0 for ct, g in zip(cts, got) if len(g["output_ids"]) > 1), cts
+    assert eng.scheduler.num_cached_tokens_total > cached  # prefix-cache hits among them
+
+
+class RecordingDrafter(CallbackDrafter):
+    """Proposes ``fn``'s drafts; records (rid, sequence, the MTP drafts the engine left in
+    ``req.draft_state``) at every proposal."""
+
+    def __init__(self, fn):
+        super().__init__(fn)
+        self.seen = []
+
+    def propose(self, reqs, k):
+        self.seen += [(r.rid, r.fill_slice(0, r.num_fill), list(r.draft_state)) for r in reqs]
+        return super().propose(reqs, k)
+
+
+def reference_drafts(runner, seq: list[int], k: int, T: int = 128) -> list[int]:
+    """The k chain drafts after ``seq`` in plain JAX: the target's hidden states over the
+    whole sequence (fresh caches), the MTP pass over rows 0..n-2 with the next tokens
+    seq[1:], the argmax at row n-2, then ``draft_chain`` from that row's MTP output."""
+    import jax.numpy as jnp
+
+    from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
+    from sglang_tpu_backend.models import mtp, qwen3_5_moe
+
+    cfg, page, n = runner.cfg, runner.page_size, len(seq)
+    pages = list(range(-(-(T + k) // page)))
+
+    def batch(ids, start, **kw):
+        return build_forward_batch([SeqChunk(ids, start, pages, 0, "all")], page_size=page,
+                                   num_seqs=1, pages_per_seq=len(pages), **kw)[0]
+
+    cache = qwen3_5_moe.init_cache(cfg, num_pages=len(pages), page_size=page, num_state_slots=1,
+                                   kv_dtype=jnp.float32)
+    hidden = reference_hidden(runner.params, cache, batch(seq, 0, num_tokens=T, num_logits=T),
+                              cfg)
+    mtp_cache = mtp.init_mtp_cache(cfg, num_pages=len(pages), page_size=page,
+                                   kv_dtype=jnp.float32)
+    logits, out, mtp_cache = mtp.mtp_forward_jit(
+        runner.params, runner.nextn.params, mtp_cache,
+        batch(seq[1:], 0, num_tokens=T, num_logits=T), hidden, cfg)
+    first = int(jnp.argmax(logits[n - 2]))
+    chain = batch([first], n - 1, num_tokens=1, num_logits=1, mode=ForwardMode.DECODE)
+    rest, _ = mtp.draft_chain_jit(runner.params, runner.nextn.params, mtp_cache, chain,
+                                  out[n - 2:n - 1], cfg, num_steps=k - 1)
+    return [first] + np.asarray(rest)[0].tolist()
+
+
+def reference_hidden(params, cache, fb, cfg):
+    import jax
+
+    from sglang_tpu_backend.models import qwen3_5_moe
+
+    fn = jax.jit(qwen3_5_moe.forward_hidden, static_argnames=("cfg", "impl"))
+    return fn(params, cache, fb, cfg=cfg, impl="auto")[0]
+
+
+def test_nextn_drafts_equal_the_mtp_reference(clean_nextn_engine, clean_engine):
+    """The MTP drafts the engine leaves for a request, at its first decode step (after a
+    chunked prefill: prompts over the 64-token chunk) and at later ones, equal the reference
+    computed from the sequence alone. The verify steps check replayed drafts (the plain
+    engine's continuation, the first wrong one moving through 0..K) so that they accept 0..K
+    drafts: the MTP pass then reads the verify sampler's tokens and drafts from row
+    accepted_len - 1."""
+    eng = clean_nextn_engine
+    eng.flush_cache()  # no cached prefix written by another request
+    rng = random.Random(5)
+    objs = [GenerateReqInput(rid=f"mtp{i}", input_ids=[rng.randrange(3, 1000) for _ in range(n)],
+                             sampling_params={"max_new_tokens": 9, "temperature": 0,
+                                              "ignore_eos": True})
+            for i, n in enumerate((3, 40, 70, 100))]
+    reference = {o.rid: w["output_ids"] for o, w in zip(objs, run_all(clean_engine, objs))}
+    recorder = RecordingDrafter(replay_drafts(
+        reference, lambda req, o: (o + len(req.prompt_ids)) % (K + 2)))
+    sched = eng.scheduler
+    with eng.loop.lock:
+        own, sched.drafter = sched.drafter, recorder
+    try:
+        got = run_all(eng, objs)
+    finally:
+        with eng.loop.lock:
+            sched.drafter = own
+    assert [g["output_ids"] for g in got] == [reference[o.rid] for o in objs]
+    assert min(g["meta_info"]["spec_accept_length"] for g in got) > 1.0
+    by_rid = collections.defaultdict(list)
+    for rid, seq, drafts in recorder.seen:
+        by_rid[rid].append((seq, drafts))
+    assert sorted(by_rid) == sorted(o.rid for o in objs)
+    for rid, seen in by_rid.items():
+        assert len(seen) >= 2
+        for seq, drafts in seen:
+            assert drafts == reference_drafts(eng.runner, seq, K), (rid, len(seq))
+
+
+def test_nextn_retraction_keeps_outputs(clean_nextn_engine, clean_engine):
+    """A KV pool too small for every request: retracted requests re-prefill (recomputing
+    their MTP KV) and the outputs stay the plain engine's."""
+    objs = workload(2, n=12)
+    want = run_all(clean_engine, objs)
+    before = clean_nextn_engine.scheduler.num_retracted_total
+    with small_page_pool(clean_nextn_engine, 14):
+        got = run_all(clean_nextn_engine, fresh(objs, "x"))
+    assert clean_nextn_engine.scheduler.num_retracted_total > before
+    assert_same_outputs(got, want)
+
+
+def no_mtp_model(tmp_path) -> dict:
+    """Args of a model directory whose config lists no MTP layer (only its config is read)."""
+    from sglang_tpu_backend.tiny_model import default_model_path
+
+    cfg = json.loads((default_model_path() / "config.json").read_text())
+    for c in (cfg, cfg.get("text_config", {})):
+        if "mtp_num_hidden_layers" in c:
+            c["mtp_num_hidden_layers"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return dict(model_path=str(tmp_path), tokenizer_path=str(default_model_path()))
+
+
+@pytest.mark.parametrize("case, role, match", [
+    ("dummy", "colocated", "--load-format dummy"),
+    ("decode", "decode", "decode replica hands request state over"),
+    ("no-mtp", "colocated", "mtp_num_hidden_layers 0"),
+])
+def test_nextn_refusals_name_the_flag(case, role, match, tmp_path):
+    from sglang_tpu_backend.engine import Engine
+
+    kw = {"dummy": dict(load_format="dummy"), "decode": {}, "no-mtp": no_mtp_model(tmp_path)}
+    with pytest.raises(ValueError, match=f"--speculative-algorithm NEXTN.*{match}"):
+        Engine(ServerArgs(**NEXTN_ARGS, **kw[case]), role=role, start_loop=False)

@@ -57,6 +57,22 @@ def test_pages_follow_the_formula(measured):
     assert got.max_running_requests_per_rank == 4
 
 
+def test_nextn_counts_the_mtp_weights_and_pages(measured):
+    """With NEXTN the weights include the loaded MTP params and a page the MTP layer's KV."""
+    from sglang_tpu_backend.loader import load_mtp_params
+    from sglang_tpu_backend.models.mtp import init_mtp_cache
+
+    cfg, weights, page, _ = measured
+    mtp = load_mtp_params(default_model_path(), cfg, dtype=jnp.float32)
+    mtp_weights = sum(x.nbytes for x in jax.tree_util.tree_leaves(mtp))
+    mtp_page = (init_mtp_cache(cfg, num_pages=2, page_size=16, kv_dtype=jnp.float32).nbytes
+                - init_mtp_cache(cfg, num_pages=1, page_size=16, kv_dtype=jnp.float32).nbytes)
+    got = size_pools(cfg, ServerArgs(**ARGS, mem_fraction_static=0.5,
+                                     speculative_algorithm="NEXTN"), 64 << 20)
+    assert mtp_weights > 0 and got.weights == weights + mtp_weights
+    assert mtp_page > 0 and got.page_bytes == page + mtp_page
+
+
 def test_doubling_the_free_part_doubles_the_pages(measured):
     cfg, weights, page, slot = measured
     fixed = weights + static_bytes(cfg, slot, 4, 4)
