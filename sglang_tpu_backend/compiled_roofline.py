@@ -13,6 +13,8 @@
   their async ``-start`` forms, also when offloaded to the SparseCores): the bytes each
   device receives, the share from its own chip's other die over the die-to-die link and the
   rest over the chip's ICI links (shared by its dies);
+- async copies and slices between memories (``copy-start`` / ``slice-start``, VMEM
+  prefetches): their HBM side;
 - structural ops (parameter, tuple, get-tuple-element, bitcast, constant, async ``-done``
   halves, ...): an explicit zero-cost list. Any other opcode or custom-call target raises
   :class:`UnchargedOpError`: nothing is skipped silently.
@@ -54,10 +56,10 @@ SCOPE_KINDS = {"attention": "attention", "gdn": "gdn", "routed_experts": "routed
 ZERO_COST = frozenset({
     "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
     "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain",
-    "copy-done", "call-done", "async-done", "all-gather-done", "all-reduce-done",
+    "copy-done", "slice-done", "call-done", "async-done", "all-gather-done", "all-reduce-done",
     "collective-permute-done", "send-done", "recv-done"})
 ZERO_COST_TARGETS = frozenset({  # custom calls that move no data: hints and async bookkeeping
-    "AllocateBuffer", "AssumeGatherIndicesInBound", "PrepareAsyncCallStart",
+    "AllocateBuffer", "AssumeGatherIndicesInBound", "ConcatBitcast", "PrepareAsyncCallStart",
     "PrepareAsyncCallDone"})
 MEMORY_TARGETS = frozenset({"GatherScatterIndicesBitpacked"})  # charged operands + result
 ELEMENTWISE = frozenset({
@@ -207,10 +209,8 @@ class _Walk:
             return Charge(flops, fp8, memory_op_bytes(comp, instr)), kind_of(instr)
         if op in ELEMENTWISE or op in DATA_MOVEMENT:
             return Charge(hbm_bytes=memory_op_bytes(comp, instr)), kind_of(instr)
-        if op == "copy-start":  # an async copy between memories (a VMEM prefetch): its HBM side
-            dest = instr.arrays[0]
-            moved = _operand_bytes(comp, instr, 0) + (dest.nbytes if dest.memory_space == 0 else 0)
-            return Charge(hbm_bytes=moved), kind_of(instr)
+        if op in ("copy-start", "slice-start"):  # async copies between memories (prefetches)
+            return Charge(hbm_bytes=async_copy_bytes(comp, instr)), kind_of(instr)
         if op in COLLECTIVES:
             return collective_charge(comp, instr, self.device), "communication"
         if op == "custom-call":
@@ -242,6 +242,13 @@ def memory_op_bytes(comp: Computation, instr: Instruction) -> float:
     if op == "scatter":  # operand, indices, updates: read indices + updates, write updates
         return rest(1) + _operand_bytes(comp, instr, 2)
     return rest(0) + out
+
+
+def async_copy_bytes(comp: Computation, instr: Instruction) -> float:
+    """HBM bytes of an async copy or slice between memory spaces (result ``(source,
+    destination, context)``): the destination's bytes read from and / or written to HBM."""
+    src, dest = comp.instructions[instr.operands[0]].arrays[0], instr.arrays[1]
+    return dest.nbytes * ((src.memory_space == 0) + (dest.memory_space == 0))
 
 
 # Ops inside a fusion that only change an operand's layout, tiling or type: a slice after
