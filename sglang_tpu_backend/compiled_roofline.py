@@ -164,6 +164,15 @@ def kind_of(instr: Instruction) -> str:
     return kind
 
 
+def _consumer_kind(comp: Computation, start: Instruction) -> str:
+    """The kind of an async copy (which carries no scope): that of the ops using its result."""
+    for done in comp.users(start.name):
+        for user in comp.users(done.name):
+            if (kind := kind_of(user)) != "other":
+                return kind
+    return kind_of(start)
+
+
 def _nbytes(instr: Instruction) -> float:
     """HBM bytes of an instruction's result (arrays in other memory spaces are on-chip)."""
     return sum(a.nbytes for a in instr.arrays if a.memory_space == 0)
@@ -189,9 +198,8 @@ class _Walk:
             self.computation(self.comps[called.get("to_apply") or called["calls"]], times)
         elif op == "conditional":  # the costliest branch
             branches = [v for k, v in called.items() if k.startswith("branch")]
-            costs = [_branch_cost(self.comps, b, self.device) for b in branches]
-            worst = max(range(len(costs)), key=lambda i: costs[i][1])
-            self.computation(self.comps[branches[worst]], times)
+            worst = max(branches, key=lambda b: _seconds(self.comps, b, self.device))
+            self.computation(self.comps[worst], times)
         else:
             charge, kind = self.charge(comp, instr)
             charge.seconds, charge.ops = self.device.seconds(charge), 1.0
@@ -210,7 +218,7 @@ class _Walk:
         if op in ELEMENTWISE or op in DATA_MOVEMENT:
             return Charge(hbm_bytes=memory_op_bytes(comp, instr)), kind_of(instr)
         if op in ("copy-start", "slice-start"):  # async copies between memories (prefetches)
-            return Charge(hbm_bytes=async_copy_bytes(comp, instr)), kind_of(instr)
+            return Charge(hbm_bytes=async_copy_bytes(comp, instr)), _consumer_kind(comp, instr)
         if op in COLLECTIVES:
             return collective_charge(comp, instr, self.device), "communication"
         if op == "custom-call":
@@ -218,10 +226,11 @@ class _Walk:
         raise UnchargedOpError(f"no cost rule for {op!r} ({instr.name} in {comp.name})")
 
 
-def _branch_cost(comps: dict[str, Computation], name: str, device: Device) -> tuple[str, float]:
+def _seconds(comps: dict[str, Computation], name: str, device: Device) -> float:
+    """Predicted seconds of one computation run once."""
     kinds = {k: Charge() for k in KINDS}
     _Walk(comps, device, kinds).computation(comps[name], 1.0)
-    return name, ProgramCost(kinds).total.seconds
+    return ProgramCost(kinds).total.seconds
 
 
 # Bytes ------------------------------------------------------------------------------------
@@ -487,11 +496,27 @@ def trip_count(comps: dict[str, Computation], comp: Computation, loop: Instructi
     if a.opcode == "constant":  # N > i  ->  i < N
         a, b = b, a
         direction = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}.get(direction, direction)
-    if a.opcode != "get-tuple-element" or b.opcode != "constant" or direction not in ("LT", "LE", "NE"):
+    if (a.opcode != "get-tuple-element" or b.opcode != "constant"
+            or direction not in ("LT", "LE", "NE")):
         raise UnchargedOpError(f"while {loop.name}: no counter compare in its condition")
     index = int(a.attr("index"))
     init = _source(comp, comp.instructions[loop.operands[0]].operands[index])
-    if init.opcode != "constant":
-        raise UnchargedOpError(f"while {loop.name}: counter does not start at a constant")
-    trips = int(b.args) - int(init.args) + (direction == "LE")
-    return max(trips, 0)
+    if init.opcode != "constant" or _counter_step(comps[loop.called()["body"]], index) != 1:
+        raise UnchargedOpError(f"while {loop.name}: counter does not run from a constant by 1")
+    return max(0, int(b.args) - int(init.args) + (direction == "LE"))
+
+
+def _counter_step(body: Computation, index: int) -> int | None:
+    """The constant a loop body adds to tuple element ``index`` (None if it does not)."""
+    root = body.instructions[body.root]
+    if root.opcode != "tuple":
+        return None
+    nxt = _source(body, root.operands[index])
+    if nxt.opcode != "add":
+        return None
+    x, y = (_source(body, n) for n in nxt.operands)
+    if x.opcode == "constant":
+        x, y = y, x
+    if (x.opcode, y.opcode) != ("get-tuple-element", "constant") or x.attr("index") != str(index):
+        return None
+    return int(y.args)

@@ -136,6 +136,8 @@ def test_scan_body_is_charged_once_per_trip():
     layer = 1024 * 1024 * 2
     assert c.hbm_bytes == 8 * (2 * layer + 4 + 12) + 9 * 9
     assert c.ops == 8 * 2 + 9
+    with pytest.raises(UnchargedOpError, match="by 1"):  # a counter stepping by 2
+        program_cost(SCAN_HLO.replace("constant(1)", "constant(2)"))
     # A jax scan compiled for the CPU carries its trip count (known_trip_count): the body's
     # dot is charged per trip.
     def program(n):
