@@ -8,7 +8,9 @@
   scatter writes only its update), and the FLOPs of their dots and convolutions (2 per
   multiply-add; elementwise arithmetic is left at 0);
 - Pallas (Mosaic) calls: the ``CostEstimate`` their ``backend_config`` carries (flops,
-  bytes_accessed, remote_bytes_transferred);
+  bytes_accessed, remote_bytes_transferred; a kernel's remote bytes are spread evenly over
+  its peers, those on its chip over the die-to-die link: for the hierarchical reduce-scatter,
+  whose first stage is all die-to-die, that over-charges ICI);
 - collectives (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute and
   their async ``-start`` forms, also when offloaded to the SparseCores): the bytes each
   device receives, the share from its own chip's other die over the die-to-die link and the
