@@ -33,7 +33,7 @@ def _dense_by_kind(cfg: ModelConfig, expert_dtype: str) -> dict[str, tuple[float
     for layer in range(cfg.num_hidden_layers):
         p = layer_param_shapes(cfg, layer, jnp.bfloat16, fp8_experts=expert_dtype == "fp8")
         mlp = {k: v for k, v in p.pop("mlp").items() if k != "experts"}
-        modules = {**{k: v for k, v in p.items()}, **mlp}
+        modules = {**p, **mlp}  # a dense layer's MLP (gate_up, down) is "other"
         for name, tree in modules.items():
             kind = _MODULE_KINDS.get(name, "other")
             for leaf in jax.tree.leaves(tree):
