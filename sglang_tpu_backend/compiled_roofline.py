@@ -23,12 +23,13 @@
 
 A while loop's body (the layer scan) is charged once per iteration, its trip count read from
 the loop's ``known_trip_count`` or from its condition (``i < N`` on a counter that starts at
-a constant and steps by 1; any other loop raises). XLA's own ``cost_analysis()`` counts a loop body once per program.
+a constant and steps by 1; any other loop raises). XLA's own ``cost_analysis()`` counts a
+loop body once per program.
 
 Each op's time is max(FLOPs / peak, HBM bytes / bandwidth, link bytes / link bandwidth), the
 peak the FP8 one for dots of two FP8 operands and the bf16 one otherwise (Pallas calls too:
-their cost estimates do not say which unit they use); the predicted step time is their sum (no overlap between ops). Each op is attributed to a layer
-kind by the ``jax.named_scope`` of its metadata (``models/qwen3_5_moe.py``), collectives and
+their cost estimates do not say which unit they use); the predicted step time is their sum
+(no overlap between ops). Each op is attributed to a layer kind by the ``jax.named_scope`` of its metadata (``models/qwen3_5_moe.py``), collectives and
 communicating kernels to "communication".
 
 Link figures (per chip; a TPU7x chip holds two TensorCores, each one JAX device):
