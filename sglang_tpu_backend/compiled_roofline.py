@@ -29,8 +29,9 @@ loop body once per program.
 Each op's time is max(FLOPs / peak, HBM bytes / bandwidth, link bytes / link bandwidth), the
 peak the FP8 one for dots of two FP8 operands and the bf16 one otherwise (Pallas calls too:
 their cost estimates do not say which unit they use); the predicted step time is their sum
-(no overlap between ops). Each op is attributed to a layer kind by the ``jax.named_scope`` of its metadata (``models/qwen3_5_moe.py``), collectives and
-communicating kernels to "communication".
+(no overlap between ops). Each op is attributed to a layer kind by the ``jax.named_scope`` of
+its metadata (``models/qwen3_5_moe.py``), collectives and communicating kernels to
+"communication".
 
 Link figures (per chip; a TPU7x chip holds two TensorCores, each one JAX device):
 - ``ICI_BANDWIDTH``: 1,200 GB/s bidirectional ICI bandwidth per chip (Google Cloud TPU7x
