@@ -441,7 +441,8 @@ def hierarchical_reduce_scatter_cost(
     Counted per device (HBM only; VMEM tiles are free): stage 1 reads the N/E rows it keeps
     plus the (E-1)/E * N rows it sends, writes the received rows, reads them back, writes the
     N/E die-local sums; stage 2 reads the (C-1) partials it sends, writes the (C-1) received
-    ones (+1 local copy), reads the C partials and writes the N/D result.
+    ones (+1 local copy), reads the C partials and writes the N/D result. Remote bytes: the
+    (E-1)/E * N rows sent to the other dies and the (C-1) partial blocks sent to other chips.
     """
     del num_microbatches  # same traffic, only the overlap changes
     item = jnp.dtype(dtype).itemsize
@@ -450,7 +451,9 @@ def hierarchical_reduce_scatter_cost(
     stage1_rows = n + 2 * (e - 1) * (n // e) + n // e  # read all, recv write+read, part write
     stage2_rows = (c - 1) * block + c * block + c * block + block  # send, recv, sum, out
     flops = (e - 1) * (n // e) * h + (c - 1) * block * h  # one add per element per stage
-    return Cost(flops=flops, bytes_accessed=(stage1_rows + stage2_rows) * h * item)
+    sent_rows = (e - 1) * (n // e) + (c - 1) * block
+    return Cost(flops=flops, bytes_accessed=(stage1_rows + stage2_rows) * h * item,
+                remote_bytes=sent_rows * h * item)
 
 
 def packed_all_gather_cost(num_tokens, top_k, num_devices) -> Cost:

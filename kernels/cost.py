@@ -15,12 +15,14 @@ class Cost:
     flops: int  # floating-point operations (multiply-add = 2)
     bytes_accessed: int  # HBM bytes read + written
     transcendentals: int = 0  # exp / log / rsqrt / sigmoid evaluations
+    remote_bytes: int = 0  # bytes sent to other devices (remote DMA)
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(
             self.flops + other.flops,
             self.bytes_accessed + other.bytes_accessed,
             self.transcendentals + other.transcendentals,
+            self.remote_bytes + other.remote_bytes,
         )
 
     def arithmetic_intensity(self) -> float:
@@ -35,4 +37,5 @@ class Cost:
             flops=int(self.flops),
             bytes_accessed=int(self.bytes_accessed),
             transcendentals=int(self.transcendentals),
+            remote_bytes_transferred=int(self.remote_bytes),
         )

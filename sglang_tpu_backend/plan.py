@@ -424,19 +424,28 @@ def main(argv: list[str] | None = None) -> int:
                  num_draft_tokens=a.speculative_num_draft_tokens)
     except ValueError as e:  # ConfigError is a ValueError
         ap.error(str(e))
-    print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))
-    if a.compile:
-        if p.tp != 1 and p.tp != p.devices:
-            ap.error("--compile: the DP x EP step (--tp 1) or tensor-parallel attention over "
-                     f"all {p.devices} devices (--tp {p.devices}) is compiled")
-        return compile_and_compare(cfg, p, a)
-    return 0
+    if not a.compile:
+        print(json.dumps(p.to_dict(), indent=2) if a.json else format_plan(p))
+        return 0
+    if p.tp != 1 and p.tp != p.devices:
+        ap.error("--compile: the DP x EP step (--tp 1) or tensor-parallel attention over "
+                 f"all {p.devices} devices (--tp {p.devices}) is compiled")
+    if not a.json:
+        print(format_plan(p))
+    # With --json the compile's tables go to stderr and the JSON (plan + efficiency) last.
+    rc, efficiency = compile_and_compare(cfg, p, a, out=sys.stderr if a.json else sys.stdout)
+    if a.json:
+        print(json.dumps({**p.to_dict(), "program_efficiency": efficiency}, indent=2))
+    return rc
 
 
-def compile_and_compare(cfg: ModelConfig, p: MemoryPlan, a) -> int:
+def compile_and_compare(cfg: ModelConfig, p: MemoryPlan, a, out=sys.stdout
+                        ) -> tuple[int, dict[str, float]]:
     """Compile the decode step of the plan (``r`` requests per DP rank, or all of them in
     tensor-parallel mode) and print the compiler's figures per device beside the planner's
-    estimate."""
+    estimate; for the DP x EP step also the program efficiency (``program_roofline.py``) of
+    that decode step and of a prefill step of ``--max-num-batched-tokens`` tokens per rank.
+    Returns (exit code, {"decode": bytes efficiency, "prefill": FLOPs efficiency})."""
     import jax.numpy as jnp
 
     from kernels.tpu_compile import topology_devices
@@ -454,27 +463,67 @@ def compile_and_compare(cfg: ModelConfig, p: MemoryPlan, a) -> int:
     spec = StepSpec(ForwardMode.DECODE, r, r, r, pages, r * pages, p.page_size, r)
     mesh = make_mesh(p.devices, topology_devices(p.topology))
     step = compile_dp_step if p.tp == 1 else compile_tp_step
+    kw = dict(fp8_experts=a.expert_dtype == "fp8", kv_dtype=jdt[a.kv_dtype],
+              state_dtype=jdt[a.state_dtype])
     try:
         extra = {"redundant_experts": p.redundant_experts} if p.redundant_experts else {}
-        rep = step(cfg, spec, mesh, fp8_experts=a.expert_dtype == "fp8",
-                   kv_dtype=jdt[a.kv_dtype], state_dtype=jdt[a.state_dtype], **extra)
+        rep = step(cfg, spec, mesh, **kw, **extra)
     except Exception as e:  # XLA:TPU refuses programs that do not fit: report, do not crash
-        print(f"compile failed: {str(e).splitlines()[0]}")
-        return 1
+        print(f"compile failed: {str(e).splitlines()[0]}", file=out)
+        return 1, {}
     gib = 2.0**30
     used = rep.memory["argument_size_in_bytes"] + rep.memory["temp_size_in_bytes"]
     who = "per DP rank" if p.tp == 1 else f"on each of {p.tp} tensor-parallel devices"
-    print(f"compiled decode step, {r} requests {who}: {rep.seconds:.1f} s")
+    print(f"compiled decode step, {r} requests {who}: {rep.seconds:.1f} s", file=out)
     print(f"  compiler per device: arguments {rep.memory['argument_size_in_bytes'] / gib:.2f} GiB"
-          f" + temp {rep.memory['temp_size_in_bytes'] / gib:.2f} GiB = {used / gib:.2f} GiB")
+          f" + temp {rep.memory['temp_size_in_bytes'] / gib:.2f} GiB = {used / gib:.2f} GiB",
+          file=out)
     print(f"  planner per device:  {p.total / gib:.2f} GiB "
-          f"(compiler / planner = {used / p.total:.3f}); HBM {p.hbm / gib:.2f} GiB")
+          f"(compiler / planner = {used / p.total:.3f}); HBM {p.hbm / gib:.2f} GiB", file=out)
     c = rep.cost
     est = c.get("optimal_seconds", -1.0)  # XLA reports a negative time when it cannot estimate
     est = f"{est * 1e3:.2f} ms per step" if est > 0 else "n/a (custom calls)"
     print(f"  cost_analysis: {c.get('flops', 0) / 1e12:.3f} TFLOP, "
-          f"{c.get('bytes accessed', 0) / 1e9:.2f} GB accessed, XLA time estimate {est}")
-    return 0
+          f"{c.get('bytes accessed', 0) / 1e9:.2f} GB accessed, XLA time estimate {est}",
+          file=out)
+    if p.tp != 1 or r < 1:
+        return 0, {}
+    T = a.max_num_batched_tokens
+    seqs = min(r, T)  # the prefill bucket: T tokens over (up to) the rank's requests
+    prefill = StepSpec(ForwardMode.EXTEND, T, seqs, seqs, pages, r * pages, p.page_size, r)
+    try:
+        hlo = {"decode": (rep.hlo, r, r), "prefill": (compile_dp_step(
+            cfg, prefill, mesh, **kw, **extra).hlo, T, seqs)}
+    except Exception as e:
+        print(f"prefill compile failed: {str(e).splitlines()[0]}", file=out)
+        return 1, {}
+    return 0, print_program_efficiency(cfg, p, a, hlo, out)
+
+
+def print_program_efficiency(cfg: ModelConfig, p: MemoryPlan, a, hlo: dict, out
+                             ) -> dict[str, float]:
+    """Charge each bucket's compiled HLO (``{name: (hlo, tokens, requests) per rank}``), print
+    its per-kind table and return each bucket's efficiency."""
+    from sglang_tpu_backend.compiled_roofline import Device
+    from sglang_tpu_backend.program_roofline import bucket_efficiency, format_efficiency
+    from sglang_tpu_backend.roofline import Hardware
+
+    gen = parse_topology(p.topology).generation
+    hw = Hardware(p.topology, gen.bf16_flops_per_chip, gen.fp8_flops_per_chip,
+                  gen.hbm_bw_per_chip, gen.hbm_per_chip, gen.cores_per_chip)
+    device = Device.of(hw, p.devices)
+    kv_len = -(-p.context_length // p.page_size) * p.page_size  # full page rows, as compiled
+    names = {"fp32": "f32"}
+    result = {}
+    for name, (text, tokens, seqs) in hlo.items():
+        b = bucket_efficiency(name, text, cfg, tokens=tokens, seqs=seqs, kv_len=kv_len,
+                              devices=p.devices, device=device, expert_dtype=a.expert_dtype,
+                              state_dtype=names.get(a.state_dtype, a.state_dtype),
+                              kv_dtype=names.get(a.kv_dtype, a.kv_dtype))
+        print(f"program roofline, {name} step ({tokens} tokens per DP rank), per device:\n"
+              + format_efficiency(b), file=out)
+        result[name] = round(b.efficiency, 4)
+    return result
 
 
 if __name__ == "__main__":

@@ -268,27 +268,28 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
     EPLB) (``metrics/router_stats.py``; needs ``num_valid``). ``p["expert_location"]``
     (EPLB): routed ids go to physical slots (``models/moe.py``).
     """
-    router_logits = x @ p["gate"]  # [T, E]
-    top_w, top_i = route_tokens(router_logits, cfg, num_valid, x.dtype)  # [T, K]
-    location = p.get("expert_location")
-    slot_i = top_i if location is None else physical_ids(top_i, location)  # [T, K]
-    num_slots = cfg.num_experts if location is None else location["logical"].shape[0]
+    with jax.named_scope("routed_experts"):  # a name the compiled roofline attributes by
+        router_logits = x @ p["gate"]  # [T, E]
+        top_w, top_i = route_tokens(router_logits, cfg, num_valid, x.dtype)  # [T, K]
+        location = p.get("expert_location")
+        slot_i = top_i if location is None else physical_ids(top_i, location)  # [T, K]
+        num_slots = cfg.num_experts if location is None else location["logical"].shape[0]
+        if experts is None:
+            experts, group = p["experts"], None
+        if tp is not None:
+            num_local = experts["gate_up"].shape[0 if group is None else 1]
+            first = jax.lax.axis_index(tp.axes) * num_local
+            routed = routed_experts(experts, x, slot_i, top_w, num_local, first, impl, group)
+            routed = jax.lax.psum(routed, tp.axes)
+        elif ep is None:
+            routed = routed_experts(experts, x, slot_i, top_w, num_slots, 0, impl, group)
+        else:
+            routed = ep_routed_experts(experts, x, slot_i, top_w, impl, ep, group)  # [T, H]
 
-    if experts is None:
-        experts, group = p["experts"], None
-    if tp is not None:
-        num_local = experts["gate_up"].shape[0 if group is None else 1]
-        first = jax.lax.axis_index(tp.axes) * num_local
-        routed = routed_experts(experts, x, slot_i, top_w, num_local, first, impl, group)
-        routed = jax.lax.psum(routed, tp.axes)
-    elif ep is None:
-        routed = routed_experts(experts, x, slot_i, top_w, num_slots, 0, impl, group)
-    else:
-        routed = ep_routed_experts(experts, x, slot_i, top_w, impl, ep, group)  # [T, H]
-
-    shared = p["shared_expert"]
-    shared_out = swiglu_mlp(x, shared["gate_up"], shared["down"])  # [T, H]
-    shared_out = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared_out
+    with jax.named_scope("shared_expert"):
+        shared = p["shared_expert"]
+        shared_out = swiglu_mlp(x, shared["gate_up"], shared["down"])  # [T, H]
+        shared_out = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared_out
     if not with_stats:
         return routed + shared_out
     stats = (router_stats(router_logits, top_i, num_valid),
@@ -370,14 +371,16 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
             h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
             if kind == FULL_ATTENTION:
                 layer = g * attn_per_group + i_attn
-                h, kv_pages, kv_scales = attention_block(p["self_attn"], h, kv_pages, kv_scales,
-                                                         layer, cos, sin, batch, cfg, impl,
-                                                         batch_invariant)
+                with jax.named_scope("attention"):
+                    h, kv_pages, kv_scales = attention_block(
+                        p["self_attn"], h, kv_pages, kv_scales, layer, cos, sin, batch, cfg,
+                        impl, batch_invariant)
                 i_attn += 1
             else:
                 layer = g * lin_per_group + i_lin
-                h, conv_state, rec_state, ver = gdn_block(p["linear_attn"], h, conv_state,
-                                                          rec_state, layer, batch, cfg, impl)
+                with jax.named_scope("gdn"):
+                    h, conv_state, rec_state, ver = gdn_block(p["linear_attn"], h, conv_state,
+                                                              rec_state, layer, batch, cfg, impl)
                 verify.append(ver)
                 i_lin += 1
             if tp is not None:
@@ -439,8 +442,9 @@ def forward(
 
 def compute_logits(params: Params, hidden, batch: ForwardBatch):
     """f32[L, V] logits of the rows ``batch.logits_indices`` of hidden [T, H]."""
-    h = hidden[batch.logits_indices]  # [L, H]
-    return (h @ params["lm_head"]).astype(jnp.float32)
+    with jax.named_scope("lm_head"):
+        h = hidden[batch.logits_indices]  # [L, H]
+        return (h @ params["lm_head"]).astype(jnp.float32)
 
 
 forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep", "tp", "with_stats",

@@ -401,6 +401,7 @@ def test_costs():
     cost = col.hierarchical_reduce_scatter_cost(n, h, num_chips=4, num_dies=2, num_microbatches=2)
     # stage 1 adds the other die's half: 32 rows; stage 2 adds 3 partials of an 8-row block.
     assert cost.flops == 32 * h + 3 * 8 * h
+    assert cost.remote_bytes == (32 + 3 * 8) * h * 4  # sent: the other die's half, 3 blocks
     assert cost.bytes_accessed > n * h * 4  # reads its whole input at least once
     bf16 = col.hierarchical_reduce_scatter_cost(n, h, dtype="bfloat16")
     assert bf16.bytes_accessed * 2 == cost.bytes_accessed

@@ -25,32 +25,47 @@ as [M, P, H/P] slabs, ``gmm(row_split=P)``, so the un-permute's relayout copy of
 outputs, charged 169 MB per layer, is gone). The 10% left is activation traffic the roofline
 leaves out: f32 logits, the all-gathered hidden rows, the routed rows between the MoE
 kernels, per-layer activations between fusions.
+
+The compiled roofline (``compiled_roofline.py``) charges every op of a compiled program: a
+made-up op raises, a loop body is charged once per trip, its FLOPs on the 4-layer slice are
+XLA's, and the program efficiency (the roofline's ideal / the charged cost) of the decode
+step (HBM bytes: the full 60-layer program, shared with ``test_dp_compile.py``, and the slice)
+and of a 1,024-token prefill step (FLOPs, on the slice) is printed per layer kind and held to
+its target.
 """
+
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from kernels.tpu_compile import NO_VMEM_PREFETCH, topology_devices
+from sglang_tpu_backend.compiled_roofline import TPU7X, UnchargedOpError, program_cost
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh
+from sglang_tpu_backend.program_roofline import bucket_efficiency, format_efficiency
 from sglang_tpu_backend.roofline import step_terms, totals
 
-from .test_dp_compile import PAGES, config_397b
+from .test_dp_compile import PAGES, compile_397b, config_397b
 
 D, R, PAGE = 8, 64, 256
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_cost(num_layers: int, mode: ForwardMode, T: int) -> dict:
+def compiled_step(num_layers: int, mode: ForwardMode, T: int):
     mesh = make_mesh(D, topology_devices("tpu7x:2x2x1"))
     spec = StepSpec(mode, T, R, R, PAGES, R * PAGES, PAGE, R)
     return compile_dp_step(config_397b(num_layers), spec, mesh, fp8_experts=True,
-                           state_dtype=jnp.bfloat16, compiler_options=NO_VMEM_PREFETCH).cost
+                           state_dtype=jnp.bfloat16, compiler_options=NO_VMEM_PREFETCH)
+
+
+def compiled_cost(num_layers: int, mode: ForwardMode, T: int) -> dict:
+    return compiled_step(num_layers, mode, T).cost
 
 
 def roofline(num_layers: int, mode: ForwardMode, T: int) -> dict:
@@ -74,3 +89,108 @@ def test_roofline_bytes_against_xla_cost_analysis():
     print(f"\n397B decode slice bytes: roofline {ours / 1e9:.2f} GB, XLA {xla / 1e9:.2f} GB, "
           f"ratio {xla / ours:.3f}")
     assert ours <= xla <= 1.2 * ours, (ours, xla)
+
+
+# A loop of 8 trips whose body slices one [1024, 1024] bf16 layer out of a stacked weight.
+SCAN_HLO = """HloModule scan
+
+%slice_layer (p0: bf16[8,1024,1024], p1: s32[]) -> bf16[1,1024,1024] {
+  %p0 = bf16[8,1024,1024]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %ds = bf16[1,1024,1024]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,1024,1024}
+}
+
+%body (t: (s32[], bf16[8,1024,1024], bf16[1,1024,1024])) -> (s32[], bf16[8,1024,1024], bf16[1,1024,1024]) {
+  %t = (s32[], bf16[8,1024,1024]{2,1,0}, bf16[1,1024,1024]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %w = bf16[8,1024,1024]{2,1,0} get-tuple-element(%t), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %layer = bf16[1,1024,1024]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%slice_layer
+  ROOT %out = (s32[], bf16[8,1024,1024]{2,1,0}, bf16[1,1024,1024]{2,1,0}) tuple(%next, %w, %layer)
+}
+
+%cond (t: (s32[], bf16[8,1024,1024], bf16[1,1024,1024])) -> pred[] {
+  %t = (s32[], bf16[8,1024,1024]{2,1,0}, bf16[1,1024,1024]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (w: bf16[8,1024,1024], s: bf16[1,1024,1024]) -> (s32[], bf16[8,1024,1024], bf16[1,1024,1024]) {
+  %w = bf16[8,1024,1024]{2,1,0} parameter(0)
+  %s = bf16[1,1024,1024]{2,1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8,1024,1024]{2,1,0}, bf16[1,1024,1024]{2,1,0}) tuple(%zero, %w, %s)
+  ROOT %loop = (s32[], bf16[8,1024,1024]{2,1,0}, bf16[1,1024,1024]{2,1,0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_scan_body_is_charged_once_per_trip():
+    """The trip count from the condition (counter from 0, ``i < 8``): each trip reads one
+    layer's slice (2 MiB, not the 16 MiB stack) and its s32 index and writes the slice, and
+    adds two s32; the condition runs 9 times (two s32 in, one pred out)."""
+    c = program_cost(SCAN_HLO).total
+    layer = 1024 * 1024 * 2
+    assert c.hbm_bytes == 8 * (2 * layer + 4 + 12) + 9 * 9
+    assert c.ops == 8 * 2 + 9
+    with pytest.raises(UnchargedOpError, match="by 1"):  # a counter stepping by 2
+        program_cost(SCAN_HLO.replace("constant(1)", "constant(2)"))
+    # A jax scan compiled for the CPU carries its trip count (known_trip_count): the body's
+    # dot is charged per trip.
+    def program(n):
+        def run(x, w):
+            return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=n)[0]
+        x = jnp.ones((64, 64), jnp.float32)
+        return jax.jit(run).lower(x, x).compile().as_text()
+    for n in (4, 8):
+        assert program_cost(program(n)).total.flops == n * 2 * 64**3
+
+
+@pytest.mark.parametrize("op,error", [
+    ("%bogus = s32[] frobnicate(%i)", "frobnicate"),
+    ('%bogus = s32[] custom-call(%i), custom_call_target="MadeUpTarget"', "MadeUpTarget"),
+], ids=["opcode", "custom-call-target"])
+def test_an_op_without_a_cost_rule_raises(op, error):
+    hlo = SCAN_HLO.replace("  %one = s32[] constant(1)\n", f"  %one = s32[] constant(1)\n  {op}\n")
+    with pytest.raises(UnchargedOpError, match=error):
+        program_cost(hlo)
+
+
+def _bucket(name: str, num_layers: int | None, T: int):
+    report = (compile_397b("tpu7x:2x2x1", D, ForwardMode.DECODE, T) if num_layers is None
+              else compiled_step(num_layers, ForwardMode.DECODE if name == "decode"
+                                 else ForwardMode.EXTEND, T))
+    cfg = config_397b(num_layers)
+    return report, bucket_efficiency(name, report.hlo, cfg, tokens=T, seqs=R,
+                                     kv_len=PAGES * PAGE, devices=D, device=TPU7X)
+
+
+# Measured 0.859: of the 15.9 GB the 60-layer decode step moves beyond the roofline's 96.6 GB,
+# 12.2 GB are "other" ops: 10.3 GB the layer scan's dynamic-slice fusions copying each layer's
+# output-major weights (q_proj, in_proj_z) and k/v_proj out of the stacked weights into
+# another tiling (the 4-layer slice, one trip, has none), 1.5 GB VMEM prefetches, 0.4 GB
+# copies; 2.1 GB the MoE kernels' routed rows, 1.0 GB the reduce-scatter kernel's HBM side.
+FULL_DECODE_XFAIL = pytest.mark.xfail(
+    strict=True, reason="60-layer decode bytes efficiency 0.859 < 0.9: the layer scan copies "
+                        "each layer's output-major weights (dynamic-slice fusions, 10.3 GB)")
+
+
+@pytest.mark.parametrize("name,num_layers,T,target", [
+    pytest.param("decode", None, 64, 0.9, marks=FULL_DECODE_XFAIL),
+    ("decode", 4, 64, 0.9),
+    ("prefill", 4, 1024, 0.85),
+], ids=["decode64-60layers", "decode64-4layers", "prefill1024-4layers"])
+def test_program_efficiency(name, num_layers, T, target):
+    """Every op of the compiled step is charged (the walk raises otherwise), FLOPs within
+    0.5% of XLA's on the one-trip slice (where XLA's count is the program's), and the
+    efficiency that bounds the bucket (decode: HBM bytes, prefill: FLOPs) meets its target."""
+    report, b = _bucket(name, num_layers, T)
+    layers = num_layers or 60
+    print(f"\n397B DP8 x EP8 {name} ({T} tokens per rank, {layers} layers), per device:\n"
+          + format_efficiency(b))
+    if num_layers is not None:
+        assert abs(b.charged.total.flops / report.cost["flops"] - 1) < 0.005
+    assert b.efficiency >= target, (name, b.ratios())
