@@ -19,12 +19,13 @@ LAYERS = [
     ("sglang_tpu_backend", "kernels", "sglang_tpu_backend.config", "sglang_tpu_backend.checkpoint_io",
      "sglang_tpu_backend.managers.io_struct", "sglang_tpu_backend.model_executor.forward_mode",
      "sglang_tpu_backend.model_executor.forward_batch", "sglang_tpu_backend.parallel.mesh",
-     "sglang_tpu_backend.metrics.router_stats"),
+     "sglang_tpu_backend.metrics.router_stats", "sglang_tpu_backend.hlo_text"),
     # 1: the model, tokenizer, caches, sampling, drafting, grammars, metrics, per-request state
     ("sglang_tpu_backend.server_args", "sglang_tpu_backend.models", "sglang_tpu_backend.tokenizer",
      "sglang_tpu_backend.tiny_model", "sglang_tpu_backend.loader", "sglang_tpu_backend.mem_cache",
      "sglang_tpu_backend.sampling", "sglang_tpu_backend.constrained", "sglang_tpu_backend.metrics",
      "sglang_tpu_backend.profiler", "sglang_tpu_backend.roofline",
+     "sglang_tpu_backend.compiled_roofline", "sglang_tpu_backend.program_roofline",
      "sglang_tpu_backend.managers.schedule_batch", "sglang_tpu_backend.managers.handover",
      "sglang_tpu_backend.speculative"),
     # 2: running the model: one device, DP, TP, multi-host; loading into shardings; planning
