@@ -149,6 +149,13 @@ def layer_params(params: Params, cfg: ModelConfig, layer: int) -> Params:
 # Blocks -------------------------------------------------------------------------------------
 
 
+def _project(x, w):
+    """``x @ w`` whose output the caller splits into heads: the barrier keeps XLA from
+    moving that reshape onto the weight, which under the layer scan made XLA:TPU copy each
+    layer's slice of the stacked weight on every step."""
+    return jax.lax.optimization_barrier(x @ w)
+
+
 def attention_block(p: Params, x, kv_pages, kv_scales, layer, cos, sin, batch: ForwardBatch,
                     cfg, impl, batch_invariant: bool = False):
     """Gated GQA attention of attention layer ``layer``. x: [T, H] -> ([T, H], kv_pages,
@@ -156,10 +163,10 @@ def attention_block(p: Params, x, kv_pages, kv_scales, layer, cos, sin, batch: F
     are quantised with their scales)."""
     T = x.shape[0]
     N, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q_gate = (x @ p["q_proj"]).reshape(T, N, 2 * D)  # per head [query | gate]
+    q_gate = _project(x, p["q_proj"]).reshape(T, N, 2 * D)  # per head [query | gate]
     q, gate = q_gate[..., :D], q_gate[..., D:]  # [T, N, D] each
-    k = (x @ p["k_proj"]).reshape(T, G, D)
-    v = (x @ p["v_proj"]).reshape(T, G, D)
+    k = _project(x, p["k_proj"]).reshape(T, G, D)
+    v = _project(x, p["v_proj"]).reshape(T, G, D)
     q = apply_partial_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = apply_partial_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
     cast = (lambda a: a) if kv_scales is not None else (lambda a: a.astype(kv_pages.dtype))
@@ -190,7 +197,7 @@ def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, c
     T = x.shape[0]
     Hv, Dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     mixed_qkv = x @ p["in_proj_qkv"]  # [T, C]
-    z = (x @ p["in_proj_z"]).reshape(T, Hv, Dv)
+    z = _project(x, p["in_proj_z"]).reshape(T, Hv, Dv)
     b = x @ p["in_proj_b"]  # [T, Hv]
     a = x @ p["in_proj_a"]  # [T, Hv]
     if batch.mode.is_verify():
