@@ -84,7 +84,8 @@ def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
                                                                      fbs)
                 accepted_len = pool.submit(warm_verify_sampler, logits, R).result()
                 slots = np.concatenate([fb.state_slots for fb in fbs])
-                runner.cache = runner.backend.commit(runner.cache, states, slots, accepted_len)
+                runner.cache = runner.backend.commit(runner.params, runner.cache, states, slots,
+                                                     accepted_len)
                 continue
             logits = runner.forward(fbs)
             pending.append(pool.submit(warm_sampler, logits, R, L))
