@@ -224,9 +224,10 @@ def _xla_commit_layer(cs, rs, win, a, b, w, A_log, dt_bias, layer, slots, acc, f
     s0 = jnp.where(fresh[:, None, None, None], 0.0, rs[layer, slots].astype(F32))
     by_position = lambda z: jnp.moveaxis(z, 1, 0)  # noqa: E731 [R, n, *] -> [n, R, *]
     live = jnp.arange(n)[:, None] < acc[None, :]  # bool[n, R]
-    _, s, last = gdn.decode_loop(win[:, :K1].astype(F32), s0, by_position(win[:, K1:].astype(a.dtype)),
-                                 by_position(a), by_position(b), w, A_log, dt_bias, num_k_heads,
-                                 once, rs.dtype, cs.dtype, live=live)
+    x = by_position(win[:, K1:].astype(a.dtype))  # exact: the inputs were a's dtype
+    _, s, last = gdn.decode_loop(win[:, :K1].astype(F32), s0, x, by_position(a), by_position(b),
+                                 w, A_log, dt_bias, num_k_heads, once, rs.dtype, cs.dtype,
+                                 live=live)
     return gdn._store_states(cs, rs, layer, slots, acc > 0, last, s)
 
 

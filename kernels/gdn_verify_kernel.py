@@ -99,7 +99,8 @@ def pallas_gdn_verify(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, 
                       state_slots, real, fresh, layer, *, geom: Geometry, cost, interpret):
     """Run the verify kernel. mixed_qkv [R*n, C], a/b [R*n, Hv]; state_slots i32[R]; real,
     fresh bool[R]; layer an i32 scalar already clipped. Returns o [R*n, Hv, Dv] (mixed_qkv's
-    dtype) and the conv state each request started from, [R, rows, C] in conv_state's dtype (zeros: fresh or padding). The kernel
+    dtype) and the conv state each request started from, [R, rows, C] in conv_state's dtype
+    (zeros: fresh or padding). The kernel
     hands that back rather than XLA gathering it: a gather would want the stacked conv state
     in another layout than the kernel's and copy all of it."""
     R = state_slots.shape[0]

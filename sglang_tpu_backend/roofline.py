@@ -38,9 +38,10 @@ GDN layers read each request's state once and write none, then the commit reads 
 re-applies the accepted positions and writes it into the slot), followed by k MTP draft
 steps (the MTP layer, one full-attention MoE layer behind its ``fc``, with the shared LM
 head: the first over the n verified rows, which writes the MTP KV of every position, then
-k-1 chain steps of one row per request). A request gains ``a`` tokens per step (1 <= a <= n: the accepted
-drafts plus the token sampled after them), so the decode phase takes ``output_len / a``
-steps. ``a`` is an input: it depends on the MTP layer and the text, not on the hardware.
+k-1 chain steps of one row per request). A request gains ``a`` tokens per step
+(1 <= a <= n: the accepted drafts plus the token sampled after them), so the decode phase
+takes ``output_len / a`` steps. ``a`` is an input: it depends on the MTP layer and the text,
+not on the hardware.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def test_verify_matches_reference(impl):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         assert_close(g, w, F32_TOL, name)
     assert np.all(np.asarray(got[0])[3 * N:] == 0), "padding request's o"
-    assert np.all(np.asarray(got[2])[3] == 0) and np.all(np.asarray(got[3])[3] == 0), "padding gates"
+    assert np.all(np.asarray(got[2])[3] == 0) and np.all(np.asarray(got[3])[3] == 0), "padding"
     np.testing.assert_array_equal(np.asarray(got[2][:3]),
                                   np.asarray(case["a"]).reshape(4, N, -1)[:3])
     # The windows start with the slot's K-1 rows (zeros for the fresh request 1).
@@ -155,8 +155,8 @@ def test_commit_equals_decode_steps_bit_for_bit(impl):
             np.testing.assert_array_equal(np.asarray(rs[layer, slot]),
                                           np.asarray(want_rs[0, slot]), f"rec {layer}, {r}")
     for slot in (0, 2, 4, 5, 7):
-        np.testing.assert_array_equal(np.asarray(cs[:, slot]), np.asarray(case["conv_state"][:, slot]))
-        np.testing.assert_array_equal(np.asarray(rs[:, slot]), np.asarray(case["rec_state"][:, slot]))
+        for got, before in ((cs, case["conv_state"]), (rs, case["rec_state"])):
+            np.testing.assert_array_equal(np.asarray(got[:, slot]), np.asarray(before[:, slot]))
 
 
 def test_commit_matches_reference_and_zero_accepted_leaves_slots():
@@ -166,7 +166,8 @@ def test_commit_matches_reference_and_zero_accepted_leaves_slots():
     for g, w, name in zip(got, want, ("conv_state", "rec_state")):
         assert_close(g, w, F32_TOL, name)
     slot = int(case["state_slots"][2])  # accepted 0: untouched
-    np.testing.assert_array_equal(np.asarray(got[1][:, slot]), np.asarray(case["rec_state"][:, slot]))
+    np.testing.assert_array_equal(np.asarray(got[1][:, slot]),
+                                  np.asarray(case["rec_state"][:, slot]))
     assert not np.array_equal(np.asarray(got[1][:, 3]), np.asarray(case["rec_state"][:, 3]))
 
 

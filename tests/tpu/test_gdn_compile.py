@@ -137,8 +137,7 @@ def test_commit_updates_states_in_place(mesh, record):
 
     report = compile_for_tpu(commit, args, mesh, donate_argnums=(0, 1))
     m = report.memory
-    print(f"\ngdn commit 397B R={reqs}: argument {m['argument_size_in_bytes'] / 2**30:.2f} GiB, "
-          f"temp {m['temp_size_in_bytes'] / 2**20:.1f} MiB, output "
-          f"{m['output_size_in_bytes'] / 2**30:.2f} GiB, alias {m['alias_size_in_bytes'] / 2**30:.2f} GiB")
+    gib = {k: m[f"{k}_size_in_bytes"] / 2**30 for k in ("argument", "temp", "output", "alias")}
+    print(f"\ngdn commit 397B R={reqs}, GiB: " + ", ".join(f"{k} {v:.3f}" for k, v in gib.items()))
     record(f"gdn commit 397B R={reqs} k={n - 1} bf16 state", report)
     _assert_states_not_copied(report, QWEN, BF16)
