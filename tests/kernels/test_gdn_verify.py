@@ -27,7 +27,8 @@ N = 4  # k = 3 drafts + the last token
 verify = jax.jit(gdn_verify.gated_delta_net_verify,
                  static_argnames=("num_k_heads", "impl", "block_sizes"))
 decode = jax.jit(gdn.gated_delta_net, static_argnames=("num_k_heads", "decode", "impl"))
-commit = jax.jit(gdn_verify.commit_states, static_argnames=("num_k_heads", "impl"))
+commit = jax.jit(gdn_verify.commit_states,
+                 static_argnames=("num_k_heads", "impl", "block_sizes"))
 OUTS = ("o", "windows", "a", "b")
 
 
@@ -123,16 +124,17 @@ def test_verify_reads_its_layer():
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def run_commit(case, hk, impl, accepted, num_layers=2):
+def run_commit(case, hk, impl, accepted, num_layers=2, block_sizes=None):
     """Verify every layer on ``impl``, then commit ``accepted`` positions on ``impl``."""
-    per_layer = [run_verify(case, hk, impl, layer=layer) for layer in range(num_layers)]
+    per_layer = [run_verify(case, hk, impl, layer=layer, block_sizes=block_sizes)
+                 for layer in range(num_layers)]
     windows, a, b = (jnp.stack([out[i] for out in per_layer]) for i in (1, 2, 3))
     fresh = case["kv_lens"] <= N
     stacked = lambda x: jnp.stack([x] * num_layers)  # noqa: E731 the case's layers share params
     return commit(case["conv_state"], case["rec_state"], windows, a, b, fresh,
                   stacked(case["conv_weight"]), stacked(case["A_log"]), stacked(case["dt_bias"]),
                   case["state_slots"], jnp.asarray(accepted, jnp.int32), num_k_heads=hk,
-                  impl=impl)
+                  impl=impl, block_sizes=block_sizes)
 
 
 # Requests accept 2, N and 1 positions (request 1 is fresh); the padding request 0 (as the
@@ -157,6 +159,21 @@ def test_commit_equals_decode_steps_bit_for_bit(impl):
     for slot in (0, 2, 4, 5, 7):
         for got, before in ((cs, case["conv_state"]), (rs, case["rec_state"])):
             np.testing.assert_array_equal(np.asarray(got[:, slot]), np.asarray(before[:, slot]))
+
+
+@pytest.mark.parametrize("dtype,state_dtype,d,k_heads_per_block", [
+    (jnp.bfloat16, jnp.bfloat16, 32, None),
+    (jnp.float32, jnp.float32, 128, 1),  # two lane-aligned head blocks
+])
+def test_pallas_commit_matches_xla(dtype, state_dtype, d, k_heads_per_block):
+    case, hk = verify_case(8, d=d, dtype=dtype, state_dtype=state_dtype)
+    tol = F32_TOL if dtype == state_dtype == jnp.float32 else BF16_TOL
+    blocks = gdn.GdnBlockSizes(k_heads_per_block=k_heads_per_block)
+    got = run_commit(case, hk, "interpret", ACCEPTED, num_layers=1, block_sizes=blocks)
+    want = run_commit(case, hk, "xla", ACCEPTED, num_layers=1)
+    for g, w, name in zip(got, want, ("conv_state", "rec_state")):
+        assert g.dtype == w.dtype, name
+        assert_close(g, w, tol, name)
 
 
 def test_commit_matches_reference_and_zero_accepted_leaves_slots():
