@@ -248,13 +248,12 @@ def gdn_slot_bytes(cfg: ModelConfig, *, tp: int, conv_bytes: int, state_bytes: i
 
 
 def verify_state_bytes(cfg: ModelConfig, *, tp: int, num_draft_tokens: int, conv_bytes: int,
-                       state_bytes: int, gate_bytes: int = 2) -> int:
+                       gate_bytes: int) -> int:
     """One request's ``VerifyStates`` in a verify step of n = ``num_draft_tokens`` rows: every
     GDN layer's conv window (the slot's K-1 rows, then the n inputs; ``conv_bytes`` each) and
     its n positions' gate inputs a, b [n, Hv] (``gate_bytes``, the activation dtype's), bytes
     per device. No recurrent state per position: the commit recomputes the accepted positions
-    from the slot (``kernels/gdn_verify.py``), so ``state_bytes`` does not enter."""
-    del state_bytes
+    from the slot (``kernels/gdn_verify.py``)."""
     _, _, hv, c = _tp_heads(cfg, tp)
     n = num_draft_tokens
     return len(cfg.linear_layers) * (
@@ -320,7 +319,7 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
     nd = num_draft_tokens
     act_per_req = 4 * nd * cfg.vocab_size + (verify_state_bytes(
         cfg, tp=tp, num_draft_tokens=nd, conv_bytes=b_state if fp8_kv else b_kv,
-        state_bytes=b_state, gate_bytes=b) if nd > 1 else 0)
+        gate_bytes=b) if nd > 1 else 0)
 
     def per_device(R: int) -> tuple[int, int, int, int]:
         r = -(-R * topo.hosts // dp)
@@ -399,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also hold the MTP layers' weights and KV pages (NEXTN drafting)")
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=1,
                     help="rows verified per request and decode step (the last token and its "
-                         "drafts; 1: no speculation): the verify step's GDN states and logits")
+                         "drafts; 1: no speculation): the verify step's GDN inputs and logits")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
                     help="the server's flag: fp8_e4m3 is --kv-dtype fp8 (float8_e4m3fn pages "
                          "with f32 per-row scales), auto leaves --kv-dtype")
