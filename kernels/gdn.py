@@ -183,17 +183,20 @@ def ref_recurrent_gdn(
 
 
 def decode_loop(win0, s0, x, a, b, conv_weight, A_log, dt_bias, num_k_heads, once,
-                state_dtype, conv_dtype):
+                state_dtype, conv_dtype, live=None):
     """Decode steps of R requests: step i feeds token i of every request.
 
     win0 f32[R, K-1, C] conv windows; s0 f32[R, Hv, Dk, Dv] states; x [n, R, C]; a, b
-    [n, R, Hv]; ``once`` a traced i32 scalar equal to 1. Returns o f32[n, R, Hv, Dv], the state
-    after each step [n, R, Hv, Dk, Dv] in ``state_dtype`` (each step's state rounded to it, as
-    a slot stores it) and the last window f32[R, K-1, C] (inputs rounded through ``conv_dtype``).
+    [n, R, Hv]; ``once`` a traced i32 scalar equal to 1; ``live`` bool[n, R] or None (all
+    true): request r takes step i only where ``live[i, r]`` (its state and window stay as they
+    are otherwise). Returns o f32[n, R, Hv, Dv], the last state [R, Hv, Dk, Dv] in
+    ``state_dtype`` (each step's state rounded to it, as a slot stores it) and the last window
+    f32[R, K-1, C] (inputs rounded through ``conv_dtype``).
 
-    Each step is a loop of one iteration over the same body, in the decode path (n = 1) and in
-    verify mode (n = k+1): XLA compiles a loop body on its own, so a verify position rounds
-    exactly like a decode step. Fusing the steps with each other or with their surroundings
+    Each step is a loop of one iteration over the same body, in the decode path (n = 1), in
+    verify mode and in its commit (n = k+1): XLA compiles a loop body on its own, so a verify
+    or commit position rounds exactly like a decode step (``live`` selects between whole
+    results outside the body). Fusing the steps with each other or with their surroundings
     would change float32 rounding on XLA:CPU (multiply-adds, the l2 norms' reductions).
     ``once`` must be read from an input: XLA inlines a loop it can prove runs once.
     """
@@ -216,13 +219,17 @@ def decode_loop(win0, s0, x, a, b, conv_weight, A_log, dt_bias, num_k_heads, onc
         win = jnp.concatenate([win[:, 1:], x_i.astype(conv_dtype).astype(F32)[:, None]], axis=1)
         return win, s, x_in, a_i, b_i, o.reshape(R, Hv, Dv)
 
-    win, s, outs, states = win0, s0, [], []
+    win, s, outs = win0, s0, []
     for i in range(n):
         carry = (win, s, x[i], a[i], b[i], jnp.zeros((R, Hv, Dv), F32))
-        win, s, _, _, _, o = lax.fori_loop(0, once, step, carry)
+        new_win, new_s, _, _, _, o = lax.fori_loop(0, once, step, carry)
+        if live is None:
+            win, s = new_win, new_s
+        else:
+            win = jnp.where(live[i][:, None, None], new_win, win)
+            s = jnp.where(live[i][:, None, None, None], new_s, s)
         outs.append(o)
-        states.append(s.astype(state_dtype))
-    return jnp.stack(outs), jnp.stack(states), win
+    return jnp.stack(outs), s.astype(state_dtype), win
 
 
 def _ref_decode(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
@@ -235,7 +242,7 @@ def _ref_decode(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_st
     o, s, win = decode_loop(cs0, rs0, mixed_qkv[None], a[None], b[None], conv_weight, A_log,
                             dt_bias, num_k_heads, once, rec_state.dtype, conv_state.dtype)
     o = jnp.where(real[:, None, None], o[0], 0.0).astype(mixed_qkv.dtype)
-    conv_state, rec_state = _store_states(conv_state, rec_state, layer, slots, real, win, s[0])
+    conv_state, rec_state = _store_states(conv_state, rec_state, layer, slots, real, win, s)
     return o, conv_state, rec_state
 
 

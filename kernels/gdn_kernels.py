@@ -168,13 +168,14 @@ def _block_heads(y, geom):
 # ----------------------------------------------------------------------------- decode kernel
 
 
-def _decode_conv(cs_buf, x_ref, w_ref):
-    """One conv step: window = [conv state rows (oldest first) | x]. Returns y f32[1, cb] and
-    shifts the window into rows 0..K-2 of cs_buf [rows, cb] (padding rows stay zero)."""
+def _decode_conv(cs_buf, x, w_ref):
+    """One conv step: window = [conv state rows (oldest first) | x], x [1, cb] in the
+    activations' dtype. Returns y f32[1, cb] and shifts the window into rows 0..K-2 of
+    cs_buf [rows, cb] (padding rows stay zero)."""
     K = w_ref.shape[0]
-    taps = [cs_buf[i : i + 1, :].astype(F32) for i in range(K - 1)] + [x_ref[...].astype(F32)]
+    taps = [cs_buf[i : i + 1, :].astype(F32) for i in range(K - 1)] + [x.astype(F32)]
     w = w_ref[...].astype(F32)  # [K, cb]
-    y = conv_act(taps, [w[i : i + 1] for i in range(K)], w_ref.dtype, x_ref.dtype)
+    y = conv_act(taps, [w[i : i + 1] for i in range(K)], w_ref.dtype, x.dtype)
     cs_buf[0 : K - 1, :] = jnp.concatenate(taps[1:], axis=0).astype(cs_buf.dtype)
     return y
 
@@ -232,7 +233,7 @@ def _decode_kernel(
 
     @pl.when(real)
     def _():
-        y = _decode_conv(cs_buf, x_ref, w_ref)  # f32[1, cb]
+        y = _decode_conv(cs_buf, x_ref[...], w_ref)  # f32[1, cb]
         qs, ks, vs = _block_heads(y, geom)
         g, beta = gates(a_ref[...], b_ref[...], alog_ref[...], dtb_ref[...])  # f32[1, hb]
         outs = []

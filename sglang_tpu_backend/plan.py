@@ -41,10 +41,10 @@ MTP       with ``--mtp`` (NEXTN drafting) also the ``mtp.*`` layers: their weigh
           full-attention MoE layer each, split like the main layers') and their KV pages (one
           more attention layer per MTP layer in La).
 verify    with ``--speculative-num-draft-tokens n`` (n > 1: each decode step verifies n rows per
-          request) the step holds, per request, every GDN layer's state after each of the n
-          positions until the acceptance is known (``model_executor/verify.VerifyStates``):
-          r * Lg * (n * hv*Dk*Dv * b_state + (rows(K)-1+n) * c * conv bytes), and its f32
-          logits grow to 4 * r * n * V.
+          request) the step holds, per request, what the commit needs to redo the accepted
+          positions of every GDN layer (``model_executor/verify.VerifyStates``): the conv
+          window and the gate inputs, r * Lg * ((K-1+n) * c * conv bytes + 2 * n * hv * b),
+          no per-position recurrent state; its f32 logits grow to 4 * r * n * V.
 headroom  = HBM per device - (weights + KV + GDN + activations); max_running_requests is the
           largest R with headroom >= 0 (binary search; the plan is monotone in R).
 """
@@ -248,15 +248,16 @@ def gdn_slot_bytes(cfg: ModelConfig, *, tp: int, conv_bytes: int, state_bytes: i
 
 
 def verify_state_bytes(cfg: ModelConfig, *, tp: int, num_draft_tokens: int, conv_bytes: int,
-                       state_bytes: int) -> int:
+                       gate_bytes: int) -> int:
     """One request's ``VerifyStates`` in a verify step of n = ``num_draft_tokens`` rows: every
-    GDN layer's recurrent state after each position and its conv window (the slot's rows,
-    then the n inputs), bytes per device."""
+    GDN layer's conv window (the slot's K-1 rows, then the n inputs; ``conv_bytes`` each) and
+    its n positions' gate inputs a, b [n, Hv] (``gate_bytes``, the activation dtype's), bytes
+    per device. No recurrent state per position: the commit recomputes the accepted positions
+    from the slot (``kernels/gdn_verify.py``)."""
     _, _, hv, c = _tp_heads(cfg, tp)
     n = num_draft_tokens
     return len(cfg.linear_layers) * (
-        n * hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim * state_bytes
-        + (conv_state_rows(cfg.linear_conv_kernel_dim) - 1 + n) * c * conv_bytes)
+        (cfg.linear_conv_kernel_dim - 1 + n) * c * conv_bytes + 2 * n * hv * gate_bytes)
 
 
 def step_activation_bytes(cfg: ModelConfig, *, ep: int, tp: int, tokens: int,
@@ -318,7 +319,7 @@ def plan(cfg: ModelConfig, topology: str | Topology = "tpu7x:2x2x1", *, dp: int 
     nd = num_draft_tokens
     act_per_req = 4 * nd * cfg.vocab_size + (verify_state_bytes(
         cfg, tp=tp, num_draft_tokens=nd, conv_bytes=b_state if fp8_kv else b_kv,
-        state_bytes=b_state) if nd > 1 else 0)
+        gate_bytes=b) if nd > 1 else 0)
 
     def per_device(R: int) -> tuple[int, int, int, int]:
         r = -(-R * topo.hosts // dp)
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also hold the MTP layers' weights and KV pages (NEXTN drafting)")
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=1,
                     help="rows verified per request and decode step (the last token and its "
-                         "drafts; 1: no speculation): the verify step's GDN states and logits")
+                         "drafts; 1: no speculation): the verify step's GDN inputs and logits")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
                     help="the server's flag: fp8_e4m3 is --kv-dtype fp8 (float8_e4m3fn pages "
                          "with f32 per-row scales), auto leaves --kv-dtype")

@@ -34,13 +34,14 @@ real throughput, so the ceiling stays an upper bound.
 
 Speculative decoding (``--speculative-num-draft-tokens n``, ``--accept-length a``): each
 decode step is a TARGET_VERIFY step over n = k+1 rows per request (logits for every row;
-GDN layers read each request's state once and write it after each of the n positions, then
-the commit copies the accepted one into the slot), followed by k MTP draft steps (the MTP
-layer, one full-attention MoE layer behind its ``fc``, with the shared LM head: the first
-over the n verified rows, which writes the MTP KV of every position, then k-1 chain steps
-of one row per request). A request gains ``a`` tokens per step (1 <= a <= n: the accepted
-drafts plus the token sampled after them), so the decode phase takes ``output_len / a``
-steps. ``a`` is an input: it depends on the MTP layer and the text, not on the hardware.
+GDN layers read each request's state once and write none, then the commit reads it again,
+re-applies the accepted positions and writes it into the slot), followed by k MTP draft
+steps (the MTP layer, one full-attention MoE layer behind its ``fc``, with the shared LM
+head: the first over the n verified rows, which writes the MTP KV of every position, then
+k-1 chain steps of one row per request). A request gains ``a`` tokens per step
+(1 <= a <= n: the accepted drafts plus the token sampled after them), so the decode phase
+takes ``output_len / a`` steps. ``a`` is an input: it depends on the MTP layer and the text,
+not on the hardware.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.gdn import gated_delta_net_cost
-from kernels.gdn_verify import gated_delta_net_verify_cost
+from kernels.gdn_verify import gated_delta_net_commit_cost, gated_delta_net_verify_cost
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig, model_config_from_dict
 from sglang_tpu_backend.models.param_shapes import layer_param_shapes
 
@@ -207,23 +208,20 @@ def verify_step_terms(cfg: ModelConfig, *, seqs: int, kv_len: int, devices: int,
                       kv_dtype: str = "bf16", state_dtype: str = "bf16") -> dict[str, float]:
     """``step_terms`` of one TARGET_VERIFY step on one device: ``seqs`` requests of n =
     ``num_draft_tokens`` rows each, logits for every row; the GDN terms are the verify
-    kernel's (one state read, n state writes per request and layer) plus the commit (the
-    accepted state read and written into the slot)."""
+    kernel's (one state read per request and layer, no state write) plus the commit's (the
+    slot's state read and written, the n positions' FLOPs again: all n counted)."""
     n = num_draft_tokens
     t = step_terms(cfg, tokens=seqs * n, seqs=seqs, kv_len=kv_len, devices=devices,
                    logits_rows=seqs * n, decode=True, dtype=dtype, expert_dtype=expert_dtype,
                    kv_dtype=kv_dtype, state_dtype=state_dtype)
     n_gdn = sum(t != FULL_ATTENTION for t in cfg.layer_types)
-    stb = DTYPE_BYTES[state_dtype]
-    v = gated_delta_net_verify_cost(seqs, n, cfg.linear_num_key_heads,
-                                    cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                    cfg.linear_value_head_dim,
-                                    conv_kernel=cfg.linear_conv_kernel_dim,
-                                    x_bytes=DTYPE_BYTES[dtype], state_bytes=stb)
-    state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
-             * stb)
-    t["gdn_flops"] = float(v.flops) * n_gdn
-    t["gdn_state_bytes"] = float(v.bytes_accessed + 2 * seqs * state) * n_gdn
+    heads = (seqs, n, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+             cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    kw = dict(conv_kernel=cfg.linear_conv_kernel_dim, x_bytes=DTYPE_BYTES[dtype],
+              state_bytes=DTYPE_BYTES[state_dtype])
+    v, c = gated_delta_net_verify_cost(*heads, **kw), gated_delta_net_commit_cost(*heads, **kw)
+    t["gdn_flops"] = float(v.flops + c.flops) * n_gdn
+    t["gdn_state_bytes"] = float(v.bytes_accessed + c.bytes_accessed) * n_gdn
     return t
 
 

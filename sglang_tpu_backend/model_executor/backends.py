@@ -142,13 +142,14 @@ class StepBackend(abc.ABC):
         cache donated): (drafts i32[num_ranks*R, num_steps], cache)."""
         raise NotImplementedError(f"NEXTN drafting is not supported with {type(self).__name__}")
 
-    def commit(self, cache: qwen3_5_moe.ModelCache, states: Any, slots: np.ndarray,
+    def commit(self, params: Any, cache: qwen3_5_moe.ModelCache, states: Any, slots: np.ndarray,
                accepted_len: jax.Array) -> qwen3_5_moe.ModelCache:
         """Each verified request's GDN slot := its state after ``accepted_len`` positions
         (``verify.commit_accepted``; slots i32[num_ranks*R], rank-local ids)."""
         from sglang_tpu_backend.model_executor.verify import commit_accepted_jit
 
-        return commit_accepted_jit(cache, states, slots, accepted_len)
+        return commit_accepted_jit(params, cache, states, slots, accepted_len, cfg=self.cfg,
+                                   impl=self.impl)
 
     def close(self) -> None:
         """Release what the backend holds beyond arrays (multi-host: the followers)."""
@@ -335,8 +336,8 @@ class DPBackend(StepBackend):
         return self.dp.mtp_drafts(params, mtp_params, cache, self.dp.put_batch(batches), hidden,
                                   self.dp.put_mtp_inputs(inps), sampled, accepted_len, num_steps)
 
-    def commit(self, cache, states, slots, accepted_len):
-        return self.dp.commit(cache, states, slots, accepted_len)
+    def commit(self, params, cache, states, slots, accepted_len):
+        return self.dp.commit(params, cache, states, slots, accepted_len)
 
 
 class MultiHostDPBackend(DPBackend):

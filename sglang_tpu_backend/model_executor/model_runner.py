@@ -351,7 +351,8 @@ class ModelRunner:
         out, state.counts, state.last_tokens = state.verify_with(
             logits, state.counts, state.last_tokens, spec, inp, K, variant)
         slots = np.concatenate([fb.state_slots for fb in fbs])
-        self.cache = self.backend.commit(self.cache, states, slots, out["accepted_len"])
+        self.cache = self.backend.commit(self.params, self.cache, states, slots,
+                                         out["accepted_len"])
         self._stats = None
         return out
 

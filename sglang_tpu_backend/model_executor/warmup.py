@@ -83,7 +83,7 @@ def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
                 logits, states = runner.verify_forward(fbs)
                 out = pool.submit(warm_verify_sampler, logits, R).result()
                 slots = np.concatenate([fb.state_slots for fb in fbs])
-                runner.cache = runner.backend.commit(runner.cache, states, slots,
+                runner.cache = runner.backend.commit(runner.params, runner.cache, states, slots,
                                                      out["accepted_len"])
                 if runner.nextn is not None:
                     runner.nextn.warm_up(runner.params, fbs, runner.last_hidden, out["tokens"],

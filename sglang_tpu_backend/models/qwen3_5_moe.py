@@ -193,7 +193,7 @@ def attention_block(p: Params, x, kv_pages, kv_scales, layer, cos, sin, batch: F
 def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, cfg, impl):
     """Gated DeltaNet of GDN layer ``layer``. x: [T, H] -> ([T, H], conv_state, rec_state,
     verify), verify None except in TARGET_VERIFY mode: then the slots are left as they are
-    and verify = (windows [R, K-1+n, C], rec_steps [R, n, Hv, Dk, Dv]) (``kernels.gdn_verify``)."""
+    and verify = (windows [R, K-1+n, C], a [R, n, Hv], b [R, n, Hv]) (``kernels.gdn_verify``)."""
     T = x.shape[0]
     Hv, Dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     mixed_qkv = x @ p["in_proj_qkv"]  # [T, C]
@@ -346,7 +346,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
     stats with ``with_stats`` (else None) the router stats (health f32[num_layers, 3], real
     rows per physical expert slot f32[num_layers, P], summed over the EP ranks with ``ep``;
     ``metrics/router_stats.py``); verify, in TARGET_VERIFY mode only (else None), every GDN
-    layer's (windows [Lyr, R, K-1+n, C], rec_steps [Lyr, R, n, Hv, Dk, Dv]), see
+    layer's (windows [Lyr, R, K-1+n, C], a [Lyr, R, n, Hv], b [Lyr, R, n, Hv]), see
     ``gdn_block``.
 
     The layers run as a ``lax.scan`` over ``num_hidden_layers / layer_period`` groups (the body

@@ -82,7 +82,7 @@ class DPForward:
         self.dp_size = mesh.size
         self._step = jax.jit(self._global_step, donate_argnums=(1,))
         self._verify = jax.jit(self._global_verify, donate_argnums=(1,))
-        self._commit = jax.jit(self._global_commit, donate_argnums=(0,))
+        self._commit = jax.jit(self._global_commit, donate_argnums=(1,))
         hidden = functools.partial(self._global_step, with_hidden=True)
         self._step_hidden = jax.jit(hidden, donate_argnums=(1,))
         hidden = functools.partial(self._global_verify, with_hidden=True)
@@ -178,7 +178,9 @@ class DPForward:
         return step(params, cache, batch)
 
     def _states_specs(self) -> verify.VerifyStates:
-        return verify.VerifyStates(windows=rank_spec(self.ep, 1), rec_steps=rank_spec(self.ep, 1))
+        per_layer = rank_spec(self.ep, 1)  # [Lyr, D*R, ...]
+        return verify.VerifyStates(windows=per_layer, a=per_layer, b=per_layer,
+                                   fresh=rank_spec(self.ep, 0))
 
     def _global_verify(self, params, cache, batch, with_hidden: bool = False):
         local = functools.partial(verify.forward_verify, cfg=self.cfg, impl=self.impl,
@@ -192,23 +194,26 @@ class DPForward:
             check_vma=False)
         return step(params, cache, batch)
 
-    def _global_commit(self, cache, states, slots, accepted_len):
+    def _global_commit(self, params, cache, states, slots, accepted_len):
         by_rank = rank_spec(self.ep, 0)
+        local = functools.partial(verify.commit_accepted, cfg=self.cfg, impl=self.impl)
         step = jax.shard_map(
-            verify.commit_accepted, mesh=self.mesh,
-            in_specs=(self.cache_specs(), self._states_specs(), by_rank, by_rank),
+            lambda p, c, s, sl, acc: local(p, c, s, sl, acc), mesh=self.mesh,
+            in_specs=(self.param_specs(params), self.cache_specs(), self._states_specs(),
+                      by_rank, by_rank),
             out_specs=self.cache_specs(), check_vma=False)
-        return step(cache, states, slots, accepted_len)
+        return step(params, cache, states, slots, accepted_len)
 
     def verify(self, params, cache, batch: ForwardBatch):
         """A TARGET_VERIFY step on every rank: (logits f32[D*L, V], the cache (donated) with KV
         written, VerifyStates [Lyr, D*R, ...])."""
         return self._verify(params, cache, batch)
 
-    def commit(self, cache, states: verify.VerifyStates, slots, accepted_len):
+    def commit(self, params, cache, states: verify.VerifyStates, slots, accepted_len):
         """Each rank's slots (``slots`` i32[D*R], rank-local ids) := the state after
-        ``accepted_len`` i32[D*R] positions (cache donated)."""
-        return self._commit(cache, states, slots, accepted_len)
+        ``accepted_len`` i32[D*R] positions, the GDN recurrence of those positions run again
+        from the slot (cache donated)."""
+        return self._commit(params, cache, states, slots, accepted_len)
 
     def forward_hidden(self, params, cache, batch: ForwardBatch):
         """``__call__``'s outputs, then every rank's hidden states [D*T, H] (NEXTN)."""

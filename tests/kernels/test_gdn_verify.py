@@ -1,11 +1,11 @@
-"""Tests for kernels.gdn_verify: GDN verify mode (k+1 tokens per request, the state after every
-position) and ``commit_states``.
+"""Tests for kernels.gdn_verify: GDN verify mode (k+1 tokens per request; o, the conv windows
+and the gate inputs) and ``commit_states`` (the accepted positions run again into the slots).
 
-Exactness claims, float32: the XLA path's per-position states and conv windows equal, bit for
-bit, what ``gated_delta_net(decode=True)`` on the XLA path leaves in the slot after each
-decode step; the Pallas kernel (interpret mode) likewise against the Pallas decode kernel.
-Against the reference (transformers' order over every prefix) they agree to F32_TOL (a
-different association order of the same math).
+Exactness claims, float32: the XLA path's o and conv windows, and the states its commit leaves
+after a accepted positions, equal bit for bit what ``gated_delta_net(decode=True)`` on the XLA
+path gives and leaves in the slot after a decode steps; the Pallas kernels (interpret mode)
+likewise against the Pallas decode kernel. Against the reference (transformers' order) they
+agree to F32_TOL (a different association order of the same math).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ N = 4  # k = 3 drafts + the last token
 verify = jax.jit(gdn_verify.gated_delta_net_verify,
                  static_argnames=("num_k_heads", "impl", "block_sizes"))
 decode = jax.jit(gdn.gated_delta_net, static_argnames=("num_k_heads", "decode", "impl"))
-commit = jax.jit(gdn_verify.commit_states)
+commit = jax.jit(gdn_verify.commit_states,
+                 static_argnames=("num_k_heads", "impl", "block_sizes"))
+OUTS = ("o", "windows", "a", "b")
 
 
 def verify_case(seed, *, d=16, dtype=jnp.float32, state_dtype=jnp.float32, num_layers=1):
@@ -71,26 +73,26 @@ def test_verify_matches_reference(impl):
     case, hk = verify_case(1)
     want = run_verify(case, hk, "reference")
     got = run_verify(case, hk, impl)
-    for g, w, name in zip(got, want, ("o", "windows", "rec_steps")):
+    for g, w, name in zip(got, want, OUTS):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         assert_close(g, w, F32_TOL, name)
     assert np.all(np.asarray(got[0])[3 * N:] == 0), "padding request's o"
-    assert np.all(np.asarray(got[2])[3] == 0), "padding request's states"
+    assert np.all(np.asarray(got[2])[3] == 0) and np.all(np.asarray(got[3])[3] == 0), "padding"
+    np.testing.assert_array_equal(np.asarray(got[2][:3]),
+                                  np.asarray(case["a"]).reshape(4, N, -1)[:3])
     # The windows start with the slot's K-1 rows (zeros for the fresh request 1).
     np.testing.assert_array_equal(np.asarray(got[1][0, :3]), np.asarray(case["conv_state"][0, 3, :3]))
     assert np.all(np.asarray(got[1][1, :3]) == 0)
 
 
 @pytest.mark.parametrize("impl", ["xla", pytest.param("interpret", marks=pytest.mark.jax_versions)])
-def test_verify_states_equal_decode_steps_bit_for_bit(impl):
+def test_verify_outputs_equal_decode_steps_bit_for_bit(impl):
     case, hk = verify_case(2)
-    o_v, win, steps = run_verify(case, hk, impl)
+    o_v, win, _, _ = run_verify(case, hk, impl)
     o_v = np.asarray(o_v).reshape(4, N, *o_v.shape[1:])
     K1 = case["conv_weight"].shape[1] - 1
-    for p, (cs, rs, o) in enumerate(decode_steps(case, hk, impl, N)):
+    for p, (cs, _, o) in enumerate(decode_steps(case, hk, impl, N)):
         for r, slot in enumerate(np.asarray(case["state_slots"])[:3]):
-            np.testing.assert_array_equal(np.asarray(steps[r, p]), np.asarray(rs[0, slot]),
-                                          f"rec state of request {r} after {p + 1} tokens")
             np.testing.assert_array_equal(np.asarray(win[r, p + 1:p + 1 + K1]),
                                           np.asarray(cs[0, slot, :K1]),
                                           f"conv state of request {r} after {p + 1} tokens")
@@ -107,7 +109,7 @@ def test_pallas_verify_matches_xla(dtype, state_dtype, d, k_heads_per_block):
     got = run_verify(case, hk, "interpret",
                      block_sizes=gdn.GdnBlockSizes(k_heads_per_block=k_heads_per_block))
     want = run_verify(case, hk, "xla")
-    for g, w, name in zip(got, want, ("o", "windows", "rec_steps")):
+    for g, w, name in zip(got, want, OUTS):
         assert g.dtype == w.dtype, name
         assert_close(g, w, tol, name)
 
@@ -122,29 +124,79 @@ def test_verify_reads_its_layer():
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
-def test_commit_sets_each_slot_to_its_accepted_prefix():
-    # Two GDN layers; requests accept 2, 0 and N positions; the padding request 0 (as the
-    # caller must pass for it).
+def run_commit(case, hk, impl, accepted, num_layers=2, block_sizes=None):
+    """Verify every layer on ``impl``, then commit ``accepted`` positions on ``impl``."""
+    per_layer = [run_verify(case, hk, impl, layer=layer, block_sizes=block_sizes)
+                 for layer in range(num_layers)]
+    windows, a, b = (jnp.stack([out[i] for out in per_layer]) for i in (1, 2, 3))
+    fresh = case["kv_lens"] <= N
+    stacked = lambda x: jnp.stack([x] * num_layers)  # noqa: E731 the case's layers share params
+    return commit(case["conv_state"], case["rec_state"], windows, a, b, fresh,
+                  stacked(case["conv_weight"]), stacked(case["A_log"]), stacked(case["dt_bias"]),
+                  case["state_slots"], jnp.asarray(accepted, jnp.int32), num_k_heads=hk,
+                  impl=impl, block_sizes=block_sizes)
+
+
+# Requests accept 2, N and 1 positions (request 1 is fresh); the padding request 0 (as the
+# caller must pass for it). Slots 0, 2, 4, 5, 7 belong to no real request.
+ACCEPTED = [2, N, 1, 0]
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("interpret", marks=pytest.mark.jax_versions)])
+def test_commit_equals_decode_steps_bit_for_bit(impl):
     case, hk = verify_case(5, num_layers=2)
-    per_layer = [run_verify(case, hk, "xla", layer=layer) for layer in range(2)]
-    windows = jnp.stack([w for _, w, _ in per_layer])
-    rec_steps = jnp.stack([s for _, _, s in per_layer])
-    accepted = jnp.asarray([2, 0, N, 0], jnp.int32)
-    cs, rs = commit(case["conv_state"], case["rec_state"], windows, rec_steps,
-                    case["state_slots"], accepted)
+    cs, rs = run_commit(case, hk, impl, ACCEPTED)
     after = {layer: decode_steps(dict(case, conv_state=case["conv_state"][layer:layer + 1],
                                       rec_state=case["rec_state"][layer:layer + 1]),
-                                 hk, "xla", N) for layer in range(2)}
+                                 hk, impl, N) for layer in range(2)}
     for layer in range(2):
         for r, slot in enumerate(np.asarray(case["state_slots"])[:3]):
-            a = int(accepted[r])
-            want_cs = case["conv_state"][layer, slot] if a == 0 else after[layer][a - 1][0][0, slot]
-            want_rs = case["rec_state"][layer, slot] if a == 0 else after[layer][a - 1][1][0, slot]
-            np.testing.assert_array_equal(np.asarray(cs[layer, slot]), np.asarray(want_cs))
-            np.testing.assert_array_equal(np.asarray(rs[layer, slot]), np.asarray(want_rs))
-    for slot in (0, 2, 4, 5, 7):  # the padding request's slot 0 and slots of no request
-        np.testing.assert_array_equal(np.asarray(cs[:, slot]), np.asarray(case["conv_state"][:, slot]))
-        np.testing.assert_array_equal(np.asarray(rs[:, slot]), np.asarray(case["rec_state"][:, slot]))
+            want_cs, want_rs, _ = after[layer][ACCEPTED[r] - 1]
+            np.testing.assert_array_equal(np.asarray(cs[layer, slot]),
+                                          np.asarray(want_cs[0, slot]), f"conv {layer}, {r}")
+            np.testing.assert_array_equal(np.asarray(rs[layer, slot]),
+                                          np.asarray(want_rs[0, slot]), f"rec {layer}, {r}")
+    for slot in (0, 2, 4, 5, 7):
+        for got, before in ((cs, case["conv_state"]), (rs, case["rec_state"])):
+            np.testing.assert_array_equal(np.asarray(got[:, slot]), np.asarray(before[:, slot]))
+
+
+@pytest.mark.parametrize("dtype,state_dtype,d,k_heads_per_block", [
+    (jnp.bfloat16, jnp.bfloat16, 32, None),
+    (jnp.float32, jnp.float32, 128, 1),  # two lane-aligned head blocks
+])
+def test_pallas_commit_matches_xla(dtype, state_dtype, d, k_heads_per_block):
+    case, hk = verify_case(8, d=d, dtype=dtype, state_dtype=state_dtype)
+    tol = F32_TOL if dtype == state_dtype == jnp.float32 else BF16_TOL
+    blocks = gdn.GdnBlockSizes(k_heads_per_block=k_heads_per_block)
+    got = run_commit(case, hk, "interpret", ACCEPTED, num_layers=1, block_sizes=blocks)
+    want = run_commit(case, hk, "xla", ACCEPTED, num_layers=1)
+    for g, w, name in zip(got, want, ("conv_state", "rec_state")):
+        assert g.dtype == w.dtype, name
+        assert_close(g, w, tol, name)
+
+
+def test_commit_matches_reference_and_zero_accepted_leaves_slots():
+    case, hk = verify_case(7, num_layers=2)
+    got = run_commit(case, hk, "xla", [3, 2, 0, 0])
+    want = run_commit(case, hk, "reference", [3, 2, 0, 0])
+    for g, w, name in zip(got, want, ("conv_state", "rec_state")):
+        assert_close(g, w, F32_TOL, name)
+    slot = int(case["state_slots"][2])  # accepted 0: untouched
+    np.testing.assert_array_equal(np.asarray(got[1][:, slot]),
+                                  np.asarray(case["rec_state"][:, slot]))
+    assert not np.array_equal(np.asarray(got[1][:, 3]), np.asarray(case["rec_state"][:, 3]))
+
+
+def test_commit_bad_shapes_raise():
+    case, hk = verify_case(6)
+    win, a, b = (x[None] for x in run_verify(case, hk, "xla")[1:])
+    one = lambda x: x[None]  # noqa: E731
+    with pytest.raises(ValueError, match="conv_weight must be"):
+        gdn_verify.commit_states(case["conv_state"], case["rec_state"], win, a, b,
+                                 case["kv_lens"] <= N, case["conv_weight"], one(case["A_log"]),
+                                 one(case["dt_bias"]), case["state_slots"],
+                                 jnp.ones((4,), jnp.int32), num_k_heads=hk, impl="xla")
 
 
 def test_verify_bad_layout_raises():
@@ -158,9 +210,12 @@ def test_verify_bad_layout_raises():
                                           num_k_heads=hk, impl="xla")
 
 
-def test_verify_cost_reads_each_state_once_and_writes_every_position():
+def test_verify_cost_reads_each_state_once_and_writes_none():
     R, n, per_state = 64, 4, 64 * 128 * 128 * 2  # 397B heads, bf16 state
     cost = gdn_verify.gated_delta_net_verify_cost(R, n, 16, 64, 128, 128, state_bytes=2)
     steps = gdn.gated_delta_net_cost(R * n, R * n, 16, 64, 128, 128, decode=True, state_bytes=2)
-    assert R * (n + 1) * per_state < cost.bytes_accessed < steps.bytes_accessed
+    assert R * per_state < cost.bytes_accessed < R * (n + 1) * per_state
     assert cost.flops == steps.flops
+    commit_cost = gdn_verify.gated_delta_net_commit_cost(R, n, 16, 64, 128, 128, state_bytes=2)
+    assert 2 * R * per_state < commit_cost.bytes_accessed < 3 * R * per_state
+    assert commit_cost.flops == steps.flops

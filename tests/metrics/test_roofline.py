@@ -67,18 +67,23 @@ def test_cpu_hardware_is_measured():
     assert c.tokens_per_s_per_chip > 0
 
 
-def test_verify_step_terms_count_every_row_and_each_position_state():
+def test_verify_step_terms_count_every_row_and_the_commit():
     # 8 requests x n = 4 rows per device: 32 tokens, logits for each, experts covered by
-    # 256 routed tokens; GDN: per request one state read, 4 writes, the commit's read + write.
+    # 256 routed tokens; GDN per request and layer: the verify reads the state once (no
+    # per-position writes), the commit reads and writes it and runs the n positions again.
     n, seqs = 4, 8
     v = verify_step_terms(CFG, seqs=seqs, kv_len=5120, devices=8, num_draft_tokens=n)
     d = step_terms(CFG, tokens=seqs, seqs=seqs, kv_len=5120, devices=8, decode=True)
     assert v["lm_head_flops"] == n * d["lm_head_flops"]
     assert v["expert_rows"] == n * d["expert_rows"]
     assert v["touched_local_experts"] == pytest.approx(expert_coverage(256, 512, 10) * 64)
-    state = 64 * 128 * 128 * 2  # bf16 [Hv, Dk, Dv]
-    rec = 45 * seqs * (1 + n + 2) * state
-    assert rec < v["gdn_state_bytes"] < 1.05 * rec
+    state, C, Hv = 64 * 128 * 128 * 2, 12288, 64  # bf16 [Hv, Dk, Dv]; conv channels
+    verify = state + 2 * C * 3 * 2 + n * (C + 2 * Hv + Hv * 128) * 2  # + conv in, window, io
+    commit = 2 * state + (2 * 3 + n) * C * 2 + 2 * n * Hv * 2  # + windows, conv out, a, b
+    per_layer = 2 * (C * 4 * 2 + 8 * Hv)  # conv weights, A_log, dt_bias: both kernels
+    assert v["gdn_state_bytes"] == 45 * (seqs * (verify + commit) + per_layer)
+    steps = 2 * seqs * n * C * 4 + seqs * n * Hv * 8 * 128 * 128  # conv + delta rule
+    assert v["gdn_flops"] == 45 * 2 * steps
     assert v["kv_bytes"] == 15 * (8 * 5120 + 32) * 2 * 2 * 256 * 2
 
 

@@ -223,14 +223,15 @@ def test_mtp_layer_weights_and_kv_pages_equal_hand_computed_sizes(capsys):
 
 
 def test_verify_step_states_and_logits_are_planned():
-    """--speculative-num-draft-tokens 4: per request, 45 GDN layers x (4 recurrent states of
-    64 x 128 x 128 bf16 + a conv window of 3 + 4 rows of 12,288 bf16 channels) and 4 rows of
-    f32 logits; fewer requests then fit."""
+    """--speculative-num-draft-tokens 4: per request, 45 GDN layers x (a conv window of 3 + 4
+    rows of 12,288 bf16 channels + the gate inputs a, b of 4 x 64 bf16) and 4 rows of f32
+    logits (3 more than without drafts); no per-position recurrent state, so 512 requests of
+    9K still fit, but fewer than without drafts."""
     base = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, running_requests=512, **COMMON)
     p = plan(CFG, "tpu7x:2x2x1", dp=8, ep=8, running_requests=512, num_draft_tokens=4, **COMMON)
-    per_req = 45 * (4 * 64 * 128 * 128 * 2 + (3 + 4) * 12288 * 2) + 3 * 4 * 248320
+    per_req = 45 * ((3 + 4) * 12288 * 2 + 2 * 4 * 64 * 2) + 3 * 4 * 248320
     assert p.activations - base.activations == 64 * per_req
     assert (p.weights, p.kv_pages, p.gdn_state) == (base.weights, base.kv_pages, base.gdn_state)
-    assert p.num_draft_tokens == 4 and p.max_running_requests < 512 < base.max_running_requests
+    assert p.num_draft_tokens == 4 and 512 < p.max_running_requests < base.max_running_requests
     with pytest.raises(ValueError, match="--speculative-num-draft-tokens"):
         plan(CFG, "tpu7x:2x2x1", num_draft_tokens=0, **COMMON)

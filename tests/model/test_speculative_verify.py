@@ -102,7 +102,7 @@ def plain_decode(model, prefilled):
 
 @pytest.mark.jax_versions  # the model forward: both jax legs
 def test_rollback_at_every_position(model, prefilled, plain_decode):
-    cfg, _ = model
+    cfg, params = model
     tokens, plain_logits, plain_states = plain_decode
     cache = jax.tree.map(jnp.copy, prefilled[0])
     chunks = []
@@ -132,8 +132,10 @@ def test_rollback_at_every_position(model, prefilled, plain_decode):
         for i in range(a + 1):  # rows of accepted positions: the plain run's logits
             np.testing.assert_array_equal(lg[i], plain_logits[i])
 
-    commit = jax.jit(verify.commit_accepted, donate_argnames=("cache",))
-    cache = commit(cache, states, batch.state_slots, jnp.asarray(accepted_len))
+    commit = jax.jit(verify.commit_accepted, static_argnames=("cfg", "impl"),
+                     donate_argnames=("cache",))
+    cache = commit(params, cache, states, batch.state_slots, jnp.asarray(accepted_len), cfg=cfg,
+                   impl="xla")
     for r, j in enumerate(CASES):
         conv, rec = slot_states(cache, r + 1)
         want_conv, want_rec = plain_states[j]  # after tokens t_0..t_j
@@ -151,13 +153,14 @@ def test_rollback_at_every_position(model, prefilled, plain_decode):
 
 
 def test_commit_compiles_once_for_every_accepted_length(model, prefilled):
-    cfg, _ = model
+    cfg, params = model
     cache = jax.tree.map(jnp.copy, prefilled[0])
     chunk = SeqChunk([prefilled[1]] * N, PROMPT_LEN, pages(1), 1, logits="all")
     (_, _, cache, states), batch = step(model, cache, [chunk], ForwardMode.TARGET_VERIFY)
-    commit = jax.jit(verify.commit_accepted)
+    commit = jax.jit(verify.commit_accepted, static_argnames=("cfg", "impl"))
     for a in range(N + 1):
-        commit(cache, states, batch.state_slots, jnp.asarray([a] + [0] * (R - 1), jnp.int32))
+        commit(params, cache, states, batch.state_slots,
+               jnp.asarray([a] + [0] * (R - 1), jnp.int32), cfg=cfg, impl="xla")
     assert commit._cache_size() == 1
 
 
