@@ -122,6 +122,7 @@ class Req:
         # Speculative decoding: the drafter's state (``speculative/``), the verify steps run
         # (SGLang's ``spec_verify_ct``) and the output tokens they appended.
         self.draft_state: Any = None
+        self.draft_guard: Any = None  # NEXTN: the drafts' back-off (``speculative.DraftGuard``)
         self.spec_verify_ct = self.spec_verify_tokens = 0
         # Timing (seconds, time.monotonic()).
         self.arrival_time = time.monotonic()

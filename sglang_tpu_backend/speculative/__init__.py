@@ -2,8 +2,9 @@
 TARGET_VERIFY step (``model_executor/verify.py``).
 
   drafter.py  the ``Drafter`` protocol the scheduler asks for drafts, ``make_drafter``
-              (``--speculative-algorithm``) and ``CallbackDrafter`` (drafts from a function:
-              tests, experiments).
+              (``--speculative-algorithm``), ``DraftGuard`` (the per-request back-off of
+              both drafters while their drafts keep being rejected) and ``CallbackDrafter``
+              (drafts from a function: tests, experiments).
   ngram.py    NGRAM: drafts copied from the request's own prompt + output after the longest
               earlier occurrence of its current suffix (no draft model).
   nextn.py    NEXTN / EAGLE: the drafts the model's MTP layers proposed on the device after

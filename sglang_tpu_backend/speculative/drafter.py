@@ -23,6 +23,70 @@ class Drafter(Protocol):
         ...
 
 
+MISSES_BEFORE_PAUSE = 2  # proposals in a row with nothing accepted before a pause
+FIRST_PAUSE, MAX_PAUSE = 4, 64  # decode steps without drafts: 4, 8, 16, ... 64
+
+
+class DraftGuard:
+    """Per-request back-off of a drafter: a request whose drafts keep being rejected stops
+    drafting for a while, so its steps can run as plain decode steps (the scheduler runs a
+    verify step only when enough of a step's requests have drafts).
+
+    After ``MISSES_BEFORE_PAUSE`` proposals in a row with no draft accepted, the request
+    proposes nothing for its next ``pause`` decode steps; each further pause doubles (up to
+    ``MAX_PAUSE``), and one accepted draft resets both. Acceptance is read off the sequence
+    itself: a verify step appends the accepted drafts and then the target's own token, which
+    differs from the first rejected draft, so the accepted count is the common prefix of the
+    drafts and the tokens appended after them. A proposal the scheduler dropped (its step ran
+    as a plain decode) is judged the same way on the one token the step appended: whether
+    its first draft was right.
+
+    pending:  (sequence length when proposed, the drafts) of the last proposal not yet
+              judged, or None.
+    misses:   judged proposals in a row with no draft accepted.
+    skip:     proposals still to skip (the current pause).
+    pause:    the length of the next pause.
+    """
+
+    def __init__(self):
+        self.pending: tuple[int, list[int]] | None = None
+        self.misses, self.skip, self.pause = 0, 0, FIRST_PAUSE
+
+    @property
+    def judged_from(self) -> int | None:
+        """The sequence length the pending proposal was made at (None: nothing pending)."""
+        return None if self.pending is None else self.pending[0]
+
+    def judge(self, new: Sequence[int]) -> None:
+        """Score the pending proposal against ``new``: the tokens the sequence gained since
+        ``judged_from``."""
+        if self.pending is None or len(new) == 0:
+            return  # nothing pending, or not verified yet
+        drafts = self.pending[1]
+        self.pending = None
+        accepted = next((j for j, (d, t) in enumerate(zip(drafts, new)) if d != t),
+                        min(len(drafts), len(new)))
+        if accepted:
+            self.misses, self.pause = 0, FIRST_PAUSE
+            return
+        self.misses += 1
+        if self.misses >= MISSES_BEFORE_PAUSE:
+            self.misses, self.skip = 0, self.pause
+            self.pause = min(2 * self.pause, MAX_PAUSE)
+
+    def allow(self) -> bool:
+        """Whether to propose this step (consumes one step of a pause)."""
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def proposed(self, length: int, drafts: list[int]) -> None:
+        """Remember ``drafts`` proposed after the first ``length`` tokens, to judge later."""
+        if drafts:
+            self.pending = (length, list(drafts))
+
+
 class CallbackDrafter:
     """Drafts from ``fn(req, k) -> list[int]``: a draft source for tests and experiments (a
     model's own greedy continuation with a wrong token at a chosen position, a replay)."""

@@ -11,11 +11,24 @@ from __future__ import annotations
 from typing import Sequence
 
 from sglang_tpu_backend.managers.schedule_batch import Req
+from sglang_tpu_backend.speculative.drafter import DraftGuard
 
 
 class NextnDrafter:
     """The drafts the request's latest step left in ``req.draft_state`` (none before its
-    first sampled token)."""
+    first sampled token), held back by the request's ``DraftGuard`` (``req.draft_guard``)
+    while its drafts keep being rejected: the MTP layer still runs every step, but the
+    step need not verify drafts that do not pay."""
 
     def propose(self, reqs: Sequence[Req], k: int) -> list[list[int]]:
-        return [list(req.draft_state or [])[:k] for req in reqs]
+        out = []
+        for req in reqs:
+            if req.draft_guard is None:
+                req.draft_guard = DraftGuard()
+            guard, n = req.draft_guard, len(req.prompt_ids) + len(req.output_ids)
+            if guard.judged_from is not None:
+                guard.judge(req.fill_slice(guard.judged_from, n - guard.judged_from))
+            drafts = list(req.draft_state or [])[:k] if guard.allow() else []
+            guard.proposed(n, drafts)
+            out.append(drafts)
+        return out

@@ -8,15 +8,8 @@ reaches the end of the sequence it continues from its own drafts (``t[e+j]`` for
 is draft ``e+j-L``), so a sequence repeating a period shorter than ``k`` still gets ``k``
 drafts.
 
-Back-off (``DraftGuard``): a request whose drafts keep being rejected stops drafting for a
-while, so its steps can run as plain decode steps. After ``MISSES_BEFORE_PAUSE`` proposals
-in a row with no draft accepted, the request proposes nothing for its next ``pause``
-decode steps; each further pause doubles (up to ``MAX_PAUSE``), and one accepted draft
-resets both. Acceptance is read off the sequence itself: a verify step appends the accepted
-drafts and then the target's own token, which differs from the first rejected draft, so the
-accepted count is the common prefix of the drafts and the tokens appended after them. A
-proposal the scheduler dropped (its step ran as a plain decode) is judged the same way on
-the one token the step appended: whether its first draft was right.
+Back-off (``drafter.DraftGuard``): a request whose drafts keep being rejected stops drafting
+for a while, so its steps can run as plain decode steps.
 
 Cost: each request keeps an ``NgramIndex`` (with its ``DraftGuard``, in ``req.draft_state``)
 mapping every n-gram of each window size to its latest end. A step indexes only the tokens
@@ -29,6 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from sglang_tpu_backend.managers.schedule_batch import Req
+from sglang_tpu_backend.speculative.drafter import DraftGuard
 
 
 class NgramIndex:
@@ -73,56 +67,6 @@ class NgramIndex:
         return []
 
 
-MISSES_BEFORE_PAUSE = 2  # proposals in a row with nothing accepted before a pause
-FIRST_PAUSE, MAX_PAUSE = 4, 64  # decode steps without drafts: 4, 8, 16, ... 64
-
-
-class DraftGuard:
-    """Per-request back-off of a drafter (see the module docstring).
-
-    pending:  (sequence length when proposed, the drafts) of the last proposal not yet
-              judged, or None.
-    misses:   judged proposals in a row with no draft accepted.
-    skip:     proposals still to skip (the current pause).
-    pause:    the length of the next pause.
-    """
-
-    def __init__(self):
-        self.pending: tuple[int, list[int]] | None = None
-        self.misses, self.skip, self.pause = 0, 0, FIRST_PAUSE
-
-    def judge(self, tokens: Sequence[int]) -> None:
-        """Score the pending proposal against what the sequence ``tokens`` now holds."""
-        if self.pending is None:
-            return
-        at, drafts = self.pending
-        new = tokens[at:]
-        if len(new) == 0:
-            return  # not verified yet
-        self.pending = None
-        accepted = next((j for j, (d, t) in enumerate(zip(drafts, new)) if d != t),
-                        min(len(drafts), len(new)))
-        if accepted:
-            self.misses, self.pause = 0, FIRST_PAUSE
-            return
-        self.misses += 1
-        if self.misses >= MISSES_BEFORE_PAUSE:
-            self.misses, self.skip = 0, self.pause
-            self.pause = min(2 * self.pause, MAX_PAUSE)
-
-    def allow(self) -> bool:
-        """Whether to propose this step (consumes one step of a pause)."""
-        if self.skip:
-            self.skip -= 1
-            return False
-        return True
-
-    def proposed(self, length: int, drafts: list[int]) -> None:
-        """Remember ``drafts`` proposed after the first ``length`` tokens, to judge later."""
-        if drafts:
-            self.pending = (length, list(drafts))
-
-
 class NgramDrafter:
     """``Drafter`` of ``--speculative-algorithm NGRAM``; its per-request state
     (``NgramIndex``, ``DraftGuard``) lives in ``req.draft_state``. A request's proposal is
@@ -142,7 +86,8 @@ class NgramDrafter:
             index, guard = req.draft_state
             n = len(req.prompt_ids) + len(req.output_ids)
             index.extend(req.fill_slice(len(index.tokens), n - len(index.tokens)))
-            guard.judge(index.tokens)
+            if guard.judged_from is not None:
+                guard.judge(index.tokens[guard.judged_from:])
             drafts = index.propose(k) if guard.allow() else []
             guard.proposed(len(index.tokens), drafts)
             out.append(drafts)
