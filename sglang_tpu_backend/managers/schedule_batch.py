@@ -90,7 +90,6 @@ class Req:
         self.return_text_in_logprobs = return_text_in_logprobs
         self.stream = stream
         self.grammar = grammar
-
         self.output_ids: list[int] = []
         # Tokens sampled by launched steps whose values are not back yet (overlap scheduling:
         # the next step is launched before the previous one's tokens reach the host). They
@@ -119,10 +118,10 @@ class Req:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
         self.logprob_entries: Any = None  # output entries built so far (output_builder.LogprobEntries)
-        # Speculative decoding: the drafter's state (``speculative/``), the verify steps run
-        # (SGLang's ``spec_verify_ct``) and the output tokens they appended.
+        # Speculative decoding: the drafter's state and NEXTN's back-off (``speculative/``),
+        # the verify steps run (SGLang's ``spec_verify_ct``) and the output tokens they appended.
         self.draft_state: Any = None
-        self.draft_guard: Any = None  # NEXTN: the drafts' back-off (``speculative.DraftGuard``)
+        self.draft_guard: Any = None
         self.spec_verify_ct = self.spec_verify_tokens = 0
         # Timing (seconds, time.monotonic()).
         self.arrival_time = time.monotonic()

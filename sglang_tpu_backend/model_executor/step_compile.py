@@ -116,6 +116,58 @@ def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
                            compiler_options=compiler_options)
 
 
+def compile_dp_verify_with_mtp(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *,
+                               num_steps: int, dtype: Any = jnp.bfloat16,
+                               fp8_experts: bool = False, kv_dtype: Any = jnp.bfloat16,
+                               state_dtype: Any = jnp.float32, impl: str = "pallas"
+                               ) -> CompileReport:
+    """Compile a whole NEXTN verify step of the DP x EP model as one program: the TARGET_VERIFY
+    forward with hidden states, the commit of the accepted positions, and the MTP pass with its
+    chain of ``num_steps`` drafts (``nextn_step.mtp_drafts``) on the MTP params and MTP KV
+    pages (the model dtype, with ``S`` scratch pages per request row as the engine allocates).
+    The engine runs these as separate programs with the verify sampler between; here greedy
+    argmax tokens and every draft accepted stand in for it, so the program holds everything
+    a verify step keeps resident at once. ``spec`` is per DP rank, T = R * (num_steps + 1)."""
+    from sglang_tpu_backend.mem_cache.page_pool import pages_for
+    from sglang_tpu_backend.model_executor.nextn_step import MtpInputs
+    from sglang_tpu_backend.models.mtp import init_mtp_cache
+    from sglang_tpu_backend.models.param_shapes import mtp_param_shapes
+    from sglang_tpu_backend.parallel.dp_forward import DPForward
+    from sglang_tpu_backend.parallel.mesh import EPContext, rank_spec
+
+    dp = DPForward(cfg, mesh, impl=impl, ep=EPContext())
+    D, R, T, n = dp.dp_size, spec.num_seqs, spec.num_tokens, num_steps + 1
+    shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts)
+    params = abstract_params(shapes, mesh, dp.param_specs(shapes))
+    mtp_shapes = mtp_param_shapes(cfg, dtype, fp8_experts=fp8_experts)
+    mtp_params = abstract_params(mtp_shapes, mesh, dp.mtp_param_specs(mtp_shapes))
+    cache = _abstract_dp_cache(cfg, spec, dp, kv_dtype, state_dtype)
+    scratch = pages_for(num_steps, spec.page_size) + 1
+    mtp_cache = jax.eval_shape(lambda: init_mtp_cache(
+        cfg, num_pages=D * (spec.num_pages + R * scratch), page_size=spec.page_size,
+        kv_dtype=dtype))
+    by_rank = rank_spec(dp.ep, 0)
+    mtp_cache = abstract(mtp_cache.shape, mtp_cache.dtype, mesh, rank_spec(dp.ep, 1))
+    local = abstract_batch(spec, mesh)
+    batch = jax.tree.map(lambda a, p: abstract((a.shape[0] * D, *a.shape[1:]), a.dtype, mesh, p),
+                         local, dp.batch_specs(spec.mode))
+    i32 = lambda *shape: abstract((D * shape[0], *shape[1:]), jnp.int32, mesh, by_rank)  # noqa: E731
+    inp = MtpInputs(next_ids=i32(T), from_sampled=i32(T), draft_rows=i32(R),
+                    page_table=i32(R, spec.pages_per_seq + scratch))
+
+    def step(params, mtp_params, cache, mtp_cache, batch, inp):
+        logits, cache, states, hidden = dp._global_verify(params, cache, batch, with_hidden=True)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(D * R, n)
+        accepted_len = jnp.full((D * R,), n, jnp.int32)
+        cache = dp._global_commit(params, cache, states, batch.state_slots, accepted_len)
+        drafts, mtp_cache = dp._global_mtp(params, mtp_params, mtp_cache, batch, hidden, inp,
+                                           tokens, accepted_len, num_steps)
+        return drafts, cache, mtp_cache
+
+    return compile_for_tpu(step, (params, mtp_params, cache, mtp_cache, batch, inp), mesh,
+                           donate_argnums=(2, 3))
+
+
 def _abstract_dp_cache(cfg: ModelConfig, spec: StepSpec, dp: Any, kv_dtype: Any,
                        state_dtype: Any) -> qwen3_5_moe.ModelCache:
     """The DP ranks' caches (``spec``'s pools per rank) as abstract arrays placed like DPForward's."""

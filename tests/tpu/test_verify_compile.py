@@ -6,7 +6,9 @@ accepted positions (``model_executor/verify.VerifyStates``: the conv window and 
 inputs, about 170 KiB over n = 4), not the state after each position (n x 2 MiB). The planner
 counts them (``plan --speculative-num-draft-tokens``), and its figure is within 2% of the
 compiler's argument + temporary + non-aliased output bytes: at the largest batch it plans
-(FP8 KV), and at 512 requests per host (64 per DP rank), which fit with FP8 and bf16 KV.
+(FP8 KV), and for the whole NEXTN verify step with the MTP layer (its params, its KV pages,
+the MTP pass and the chain of drafts in the same program) at 512 requests per host (64 per DP
+rank), which fit with FP8 and bf16 KV.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import pytest
 
 from kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
-from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
+from sglang_tpu_backend.model_executor.step_compile import (
+    StepSpec,
+    compile_dp_step,
+    compile_dp_verify_with_mtp,
+)
 from sglang_tpu_backend.parallel.mesh import make_mesh
 from sglang_tpu_backend.plan import plan
 
@@ -54,8 +60,23 @@ def test_397b_verify_step_fits_at_the_planners_batch(record):
 
 
 @pytest.mark.parametrize("kv_name,kv_dtype", [("fp8", jnp.float8_e4m3fn), ("bf16", jnp.bfloat16)])
-def test_397b_verify_step_fits_at_512_requests(record, kv_name, kv_dtype):
-    p = plan(config_397b(), "tpu7x:2x2x1", dp=D, ep=D, tp=1, num_draft_tokens=N,
-             running_requests=512, **dict(SIZES, kv_dtype=kv_name))
-    assert p.max_running_requests >= 512 and p.requests_per_device == 512 // D
-    _check_plan(record, p, 512 // D, kv_dtype, kv_name)
+def test_397b_nextn_verify_step_with_the_mtp_layer_fits_at_512_requests(record, kv_name, kv_dtype):
+    """The whole NEXTN verify step in one program (verify forward with hidden states, the
+    commit, the MTP pass and its chain of 3 drafts on the MTP layer's params and pages) at
+    512 requests per host: it fits, and the planner (``--mtp``) is within 2%."""
+    cfg = config_397b()
+    p = plan(cfg, "tpu7x:2x2x1", dp=D, ep=D, tp=1, num_draft_tokens=N, running_requests=512,
+             mtp=True, **dict(SIZES, kv_dtype=kv_name))
+    assert p.mtp_layers == 1 and p.max_running_requests >= 512
+    r = 512 // D
+    spec = StepSpec(ForwardMode.TARGET_VERIFY, r * N, r, r * N, PAGES, r * PAGES, 256, r)
+    report = record(f"DP{D}xEP{D} 397B NEXTN verify n={N} + MTP, {r} requests/rank, KV {kv_name}",
+                    compile_dp_verify_with_mtp(cfg, spec, make_mesh(D, topology_devices(
+                        "tpu7x:2x2x1")), num_steps=N - 1, fp8_experts=True,
+                        kv_dtype=kv_dtype, state_dtype=jnp.bfloat16), min_kernels=5)
+    m = report.memory
+    used = (m["argument_size_in_bytes"] + m["temp_size_in_bytes"]
+            + m["output_size_in_bytes"] - m["alias_size_in_bytes"])
+    print(f"\n397B NEXTN verify n={N} + MTP, KV {kv_name}, {r} requests/rank: compiler "
+          f"{used / 2**30:.2f} GiB, planner {p.total / 2**30:.2f} GiB, HBM {p.hbm / 2**30:.2f}")
+    assert used <= p.hbm and abs(p.total / used - 1) < 0.02, (p.total, m)
