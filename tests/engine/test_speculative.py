@@ -674,6 +674,25 @@ def test_nextn_outputs_equal_the_plain_engine_without_lowering(clean_nextn_engin
     assert eng.scheduler.num_cached_tokens_total > cached  # prefix-cache hits among them
 
 
+def test_nextn_grammar_requests_are_exact(clean_nextn_engine, clean_engine):
+    """Greedy JSON-schema and regex requests under NEXTN: the MTP drafts go through the
+    grammar like any drafts (cut at the first token it rejects), outputs are the plain
+    engine's, and the requests ran verify steps."""
+    schema = json.dumps({"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "integer"}}})
+    grammars = [{"json_schema": schema}] * 2 + [{"regex": "[0-9]{3,8}"}] * 2
+    objs = [GenerateReqInput(rid=f"ngram{i}", input_ids=[9 + i, 6, 7, 8], return_logprob=True,
+                             sampling_params={"max_new_tokens": 16, "temperature": 0, **g})
+            for i, g in enumerate(grammars)]
+    want = run_all(clean_engine, objs)
+    runner = clean_nextn_engine.runner
+    cut_before = runner.num_grammar_cut_drafts
+    got = run_all(clean_nextn_engine, fresh(objs, "n"))
+    assert_same_outputs(got, want)
+    assert all(g["meta_info"]["spec_verify_ct"] > 0 for g in got)
+    assert runner.num_grammar_cut_drafts > cut_before  # random MTP drafts break the grammar
+
+
 class RecordingDrafter(CallbackDrafter):
     """Proposes ``fn``'s drafts; records (rid, sequence, the MTP drafts the engine left in
     ``req.draft_state``) at every proposal."""
