@@ -15,6 +15,10 @@ One single-host step stores the experts in 544 physical slots (EPLB: 32 redundan
 device; the step maps routed ids to slots) and checks the planner counts their bytes; it also
 keeps the KV cache in FP8 with per-row f32 scales (``--kv-cache-dtype fp8_e4m3``), which the
 planner's KV bytes must count too.
+Overlap: in the scheduled decode step each MoE layer's hidden-state all-gather runs async (on
+the SparseCore) with TensorCore compute, the routing computation among it, between its start
+and done. The reduce-scatter kernel's micro-batches overlap its own die and ICI phases, not
+the expert matmuls (the kernels run one after another on the TensorCore).
 The compile time of each program is printed in the end-of-run table.
 """
 
@@ -32,6 +36,7 @@ import pytest
 
 from kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.config import model_config_from_dict
+from sglang_tpu_backend.hlo_text import parse_module
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh
@@ -187,3 +192,42 @@ def test_397b_handover_programs_stay_rank_local(record, install):
     assert mem["temp_size_in_bytes"] <= 2 * request < pool / 10, (mem, request, pool)
     if install:  # the cache is updated in place
         assert mem.get("alias_size_in_bytes", 0) >= pool, mem
+
+
+def collective_windows(hlo: str, op: str) -> list[tuple[tuple, list]]:
+    """Each async ``op`` (``call-start`` of a computation rooted at ``op`` ... its
+    ``call-done``) of the scheduled program: (its result dims, the TensorCore compute ops the
+    schedule places between start and done: fusions, convolutions, Mosaic kernels)."""
+    comps, _ = parse_module(hlo)
+    windows = []
+    for comp in comps.values():
+        order = list(comp.instructions.values())
+        at = {ins.name: k for k, ins in enumerate(order)}
+        for done in order:
+            start = comp.instructions.get(done.operands[0]) if done.opcode == "call-done" else None
+            if start is None or start.opcode != "call-start":
+                continue
+            called = comps[start.called()["to_apply"]]
+            if called.instructions[called.root].opcode != op:
+                continue
+            compute = [i for i in order[at[start.name] + 1:at[done.name]]
+                       if i.opcode in ("fusion", "convolution")
+                       or (i.opcode == "custom-call" and "tpu_custom_call" in i.attrs)]
+            windows.append((done.arrays[0].dims, compute))
+    return windows
+
+
+def test_397b_hidden_all_gather_overlaps_compute():
+    """In the scheduled 397B decode step each MoE layer's all-gather of the EP group's hidden
+    rows runs asynchronously (on the SparseCore) while the TensorCore computes: the schedule
+    places compute between its start and done, the routing computation among it."""
+    cfg = config_397b()
+    windows = collective_windows(compile_397b("tpu7x:2x2x1", 8, ForwardMode.DECODE, 64).hlo,
+                                 "all-gather")
+    hidden = [c for dims, c in windows if dims == (8 * 64, cfg.hidden_size)]
+    print("\ncompute ops inside each async all-gather (result dims: ops):",
+          [(dims, len(c)) for dims, c in windows])
+    assert len(hidden) == cfg.layer_period, windows  # one per MoE layer of the scan body
+    for ops in hidden:
+        assert len(ops) >= 4, [i.name for i in ops]
+        assert any("routed_experts" in i.op_name for i in ops), [i.op_name for i in ops]
