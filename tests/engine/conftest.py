@@ -16,10 +16,15 @@ ENGINE_ARGS = dict(max_running_requests=64, chunked_prefill_size=64, context_len
 
 @pytest.fixture(scope="session")
 def engine():
+    yield from serving(ENGINE_ARGS)
+
+
+def serving(args: dict):
+    """An engine of ``args`` (ServerArgs fields) for a fixture to yield; shut down after."""
     from sglang_tpu_backend.engine import Engine
     from sglang_tpu_backend.server_args import ServerArgs
 
-    eng = Engine(ServerArgs(**ENGINE_ARGS))
+    eng = Engine(ServerArgs(**args))
     yield eng
     eng.shutdown()
 
@@ -37,6 +42,11 @@ def wait_pools_empty(engine, timeout=10.0) -> dict:
 @pytest.fixture
 def clean_engine(engine):
     """The shared engine; asserts the pools are empty after the test."""
+    yield from drained(engine)
+
+
+def drained(engine):
+    """Yields ``engine``, then asserts its pools are empty (a ``clean_*`` fixture's body)."""
     yield engine
     s = wait_pools_empty(engine)
     assert s["kv_pages_used"] == 0 and s["state_slots_used"] == 0, s

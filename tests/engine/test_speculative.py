@@ -54,7 +54,7 @@ from sglang_tpu_backend.speculative.drafter import (
 from sglang_tpu_backend.speculative.nextn import NextnDrafter
 from sglang_tpu_backend.speculative.ngram import NgramDrafter, NgramIndex
 from tests.cpu_devices import run_on_cpu_devices
-from tests.engine.conftest import ENGINE_ARGS, small_page_pool, wait_pools_empty
+from tests.engine.conftest import ENGINE_ARGS, drained, serving, small_page_pool
 
 K = 3  # drafts per verify step
 SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=K + 1)
@@ -63,18 +63,12 @@ SPEC_ARGS = {**ENGINE_ARGS, "max_running_requests": 32, **SPEC}
 
 @pytest.fixture(scope="module")
 def spec_engine():
-    from sglang_tpu_backend.engine import Engine
-
-    eng = Engine(ServerArgs(**SPEC_ARGS))
-    yield eng
-    eng.shutdown()
+    yield from serving(SPEC_ARGS)
 
 
 @pytest.fixture
 def clean_spec_engine(spec_engine):
-    yield spec_engine
-    s = wait_pools_empty(spec_engine)
-    assert s["kv_pages_used"] == 0 and s["state_slots_used"] == 0, s
+    yield from drained(spec_engine)
 
 
 def run_all(engine, objs) -> list[dict]:
@@ -641,18 +635,12 @@ NEXTN_ARGS = {**ENGINE_ARGS, "max_running_requests": 16, "speculative_algorithm"
 
 @pytest.fixture(scope="module")
 def nextn_engine():
-    from sglang_tpu_backend.engine import Engine
-
-    eng = Engine(ServerArgs(**NEXTN_ARGS))
-    yield eng
-    eng.shutdown()
+    yield from serving(NEXTN_ARGS)
 
 
 @pytest.fixture
 def clean_nextn_engine(nextn_engine):
-    yield nextn_engine
-    s = wait_pools_empty(nextn_engine)
-    assert s["kv_pages_used"] == 0 and s["state_slots_used"] == 0, s
+    yield from drained(nextn_engine)
 
 
 def test_nextn_outputs_equal_the_plain_engine_without_lowering(clean_nextn_engine, clean_engine):
