@@ -186,3 +186,77 @@ def test_handover_from_other_weights_is_aborted(engine, decode_engine):
     assert repr(decode_engine.weight_version) in reason["message"]
     s = wait_pools_empty(decode_engine)
     assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0 and s["num_running"] == 0
+
+
+# Speculative decoding on the decode side ------------------------------------------------------
+@pytest.fixture(scope="module")
+def ngram_decode_engine():
+    """A decode engine verifying NGRAM drafts (the prefill side, ``engine``, runs none)."""
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+    from tests.engine.test_speculative import SPEC
+
+    eng = Engine(ServerArgs(**{**ENGINE_ARGS, "max_running_requests": 16, **SPEC}), role="decode")
+    yield eng
+    eng.shutdown()
+
+
+def _run_disaggregated(prefill, decode, objs) -> list[dict]:
+    """Each request's last output through prefill -> decode, all concurrently."""
+    async def one(o):
+        outs, _ = await _disaggregated(prefill, decode, o)
+        return outs[-1]
+
+    async def go():
+        return await asyncio.gather(*(one(o) for o in objs))
+    return asyncio.run(go())
+
+
+def test_ngram_decode_replica_matches_one_engine(engine, ngram_decode_engine):
+    """48 greedy requests of mixed lengths (a third repeat a pattern): a plain prefill replica
+    -> an NGRAM decode replica give the one-engine non-speculative tokens and logprobs. The
+    tiny random model's continuations never repeat earlier text, so NGRAM proposes (almost)
+    nothing on it: the same requests then run with drafts replaying the plain continuation
+    (one wrong token at a varying position), which verifies drafts on every handed-over
+    request and must keep the outputs."""
+    from tests.engine.test_speculative import (
+        K,
+        assert_same_outputs,
+        drafts_from,
+        fresh,
+        replay_drafts,
+        run_all,
+        workload,
+    )
+
+    objs = workload(5)
+    want = run_all(engine, objs)
+    assert_same_outputs(_run_disaggregated(engine, ngram_decode_engine, fresh(objs, "pd")), want)
+    reference = {f"r{o.rid}": w["output_ids"] for o, w in zip(objs, want)}
+    replay = replay_drafts(reference, lambda req, o: (o + len(req.prompt_ids)) % (K + 2))
+    with drafts_from(ngram_decode_engine, replay):
+        got = _run_disaggregated(engine, ngram_decode_engine, fresh(objs, "r"))
+    assert_same_outputs(got, want)
+    # One-token requests end on the (non-speculative) prefill side: no spec_verify_ct there.
+    handed = [g for g in got if len(g["output_ids"]) > 1]
+    assert handed and all(g["meta_info"]["spec_verify_ct"] > 0 for g in handed)
+    assert np.mean([g["meta_info"]["spec_accept_length"] for g in handed]) > 1.5
+    for eng in (engine, ngram_decode_engine):
+        s = wait_pools_empty(eng)
+        assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0 and s["num_running"] == 0
+
+
+def test_ngram_drafts_from_the_handed_over_tokens(engine, ngram_decode_engine):
+    """The decode replica's NGRAM drafter indexes the prompt and first token that came with
+    the handover: a pattern prompt whose first token restarts the pattern gets the pattern's
+    continuation as drafts at once."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    pattern = [7, 8, 9, 10, 11]
+    obj = GenerateReqInput(input_ids=pattern * 4, sampling_params={
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    _, h = asyncio.run(engine.prefill_for_handover(obj))
+    req = ngram_decode_engine.requests.build_from_handover(dataclasses.replace(h, output_ids=[7]))
+    drafts, = ngram_decode_engine.scheduler.drafter.propose([req], 3)
+    assert drafts == [8, 9, 10]
+    wait_pools_empty(engine)
