@@ -260,3 +260,117 @@ def test_ngram_drafts_from_the_handed_over_tokens(engine, ngram_decode_engine):
     drafts, = ngram_decode_engine.scheduler.drafter.propose([req], 3)
     assert drafts == [8, 9, 10]
     wait_pools_empty(engine)
+
+
+@pytest.fixture(scope="module")
+def nextn_pair():
+    """(prefill, decode) engines both drafting with NEXTN (k = 3): the handover carries the
+    MTP KV pages and first drafts."""
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+    from tests.engine.test_speculative import K
+
+    args = ServerArgs(**{**ENGINE_ARGS, "max_running_requests": 16,
+                         "speculative_algorithm": "NEXTN", "speculative_num_steps": K})
+    prefill = Engine(args, role="prefill")
+    decode = Engine(args, role="decode")
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_nextn_prefill_to_nextn_decode_matches_one_engine(engine, nextn_pair):
+    """48 greedy requests of mixed lengths through NEXTN prefill -> NEXTN decode: the
+    one-engine non-speculative tokens and logprobs; every handed-over request verified
+    drafts (its first decode step already verifies the drafts that came with it)."""
+    from tests.engine.test_speculative import assert_same_outputs, fresh, run_all, workload
+
+    prefill, decode = nextn_pair
+    objs = workload(6)
+    want = run_all(engine, objs)
+    got = _run_disaggregated(prefill, decode, fresh(objs, "pdn"))
+    assert_same_outputs(got, want)
+    handed = [g for g in got if len(g["output_ids"]) > 1]
+    assert handed and all(g["meta_info"]["spec_verify_ct"] > 0 for g in handed)
+    for eng in (prefill, decode):
+        s = wait_pools_empty(eng)
+        assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0 and s["num_running"] == 0
+
+
+def test_nextn_handover_carries_the_mtp_kv_and_drafts(engine, nextn_pair):
+    """The handover's drafts, and the drafts the decode replica's MTP layers propose at every
+    later step (from the MTP KV of the prompt installed at its own page ids), equal the
+    plain-JAX MTP reference computed from the sequence alone. Replayed verify drafts (the plain
+    engine's continuation, the first wrong one moving through 0..K) vary the accept length."""
+    from tests.engine.test_speculative import (
+        K,
+        RecordingDrafter,
+        reference_drafts,
+        replay_drafts,
+        run_all,
+    )
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    prefill, decode = nextn_pair
+    objs = [GenerateReqInput(rid=f"mtp-pd{i}", input_ids=_prompt(n, 7), sampling_params={
+        "max_new_tokens": 9, "temperature": 0, "ignore_eos": True})
+            for i, n in enumerate((3, 40, 70, 100))]
+    reference = {o.rid: w["output_ids"] for o, w in zip(objs, run_all(engine, objs))}
+    handovers = [asyncio.run(prefill.prefill_for_handover(dataclasses.replace(o)))[1] for o in objs]
+    cfg = prefill.model_config
+    for o, h in zip(objs, handovers):
+        n = len(o.input_ids)
+        assert h.mtp_kv.shape == (cfg.mtp_num_hidden_layers, *h.kv.shape[1:])
+        assert h.nbytes == h.kv.nbytes + h.conv.nbytes + h.rec.nbytes + h.mtp_kv.nbytes
+        assert h.drafts == reference_drafts(prefill.runner, o.input_ids + h.output_ids, K), n
+    recorder = RecordingDrafter(replay_drafts(
+        reference, lambda req, o: (o + len(req.prompt_ids)) % (K + 2)))
+    sched = decode.scheduler
+    with decode.loop.lock:
+        own, sched.drafter = sched.drafter, recorder
+    try:
+        async def go():
+            return await asyncio.gather(*(_collect(decode.generate_from_handover(h))
+                                          for h in handovers))
+        got = [outs[-1] for outs in asyncio.run(go())]
+    finally:
+        with decode.loop.lock:
+            sched.drafter = own
+    assert [g["output_ids"] for g in got] == [reference[o.rid] for o in objs]
+    seen = {}
+    for rid, seq, drafts in recorder.seen:
+        seen.setdefault(rid, []).append((seq, drafts))
+    assert sorted(seen) == sorted(o.rid for o in objs)
+    for o, h in zip(objs, handovers):
+        first_seq, first_drafts = seen[o.rid][0]
+        assert first_seq == o.input_ids + h.output_ids and first_drafts == h.drafts
+        assert len(seen[o.rid]) >= 2
+        for seq, drafts in seen[o.rid]:
+            assert drafts == reference_drafts(decode.runner, seq, K), (o.rid, len(seq))
+    wait_pools_empty(decode)
+
+
+def test_nextn_decode_refuses_a_handover_without_mtp_kv(engine, nextn_pair):
+    """A NEXTN decode replica aborts a handover from a prefill replica that ran without NEXTN
+    (no MTP KV to draft from), naming the flag; nothing stays installed."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    _, decode = nextn_pair
+    obj = GenerateReqInput(input_ids=_prompt(30, 8), sampling_params={
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    _, h = asyncio.run(engine.prefill_for_handover(obj))
+    assert h.mtp_kv is None and h.drafts is None
+    reason = asyncio.run(_collect(decode.generate_from_handover(h)))[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "MTP KV" in reason["message"], reason
+    assert "--speculative-algorithm NEXTN" in reason["message"]
+    s = wait_pools_empty(decode)
+    assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0
+
+
+def test_nextn_disaggregation_refuses_dp(engine):
+    from sglang_tpu_backend.engine import _mtp_params
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    args = ServerArgs(**{**ENGINE_ARGS, "speculative_algorithm": "NEXTN", "dp_size": 2})
+    with pytest.raises(ValueError, match="--dp-size"):
+        _mtp_params(args, engine.model_config, "decode")
