@@ -468,9 +468,12 @@ class ModelRunner:
 
     def warm_up_state_transfer(self, *, gather: bool, scatter: bool) -> None:
         """Compile the handover's export (``gather``) and/or install (``scatter``) programs of
-        every page count a request can hold."""
+        every page count a request can hold (under NEXTN the MTP KV's too)."""
         self.cache = self._transfer("warm-up").warm_up(self.cache, self.pages_per_seq,
                                                         gather=gather, scatter=scatter)
+        if self.nextn is not None and self.transfer.num_ranks == 1 and self.transfer.tp is None:
+            self.nextn.cache = state_transfer.warm_up_mtp_pages(
+                self.nextn.cache, self.pages_per_seq, gather=gather, scatter=scatter)
 
     def _transfer(self, what: str) -> state_transfer.StateTransfer:
         if not self.backend.state_transfer:

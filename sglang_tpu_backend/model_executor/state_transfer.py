@@ -127,6 +127,20 @@ def scatter_mtp_pages(mtp_pages: jax.Array, kv: np.ndarray, pages: list[int]) ->
     return _scatter_mtp(mtp_pages, padded, idx)
 
 
+def warm_up_mtp_pages(mtp_pages: jax.Array, max_pages: int, *, gather: bool,
+                      scatter: bool) -> jax.Array:
+    """Compile the MTP gather and/or scatter of every page bucket up to ``max_pages`` on
+    padding only (reads nothing used, writes nothing); returns the pool (a scatter donates it)."""
+    for b in page_buckets(max_pages):
+        idx = np.full(b, mtp_pages.shape[1], np.int32)
+        if gather:
+            jax.block_until_ready(_gather_mtp(mtp_pages, idx))
+        if scatter:
+            pad = np.zeros((mtp_pages.shape[0], b, *mtp_pages.shape[2:]), mtp_pages.dtype)
+            mtp_pages = _scatter_mtp(mtp_pages, pad, idx)
+    return jax.block_until_ready(mtp_pages)
+
+
 def check_transferable(cache: ModelCache) -> None:
     """Handover moves (kv, conv, rec) only: an FP8 cache's per-row scales are not carried, so
     its state is refused rather than installed without them."""
