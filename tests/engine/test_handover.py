@@ -312,6 +312,8 @@ def test_nextn_handover_carries_the_mtp_kv_and_drafts(engine, nextn_pair):
     from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 
     prefill, decode = nextn_pair
+    prefill.runner.warm_up_state_transfer(gather=True, scatter=False)  # (the MTP KV's too)
+    decode.runner.warm_up_state_transfer(gather=False, scatter=True)
     objs = [GenerateReqInput(rid=f"mtp-pd{i}", input_ids=_prompt(n, 7), sampling_params={
         "max_new_tokens": 9, "temperature": 0, "ignore_eos": True})
             for i, n in enumerate((3, 40, 70, 100))]
@@ -360,7 +362,8 @@ def test_nextn_decode_refuses_a_handover_without_mtp_kv(engine, nextn_pair):
         "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
     _, h = asyncio.run(engine.prefill_for_handover(obj))
     assert h.mtp_kv is None and h.drafts is None
-    reason = asyncio.run(_collect(decode.generate_from_handover(h)))[-1]["meta_info"]["finish_reason"]
+    outs = asyncio.run(_collect(decode.generate_from_handover(h)))
+    reason = outs[-1]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "MTP KV" in reason["message"], reason
     assert "--speculative-algorithm NEXTN" in reason["message"]
     s = wait_pools_empty(decode)
