@@ -254,6 +254,13 @@ def _role_args(server: dict[str, Any], per_role: dict[str, dict[str, Any]], mode
             out[role] = ServerArgs(**{**server, **extra})
         except ValueError as e:
             raise ValueError(f"{role} replicas: {e}") from None
+    mtp = ("NEXTN", "EAGLE")
+    if (out["decode"].speculative_algorithm in mtp
+            and out["prefill"].speculative_algorithm not in mtp):
+        raise ValueError(f"decode replicas: --speculative-algorithm "
+                         f"{out['decode'].speculative_algorithm} drafts from the MTP KV cache the "
+                         "handover carries; the prefill replicas must run NEXTN too "
+                         "(speculative_algorithm unprefixed, or prefill_speculative_algorithm)")
     return out
 
 

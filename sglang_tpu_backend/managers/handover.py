@@ -6,6 +6,9 @@ the cache state computed for the prompt (``model_executor/state_transfer.py`` la
   kv:   [La, n, 2*G, page_size, D]  KV pages of every attention layer, n = pages_for(P)
   conv: [Lg, rows, C]               conv state of every GDN layer after the P prompt tokens
   rec:  [Lg, Hv, Dk, Dv]            recurrent state of every GDN layer after them
+  mtp_kv: [Lm, n, 2*G, page_size, D] (NEXTN prefill replicas only, else None) the MTP KV
+        pages at the same page ids, with ``drafts``: the k drafts its MTP chain proposed
+        after the first token, which the decode replica verifies in its first step
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ class RequestHandover:
     output_top_logprobs: list[Any] = dataclasses.field(default_factory=list)
     export_time: float = 0.0  # time.time() when the prefill engine started the export (s)
     cached_tokens: int = 0  # prompt tokens the prefill engine reused from its prefix cache
+    mtp_kv: np.ndarray | None = None  # NEXTN: the MTP KV pages (module docstring)
+    drafts: list[int] | None = None  # NEXTN: the first verify step's drafts
 
     @property
     def nbytes(self) -> int:
-        """Bytes of cache state handed over (KV pages + both GDN states)."""
-        return int(self.kv.nbytes + self.conv.nbytes + self.rec.nbytes)
+        """Bytes of cache state handed over (KV pages + both GDN states + MTP KV pages)."""
+        mtp = 0 if self.mtp_kv is None else self.mtp_kv.nbytes
+        return int(self.kv.nbytes + self.conv.nbytes + self.rec.nbytes + mtp)

@@ -9,7 +9,9 @@ Decode side: a ``RequestHandover`` computed with the weights this engine serves 
 ends with an abort) waits in ``pending`` until the scheduler admits it on the least-loaded
 DP rank with room (pages and a slot owned by the request alone, never shared with the prefix
 cache); the loop then scatters its arrays into that rank's pools and the request decodes to
-the end. One that waits longer
+the end. Under NEXTN both sides run the MTP layers: the handover also carries the request's
+MTP KV pages and first drafts, installed with its state (its first step verifies them); a
+NEXTN decode replica refuses (aborts) a handover without them. One that waits longer
 than ``--handover-wait-timeout`` ends with finish_reason abort (the prefill replica has
 already freed its copy).
 """
@@ -67,6 +69,12 @@ class HandoverManager:
                       f"replica serves {version!r}: its KV cache cannot be continued here")
             self.loop.delivery.deliver_final(req)
             return
+        if self.runner.nextn is not None and h.mtp_kv is None:
+            self.loop.metrics.observe_handover(0.0, 0, ok=False)
+            req.abort("this decode replica drafts with NEXTN: the handover must carry the MTP KV "
+                      "cache (run the prefill replica with --speculative-algorithm NEXTN too)")
+            self.loop.delivery.deliver_final(req)
+            return
         self.pending.append((req, h))
 
     def install_pending(self) -> None:
@@ -88,6 +96,9 @@ class HandoverManager:
             try:
                 self.runner.install_request_state(h.kv, h.conv, h.rec, req.pages,
                                                   req.state_slot, req, rank=req.dp_rank)
+                if self.runner.nextn is not None:
+                    self.runner.install_mtp_kv(h.mtp_kv, req.pages)
+                    req.draft_state = list(h.drafts or [])
             except Exception as e:
                 logger.exception("handover install failed")
                 self._fail_one(req, f"handover install failed: {type(e).__name__}: {e}")
@@ -143,6 +154,7 @@ class HandoverManager:
             try:
                 kv, conv, rec = self.runner.export_request_state(req.pages, req.state_slot,
                                                                  rank=req.dp_rank)
+                mtp_kv = None if self.runner.nextn is None else self.runner.export_mtp_kv(req.pages)
             except Exception as e:
                 logger.exception("handover export failed")
                 with loop.lock:
@@ -154,6 +166,8 @@ class HandoverManager:
             with loop.lock:
                 loop.scheduler.release_exported(req)
                 h = self._handover(req, kv, conv, rec, t0)
+                if mtp_kv is not None:
+                    h.mtp_kv, h.drafts = mtp_kv, [int(t) for t in req.draft_state or []]
                 item = {"handover": h, "output": loop.delivery.outputs.snapshot(req).materialize(),
                         "meta_info": {"finish_reason": None}}
                 loop.delivery.push(req.rid, item)

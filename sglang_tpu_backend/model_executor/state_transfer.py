@@ -4,6 +4,8 @@ What a request owns in ``models/qwen3_5_moe.ModelCache`` (in its rank's pool und
   kv:   [La, n, 2*G, page, D]   its n KV pages of every attention layer (La layers)
   conv: [Lg, rows, C]           its state slot's conv state of every GDN layer (Lg layers)
   rec:  [Lg, Hv, Dk, Dv]        its state slot's recurrent state of every GDN layer
+Under NEXTN the request's MTP KV (``models/mtp.py``'s pages, at the same page ids) moves
+too, on one device only: ``gather_mtp_pages`` / ``scatter_mtp_pages``.
 ``StateTransfer.gather`` reads them out (prefill side of a handover), ``scatter`` writes them
 into other pages and another slot (decode side), the cache donated and updated in place.
 
@@ -32,7 +34,7 @@ on the host, so a TP replica hands over to a DP or one-device replica and back.
 from __future__ import annotations
 
 import dataclasses
-
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -89,6 +91,54 @@ def _scatter_local(cache: ModelCache, kv, conv, rec, pages, slot) -> ModelCache:
         conv_state=cache.conv_state.at[:, slot].set(conv.astype(cache.conv_state.dtype), mode="drop"),
         rec_state=cache.rec_state.at[:, slot].set(rec.astype(cache.rec_state.dtype), mode="drop"),
     )
+
+
+@jax.jit
+def _gather_mtp(mtp_pages, pages):
+    """mtp_pages [Lm, N, 2G, page, D], pages i32[B] (clamped) -> [Lm, B, 2G, page, D]."""
+    return _take_pages(mtp_pages, pages)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_mtp(mtp_pages, kv, pages):
+    """Write kv [Lm, B, 2G, page, D] at pages i32[B] of ``mtp_pages``; out-of-range dropped."""
+    return mtp_pages.at[:, pages].set(kv.astype(mtp_pages.dtype), mode="drop")
+
+
+def gather_mtp_pages(mtp_pages: jax.Array, pages: list[int]) -> np.ndarray:
+    """Host copy [Lm, n, 2G, page, D] of the NEXTN MTP KV at a request's ``pages`` (one
+    device: the MTP pool is one array; its page ids are the target's)."""
+    idx = np.full(page_bucket(len(pages)), mtp_pages.shape[1], np.int32)
+    idx[: len(pages)] = pages
+    return np.asarray(jax.device_get(_gather_mtp(mtp_pages, idx)))[:, : len(pages)]
+
+
+def scatter_mtp_pages(mtp_pages: jax.Array, kv: np.ndarray, pages: list[int]) -> jax.Array:
+    """``mtp_pages`` (donated) with ``kv[:, i]`` [Lm, n, 2G, page, D] written at page
+    ``pages[i]``; ValueError when ``kv`` does not fit the pool or ``pages``."""
+    want = (mtp_pages.shape[0], len(pages), *mtp_pages.shape[2:])
+    if kv.shape != want:
+        raise ValueError(f"MTP kv of shape {kv.shape} does not fit {len(pages)} pages of this "
+                         f"MTP cache (expected {want})")
+    idx = np.full(page_bucket(len(pages)), mtp_pages.shape[1], np.int32)
+    idx[: len(pages)] = pages
+    padded = np.zeros((kv.shape[0], idx.shape[0], *kv.shape[2:]), kv.dtype)
+    padded[:, : len(pages)] = kv
+    return _scatter_mtp(mtp_pages, padded, idx)
+
+
+def warm_up_mtp_pages(mtp_pages: jax.Array, max_pages: int, *, gather: bool,
+                      scatter: bool) -> jax.Array:
+    """Compile the MTP gather and/or scatter of every page bucket up to ``max_pages`` on
+    padding only (reads nothing used, writes nothing); returns the pool (a scatter donates it)."""
+    for b in page_buckets(max_pages):
+        idx = np.full(b, mtp_pages.shape[1], np.int32)
+        if gather:
+            jax.block_until_ready(_gather_mtp(mtp_pages, idx))
+        if scatter:
+            pad = np.zeros((mtp_pages.shape[0], b, *mtp_pages.shape[2:]), mtp_pages.dtype)
+            mtp_pages = _scatter_mtp(mtp_pages, pad, idx)
+    return jax.block_until_ready(mtp_pages)
 
 
 def check_transferable(cache: ModelCache) -> None:

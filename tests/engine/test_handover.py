@@ -186,3 +186,218 @@ def test_handover_from_other_weights_is_aborted(engine, decode_engine):
     assert repr(decode_engine.weight_version) in reason["message"]
     s = wait_pools_empty(decode_engine)
     assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0 and s["num_running"] == 0
+
+
+# Speculative decoding on the decode side ------------------------------------------------------
+@pytest.fixture(scope="module")
+def ngram_decode_engine():
+    """A decode engine verifying NGRAM drafts (the prefill side, ``engine``, runs none)."""
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+    from tests.engine.test_speculative import SPEC
+
+    eng = Engine(ServerArgs(**{**ENGINE_ARGS, "max_running_requests": 16, **SPEC}), role="decode")
+    yield eng
+    eng.shutdown()
+
+
+def _run_disaggregated(prefill, decode, objs) -> list[dict]:
+    """Each request's last output through prefill -> decode, all concurrently."""
+    async def one(o):
+        outs, _ = await _disaggregated(prefill, decode, o)
+        return outs[-1]
+
+    async def go():
+        return await asyncio.gather(*(one(o) for o in objs))
+    return asyncio.run(go())
+
+
+def test_ngram_decode_replica_matches_one_engine(engine, ngram_decode_engine):
+    """48 greedy requests of mixed lengths (a third repeat a pattern): a plain prefill replica
+    -> an NGRAM decode replica give the one-engine non-speculative tokens and logprobs. The
+    tiny random model's continuations never repeat earlier text, so NGRAM proposes (almost)
+    nothing on it: the same requests then run with drafts replaying the plain continuation
+    (one wrong token at a varying position), which verifies drafts on every handed-over
+    request and must keep the outputs."""
+    from tests.engine.test_speculative import (
+        K,
+        assert_same_outputs,
+        drafts_from,
+        fresh,
+        replay_drafts,
+        run_all,
+        workload,
+    )
+
+    objs = workload(5)
+    want = run_all(engine, objs)
+    assert_same_outputs(_run_disaggregated(engine, ngram_decode_engine, fresh(objs, "pd")), want)
+    reference = {f"r{o.rid}": w["output_ids"] for o, w in zip(objs, want)}
+    replay = replay_drafts(reference, lambda req, o: (o + len(req.prompt_ids)) % (K + 2))
+    with drafts_from(ngram_decode_engine, replay):
+        got = _run_disaggregated(engine, ngram_decode_engine, fresh(objs, "r"))
+    assert_same_outputs(got, want)
+    # One-token requests end on the (non-speculative) prefill side: no spec_verify_ct there.
+    handed = [g for g in got if len(g["output_ids"]) > 1]
+    assert handed and all(g["meta_info"]["spec_verify_ct"] > 0 for g in handed)
+    assert np.mean([g["meta_info"]["spec_accept_length"] for g in handed]) > 1.5
+    for eng in (engine, ngram_decode_engine):
+        s = wait_pools_empty(eng)
+        assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0 and s["num_running"] == 0
+
+
+def test_ngram_drafts_from_the_handed_over_tokens(engine, ngram_decode_engine):
+    """The decode replica's NGRAM drafter indexes the prompt and first token that came with
+    the handover: a pattern prompt whose first token restarts the pattern gets the pattern's
+    continuation as drafts at once."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    pattern = [7, 8, 9, 10, 11]
+    obj = GenerateReqInput(input_ids=pattern * 4, sampling_params={
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    _, h = asyncio.run(engine.prefill_for_handover(obj))
+    req = ngram_decode_engine.requests.build_from_handover(dataclasses.replace(h, output_ids=[7]))
+    drafts, = ngram_decode_engine.scheduler.drafter.propose([req], 3)
+    assert drafts == [8, 9, 10]
+    wait_pools_empty(engine)
+
+
+@pytest.fixture(scope="module")
+def nextn_pair():
+    """(prefill, decode) engines both drafting with NEXTN (k = 3): the handover carries the
+    MTP KV pages and first drafts."""
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+    from tests.engine.test_speculative import K
+
+    args = ServerArgs(**{**ENGINE_ARGS, "max_running_requests": 16,
+                         "speculative_algorithm": "NEXTN", "speculative_num_steps": K})
+    prefill = Engine(args, role="prefill")
+    decode = Engine(args, role="decode")
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_nextn_prefill_to_nextn_decode_matches_one_engine(engine, nextn_pair):
+    """48 greedy requests of mixed lengths through NEXTN prefill -> NEXTN decode: the
+    one-engine non-speculative tokens and logprobs; every handed-over request verified
+    drafts (its first decode step already verifies the drafts that came with it)."""
+    from tests.engine.test_speculative import assert_same_outputs, fresh, run_all, workload
+
+    prefill, decode = nextn_pair
+    objs = workload(6)
+    want = run_all(engine, objs)
+    got = _run_disaggregated(prefill, decode, fresh(objs, "pdn"))
+    assert_same_outputs(got, want)
+    handed = [g for g in got if len(g["output_ids"]) > 1]
+    assert handed and all(g["meta_info"]["spec_verify_ct"] > 0 for g in handed)
+    for eng in (prefill, decode):
+        s = wait_pools_empty(eng)
+        assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0 and s["num_running"] == 0
+
+
+def test_nextn_handover_carries_the_mtp_kv_and_drafts(engine, nextn_pair):
+    """The handover's drafts, and the drafts the decode replica's MTP layers propose at every
+    later step (from the MTP KV of the prompt installed at its own page ids), equal the
+    plain-JAX MTP reference computed from the sequence alone. Replayed verify drafts (the plain
+    engine's continuation, the first wrong one moving through 0..K) vary the accept length."""
+    from tests.engine.test_speculative import (
+        K,
+        RecordingDrafter,
+        reference_drafts,
+        replay_drafts,
+        run_all,
+    )
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    prefill, decode = nextn_pair
+    prefill.runner.warm_up_state_transfer(gather=True, scatter=False)  # (the MTP KV's too)
+    decode.runner.warm_up_state_transfer(gather=False, scatter=True)
+    objs = [GenerateReqInput(rid=f"mtp-pd{i}", input_ids=_prompt(n, 7), sampling_params={
+        "max_new_tokens": 9, "temperature": 0, "ignore_eos": True})
+            for i, n in enumerate((3, 40, 70, 100))]
+    reference = {o.rid: w["output_ids"] for o, w in zip(objs, run_all(engine, objs))}
+    handovers = [asyncio.run(prefill.prefill_for_handover(dataclasses.replace(o)))[1] for o in objs]
+    cfg = prefill.model_config
+    for o, h in zip(objs, handovers):
+        n = len(o.input_ids)
+        assert h.mtp_kv.shape == (cfg.mtp_num_hidden_layers, *h.kv.shape[1:])
+        assert h.nbytes == h.kv.nbytes + h.conv.nbytes + h.rec.nbytes + h.mtp_kv.nbytes
+        assert h.drafts == reference_drafts(prefill.runner, o.input_ids + h.output_ids, K), n
+    recorder = RecordingDrafter(replay_drafts(
+        reference, lambda req, o: (o + len(req.prompt_ids)) % (K + 2)))
+    sched = decode.scheduler
+    with decode.loop.lock:
+        own, sched.drafter = sched.drafter, recorder
+    try:
+        async def go():
+            return await asyncio.gather(*(_collect(decode.generate_from_handover(h))
+                                          for h in handovers))
+        got = [outs[-1] for outs in asyncio.run(go())]
+    finally:
+        with decode.loop.lock:
+            sched.drafter = own
+    assert [g["output_ids"] for g in got] == [reference[o.rid] for o in objs]
+    seen = {}
+    for rid, seq, drafts in recorder.seen:
+        seen.setdefault(rid, []).append((seq, drafts))
+    assert sorted(seen) == sorted(o.rid for o in objs)
+    for o, h in zip(objs, handovers):
+        first_seq, first_drafts = seen[o.rid][0]
+        assert first_seq == o.input_ids + h.output_ids and first_drafts == h.drafts
+        assert len(seen[o.rid]) >= 2
+        for seq, drafts in seen[o.rid]:
+            assert drafts == reference_drafts(decode.runner, seq, K), (o.rid, len(seq))
+    wait_pools_empty(decode)
+
+
+def test_nextn_decode_refuses_a_handover_without_mtp_kv(engine, nextn_pair):
+    """A NEXTN decode replica aborts a handover from a prefill replica that ran without NEXTN
+    (no MTP KV to draft from), naming the flag; nothing stays installed."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    _, decode = nextn_pair
+    obj = GenerateReqInput(input_ids=_prompt(30, 8), sampling_params={
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    _, h = asyncio.run(engine.prefill_for_handover(obj))
+    assert h.mtp_kv is None and h.drafts is None
+    outs = asyncio.run(_collect(decode.generate_from_handover(h)))
+    reason = outs[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "MTP KV" in reason["message"], reason
+    assert "--speculative-algorithm NEXTN" in reason["message"]
+    s = wait_pools_empty(decode)
+    assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0
+
+
+def test_nextn_disaggregation_refuses_dp(engine):
+    from sglang_tpu_backend.engine import _mtp_params
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    args = ServerArgs(**{**ENGINE_ARGS, "speculative_algorithm": "NEXTN", "dp_size": 2})
+    with pytest.raises(ValueError, match="--dp-size"):
+        _mtp_params(args, engine.model_config, "decode")
+
+
+def test_mtp_page_transfer_round_trip_after_warm_up():
+    """The MTP KV's export / install: pages written at arbitrary ids come back in list order,
+    padding writes nothing, others stay untouched; after warm-up neither lowers a program."""
+    import jax.numpy as jnp
+
+    from sglang_tpu_backend.model_executor import state_transfer as st
+    from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
+
+    rng = np.random.default_rng(0)
+    pool = jnp.asarray(rng.normal(size=(2, 12, 4, 16, 8)), jnp.float32)  # [Lm, N, 2G, page, D]
+    before = np.asarray(pool)
+    pool = st.warm_up_mtp_pages(pool, 5, gather=True, scatter=True)
+    np.testing.assert_array_equal(np.asarray(pool), before)
+    kv = rng.normal(size=(2, 3, 4, 16, 8)).astype(np.float32)
+    counter = CompileCounter()
+    pool = st.scatter_mtp_pages(pool, kv, [9, 2, 5])
+    np.testing.assert_array_equal(st.gather_mtp_pages(pool, [9, 2, 5]), kv)
+    assert counter.lowerings == 0
+    rest = [p for p in range(12) if p not in (9, 2, 5)]
+    np.testing.assert_array_equal(np.asarray(pool)[:, rest], before[:, rest])
+    with pytest.raises(ValueError, match="does not fit 2 pages"):
+        st.scatter_mtp_pages(pool, kv, [1, 2])

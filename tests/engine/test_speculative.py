@@ -798,12 +798,11 @@ def no_mtp_model(tmp_path) -> dict:
 
 @pytest.mark.parametrize("case, role, match", [
     ("dummy", "colocated", "--load-format dummy"),
-    ("decode", "decode", "decode replica hands request state over"),
     ("no-mtp", "colocated", "mtp_num_hidden_layers 0"),
 ])
 def test_nextn_refusals_name_the_flag(case, role, match, tmp_path):
     from sglang_tpu_backend.engine import Engine
 
-    kw = {"dummy": dict(load_format="dummy"), "decode": {}, "no-mtp": no_mtp_model(tmp_path)}
+    kw = {"dummy": dict(load_format="dummy"), "no-mtp": no_mtp_model(tmp_path)}
     with pytest.raises(ValueError, match=f"--speculative-algorithm NEXTN.*{match}"):
         Engine(ServerArgs(**NEXTN_ARGS, **kw[case]), role=role, start_loop=False)

@@ -44,6 +44,8 @@ def test_command_line_strings_are_typed_like_server_args():
     ({"mode": "disaggregated", "decode_port": "1"}, "decode_port: the Serve proxy"),
     ({"mode": "disaggregated", "prefill_mode": "colocated"}, "unknown argument 'prefill_mode'"),
     ({"mode": "disaggregated", "transport": "carrier_pigeon"}, "transport must be one of"),
+    ({"mode": "disaggregated", "decode_speculative_algorithm": "NEXTN"},
+     "decode replicas: --speculative-algorithm NEXTN .* the prefill replicas must run NEXTN"),
     ({"hosts_per_replica": "0"}, "hosts_per_replica must be >= 1"),
     ({"hosts_per_replica": "2", "placement_strategy": "ANYWHERE"}, "placement_strategy"),
     ({"hosts_per_replica": "2", "disable_radix_cache": "true"}, "--dp-size"),
@@ -94,6 +96,11 @@ def test_role_prefixed_keys_apply_to_their_role_only():
     tp = parse_app_args({"mode": "disaggregated", "prefill_tp_size": "4"})  # TP prefill, 1-device decode
     assert (tp.args_for("prefill").tp_size, tp.args_for("prefill").ep_size) == (4, 4)
     assert tp.args_for("decode").tp_size == 1
+    spec = parse_app_args({"mode": "disaggregated", "decode_speculative_algorithm": "NGRAM"})
+    assert (spec.args_for("prefill").speculative_algorithm,
+            spec.args_for("decode").speculative_algorithm) == (None, "NGRAM")
+    nextn = parse_app_args({"mode": "disaggregated", "speculative_algorithm": "NEXTN"})
+    assert nextn.args_for("prefill").speculative_algorithm == "NEXTN"
 
 
 def test_invalid_request_error_survives_pickling():

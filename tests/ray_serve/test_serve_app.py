@@ -59,11 +59,13 @@ PD_ARGS = dict(ARGS, mode="disaggregated", context_length="640", prefill_replica
                decode_cpu_devices_per_host="2", decode_min_replicas="1", decode_max_replicas="2",
                target_ongoing_requests="2", upscale_delay_s="0.5", downscale_delay_s="3",
                look_back_period_s="2")
-# Tensor-parallel prefill (2 devices, one request at a time) -> decode of 2 DP ranks.
+# Tensor-parallel prefill (2 devices, one request at a time) -> decode of 2 DP ranks verifying
+# NGRAM drafts (the prefill replica runs no speculation).
 PDTP_ARGS = dict(ARGS, mode="disaggregated", context_length="640", prefill_tp_size="2",
                  prefill_ep_size="2", prefill_cpu_devices_per_host="2",
                  prefill_max_running_requests="1", decode_dp_size="2", decode_ep_size="2",
-                 decode_cpu_devices_per_host="2")
+                 decode_cpu_devices_per_host="2", decode_speculative_algorithm="NGRAM",
+                 decode_speculative_num_draft_tokens="4")
 # The reference: one device, one request at a time (a decode step never shares a program with
 # another request's prefill chunk; prefill chunks end where the prefill ranks end them).
 REF_ARGS = dict(ARGS, context_length="640", max_running_requests="1")
@@ -246,10 +248,12 @@ def test_tp2_prefill_hands_over_to_dp2_decode(base_url, reference):
     """A tensor-parallel prefill replica (heads and experts split over 2 devices; one request
     at a time, so its chunks end where the reference's do) hands over to a DP2 decode replica
     through Ray: 12 concurrent requests of 5 to 600 tokens, the same tokens and logprobs
-    within 1e-5 of one device; both replicas end with every page and slot free."""
+    within 1e-5 of one device; both replicas end with every page and slot free. The decode
+    replica runs NGRAM speculative decoding (its outputs report verify steps)."""
     prompts = EXACT_PROMPTS[:12]
     pd = _concurrently(base_url + "/pdtp", prompts, return_logprob=True)
     _assert_reference_outputs(pd, reference(prompts))
+    assert all("spec_verify_ct" in o["meta_info"] for o in pd), pd[0]["meta_info"]
     _assert_every_rank_served_and_free("pdtp", "PrefillServer", ranks=1, replicas=1)
     _assert_every_rank_served_and_free("pdtp", "DecodeServer", ranks=2, replicas=1)
 

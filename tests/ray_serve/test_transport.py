@@ -58,3 +58,16 @@ def test_a_ticket_of_another_transport_is_refused():
     ticket = DeviceTransport().send(_handover(0))
     with pytest.raises(ValueError, match="expected 'object_store'"):
         asyncio.run(ObjectStoreTransport().receive(ticket))
+
+
+def test_device_transport_carries_the_nextn_mtp_kv_and_drafts():
+    """A NEXTN prefill replica's handover: its MTP KV pages and first drafts arrive too."""
+    prefill, decode = DeviceTransport(), DeviceTransport()
+    h = _handover(4)
+    mtp_kv = np.random.default_rng(5).standard_normal((1, 3, 4, 16, 8))
+    h.mtp_kv = mtp_kv.astype(ml_dtypes.bfloat16)
+    h.drafts = [11, 12, 13]
+    got = asyncio.run(decode.receive(prefill.send(h)))
+    _assert_same(got, h)
+    assert got.mtp_kv.dtype == h.mtp_kv.dtype and np.array_equal(got.mtp_kv, h.mtp_kv)
+    assert got.drafts == [11, 12, 13]
