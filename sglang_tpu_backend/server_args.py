@@ -88,7 +88,8 @@ class ServerArgs:
 
     Speculative decoding (SGLang's ``--speculative-algorithm``; ``speculative/``): each decode
     step verifies ``speculative_num_draft_tokens - 1`` chain drafts per request in one
-    TARGET_VERIFY forward and keeps the longest greedy-agreeing prefix plus one token.
+    TARGET_VERIFY forward and keeps the accepted drafts (exact match for greedy rows,
+    rejection sampling for drawn ones) plus one token.
     NGRAM drafts from the request's own prompt + output (suffixes of
     ``speculative_ngram_min/max_match_window_size`` tokens); NEXTN (EAGLE an alias) drafts
     with the checkpoint's MTP layers on the device after every step
