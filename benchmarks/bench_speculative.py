@@ -2,35 +2,38 @@
 and NEXTN), side by side on the same traffic, plus the ceiling of greedy verification on this
 machine.
 
-Three engines of the embedded tiny model (float32, same limits, no loop thread: the
-benchmark steps them itself): plain, NGRAM and NEXTN with ``--num-draft-tokens`` (k+1). Each
-workload runs ``--rounds`` rounds, each on four setups in alternating order (the machine is
-shared and noisy):
-  plain   the engine without speculation;
-  ngram   NGRAM drafts from each request's own prompt + output (adaptive: a decode step runs
-          as a verify step only when enough of its requests have drafts, and a request
-          whose drafts keep being rejected backs off);
-  nextn   NEXTN drafts from the checkpoint's MTP layer, run on the device after every step
-          (the tiny model's MTP weights are random: its drafts are rarely right);
-  replay  the speculative engine drafting the plain engine's own greedy continuation of each
-          request (a test draft source: every draft is right, so every verify step keeps k+1
-          tokens): what verification gains when drafts are good, the ceiling of any drafter.
-A round queues ``--requests`` greedy requests (``--max-new-tokens`` outputs, ignore_eos) at
-once and steps to the end; output tokens/s = output tokens / wall time of the round
-(prefill steps included). Reported: the median over rounds of each, its ratio to plain, the
-mean accept length (output tokens per verify step) and the fraction of decode steps that
-ran as verify steps, of ngram and replay.
+Two tiny float32 checkpoints of the embedded model's architecture:
+  tiny     the embedded default (random weights). Its greedy continuation never repeats
+           earlier text, not even its own earlier output: its next token depends on the
+           whole context, so n-gram drafts are never right on it (the non-repetitive case).
+  looping  the same architecture with its token embeddings scaled by ``--loop-scale`` (1000):
+           the residual stream is then dominated by the current token, so the greedy
+           continuation falls into a loop and repeats a passage it has seen, as small
+           language models' greedy continuations do (the repetitive case).
+Workloads (``--requests`` prompts queued at once, ``--max-new-tokens`` outputs each, greedy,
+ignore_eos):
+  repetitive  looping model, prompts X + G(X) + X: a random X, then G(X) the plain engine's
+              own greedy continuation of X, then X again (a prompt quoting a passage the
+              model goes on to repeat);
+  loop        looping model, random prompts: NGRAM drafts once the continuation has gone
+              round its loop once;
+  random      tiny model, random prompts: nothing to draft.
+Setups, each in alternating order over ``--rounds`` rounds (the machine is shared and noisy):
+  plain   no speculation;
+  ngram   NGRAM drafts from each request's own prompt + output (adaptive: a decode step
+          verifies only when enough of its requests have drafts; a request whose drafts keep
+          being rejected backs off);
+  replay  the NGRAM engine drafting the plain engine's own continuation (a test draft
+          source: every draft right, so every verify step keeps k+1 tokens): the ceiling of
+          any drafter on this machine;
+  nextn   NEXTN drafts from the MTP layer (tiny model only: its MTP weights are random, so
+          its drafts are rarely right; the cost of running it).
+Output tokens/s = output tokens / wall time of the round (prefill steps included), median
+over rounds, with its ratio to plain, the mean accept length (output tokens per verify step)
+and the fraction of decode steps that ran as verify steps. Every setup's outputs must equal
+the plain engine's (asserted).
 
-Workloads: "repetitive" prompts quote a passage of the bundled corpus twice (the second copy
-cut short, as when a model is asked to repeat a text), "random" prompts are random token ids,
-"self-quote" prompts are X + G(X) + X with G(X) the plain engine's own greedy continuation
-of a random X: NGRAM then drafts G(X) after the second X, right exactly when the model
-continues as it did the first time. NGRAM can only draft what the sequence already contains:
-a trained model continuing a quoted passage repeats it; the tiny random model does not, not
-even its own earlier output (its continuation depends on the whole context), so on it no
-workload makes NGRAM drafts right and "replay" stands in for the workload NGRAM wins.
-
-    JAX_PLATFORMS=cpu python benchmarks/bench_speculative.py [--rounds 3] [--requests 16]
+    JAX_PLATFORMS=cpu python benchmarks/bench_speculative.py [--rounds 3] [--requests 4,16]
 """
 
 from __future__ import annotations
@@ -38,33 +41,24 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import tempfile
 import time
-from pathlib import Path
 
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 from sglang_tpu_backend.server_args import ServerArgs
 from sglang_tpu_backend.speculative.drafter import CallbackDrafter
+from sglang_tpu_backend.tiny_model import write_random_model
 
-CORPUS = Path(__file__).resolve().parents[1] / "sglang_tpu_backend" / "assets" / "corpus.txt"
+EMBED = "model.language_model.embed_tokens.weight"
 
 
-def workloads(engine: Engine, n: int, max_new: int, seed: int = 0
-              ) -> dict[str, list[list[int]]]:
-    """``n`` prompts of each workload (token ids); ``engine``: the plain one."""
-    rng = random.Random(seed)
-    lines = [s for s in CORPUS.read_text().splitlines() if len(s) > 80]
-    quoting = []
-    for _ in range(n):
-        passage = engine.tokenizer.encode(rng.choice(lines))
-        quoting.append(passage + passage[: rng.randint(4, len(passage) // 2)])
-    vocab = engine.model_config.vocab_size
-    randoms = [[rng.randrange(3, vocab) for _ in range(rng.randint(20, 60))] for _ in range(n)]
-    xs = [[rng.randrange(3, vocab) for _ in range(20)] for _ in range(n)]
-    g = run(engine, xs, max_new)["outputs"]
-    self_quote = [x + g[f"p{i}"] + x for i, x in enumerate(xs)]
-    return {"repetitive": quoting, "random": randoms, "self-quote": self_quote}
+def write_looping_model(out_dir: str, scale: float) -> str:
+    """The tiny architecture (seed 0 weights) with its token embeddings scaled by ``scale``."""
+    def edit(config, tensors):
+        tensors[EMBED] = tensors[EMBED] * scale
+    return str(write_random_model(out_dir, seed=0, edit=edit))
 
 
 def run(engine: Engine, prompts: list[list[int]], max_new: int) -> dict:
@@ -99,52 +93,83 @@ def replay(outputs: dict[str, list[int]]) -> CallbackDrafter:
     return CallbackDrafter(drafts)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--num-draft-tokens", type=int, default=4)
-    ap.add_argument("--max-running-requests", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
-    base = dict(max_running_requests=a.max_running_requests, chunked_prefill_size=256,
-                context_length=256, page_size=16, dtype="float32", skip_warmup=True,
-                disable_radix_cache=True, disable_overlap_schedule=True)
-    plain = Engine(ServerArgs(**base), start_loop=False)
-    spec = Engine(ServerArgs(**base, speculative_algorithm="NGRAM",
-                             speculative_num_draft_tokens=a.num_draft_tokens), start_loop=False)
-    ngram = spec.scheduler.drafter
-    nextn = Engine(ServerArgs(**base, speculative_algorithm="NEXTN",
-                              speculative_num_draft_tokens=a.num_draft_tokens), start_loop=False)
-    print(f"tiny model float32, {a.requests} requests x {a.max_new_tokens} outputs, "
-          f"max_running_requests {a.max_running_requests}, k+1 = {a.num_draft_tokens}, "
-          f"median of {a.rounds} alternating rounds (output tokens/s)")
-    for name, prompts in workloads(plain, a.requests, a.max_new_tokens).items():
-        reference = run(plain, prompts, a.max_new_tokens)["outputs"]  # also compiles, untimed
-        setups = {"plain": (plain, None), "ngram": (spec, ngram),
-                  "replay": (spec, replay(reference)), "nextn": (nextn, nextn.scheduler.drafter)}
-        for eng, drafter in setups.values():
+def random_prompts(rng: random.Random, n: int, vocab: int, lo: int, hi: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def compare(setups: dict, prompts: list[list[int]], max_new: int, rounds: int) -> dict:
+    """Run every setup ``rounds`` times in alternating order; per setup the median tok/s,
+    mean accept length and verify-step fraction. ``setups``: name -> (engine, drafter or
+    None); the first is the reference whose outputs every other must equal."""
+    names = list(setups)
+    first = setups[names[0]][0]
+    reference = run(first, prompts, max_new)["outputs"]  # also compiles, untimed
+    results: dict[str, list[dict]] = {k: [] for k in names}
+    for r in range(rounds + 1):
+        for key in (names if r % 2 == 0 else names[::-1]):
+            eng, drafter = setups[key]
             if drafter is not None:
                 eng.scheduler.drafter = drafter
-                run(eng, prompts, a.max_new_tokens)  # compile, untimed
-        rounds: dict[str, list[dict]] = {k: [] for k in setups}
-        for r in range(a.rounds):
-            for key in (list(setups) if r % 2 == 0 else list(reversed(setups))):
-                eng, drafter = setups[key]
-                if drafter is not None:
-                    eng.scheduler.drafter = drafter
-                out = run(eng, prompts, a.max_new_tokens)
-                assert out["outputs"] == reference, f"{key}: outputs differ from plain decoding"
-                rounds[key].append(out)
-        tps = {k: statistics.median(x["tokens"] / x["s"] for x in v) for k, v in rounds.items()}
-        acc = {k: statistics.mean(x["accept"] for x in v) for k, v in rounds.items()}
-        frac = {k: statistics.mean(x["verify_frac"] for x in v) for k, v in rounds.items()}
-        print(f"{name:10s}: plain {tps['plain']:7.1f} | " + " | ".join(
-            f"{k} {tps[k]:7.1f} (x{tps[k] / tps['plain']:.2f}, accept length {acc[k]:.2f}, "
-            f"verify steps {frac[k]:.0%})" for k in ("ngram", "replay", "nextn")), flush=True)
-    plain.shutdown()
-    spec.shutdown()
-    nextn.shutdown()
+            out = run(eng, prompts, max_new)
+            assert out["outputs"] == reference, f"{key}: outputs differ from plain decoding"
+            if r:  # round 0 compiles the setups' buckets
+                results[key].append(out)
+    return {k: (statistics.median(x["tokens"] / x["s"] for x in v),
+                statistics.mean(x["accept"] for x in v),
+                statistics.mean(x["verify_frac"] for x in v)) for k, v in results.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", default="4,16", help="concurrencies, comma-separated")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--loop-scale", type=float, default=1000.0)
+    a = ap.parse_args()
+    concurrencies = [int(x) for x in a.requests.split(",")]
+    base = dict(max_running_requests=max(concurrencies), chunked_prefill_size=256,
+                context_length=512, page_size=16, dtype="float32", skip_warmup=True,
+                disable_radix_cache=True, disable_overlap_schedule=True)
+    spec = dict(speculative_num_draft_tokens=a.num_draft_tokens)
+    looping_dir = write_looping_model(tempfile.mkdtemp(prefix="looping-"), a.loop_scale)
+    engines = {
+        "tiny": Engine(ServerArgs(**base), start_loop=False),
+        "tiny+ngram": Engine(ServerArgs(**base, speculative_algorithm="NGRAM", **spec),
+                             start_loop=False),
+        "tiny+nextn": Engine(ServerArgs(**base, speculative_algorithm="NEXTN", **spec),
+                             start_loop=False),
+        "looping": Engine(ServerArgs(**base, model_path=looping_dir), start_loop=False),
+        "looping+ngram": Engine(ServerArgs(**base, model_path=looping_dir,
+                                           speculative_algorithm="NGRAM", **spec),
+                                start_loop=False),
+    }
+    ngram = {k: engines[k].scheduler.drafter for k in ("tiny+ngram", "looping+ngram")}
+    vocab = engines["tiny"].model_config.vocab_size
+    print(f"float32, {a.max_new_tokens} outputs per request, k+1 = {a.num_draft_tokens}, "
+          f"median of {a.rounds} alternating rounds (output tokens/s)")
+    for R in concurrencies:
+        rng = random.Random(R)
+        xs = random_prompts(rng, R, vocab, 20, 20)
+        g = run(engines["looping"], xs, a.max_new_tokens)["outputs"]
+        work = {"repetitive": ("looping", [x + g[f"p{i}"] + x for i, x in enumerate(xs)]),
+                "loop": ("looping", random_prompts(rng, R, vocab, 20, 60)),
+                "random": ("tiny", random_prompts(rng, R, vocab, 20, 60))}
+        for name, (model, prompts) in work.items():
+            reference = run(engines[model], prompts, a.max_new_tokens)["outputs"]
+            setups = {"plain": (engines[model], None),
+                      "ngram": (engines[model + "+ngram"], ngram[model + "+ngram"]),
+                      "replay": (engines[model + "+ngram"], replay(reference))}
+            if model == "tiny":
+                setups["nextn"] = (engines["tiny+nextn"], engines["tiny+nextn"].scheduler.drafter)
+            res = compare(setups, prompts, a.max_new_tokens, a.rounds)
+            plain = res["plain"][0]
+            print(f"R={R:<3d} {name:10s} ({model}): plain {plain:7.1f} | " + " | ".join(
+                f"{k} {tps:7.1f} (x{tps / plain:.2f}, accept length {acc:.2f}, verify steps "
+                f"{frac:.0%})" for k, (tps, acc, frac) in res.items() if k != "plain"),
+                flush=True)
+    for eng in engines.values():
+        eng.shutdown()
 
 
 if __name__ == "__main__":

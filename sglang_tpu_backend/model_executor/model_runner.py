@@ -54,6 +54,7 @@ from sglang_tpu_backend.model_executor.verify_step import (
     VerifyInputs, concat_verify_inputs, sampling_view, verify_chunk_result, verify_inputs)
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.sampling import sampler
+from sglang_tpu_backend.speculative.nextn import chain_wanted
 from sglang_tpu_backend.sharded_loader import LoadReport, WeightSource
 
 
@@ -336,10 +337,12 @@ class ModelRunner:
         return logits, states
 
     def draft(self, fbs: list[ForwardBatch], mtp: list[MtpInputs], sampled: jax.Array,
-              accepted_len: Any) -> jax.Array:
-        """NEXTN: dispatch the MTP pass over the last forward's rows and the chain of drafts
-        (``nextn_step.py``); i32[D*R, k] on the device."""
-        return self.nextn.run(self.params, fbs, self.last_hidden, mtp, sampled, accepted_len)
+              accepted_len: Any, chunks: list[ScheduledChunk]) -> jax.Array:
+        """NEXTN: dispatch the MTP pass over the last forward's rows and, when some request
+        of ``chunks`` may draft next step, the chain of drafts (``nextn_step.py``);
+        i32[D*R, k] (or i32[D*R, 0] without the chain) on the device."""
+        return self.nextn.run(self.params, fbs, self.last_hidden, mtp, sampled, accepted_len,
+                              chain_wanted(chunks))
 
     def verify(self, fbs: list[ForwardBatch], spec: VerifyInputs, inp: sampler.SamplingInputs,
                K: int, variant: sampler.SamplerVariant = sampler.FULL) -> dict[str, jax.Array]:
@@ -383,7 +386,7 @@ class ModelRunner:
             out = self.verify(step.fbs, step.spec, step.inp, step.K, variant)
             if step.mtp is not None:
                 out["drafts"] = self.draft(step.fbs, step.mtp, out["tokens"],
-                                           out["accepted_len"])
+                                           out["accepted_len"], batch.chunks)
             return LaunchedStep(batch, out, step.rows, step.sample_idx, None)
         logits = self.forward(step.fbs, step.from_slot)
         if batch.state_saves:
@@ -391,7 +394,7 @@ class ModelRunner:
         out = self.sample(logits, step.inp, step.K, variant)
         if step.mtp is not None:
             out["drafts"] = self.draft(step.fbs, step.mtp, out["tokens"],
-                                       np.ones(len(out["tokens"]), np.int32))
+                                       np.ones(len(out["tokens"]), np.int32), batch.chunks)
         return LaunchedStep(batch, out, step.rows, step.sample_idx, self._stats)
 
     def complete(self, step: LaunchedStep) -> list[ChunkResult]:

@@ -76,17 +76,20 @@ def mtp_drafts(params: Any, mtp_params: Any, cache: jax.Array, batch: ForwardBat
 
     batch: the step's ForwardBatch; hidden [T, H] its rows' hidden states; sampled: the
     step's sampled tokens (i32[R] or i32[R, n]); accepted_len i32[R] (1 unless verify).
-    Returns (drafts i32[R, num_steps], the MTP cache).
+    Returns (drafts i32[R, num_steps], the MTP cache). ``num_steps`` 0 runs the MTP pass
+    only (its KV written, no LM head, no chain): a step none of whose requests will draft.
     """
     flat = sampled.reshape(-1)
     ids = jnp.where(inp.from_sampled >= 0, flat[jnp.maximum(inp.from_sampled, 0)], inp.next_ids)
     rows = inp.draft_rows + jnp.maximum(accepted_len - 1, 0)
+    R = rows.shape[0]
     batch = dataclasses.replace(batch, input_ids=ids, page_table=inp.page_table,
-                                logits_indices=rows)
+                                logits_indices=rows if num_steps else rows[:0])
     logits, out, cache = mtp_forward(params, mtp_params, cache, batch, hidden, cfg, impl, 0,
                                      ep=ep)
+    if not num_steps:
+        return jnp.zeros((R, 0), jnp.int32), cache
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R]
-    R = rows.shape[0]
     num_seqs = batch.num_seqs[0]
     positions = batch.positions[rows] + 1
     chain = ForwardBatch(
@@ -122,6 +125,7 @@ class NextnDrafts:
         self.scratch_per_req = pages_for(num_steps, page_size) + 1  # S
         self.pages_per_seq = pages_for(context_length + 2 * num_steps, page_size)
         self.params = backend.place_mtp_params(mtp_params)
+        self.num_passes_without_chain = 0  # steps that ran the MTP pass only
         self.cache = backend.init_mtp_cache(
             num_pages=num_pages + max_reqs * self.scratch_per_req, page_size=page_size,
             kv_dtype=kv_dtype)
@@ -156,16 +160,22 @@ class NextnDrafts:
         return np.asarray(own + rest, np.int32)
 
     def run(self, params: Any, fbs: Sequence[ForwardBatch], hidden: jax.Array,
-            inps: Sequence[MtpInputs], sampled: jax.Array, accepted_len: Any) -> jax.Array:
+            inps: Sequence[MtpInputs], sampled: jax.Array, accepted_len: Any,
+            chain: bool = True) -> jax.Array:
         """Dispatch the step's MTP pass and chain on one batch and MTP input per rank (cache
-        donated); i32[D*R, k] drafts on the device, rank after rank."""
+        donated); i32[D*R, k] drafts on the device, rank after rank. Without ``chain`` only
+        the pass runs (it keeps the MTP KV current) and the drafts are i32[D*R, 0]."""
         drafts, self.cache = self.backend.mtp_drafts(
             params, self.params, self.cache, fbs, hidden, inps, sampled, accepted_len,
-            self.num_steps)
+            self.num_steps if chain else 0)
+        self.num_passes_without_chain += not chain
         return drafts
 
     def warm_up(self, params: Any, fbs: Sequence[ForwardBatch], hidden: jax.Array,
                 sampled: Any, accepted_len: Any) -> None:
-        """Compile the program of ``fbs``' bucket on all-padding inputs (writes nothing)."""
+        """Compile the programs of ``fbs``' bucket (with and without the chain) on all-padding
+        inputs (writes nothing)."""
         T, R = fbs[0].input_ids.shape[0], fbs[0].kv_lens.shape[0]
-        self.run(params, fbs, hidden, [self.inputs([], T, R)] * len(fbs), sampled, accepted_len)
+        for chain in (True, False):
+            self.run(params, fbs, hidden, [self.inputs([], T, R)] * len(fbs), sampled,
+                     accepted_len, chain)

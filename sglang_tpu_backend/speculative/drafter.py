@@ -81,6 +81,11 @@ class DraftGuard:
             return False
         return True
 
+    def may_allow_next(self) -> bool:
+        """Whether the next ``allow()`` can return True (no pause under way): NEXTN runs its
+        draft chain only for a step some of whose requests may draft next."""
+        return self.skip == 0
+
     def proposed(self, length: int, drafts: list[int]) -> None:
         """Remember ``drafts`` proposed after the first ``length`` tokens, to judge later."""
         if drafts:

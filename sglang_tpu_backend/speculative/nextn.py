@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from sglang_tpu_backend.managers.schedule_batch import Req
+from sglang_tpu_backend.managers.schedule_batch import Req, ScheduledChunk
 from sglang_tpu_backend.speculative.drafter import DraftGuard
+
+
+def chain_wanted(chunks: Sequence[ScheduledChunk]) -> bool:
+    """Whether a step's MTP chain may be used: some request sampling in it may propose
+    drafts next step (no back-off pause under way). Otherwise the step runs only the MTP
+    pass, which keeps the MTP KV current, and leaves no drafts."""
+    return any(c.sample and (c.req.draft_guard is None or c.req.draft_guard.may_allow_next())
+               for c in chunks)
 
 
 class NextnDrafter:

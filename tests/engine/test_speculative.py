@@ -772,6 +772,47 @@ def test_nextn_drafts_equal_the_mtp_reference(clean_nextn_engine, clean_engine):
             assert drafts == reference_drafts(eng.runner, seq, K), (rid, len(seq))
 
 
+class RecordingNextnDrafter(NextnDrafter):
+    """The NEXTN drafter, recording (rid, sequence, drafts) of every non-empty proposal."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def propose(self, reqs, k):
+        out = super().propose(reqs, k)
+        self.seen += [(r.rid, r.fill_slice(0, r.num_fill), d) for r, d in zip(reqs, out) if d]
+        return out
+
+
+def test_nextn_steps_without_drafters_skip_the_chain(clean_nextn_engine):
+    """While every request of a step is in a back-off pause the step runs the MTP pass
+    without the chain; the MTP KV those steps write keeps the drafts proposed after the
+    pause equal to the reference computed from the sequence alone."""
+    eng = clean_nextn_engine
+    eng.flush_cache()
+    rng = random.Random(11)
+    objs = [GenerateReqInput(rid=f"pause{i}", input_ids=[rng.randrange(3, 1000) for _ in range(n)],
+                             sampling_params={"max_new_tokens": 14, "temperature": 0,
+                                              "ignore_eos": True})
+            for i, n in enumerate((30, 60, 90))]
+    recorder = RecordingNextnDrafter()
+    sched, nextn = eng.scheduler, eng.runner.nextn
+    passes = nextn.num_passes_without_chain
+    with eng.loop.lock:
+        own, sched.drafter = sched.drafter, recorder
+    try:
+        run_all(eng, objs)
+    finally:
+        with eng.loop.lock:
+            sched.drafter = own
+    assert nextn.num_passes_without_chain >= FIRST_PAUSE + passes
+    per_rid = collections.Counter(rid for rid, _, _ in recorder.seen)
+    assert all(per_rid[o.rid] > MISSES_BEFORE_PAUSE for o in objs), per_rid  # after a pause
+    for rid, seq, drafts in recorder.seen:
+        assert drafts == reference_drafts(eng.runner, seq, K), (rid, len(seq))
+
+
 def test_nextn_retraction_keeps_outputs(clean_nextn_engine, clean_engine):
     """A KV pool too small for every request: retracted requests re-prefill (recomputing
     their MTP KV) and the outputs stay the plain engine's."""
