@@ -227,14 +227,15 @@ def verify_step_terms(cfg: ModelConfig, *, seqs: int, kv_len: int, devices: int,
 
 def mtp_step_terms(cfg: ModelConfig, *, tokens: int, seqs: int, kv_len: int, devices: int,
                    dtype: str = "bf16", expert_dtype: str = "bf16", kv_dtype: str = "bf16",
-                   ) -> dict[str, float]:
+                   head: bool = True) -> dict[str, float]:
     """``step_terms`` of one MTP draft step on one device: ``tokens`` rows of ``seqs``
     requests through the ``fc`` [2H, H] and one full-attention MoE layer (its own KV of
-    ``kv_len`` keys), then the shared LM head for one row per request."""
+    ``kv_len`` keys), then (``head``) the shared LM head for one row per request. Without
+    ``head``: the MTP pass of a step none of whose requests drafts (its KV only)."""
     mtp = dataclasses.replace(cfg, num_hidden_layers=1, layer_types=(FULL_ATTENTION,))
     t = step_terms(mtp, tokens=tokens, seqs=seqs, kv_len=kv_len, devices=devices,
-                   logits_rows=seqs, decode=True, dtype=dtype, expert_dtype=expert_dtype,
-                   kv_dtype=kv_dtype)
+                   logits_rows=seqs if head else 0, decode=True, dtype=dtype,
+                   expert_dtype=expert_dtype, kv_dtype=kv_dtype)
     fc = 2 * cfg.hidden_size * cfg.hidden_size
     t["dense_flops"] += 2.0 * tokens * fc
     t["dense_weight_bytes"] += float(fc * DTYPE_BYTES[dtype])
@@ -371,6 +372,15 @@ def main(argv=None) -> Ceiling:
               f"{plain.decode_step_s * 1e3:.2f} ms without; {accept / c.decode_step_s:.0f} "
               f"against {1 / plain.decode_step_s:.0f} tokens/s per request")
         print(f"ceiling without speculation: {plain.tokens_per_s_per_chip:.0f} total tok/s/chip")
+        devices = chips * hw.devices_per_chip
+        per_dev = a.concurrency / devices
+        pass_only = step_seconds(mtp_step_terms(
+            cfg, tokens=per_dev, seqs=per_dev, kv_len=a.input_len + a.output_len / 2,
+            devices=devices, expert_dtype=expert_dtype, kv_dtype=a.kv_dtype, head=False),
+            hw, expert_dtype)
+        print(f"backed off (every request's drafts paused: a decode step and the MTP pass, no "
+              f"chain): {(plain.decode_step_s + pass_only) * 1e3:.2f} ms, "
+              f"x{plain.decode_step_s / (plain.decode_step_s + pass_only):.3f} of the plain rate")
     print(f"ceiling: {c.tokens_per_s_per_chip:.0f} total tok/s/chip, "
           f"{c.output_tokens_per_s_per_chip:.0f} output tok/s/chip")
     measured = PUBLISHED.get((a.input_len, a.output_len))

@@ -4,6 +4,8 @@ tokens/s per chip bounded from above within 2.5x; the speculative (MTP + verify)
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import pytest
 
@@ -96,6 +98,10 @@ def test_mtp_step_reads_one_attention_moe_layer_and_its_fc():
     assert all_bytes == pytest.approx(num_param_bytes(shapes), rel=1e-4)
     assert t["lm_head_flops"] == 8 * 2 * s.lm_head_params
     assert t["kv_bytes"] == (8 * 5120 + 8) * 2 * 2 * 256 * 2
+    # Without the head (a backed-off step's MTP pass) only the LM head's terms go.
+    bare = mtp_step_terms(CFG, tokens=8, seqs=8, kv_len=5120, devices=1, head=False)
+    assert bare["lm_head_flops"] == 0 and bare["kv_bytes"] == t["kv_bytes"]
+    assert bare["dense_weight_bytes"] == t["dense_weight_bytes"]
 
 
 def test_speculation_pays_only_above_its_break_even_accept_length():
@@ -116,4 +122,6 @@ def test_cli_prints_the_speculative_ceiling_beside_the_published_figure(capsys):
               "4", "--accept-length", "2.5"])
     printed = capsys.readouterr().out
     assert "ceiling without speculation" in printed and "published: 677" in printed
+    backed_off = float(re.search(r"no chain\): [\d.]+ ms, x([\d.]+) of the plain", printed)[1])
+    assert 0.9 < backed_off < 1.0  # the MTP pass: one layer of 61
     assert f"{c.tokens_per_s_per_chip:.0f} total tok/s/chip" in printed
