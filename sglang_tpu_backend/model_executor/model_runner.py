@@ -188,6 +188,7 @@ class ModelRunner:
                              f"states, not {type(self.backend).__name__}")
         if jnp.dtype(kv_dtype).itemsize == 1:  # the MTP pages are never FP8
             kv_dtype = jnp.bfloat16
+        self.mtp_param_spec = param_spec(mtp_params)  # what a weight update's mtp.* must match
         return NextnDrafts(self.backend, mtp_params, num_steps=self.num_drafts,
                            num_pages=num_pages, page_size=self.page_size,
                            context_length=context_length, kv_dtype=kv_dtype,
@@ -223,9 +224,16 @@ class ModelRunner:
             params = self.balancer.physical(params)
         return self.backend.place_params(params)
 
-    def replace_params(self, params: Any) -> None:
-        """Serve ``params`` (from ``place_params``) from the next step on; the caller makes
-        sure no step is in flight. Blocks until they are on the devices."""
+    def place_mtp_params(self, mtp_params: Any) -> Any:
+        """Loaded MTP params (NEXTN) placed as this runner's own are (``replace_params``)."""
+        return self.backend.place_mtp_params(mtp_params)
+
+    def replace_params(self, params: Any, mtp_params: Any = None) -> None:
+        """Serve ``params`` (from ``place_params``) and, under NEXTN, ``mtp_params`` (from
+        ``place_mtp_params``; None keeps the MTP params) from the next step on; the caller
+        makes sure no step is in flight. Blocks until they are on the devices."""
+        if mtp_params is not None:
+            self.nextn.params = jax.block_until_ready(mtp_params)
         self.params = jax.block_until_ready(params)
         if self.balancer is not None:  # placed for the location of their time (EPLB)
             self.balancer.adopt(self.params)
