@@ -479,7 +479,7 @@ class ModelRunner:
         every page count a request can hold (under NEXTN the MTP KV's too)."""
         self.cache = self._transfer("warm-up").warm_up(self.cache, self.pages_per_seq,
                                                         gather=gather, scatter=scatter)
-        if self.nextn is not None:
+        if self.nextn is not None and self.transfer.moves_mtp_kv:
             self.nextn.cache = self.transfer.warm_up_mtp(
                 self.nextn.cache, self.pages_per_seq, gather=gather, scatter=scatter)
 

@@ -35,7 +35,6 @@ on the host, so a TP replica hands over to a DP or one-device replica and back.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -272,10 +271,16 @@ class StateTransfer:
         return tuple(self._rank_array(a, rank) for a in (kv, conv, rec))
 
     # NEXTN: the MTP KV ------------------------------------------------------------------------
+    @property
+    def moves_mtp_kv(self) -> bool:
+        """Whether this layout hands the MTP KV over: one device or the DP ranks of one
+        process (not TP heads, not several processes)."""
+        return self.tp is None and self.announce is None
+
     def _mtp_index(self, mtp_pages: jax.Array, pages: list[int], rank: int,
                    bucket: int | None = None) -> np.ndarray:
         """``_pages`` for the MTP pool (per rank: the pool's pages, then the chain's scratch)."""
-        if self.tp is not None or self.announce is not None:
+        if not self.moves_mtp_kv:
             raise NotImplementedError("NEXTN handover moves the MTP KV on one device or the "
                                       "--dp-size ranks of one process (not --tp-size > 1 or "
                                       "--nnodes > 1)")

@@ -135,7 +135,7 @@ def main(out_path: str) -> None:
 def serve_nextn(prefill, result: dict) -> None:
     """NEXTN handovers: the DP4 prefill engine -> a NEXTN DP2 decode engine (48 requests), a
     one-device NEXTN engine -> that DP2 engine and the DP4 engine -> the one-device engine
-    (16 each); then the one-device engine serves the 48 requests alone. Records every NEXTN
+    (8 each); then the one-device engine serves the 48 requests alone. Records every NEXTN
     decode side's drafts (tags a, b, c) and the lone engine's (tag d)."""
     dp2 = Engine(ServerArgs(dp_size=2, ep_size=2, **NEXTN, **ARGS), role="decode")
     dp2.runner.warm_up_state_transfer(gather=False, scatter=True)  # (the MTP KV's too)
@@ -144,8 +144,8 @@ def serve_nextn(prefill, result: dict) -> None:
     installs = [dp2.runner.transfer.mtp_install_program._cache_size()]
     dp2_drafts, one_drafts = DraftRecorder(dp2), DraftRecorder(one)
     result["nextn_dp_to_dp"] = serve_disaggregated(prefill, dp2, nextn_requests("a"))
-    result["nextn_one_to_dp"] = serve_disaggregated(one, dp2, nextn_requests("b")[:16])
-    result["nextn_dp_to_one"] = serve_disaggregated(prefill, one, nextn_requests("c")[:16])
+    result["nextn_one_to_dp"] = serve_disaggregated(one, dp2, nextn_requests("b")[:8])
+    result["nextn_dp_to_one"] = serve_disaggregated(prefill, one, nextn_requests("c")[:8])
     installs.append(dp2.runner.transfer.mtp_install_program._cache_size())
     result["nextn_mtp_install_programs"] = installs
     result["nextn_decode_stats"] = dp2.pool_stats()
