@@ -11,7 +11,8 @@ request lands on; a one-device NEXTN engine hands over to that DP2 engine and ta
 the DP4 one. Writes JSON: the outputs (ids and logprobs) every way, the engines' pool stats,
 the handover programs' compile counts after warm-up and after serving, and the MTP drafts each
 NEXTN decode side held at every proposal beside those of the one-device NEXTN engine serving
-the same requests alone.
+the same requests alone, and whether a weight update of the NEXTN DP2 engine swapped its MTP
+params for the new checkpoint's.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import asyncio
 import json
 import random
 import sys
+from pathlib import Path
 
 import jax
+import numpy as np
 
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
@@ -111,7 +114,7 @@ def main(out_path: str) -> None:
     result["programs_after_warmup"] = program_counts(prefill, decode)
     result["pd_outputs"] = serve_disaggregated(prefill, decode, requests())
     result["programs_after_serving"] = program_counts(prefill, decode)
-    serve_nextn(prefill, result)
+    serve_nextn(prefill, result, str(Path(out_path).parent))
     result["prefill_stats"] = prefill.pool_stats()
     prefill.shutdown()
 
@@ -132,7 +135,20 @@ def main(out_path: str) -> None:
         json.dump(result, f)
 
 
-def serve_nextn(prefill, result: dict) -> None:
+def update_weights(engine, path: Path) -> dict:
+    """Update ``engine`` to weights of another seed: the answer, and whether its placed MTP
+    params then equal that checkpoint's ``mtp.*``."""
+    from sglang_tpu_backend.loader import load_mtp_params
+    from sglang_tpu_backend.tiny_model import write_random_model
+
+    answer = engine.update_weights_from_disk(str(write_random_model(path, seed=1)))
+    want = load_mtp_params(path, engine.model_config, dtype=np.float32)
+    got = jax.device_get(engine.runner.nextn.params)
+    same = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), got, want))
+    return {"success": answer["success"], "mtp_params_equal": all(same)}
+
+
+def serve_nextn(prefill, result: dict, out_dir: str) -> None:
     """NEXTN handovers: the DP4 prefill engine -> a NEXTN DP2 decode engine (48 requests), a
     one-device NEXTN engine -> that DP2 engine and the DP4 engine -> the one-device engine
     (8 each); then the one-device engine serves the 48 requests alone. Records every NEXTN
@@ -149,6 +165,7 @@ def serve_nextn(prefill, result: dict) -> None:
     installs.append(dp2.runner.transfer.mtp_install_program._cache_size())
     result["nextn_mtp_install_programs"] = installs
     result["nextn_decode_stats"] = dp2.pool_stats()
+    result["nextn_dp_weight_update"] = update_weights(dp2, Path(out_dir) / "seed1")
     dp2.shutdown()
     one.flush_cache()  # its drafts below from its own MTP KV only
     result["nextn_alone"] = serve_one_engine(one, nextn_requests("d"))

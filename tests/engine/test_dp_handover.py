@@ -114,3 +114,9 @@ def test_nextn_dp_decode_uses_every_rank_and_compiles_no_mtp_install(results):
     assert s["num_aborted_total"] == 0 and s["num_finished_total"] == 56, s
     warm, served = results["nextn_mtp_install_programs"]
     assert warm == 6 and served == warm  # one per page bucket, 1..32 (see above)
+
+
+def test_nextn_dp_weight_update_swaps_the_mtp_params(results):
+    """A weight update of the NEXTN DP2 engine (weights of another seed) places the new
+    checkpoint's MTP params on the ranks as the startup ones were and serves them."""
+    assert results["nextn_dp_weight_update"] == {"success": True, "mtp_params_equal": True}
