@@ -4,7 +4,8 @@ the same tokens and logprobs as one single-device engine, the request state move
 rank, every rank's pages and slots free afterwards, and no handover program compiled while
 serving (``dp_handover_run.py`` runs the engines in a subprocess and writes JSON). Under
 NEXTN the MTP KV moves rank to rank too: DP -> DP, one device -> DP and DP -> one device give
-the same outputs, and every decode side holds the drafts a one-device NEXTN engine proposes.
+the same outputs, and every decode side holds the drafts a one-device NEXTN engine proposes;
+a weight update of the NEXTN DP engine swaps its MTP params.
 """
 
 from __future__ import annotations
