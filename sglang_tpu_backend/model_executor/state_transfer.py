@@ -310,7 +310,8 @@ class StateTransfer:
     def warm_up_mtp(self, mtp_pages: jax.Array, max_pages: int, *, gather: bool,
                     scatter: bool) -> jax.Array:
         """Compile the MTP gather and/or scatter of every page bucket up to ``max_pages`` on
-        padding only (reads nothing used, writes nothing); returns the pool (a scatter donates it)."""
+        padding only (reads nothing used, writes nothing); returns the pool (a scatter
+        donates it)."""
         for b in page_buckets(max_pages):
             idx = self._mtp_index(mtp_pages, [], 0, bucket=b)
             if gather:

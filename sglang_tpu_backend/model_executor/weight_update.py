@@ -169,6 +169,7 @@ class PendingSwap:
         self.result: dict | None = None
 
     def finish(self, success: bool, message: str, num_paused_requests: int = 0) -> None:
-        self.params = self.mtp_params = None  # the engine holds the arrays now (or they are dropped)
+        # The engine holds the arrays now (or they are dropped).
+        self.params = self.mtp_params = None
         self.result = update_result(success, message, num_paused_requests)
         self.done.set()

@@ -815,10 +815,9 @@ def test_nextn_weight_update_reloads_the_mtp_layers(clean_nextn_engine, tmp_path
         want = load_mtp_params(new, runner.cfg, dtype=np.float32)
         jax.tree.map(np.testing.assert_array_equal, jax.device_get(runner.nextn.params), want)
         rng = random.Random(6)
-        objs = [GenerateReqInput(rid=f"upd{i}", input_ids=[rng.randrange(3, 1000) for _ in range(n)],
-                                 sampling_params={"max_new_tokens": 5, "temperature": 0,
-                                                  "ignore_eos": True})
-                for i, n in enumerate((20, 70))]
+        objs = [GenerateReqInput(rid=f"upd{i}", sampling_params={
+            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            input_ids=[rng.randrange(3, 1000) for _ in range(n)]) for i, n in enumerate((20, 70))]
         recorder = RecordingDrafter(lambda req, k: list(req.draft_state or []))
         with eng.loop.lock:
             own, eng.scheduler.drafter = eng.scheduler.drafter, recorder
