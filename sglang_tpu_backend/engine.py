@@ -77,17 +77,13 @@ def _overlap_schedule(args: ServerArgs, runner: ModelRunner) -> bool:
                 or args.speculative_algorithm)
 
 
-def _mtp_params(args: ServerArgs, cfg, role: str):
+def _mtp_params(args: ServerArgs, cfg):
     """The checkpoint's MTP params under --speculative-algorithm NEXTN / EAGLE (else None);
-    ValueError naming the flag when the checkpoint has none, or when a prefill / decode role
-    runs with --dp-size > 1 (the handover carries the MTP KV on one device only)."""
+    ValueError naming the flag when the checkpoint has none."""
     algo = args.speculative_algorithm
     if algo not in ("NEXTN", "EAGLE"):
         return None
     flag = f"--speculative-algorithm {algo}"
-    if role in ("prefill", "decode") and args.dp_size > 1:
-        raise ValueError(f"{flag}: a {role} replica hands the MTP KV cache over on one device "
-                         "only, not with --dp-size > 1; use NGRAM there")
     if not cfg.mtp_num_hidden_layers:
         raise ValueError(f"{flag} needs MTP layers: {args.model_path}'s config has "
                          "mtp_num_hidden_layers 0")
@@ -143,7 +139,7 @@ class Engine:
         args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
         args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
         args.check_role(role)
-        mtp_params = _mtp_params(args, cfg, role)
+        mtp_params = _mtp_params(args, cfg)
         # Read by the runner's backend straight into its shardings (or drawn: dummy).
         params = WeightSource(cfg, args.model_path, args.load_format, DTYPES[args.dtype],
                               seed=args.random_seed)

@@ -97,7 +97,7 @@ class HandoverManager:
                 self.runner.install_request_state(h.kv, h.conv, h.rec, req.pages,
                                                   req.state_slot, req, rank=req.dp_rank)
                 if self.runner.nextn is not None:
-                    self.runner.install_mtp_kv(h.mtp_kv, req.pages)
+                    self.runner.install_mtp_kv(h.mtp_kv, req.pages, rank=req.dp_rank)
                     req.draft_state = list(h.drafts or [])
             except Exception as e:
                 logger.exception("handover install failed")
@@ -154,7 +154,8 @@ class HandoverManager:
             try:
                 kv, conv, rec = self.runner.export_request_state(req.pages, req.state_slot,
                                                                  rank=req.dp_rank)
-                mtp_kv = None if self.runner.nextn is None else self.runner.export_mtp_kv(req.pages)
+                mtp_kv = (None if self.runner.nextn is None
+                          else self.runner.export_mtp_kv(req.pages, rank=req.dp_rank))
             except Exception as e:
                 logger.exception("handover export failed")
                 with loop.lock:

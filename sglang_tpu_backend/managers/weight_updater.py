@@ -7,7 +7,10 @@ the old weights for at most ``--weight-update-timeout`` seconds (then they are a
 message saying so; ``abort_all_requests`` aborts them at once), and with no step in flight and
 the pools idle the loop swaps the params (same shapes, shardings and layouts: nothing
 recompiles), flushes the prefix cache (its pages and snapshots came from the old weights),
-sets the weight version and releases the held requests onto the new weights.
+sets the weight version and releases the held requests onto the new weights. Under NEXTN the
+MTP layers' params are loaded, checked and swapped with them (a checkpoint without ``mtp.*``
+is refused); the MTP KV cache needs no flush: with the pools idle no request holds pages, and
+a step reads MTP KV only at positions its own request's steps wrote (``nextn_step.py``).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class WeightUpdater:
         with self._serialize:
             t0 = time.perf_counter()
             try:
-                placed = self._load(model_path, load_format)
+                placed, placed_mtp = self._load(model_path, load_format)
             except weight_update.WeightUpdateError as e:
                 return weight_update.update_result(False, str(e))
             except Exception as e:  # e.g. out of device memory while placing: nothing changed
@@ -100,8 +103,9 @@ class WeightUpdater:
                     False, f"loading weights from {model_path} failed: {type(e).__name__}: {e}")
             load_s = time.perf_counter() - t0
             swap = weight_update.PendingSwap(
-                placed, weight_update.next_weight_version(self.version, weight_version), model_path)
-            del placed
+                placed, weight_update.next_weight_version(self.version, weight_version), model_path,
+                mtp_params=placed_mtp)
+            del placed, placed_mtp
             loop = self.loop
             with loop.lock:
                 if loop.stopping or loop.is_dead:
@@ -129,20 +133,30 @@ class WeightUpdater:
             logger.exception("swapping in the new weights failed")
             self.fail(f"{type(e).__name__}: {e}")
 
-    def _load(self, model_path: str, load_format: str | None) -> Any:
+    def _load(self, model_path: str, load_format: str | None) -> tuple[Any, Any]:
+        """The placed params of ``model_path`` and, under NEXTN, its placed MTP params (else
+        None); WeightUpdateError naming what does not fit."""
         if load_format not in weight_update.LOAD_FORMATS:
             raise weight_update.WeightUpdateError(
                 f"load_format {load_format!r} is not supported (safetensors checkpoints: "
                 "'auto' or 'safetensors')")
         if self.args.nnodes > 1:
             raise weight_update.WeightUpdateError("weight updates are not supported with --nnodes > 1")
-        host = weight_update.load_host_params(model_path, self.model_config, self.runner.param_spec,
-                                              dtype=DTYPES[self.args.dtype])
-        placed = self.runner.place_params(host)
+        runner, dtype = self.runner, DTYPES[self.args.dtype]
+        host = weight_update.load_host_params(model_path, self.model_config, runner.param_spec,
+                                              dtype=dtype)
+        host_mtp = None if runner.nextn is None else weight_update.load_host_mtp_params(
+            model_path, self.model_config, runner.mtp_param_spec, dtype=dtype)
+        placed = runner.place_params(host)
         del host
-        weight_update.check_placed(self.runner.params, placed)
-        jax.block_until_ready(placed)
-        return placed
+        weight_update.check_placed(runner.params, placed)
+        placed_mtp = None
+        if host_mtp is not None:
+            placed_mtp = runner.place_mtp_params(host_mtp)
+            del host_mtp
+            weight_update.check_placed(runner.nextn.params, placed_mtp)
+        jax.block_until_ready((placed, placed_mtp))
+        return placed, placed_mtp
 
     @property
     def deadline(self) -> float | None:
@@ -170,7 +184,8 @@ class WeightUpdater:
                 return False
             if loop.scheduler.prefix is not None:  # its pages and snapshots are the old weights'
                 loop.scheduler.prefix.flush()  # nothing runs: every entry is freed now
-        self.runner.replace_params(swap.params)  # raises: the old params are still the runner's
+        # raises: the old params are still the runner's
+        self.runner.replace_params(swap.params, swap.mtp_params)
         with loop.lock:
             self.version = swap.version
             held, self.held, self.pending = self.held, [], None

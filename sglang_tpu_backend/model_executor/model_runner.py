@@ -189,6 +189,7 @@ class ModelRunner:
                              f"states, not {type(self.backend).__name__}")
         if jnp.dtype(kv_dtype).itemsize == 1:  # the MTP pages are never FP8
             kv_dtype = jnp.bfloat16
+        self.mtp_param_spec = param_spec(mtp_params)  # what a weight update's mtp.* must match
         return NextnDrafts(self.backend, mtp_params, num_steps=self.num_drafts,
                            num_pages=num_pages, page_size=self.page_size,
                            context_length=context_length, kv_dtype=kv_dtype,
@@ -224,9 +225,16 @@ class ModelRunner:
             params = self.balancer.physical(params)
         return self.backend.place_params(params)
 
-    def replace_params(self, params: Any) -> None:
-        """Serve ``params`` (from ``place_params``) from the next step on; the caller makes
-        sure no step is in flight. Blocks until they are on the devices."""
+    def place_mtp_params(self, mtp_params: Any) -> Any:
+        """Loaded MTP params (NEXTN) placed as this runner's own are (``replace_params``)."""
+        return self.backend.place_mtp_params(mtp_params)
+
+    def replace_params(self, params: Any, mtp_params: Any = None) -> None:
+        """Serve ``params`` (from ``place_params``) and, under NEXTN, ``mtp_params`` (from
+        ``place_mtp_params``; None keeps the MTP params) from the next step on; the caller
+        makes sure no step is in flight. Blocks until they are on the devices."""
+        if mtp_params is not None:
+            self.nextn.params = jax.block_until_ready(mtp_params)
         self.params = jax.block_until_ready(params)
         if self.balancer is not None:  # placed for the location of their time (EPLB)
             self.balancer.adopt(self.params)
@@ -452,30 +460,30 @@ class ModelRunner:
             self.reset_penalty_row(rank * self.num_state_slots + slot, req)
         jax.block_until_ready(self.cache.rec_state)
 
-    def export_mtp_kv(self, pages: list[int]) -> np.ndarray:
-        """NEXTN: host copy [Lm, n, 2G, page, D] of the MTP KV at a request's ``pages``."""
+    def export_mtp_kv(self, pages: list[int], rank: int = 0) -> np.ndarray:
+        """NEXTN: host copy [Lm, n, 2G, page, D] of the MTP KV at a request's ``pages`` on DP
+        rank ``rank``."""
         self._check_mtp_transfer()
-        return state_transfer.gather_mtp_pages(self.nextn.cache, pages)
+        return self._transfer("export").gather_mtp(self.nextn.cache, pages, rank)
 
-    def install_mtp_kv(self, mtp_kv: np.ndarray, pages: list[int]) -> None:
-        """NEXTN: write handed-over MTP KV [Lm, n, 2G, page, D] at ``pages``."""
+    def install_mtp_kv(self, mtp_kv: np.ndarray, pages: list[int], rank: int = 0) -> None:
+        """NEXTN: write handed-over MTP KV [Lm, n, 2G, page, D] at ``pages`` of DP rank ``rank``."""
         self._check_mtp_transfer()
-        self.nextn.cache = state_transfer.scatter_mtp_pages(self.nextn.cache, mtp_kv, pages)
+        self.nextn.cache = self._transfer("install").scatter_mtp(self.nextn.cache, mtp_kv,
+                                                                 pages, rank)
         jax.block_until_ready(self.nextn.cache)
 
     def _check_mtp_transfer(self) -> None:
         if self.nextn is None:
             raise ValueError("this runner has no MTP cache (not --speculative-algorithm NEXTN)")
-        if self.transfer.num_ranks != 1 or self.transfer.tp is not None:
-            raise NotImplementedError("NEXTN handover moves the MTP KV on one device only")
 
     def warm_up_state_transfer(self, *, gather: bool, scatter: bool) -> None:
         """Compile the handover's export (``gather``) and/or install (``scatter``) programs of
         every page count a request can hold (under NEXTN the MTP KV's too)."""
         self.cache = self._transfer("warm-up").warm_up(self.cache, self.pages_per_seq,
                                                         gather=gather, scatter=scatter)
-        if self.nextn is not None and self.transfer.num_ranks == 1 and self.transfer.tp is None:
-            self.nextn.cache = state_transfer.warm_up_mtp_pages(
+        if self.nextn is not None and self.transfer.moves_mtp_kv:
+            self.nextn.cache = self.transfer.warm_up_mtp(
                 self.nextn.cache, self.pages_per_seq, gather=gather, scatter=scatter)
 
     def _transfer(self, what: str) -> state_transfer.StateTransfer:

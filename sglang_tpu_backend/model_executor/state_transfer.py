@@ -4,8 +4,9 @@ What a request owns in ``models/qwen3_5_moe.ModelCache`` (in its rank's pool und
   kv:   [La, n, 2*G, page, D]   its n KV pages of every attention layer (La layers)
   conv: [Lg, rows, C]           its state slot's conv state of every GDN layer (Lg layers)
   rec:  [Lg, Hv, Dk, Dv]        its state slot's recurrent state of every GDN layer
-Under NEXTN the request's MTP KV (``models/mtp.py``'s pages, at the same page ids) moves
-too, on one device only: ``gather_mtp_pages`` / ``scatter_mtp_pages``.
+Under NEXTN the request's MTP KV (``models/mtp.py``'s pages, at the same page ids, in its
+rank's part of the MTP pool under DP) moves too: ``gather_mtp`` / ``scatter_mtp``
+  mtp_kv: [Lm, n, 2*G, page, D]  its n MTP KV pages of every MTP layer (Lm layers).
 ``StateTransfer.gather`` reads them out (prefill side of a handover), ``scatter`` writes them
 into other pages and another slot (decode side), the cache donated and updated in place.
 
@@ -34,7 +35,6 @@ on the host, so a TP replica hands over to a DP or one-device replica and back.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -93,52 +93,14 @@ def _scatter_local(cache: ModelCache, kv, conv, rec, pages, slot) -> ModelCache:
     )
 
 
-@jax.jit
 def _gather_mtp(mtp_pages, pages):
     """mtp_pages [Lm, N, 2G, page, D], pages i32[B] (clamped) -> [Lm, B, 2G, page, D]."""
     return _take_pages(mtp_pages, pages)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
 def _scatter_mtp(mtp_pages, kv, pages):
     """Write kv [Lm, B, 2G, page, D] at pages i32[B] of ``mtp_pages``; out-of-range dropped."""
     return mtp_pages.at[:, pages].set(kv.astype(mtp_pages.dtype), mode="drop")
-
-
-def gather_mtp_pages(mtp_pages: jax.Array, pages: list[int]) -> np.ndarray:
-    """Host copy [Lm, n, 2G, page, D] of the NEXTN MTP KV at a request's ``pages`` (one
-    device: the MTP pool is one array; its page ids are the target's)."""
-    idx = np.full(page_bucket(len(pages)), mtp_pages.shape[1], np.int32)
-    idx[: len(pages)] = pages
-    return np.asarray(jax.device_get(_gather_mtp(mtp_pages, idx)))[:, : len(pages)]
-
-
-def scatter_mtp_pages(mtp_pages: jax.Array, kv: np.ndarray, pages: list[int]) -> jax.Array:
-    """``mtp_pages`` (donated) with ``kv[:, i]`` [Lm, n, 2G, page, D] written at page
-    ``pages[i]``; ValueError when ``kv`` does not fit the pool or ``pages``."""
-    want = (mtp_pages.shape[0], len(pages), *mtp_pages.shape[2:])
-    if kv.shape != want:
-        raise ValueError(f"MTP kv of shape {kv.shape} does not fit {len(pages)} pages of this "
-                         f"MTP cache (expected {want})")
-    idx = np.full(page_bucket(len(pages)), mtp_pages.shape[1], np.int32)
-    idx[: len(pages)] = pages
-    padded = np.zeros((kv.shape[0], idx.shape[0], *kv.shape[2:]), kv.dtype)
-    padded[:, : len(pages)] = kv
-    return _scatter_mtp(mtp_pages, padded, idx)
-
-
-def warm_up_mtp_pages(mtp_pages: jax.Array, max_pages: int, *, gather: bool,
-                      scatter: bool) -> jax.Array:
-    """Compile the MTP gather and/or scatter of every page bucket up to ``max_pages`` on
-    padding only (reads nothing used, writes nothing); returns the pool (a scatter donates it)."""
-    for b in page_buckets(max_pages):
-        idx = np.full(b, mtp_pages.shape[1], np.int32)
-        if gather:
-            jax.block_until_ready(_gather_mtp(mtp_pages, idx))
-        if scatter:
-            pad = np.zeros((mtp_pages.shape[0], b, *mtp_pages.shape[2:]), mtp_pages.dtype)
-            mtp_pages = _scatter_mtp(mtp_pages, pad, idx)
-    return jax.block_until_ready(mtp_pages)
 
 
 def check_transferable(cache: ModelCache) -> None:
@@ -158,7 +120,9 @@ class StateTransfer:
       tp: its ``TPForward`` (heads split), or neither: one pool on one device.
     The arrays in and out are always in the one-device layout (module docstring).
     ``export_program(cache, pages, slot)`` and ``install_program(cache, kv, conv, rec, pages,
-    slot)`` are the jitted programs (index arrays as ``_pages`` / ``_slot`` build them).
+    slot)`` are the jitted programs (index arrays as ``_pages`` / ``_slot`` build them);
+    ``mtp_export_program(mtp_pages, pages)`` / ``mtp_install_program(mtp_pages, kv, pages)``
+    the NEXTN MTP KV's.
     ``announce``: set on a multi-host leader (module docstring); None elsewhere.
     """
 
@@ -170,6 +134,8 @@ class StateTransfer:
             out = None if tp is None else jax.tree.map(tp.sharding, tp.cache_specs())
             self.export_program = jax.jit(_gather_local)
             self.install_program = jax.jit(_scatter_local, donate_argnums=(0,), out_shardings=out)
+            self.mtp_export_program = jax.jit(_gather_mtp)
+            self.mtp_install_program = jax.jit(_scatter_mtp, donate_argnums=(0,))
             return
         from sglang_tpu_backend.parallel.mesh import rank_spec
 
@@ -192,15 +158,39 @@ class StateTransfer:
         self.install_program = jax.jit(jax.shard_map(
             scatter, mesh=dp.mesh, in_specs=(cache_specs,) + (ranks,) * 5, out_specs=cache_specs,
             check_vma=False), donate_argnums=(0,), out_shardings=cache_shardings)
+        self._init_mtp_programs(dp, ranks)
+
+    def _init_mtp_programs(self, dp: Any, ranks: Any) -> None:
+        """The MTP KV's export / install programs under DP: the MTP pool [Lm, D*Nm, ...] is
+        split over the ranks on its page axis (``DPForward.init_mtp_cache``); each rank reads
+        or writes its own part, as the main programs do."""
+        from sglang_tpu_backend.parallel.mesh import rank_spec
+
+        pool = rank_spec(dp.ep, 1)
+
+        def gather(mtp_pages, pages):  # pages i32[1, B] on each rank
+            return _gather_mtp(mtp_pages, pages[0])[None]
+
+        def scatter(mtp_pages, kv, pages):
+            return _scatter_mtp(mtp_pages, kv[0], pages[0])
+
+        self.mtp_export_program = jax.jit(jax.shard_map(
+            gather, mesh=dp.mesh, in_specs=(pool, ranks), out_specs=ranks, check_vma=False))
+        self.mtp_install_program = jax.jit(jax.shard_map(
+            scatter, mesh=dp.mesh, in_specs=(pool, ranks, ranks), out_specs=pool,
+            check_vma=False), donate_argnums=(0,), out_shardings=dp.sharding(pool))
 
     @property
     def num_ranks(self) -> int:
         return 1 if self.dp is None else self.dp.dp_size
 
     # Index arrays ----------------------------------------------------------------------------
-    def _pages(self, pages: list[int], rank: int, bucket: int | None = None) -> np.ndarray:
-        """i32[B] (one pool) or i32[D, B] (rank ``rank`` holds ``pages``, the others padding)."""
-        out = np.full((self.num_ranks, bucket or page_bucket(len(pages))), self.num_pages, np.int32)
+    def _pages(self, pages: list[int], rank: int, bucket: int | None = None,
+               pool_pages: int | None = None) -> np.ndarray:
+        """i32[B] (one pool) or i32[D, B] (rank ``rank`` holds ``pages``, the others padding);
+        padding is ``pool_pages`` (a rank's pool size, default ``num_pages``): out of range."""
+        fill = self.num_pages if pool_pages is None else pool_pages
+        out = np.full((self.num_ranks, bucket or page_bucket(len(pages))), fill, np.int32)
         out[rank, : len(pages)] = pages
         return out[0] if self.dp is None else out
 
@@ -279,6 +269,58 @@ class StateTransfer:
         if self.dp is None:
             return kv, conv, rec
         return tuple(self._rank_array(a, rank) for a in (kv, conv, rec))
+
+    # NEXTN: the MTP KV ------------------------------------------------------------------------
+    @property
+    def moves_mtp_kv(self) -> bool:
+        """Whether this layout hands the MTP KV over: one device or the DP ranks of one
+        process (not TP heads, not several processes)."""
+        return self.tp is None and self.announce is None
+
+    def _mtp_index(self, mtp_pages: jax.Array, pages: list[int], rank: int,
+                   bucket: int | None = None) -> np.ndarray:
+        """``_pages`` for the MTP pool (per rank: the pool's pages, then the chain's scratch)."""
+        if not self.moves_mtp_kv:
+            raise NotImplementedError("NEXTN handover moves the MTP KV on one device or the "
+                                      "--dp-size ranks of one process (not --tp-size > 1 or "
+                                      "--nnodes > 1)")
+        return self._pages(pages, rank, bucket, pool_pages=mtp_pages.shape[1] // self.num_ranks)
+
+    def gather_mtp(self, mtp_pages: jax.Array, pages: list[int], rank: int = 0) -> np.ndarray:
+        """Host copy [Lm, n, 2G, page, D] of the MTP KV at a request's ``pages`` on ``rank``
+        (its page ids are the target's, ``pages`` order)."""
+        out = self.mtp_export_program(mtp_pages, self._mtp_index(mtp_pages, pages, rank))
+        kv = jax.device_get(out) if self.dp is None else self._rank_shard(out, rank)
+        return np.asarray(kv)[:, : len(pages)]
+
+    def scatter_mtp(self, mtp_pages: jax.Array, kv: np.ndarray, pages: list[int],
+                    rank: int = 0) -> jax.Array:
+        """``mtp_pages`` (donated) with ``kv[:, i]`` [Lm, n, 2G, page, D] written at page
+        ``pages[i]`` of ``rank``; ValueError when ``kv`` does not fit the pool or ``pages``."""
+        want = (mtp_pages.shape[0], len(pages), *mtp_pages.shape[2:])
+        if kv.shape != want:
+            raise ValueError(f"MTP kv of shape {kv.shape} does not fit {len(pages)} pages of "
+                             f"this MTP cache (expected {want})")
+        idx = self._mtp_index(mtp_pages, pages, rank)
+        padded = np.zeros((kv.shape[0], idx.shape[-1], *kv.shape[2:]), kv.dtype)
+        padded[:, : len(pages)] = kv
+        placed = padded if self.dp is None else self._rank_array(padded, rank)
+        return self.mtp_install_program(mtp_pages, placed, idx)
+
+    def warm_up_mtp(self, mtp_pages: jax.Array, max_pages: int, *, gather: bool,
+                    scatter: bool) -> jax.Array:
+        """Compile the MTP gather and/or scatter of every page bucket up to ``max_pages`` on
+        padding only (reads nothing used, writes nothing); returns the pool (a scatter
+        donates it)."""
+        for b in page_buckets(max_pages):
+            idx = self._mtp_index(mtp_pages, [], 0, bucket=b)
+            if gather:
+                jax.block_until_ready(self.mtp_export_program(mtp_pages, idx))
+            if scatter:
+                pad = np.zeros((mtp_pages.shape[0], b, *mtp_pages.shape[2:]), mtp_pages.dtype)
+                placed = pad if self.dp is None else self._rank_array(pad, 0)
+                mtp_pages = self.mtp_install_program(mtp_pages, placed, idx)
+        return jax.block_until_ready(mtp_pages)
 
     @staticmethod
     def empty_state(cache: ModelCache, n: int) -> State:

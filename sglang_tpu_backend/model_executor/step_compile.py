@@ -208,6 +208,31 @@ def compile_dp_handover(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, install
                            donate_argnums=(0,))
 
 
+def compile_dp_mtp_handover(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, install: bool,
+                            kv_dtype: Any = jnp.bfloat16) -> CompileReport:
+    """Compile the NEXTN handover's MTP KV install (``install``) or export program
+    (``StateTransfer.mtp_install_program`` / ``mtp_export_program``) for one request of
+    ``spec.pages_per_seq`` pages over the DP ranks' MTP pools of ``mesh`` (``spec.num_pages``
+    per rank, split on the page axis as ``DPForward.init_mtp_cache`` places them)."""
+    from sglang_tpu_backend.model_executor.state_transfer import StateTransfer, page_bucket
+    from sglang_tpu_backend.models.mtp import init_mtp_cache
+    from sglang_tpu_backend.parallel.dp_forward import DPForward
+    from sglang_tpu_backend.parallel.mesh import rank_spec
+
+    dp = DPForward(cfg, mesh)
+    transfer = StateTransfer(spec.num_pages, spec.num_state_slots, dp)
+    D, B, ranks = dp.dp_size, page_bucket(spec.pages_per_seq), rank_spec(dp.ep, 0)
+    shape = jax.eval_shape(lambda: init_mtp_cache(cfg, num_pages=D * spec.num_pages,
+                                                  page_size=spec.page_size, kv_dtype=kv_dtype))
+    pool = abstract(shape.shape, shape.dtype, mesh, rank_spec(dp.ep, 1))
+    pages = abstract((D, B), jnp.int32, mesh, ranks)
+    if not install:
+        return compile_for_tpu(transfer.mtp_export_program, (pool, pages), mesh)
+    kv = abstract((D, shape.shape[0], B, *shape.shape[2:]), shape.dtype, mesh, ranks)
+    return compile_for_tpu(transfer.mtp_install_program, (pool, kv, pages), mesh,
+                           donate_argnums=(0,))
+
+
 def compile_tp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any = jnp.bfloat16,
                     fp8_experts: bool = False, kv_dtype: Any = jnp.bfloat16,
                     state_dtype: Any = jnp.float32, impl: str = "pallas") -> CompileReport:

@@ -1,5 +1,6 @@
 """Weights for ``/update_weights_from_disk``: load a checkpoint on the host, check it fits the
-serving model, and check its placed arrays match the ones they replace.
+serving model, and check its placed arrays match the ones they replace. Under NEXTN the MTP
+layers' weights (``mtp.*``) are reloaded too (``load_host_mtp_params``).
 
 Nothing here touches the engine: ``load_host_params`` and ``check_placed`` raise
 ``WeightUpdateError`` (one line naming the problem) and the engine keeps its old weights.
@@ -76,6 +77,25 @@ def load_host_params(model_path: str, cfg: ModelConfig, spec: Any, *, dtype: Any
     return params
 
 
+def load_host_mtp_params(model_path: str, cfg: ModelConfig, spec: Any, *, dtype: Any) -> Any:
+    """NEXTN: ``model_path``'s MTP params (``mtp.*``) on the host in ``dtype``, each leaf
+    checked against ``spec`` (``param_spec`` of the serving MTP params); the config was
+    checked by ``load_host_params``. Raises WeightUpdateError when it has none or they differ."""
+    from sglang_tpu_backend.loader import CheckpointError, load_mtp_params
+
+    try:
+        with jax.default_device(_host_device()):
+            mtp = load_mtp_params(model_path, cfg, dtype=dtype)
+    except (CheckpointError, OSError) as e:
+        raise WeightUpdateError(f"cannot load the MTP weights of {model_path}: {e}") from None
+    if mtp is None:
+        raise WeightUpdateError(f"checkpoint {model_path} has no mtp.* tensors: this engine "
+                                "drafts with --speculative-algorithm NEXTN, whose MTP layers "
+                                "an update reloads too")
+    check_tree(spec, mtp, model_path)
+    return mtp
+
+
 def _describe(path) -> str:
     return jax.tree_util.keystr(path)
 
@@ -139,8 +159,9 @@ class PendingSwap:
     ``finish`` records the answer (``update_result``) and wakes the caller waiting on ``done``.
     """
 
-    def __init__(self, params: Any, version: str, model_path: str):
+    def __init__(self, params: Any, version: str, model_path: str, mtp_params: Any = None):
         self.params = params
+        self.mtp_params = mtp_params  # NEXTN: the placed MTP params (else None)
         self.version = version
         self.model_path = model_path
         self.queued_at = time.monotonic()
@@ -148,6 +169,7 @@ class PendingSwap:
         self.result: dict | None = None
 
     def finish(self, success: bool, message: str, num_paused_requests: int = 0) -> None:
-        self.params = None  # the engine holds the arrays now (or they are dropped)
+        # The engine holds the arrays now (or they are dropped).
+        self.params = self.mtp_params = None
         self.result = update_result(success, message, num_paused_requests)
         self.done.set()

@@ -2,7 +2,10 @@
 (8 simulated CPU devices):
 the same tokens and logprobs as one single-device engine, the request state moved rank to
 rank, every rank's pages and slots free afterwards, and no handover program compiled while
-serving (``dp_handover_run.py`` runs the engines in a subprocess and writes JSON).
+serving (``dp_handover_run.py`` runs the engines in a subprocess and writes JSON). Under
+NEXTN the MTP KV moves rank to rank too: DP -> DP, one device -> DP and DP -> one device give
+the same outputs, and every decode side holds the drafts a one-device NEXTN engine proposes;
+a weight update of the NEXTN DP engine swaps its MTP params.
 """
 
 from __future__ import annotations
@@ -57,7 +60,64 @@ def test_every_rank_served_and_ends_empty(results):
 
 
 def test_handover_programs_compiled_at_warm_up(results):
-    """One export and one install program per page-count bucket (1..16 pages at 256 tokens of
-    16), all compiled before serving: serving adds none."""
-    assert results["programs_after_warmup"] == [5, 5]
+    """One export and one install program per page-count bucket, all compiled before serving:
+    serving adds none. Buckets 1..16 pages at 256 tokens of 16; the NEXTN prefill's requests
+    hold pages for k = 3 positions past the context, hence one more bucket (32)."""
+    assert results["programs_after_warmup"] == [6, 5]
     assert results["programs_after_serving"] == results["programs_after_warmup"]
+
+
+def assert_same_outputs(got, want, n):
+    assert len(got) == len(want) == n
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a["ids"] == b["ids"], (i, a["ids"], b["ids"])
+        assert a["finish"] == b["finish"] == {"type": "length", "length": 8}
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5, err_msg=str(i))
+
+
+@pytest.mark.parametrize("run, n", [("nextn_dp_to_dp", 48), ("nextn_one_to_dp", 8),
+                                    ("nextn_dp_to_one", 8), ("nextn_alone", 48)])
+def test_nextn_handover_with_dp_equals_one_engine(results, run, n):
+    """NEXTN prefill -> NEXTN decode with --dp-size on either side: the plain one-engine
+    tokens and logprobs; the decode side verifies drafts (random MTP weights: mostly
+    rejected, so the back-off may pause a request; most verify at least once)."""
+    got = results[run]
+    assert_same_outputs(got, results["nextn_ref_outputs"][:n], n)
+    verified = [g["verify_ct"] > 0 for g in got]
+    assert sum(verified) > n // 2, verified
+
+
+def test_nextn_dp_decode_drafts_equal_the_one_device_engines(results):
+    """The MTP drafts a NEXTN DP2 decode replica holds at every proposal (the first: the
+    handover's; later: its MTP layer over the MTP KV installed on the request's rank) equal
+    the drafts a one-device NEXTN engine holds serving the same requests alone, at the same
+    sequence; so do the one-device decode side's after a DP4 prefill."""
+    alone = results["nextn_drafts"]["one"]["d"]
+    for side, tag, n in (("dp2", "a", 48), ("dp2", "b", 8), ("one", "c", 8)):
+        seen = results["nextn_drafts"][side][tag]
+        first = {}
+        for key in seen:
+            i, length = key.split("/")
+            first[i] = min(first.get(i, 1 << 30), int(length))
+        assert len(first) == n, (side, tag, sorted(first))  # every request verified
+        shared = [k for k in seen if k in alone]
+        assert {f"{i}/{length}" for i, length in first.items()} <= set(shared), (side, tag)
+        assert len(shared) >= 2 * n, (side, tag, len(shared))
+        differ = [k for k in shared if seen[k] != alone[k]]
+        assert differ == [], (side, tag, differ[:5])
+
+
+def test_nextn_dp_decode_uses_every_rank_and_compiles_no_mtp_install(results):
+    s = results["nextn_decode_stats"]
+    assert [r["num_admitted_total"] > 0 for r in s["dp_ranks"]] == [True, True], s
+    for r in s["dp_ranks"]:
+        assert (r["kv_pages_used"], r["state_slots_used"], r["num_running"]) == (0, 0, 0), r
+    assert s["num_aborted_total"] == 0 and s["num_finished_total"] == 56, s
+    warm, served = results["nextn_mtp_install_programs"]
+    assert warm == 6 and served == warm  # one per page bucket, 1..32 (see above)
+
+
+def test_nextn_dp_weight_update_swaps_the_mtp_params(results):
+    """A weight update of the NEXTN DP2 engine (weights of another seed) places the new
+    checkpoint's MTP params on the ranks as the startup ones were and serves them."""
+    assert results["nextn_dp_weight_update"] == {"success": True, "mtp_params_equal": True}

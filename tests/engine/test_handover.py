@@ -373,34 +373,26 @@ def test_nextn_decode_refuses_a_handover_without_mtp_kv(engine, nextn_pair):
     assert s["state_slots_used"] == 0 and s["kv_pages_used"] == 0
 
 
-def test_nextn_disaggregation_refuses_dp(engine):
-    from sglang_tpu_backend.engine import _mtp_params
-    from sglang_tpu_backend.server_args import ServerArgs
-
-    args = ServerArgs(**{**ENGINE_ARGS, "speculative_algorithm": "NEXTN", "dp_size": 2})
-    with pytest.raises(ValueError, match="--dp-size"):
-        _mtp_params(args, engine.model_config, "decode")
-
-
 def test_mtp_page_transfer_round_trip_after_warm_up():
     """The MTP KV's export / install: pages written at arbitrary ids come back in list order,
     padding writes nothing, others stay untouched; after warm-up neither lowers a program."""
     import jax.numpy as jnp
 
-    from sglang_tpu_backend.model_executor import state_transfer as st
     from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
+    from sglang_tpu_backend.model_executor.state_transfer import StateTransfer
 
     rng = np.random.default_rng(0)
     pool = jnp.asarray(rng.normal(size=(2, 12, 4, 16, 8)), jnp.float32)  # [Lm, N, 2G, page, D]
     before = np.asarray(pool)
-    pool = st.warm_up_mtp_pages(pool, 5, gather=True, scatter=True)
+    st = StateTransfer(num_pages=10, num_slots=1)  # (the MTP pool's own size pads)
+    pool = st.warm_up_mtp(pool, 5, gather=True, scatter=True)
     np.testing.assert_array_equal(np.asarray(pool), before)
     kv = rng.normal(size=(2, 3, 4, 16, 8)).astype(np.float32)
     counter = CompileCounter()
-    pool = st.scatter_mtp_pages(pool, kv, [9, 2, 5])
-    np.testing.assert_array_equal(st.gather_mtp_pages(pool, [9, 2, 5]), kv)
+    pool = st.scatter_mtp(pool, kv, [9, 2, 11])
+    np.testing.assert_array_equal(st.gather_mtp(pool, [9, 2, 11]), kv)
     assert counter.lowerings == 0
-    rest = [p for p in range(12) if p not in (9, 2, 5)]
+    rest = [p for p in range(12) if p not in (9, 2, 11)]
     np.testing.assert_array_equal(np.asarray(pool)[:, rest], before[:, rest])
     with pytest.raises(ValueError, match="does not fit 2 pages"):
-        st.scatter_mtp_pages(pool, kv, [1, 2])
+        st.scatter_mtp(pool, kv, [1, 2])

@@ -25,7 +25,7 @@ outputs equal the plain engine's whatever the drafts, sampled ones follow its di
   greedy requests give the plain engine's outputs with verify steps and nothing lowered, and
   the drafts the engine proposes equal a plain-JAX reference (the target's hidden states
   over the sequence, then the MTP pass and chain), which checks the hidden states, next
-  tokens and positions the MTP pass sees.
+  tokens and positions the MTP pass sees; a weight update reloads the MTP layers too.
 """
 
 from __future__ import annotations
@@ -823,6 +823,57 @@ def test_nextn_retraction_keeps_outputs(clean_nextn_engine, clean_engine):
         got = run_all(clean_nextn_engine, fresh(objs, "x"))
     assert clean_nextn_engine.scheduler.num_retracted_total > before
     assert_same_outputs(got, want)
+
+
+def _drop_mtp(config, tensors):
+    for name in [n for n in tensors if n.startswith("mtp.")]:
+        del tensors[name]
+
+
+def test_nextn_weight_update_reloads_the_mtp_layers(clean_nextn_engine, tmp_path):
+    """``update_weights_from_disk`` under NEXTN swaps the MTP layers' params too: after an
+    update to weights of another seed they equal that checkpoint's ``mtp.*`` and the drafts
+    the engine holds equal the MTP reference under the new weights. A checkpoint without
+    ``mtp.*`` is refused naming them, and the old weights stay. The startup weights are
+    restored after."""
+    import jax
+
+    from sglang_tpu_backend.loader import load_mtp_params
+    from sglang_tpu_backend.tiny_model import default_model_path, write_random_model
+
+    eng = clean_nextn_engine
+    runner, version = eng.runner, eng.weight_version
+    old_mtp = jax.device_get(runner.nextn.params)
+    res = eng.update_weights_from_disk(str(write_random_model(tmp_path / "no-mtp", seed=1,
+                                                              edit=_drop_mtp)))
+    assert not res["success"] and "mtp.*" in res["message"], res
+    assert "--speculative-algorithm NEXTN" in res["message"] and eng.weight_version == version
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(runner.nextn.params), old_mtp)
+    new = write_random_model(tmp_path / "b", seed=1)
+    try:
+        res = eng.update_weights_from_disk(str(new))
+        assert res["success"], res
+        want = load_mtp_params(new, runner.cfg, dtype=np.float32)
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(runner.nextn.params), want)
+        rng = random.Random(6)
+        objs = [GenerateReqInput(rid=f"upd{i}", sampling_params={
+            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            input_ids=[rng.randrange(3, 1000) for _ in range(n)]) for i, n in enumerate((20, 70))]
+        recorder = RecordingDrafter(lambda req, k: list(req.draft_state or []))
+        with eng.loop.lock:
+            own, eng.scheduler.drafter = eng.scheduler.drafter, recorder
+        try:
+            run_all(eng, objs)
+        finally:
+            with eng.loop.lock:
+                eng.scheduler.drafter = own
+        assert len(recorder.seen) >= 2 * len(objs)
+        for rid, seq, drafts in recorder.seen:
+            assert drafts == reference_drafts(runner, seq, K), (rid, len(seq))
+    finally:
+        res = eng.update_weights_from_disk(str(default_model_path()))
+        assert res["success"], res
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(runner.nextn.params), old_mtp)
 
 
 def no_mtp_model(tmp_path) -> dict:

@@ -4,12 +4,14 @@ One Ray session for the module, tiny float32 engines without warm-up, each repli
 devices of its own: the colocated app under ``/colo``; the disaggregated app under ``/pd``
 (2 prefill replicas of 4 DP ranks, decode replicas of 2 ranks autoscaling 1..2); a second
 disaggregated app under ``/pdtp`` (1 tensor-parallel prefill replica of 2 devices, 1 decode
-replica of 2 DP ranks). Asserts:
+replica of 2 DP ranks verifying NGRAM drafts); a third under ``/pdnx`` (1 one-device prefill
+replica, 1 decode replica of 2 DP ranks, both drafting with NEXTN). Asserts:
 both answer native ``/generate`` (plain and streaming) and OpenAI ``/v1/completions``; greedy
 outputs of disaggregated == colocated == an in-process single-device engine for prompts of
 several KV pages (16 tokens) and GDN chunks (64 tokens); 40 concurrent requests of up to 600
-tokens handed over DP rank to DP rank, and 12 from the TP prefill, give that engine's tokens
-and logprobs within 1e-5, every rank used and freed; prefix affinity sends repeats of a
+tokens handed over DP rank to DP rank, 12 from the TP prefill and 12 under NEXTN (the MTP KV
+installed on the decode rank, drafts verified), give that engine's tokens and logprobs within
+1e-5, every rank used and freed; prefix affinity sends repeats of a
 500-token prefix to the prefill replica that caches it (and not without a routing key);
 handover bytes and latency on ``/pd/metrics`` with ``role="decode"``; abort_request and client
 disconnect end a request that is decoding on the decode replica and free its pages and slot;
@@ -66,6 +68,13 @@ PDTP_ARGS = dict(ARGS, mode="disaggregated", context_length="640", prefill_tp_si
                  prefill_max_running_requests="1", decode_dp_size="2", decode_ep_size="2",
                  decode_cpu_devices_per_host="2", decode_speculative_algorithm="NGRAM",
                  decode_speculative_num_draft_tokens="4")
+# NEXTN through PD: a one-device prefill replica (one request at a time) -> decode of 2 DP
+# ranks, both drafting with the MTP layer; half a CPU each (the cluster's 8 CPUs also hold
+# the other apps' replicas, the /pd decode deployment scaled to 2 included).
+PDNX_ARGS = dict(ARGS, mode="disaggregated", context_length="640", speculative_algorithm="NEXTN",
+                 speculative_num_steps="3", num_cpus="0.5", prefill_cpu_devices_per_host="1",
+                 prefill_max_running_requests="1", decode_dp_size="2", decode_ep_size="2",
+                 decode_cpu_devices_per_host="2")
 # The reference: one device, one request at a time (a decode step never shares a program with
 # another request's prefill chunk; prefill chunks end where the prefill ranks end them).
 REF_ARGS = dict(ARGS, context_length="640", max_running_requests="1")
@@ -96,6 +105,7 @@ def base_url():
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app(dict(ARGS)), name="colo", route_prefix="/colo", blocking=False)
         serve.run(app(PDTP_ARGS), name="pdtp", route_prefix="/pdtp", blocking=False)
+        serve.run(app(PDNX_ARGS), name="pdnx", route_prefix="/pdnx", blocking=False)
         serve.run(app(PD_ARGS), name="pd", route_prefix="/pd")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -256,6 +266,23 @@ def test_tp2_prefill_hands_over_to_dp2_decode(base_url, reference):
     assert all("spec_verify_ct" in o["meta_info"] for o in pd), pd[0]["meta_info"]
     _assert_every_rank_served_and_free("pdtp", "PrefillServer", ranks=1, replicas=1)
     _assert_every_rank_served_and_free("pdtp", "DecodeServer", ranks=2, replicas=1)
+
+
+def test_nextn_prefill_hands_over_to_nextn_dp2_decode(base_url, reference):
+    """NEXTN through Ray: a one-device NEXTN prefill replica hands each request's KV pages,
+    GDN states, MTP KV pages and first drafts over to a NEXTN decode replica of 2 DP ranks,
+    which installs them on the rank the request lands on and verifies the MTP layer's drafts:
+    12 concurrent requests of 5 to 600 tokens give the single-device engine's tokens and
+    logprobs within 1e-5, most of them ran verify steps (random MTP weights: drafts are
+    mostly rejected and the back-off may pause a request), every decode rank took requests
+    and both replicas end with their pages and slots free."""
+    prompts = EXACT_PROMPTS[:12]
+    pd = _concurrently(base_url + "/pdnx", prompts, return_logprob=True)
+    _assert_reference_outputs(pd, reference(prompts))
+    verified = [o["meta_info"]["spec_verify_ct"] > 0 for o in pd]
+    assert sum(verified) > len(pd) // 2, verified
+    _assert_every_rank_served_and_free("pdnx", "PrefillServer", ranks=1, replicas=1)
+    _assert_every_rank_served_and_free("pdnx", "DecodeServer", ranks=2, replicas=1)
 
 
 def test_prefix_affinity_routes_shared_prefixes_to_the_replica_that_caches_them(base_url):

@@ -194,6 +194,30 @@ def test_397b_handover_programs_stay_rank_local(record, install):
         assert mem.get("alias_size_in_bytes", 0) >= pool, mem
 
 
+@pytest.mark.parametrize("install", [True, False], ids=["install", "export"])
+def test_397b_nextn_mtp_handover_programs_stay_rank_local(record, install):
+    """The NEXTN handover's MTP KV install (decode) and export (prefill) programs of the same
+    request over the DP8 MTP pools: no collective, scratch of the request's MTP pages, not
+    of a pool, and the install updates the pool in place."""
+    from sglang_tpu_backend.model_executor.step_compile import compile_dp_mtp_handover
+
+    cfg = config_397b()
+    mesh = make_mesh(8, topology_devices("tpu7x:2x2x1"))
+    spec = StepSpec(ForwardMode.DECODE, 64, 64, 64, PAGES, 64 * PAGES, 256, 64)  # per rank
+    report = compile_dp_mtp_handover(cfg, spec, mesh, install=install, kv_dtype=jnp.bfloat16)
+    record(f"DP8 397B NEXTN MTP KV handover {'install' if install else 'export'} (64 pages)",
+           report, min_kernels=0)
+    for op in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute"):
+        assert count(report.hlo, rf" {op}(?:-start)?\(") == 0, op
+    kv_page = 2 * cfg.num_key_value_heads * 256 * cfg.head_dim * 2  # bf16 bytes per page
+    request = cfg.mtp_num_hidden_layers * 64 * kv_page
+    pool = cfg.mtp_num_hidden_layers * 64 * PAGES * kv_page  # one rank's MTP pages
+    mem = report.memory
+    assert mem["temp_size_in_bytes"] <= 2 * request < pool / 10, (mem, request, pool)
+    if install:
+        assert mem.get("alias_size_in_bytes", 0) >= pool, mem
+
+
 def collective_windows(hlo: str, op: str) -> list[tuple[tuple, list]]:
     """Each async ``op`` (``call-start`` of a computation rooted at ``op`` ... its
     ``call-done``) of the scheduled program: (its result dims, the TensorCore compute ops the
