@@ -80,14 +80,14 @@ def _overlap_schedule(args: ServerArgs, runner: ModelRunner) -> bool:
 def _mtp_params(args: ServerArgs, cfg, role: str):
     """The checkpoint's MTP params under --speculative-algorithm NEXTN / EAGLE (else None);
     ValueError naming the flag when the checkpoint has none, or when a prefill / decode role
-    runs with --dp-size > 1 (the handover carries the MTP KV on one device only)."""
+    runs with --dp-size or --tp-size > 1 (the handover carries the MTP KV on one device only)."""
     algo = args.speculative_algorithm
     if algo not in ("NEXTN", "EAGLE"):
         return None
     flag = f"--speculative-algorithm {algo}"
-    if role in ("prefill", "decode") and args.dp_size > 1:
+    if role in ("prefill", "decode") and (args.dp_size > 1 or args.tp_size > 1):
         raise ValueError(f"{flag}: a {role} replica hands the MTP KV cache over on one device "
-                         "only, not with --dp-size > 1; use NGRAM there")
+                         "only, not with --dp-size > 1 or --tp-size > 1; use NGRAM there")
     if not cfg.mtp_num_hidden_layers:
         raise ValueError(f"{flag} needs MTP layers: {args.model_path}'s config has "
                          "mtp_num_hidden_layers 0")

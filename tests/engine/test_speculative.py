@@ -399,6 +399,50 @@ def test_data_parallel_speculation(tmp_path):
     assert (s["kv_pages_used"], s["state_slots_used"], s["num_running"]) == (0, 0, 0), s
 
 
+# Tensor-parallel attention (tp_spec_run.py, 2 simulated CPU devices) -------------------------
+TP_WORKLOAD = dict(seed=6, n=48)
+
+
+@pytest.fixture(scope="module")
+def tp_spec(tmp_path_factory, engine):
+    """The --tp-size 2 NGRAM and NEXTN engines' runs of ``TP_WORKLOAD`` (tp_spec_run.py) and
+    the plain one-device engine's outputs of it."""
+    want = run_all(engine, workload(**TP_WORKLOAD))
+    tmp = tmp_path_factory.mktemp("tp_spec")
+    (tmp / "in.json").write_text(json.dumps({**TP_WORKLOAD,
+                                             "want": [w["output_ids"] for w in want]}))
+    run_on_cpu_devices(Path(__file__).with_name("tp_spec_run.py"), str(tmp / "in.json"),
+                       str(tmp / "out.json"), num_devices=2)
+    return json.loads((tmp / "out.json").read_text()), want
+
+
+def test_tensor_parallel_ngram_outputs_equal_one_device(tp_spec):
+    """NGRAM and replayed drafts at TP2: the plain one-device engine's tokens and logprobs,
+    most tokens from accepted drafts, nothing lowered after warm-up."""
+    r, want = tp_spec
+    assert_same_outputs(r["ngram"], want)
+    assert_same_outputs(r["replay"], want)
+    lengths = [g["meta_info"]["spec_accept_length"] for g in r["replay"]
+               if g["meta_info"]["spec_verify_ct"] > 0]
+    assert len(lengths) > len(want) // 2 and np.mean(lengths) > 1.5, lengths
+    assert r["ngram_lowerings"] == 0
+
+
+def test_tensor_parallel_nextn_outputs_and_drafts_equal_one_device(tp_spec, nextn_engine):
+    """NEXTN at TP2: the plain outputs with verify steps, nothing lowered after warm-up, and
+    the MTP drafts at every proposal equal the one-device engine's for the same sequence
+    (``reference_drafts``, which ``test_nextn_drafts_equal_the_mtp_reference`` ties to it)."""
+    r, want = tp_spec
+    assert_same_outputs(r["nextn"], want)
+    assert_same_outputs(r["nextn_replay"], want)
+    assert sum(g["meta_info"]["spec_verify_ct"] > 0 for g in r["nextn"]) > len(want) // 4
+    assert r["nextn_lowerings"] == 0
+    seen = r["nextn_drafts"]
+    assert len({rid for rid, _, _ in seen}) > len(want) // 2
+    for rid, seq, drafts in seen[::max(1, len(seen) // 40)]:
+        assert drafts == reference_drafts(nextn_engine.runner, seq, K), (rid, len(seq))
+
+
 # Rollback: deterministic engines (batch-invariant attention), driven step by step. The plain
 # engine runs 32 requests per decode step so its decode steps have the verify steps' 32 token
 # rows (8 requests x 4): the dense matmuls then see the same shapes on both sides.
@@ -458,19 +502,27 @@ def test_rollback_at_every_position(det_engines):
 
 # Flags and the NGRAM drafter (no model) ------------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
-    (dict(speculative_algorithm="NEXTN", tp_size=2), "--tp-size 1"),
+    (dict(speculative_algorithm="NEXTN", nnodes=2, node_rank=0, dist_init_addr="h:1",
+          dp_size=8, ep_size=8), "--nnodes 2: .*needs --nnodes 1"),
     (dict(speculative_algorithm="MEDUSA"), "must be one of"),
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=2,
           speculative_num_draft_tokens=4), "num_steps \\+ 1"),
     (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), ">= 2"),
     (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
           speculative_ngram_max_match_window_size=3), "min <= max"),
-    (dict(speculative_algorithm="NGRAM", tp_size=2), "--tp-size 1"),
+    (dict(speculative_algorithm="NGRAM", nnodes=2, node_rank=1, dist_init_addr="h:1",
+          dp_size=8, ep_size=8), "--nnodes 2: .*needs --nnodes 1"),
     (dict(speculative_num_draft_tokens=4), "need --speculative-algorithm"),
 ])
 def test_bad_speculative_flags_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         ServerArgs(**kw)
+
+
+def test_speculation_is_accepted_with_tensor_parallel_attention():
+    for algo in ("NGRAM", "NEXTN"):
+        args = ServerArgs(speculative_algorithm=algo, tp_size=2)
+        assert (args.tp_size, args.ep_size, args.speculative_num_drafts) == (2, 2, 3)
 
 
 def test_speculative_flags_from_the_command_line():
