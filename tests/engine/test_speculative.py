@@ -18,6 +18,10 @@ outputs equal the plain engine's whatever the drafts, sampled ones follow its di
 - no program lowered while serving after warm-up;
 - with --dp-size 4 (``dp_spec_run.py``, 4 simulated CPU devices): NGRAM and replayed drafts
   give the plain engine's outputs, every rank served, nothing lowered after warm-up;
+- with tensor-parallel attention (``tp_spec_run.py``, 4 simulated CPU devices): replayed
+  drafts at --tp-size 2 and NEXTN at --tp-size 4 give the plain engine's tokens and logprobs
+  on 48 concurrent requests with nothing lowered after warm-up, and the TP engine's MTP
+  drafts equal the one-device engine's for the same sequences;
 - adaptive speculation: random prompts run their decode steps as DECODE steps, steps that
   switch between DECODE and TARGET_VERIFY keep the plain outputs and lower nothing;
 - the flags' validation, the NGRAM drafter itself and its back-off schedule;
@@ -399,28 +403,29 @@ def test_data_parallel_speculation(tmp_path):
     assert (s["kv_pages_used"], s["state_slots_used"], s["num_running"]) == (0, 0, 0), s
 
 
-# Tensor-parallel attention (tp_spec_run.py, 2 simulated CPU devices) -------------------------
-TP_WORKLOAD = dict(seed=6, n=48)
+# Tensor-parallel attention (tp_spec_run.py, 4 simulated CPU devices) -------------------------
+# NGRAM at TP2 splits every head kind of the tiny model; NEXTN at TP4 replicates its kv and GDN
+# key heads (each device holds the one its heads read), the MTP layer's kv heads too.
+TP_RUN = dict(seed=6, n=48, ngram_tp=2, nextn_tp=4)
 
 
 @pytest.fixture(scope="module")
 def tp_spec(tmp_path_factory, engine):
-    """The --tp-size 2 NGRAM and NEXTN engines' runs of ``TP_WORKLOAD`` (tp_spec_run.py) and
+    """The TP NGRAM and NEXTN engines' runs of ``TP_RUN``'s workload (tp_spec_run.py) and
     the plain one-device engine's outputs of it."""
-    want = run_all(engine, workload(**TP_WORKLOAD))
+    want = run_all(engine, workload(TP_RUN["seed"], n=TP_RUN["n"]))
     tmp = tmp_path_factory.mktemp("tp_spec")
-    (tmp / "in.json").write_text(json.dumps({**TP_WORKLOAD,
-                                             "want": [w["output_ids"] for w in want]}))
+    (tmp / "in.json").write_text(json.dumps({**TP_RUN, "want": [w["output_ids"] for w in want]}))
     run_on_cpu_devices(Path(__file__).with_name("tp_spec_run.py"), str(tmp / "in.json"),
-                       str(tmp / "out.json"), num_devices=2)
+                       str(tmp / "out.json"), num_devices=4)
     return json.loads((tmp / "out.json").read_text()), want
 
 
 def test_tensor_parallel_ngram_outputs_equal_one_device(tp_spec):
-    """NGRAM and replayed drafts at TP2: the plain one-device engine's tokens and logprobs,
-    most tokens from accepted drafts, nothing lowered after warm-up."""
+    """Replayed drafts on the TP2 NGRAM engine: the plain one-device engine's tokens and
+    logprobs, most tokens from accepted drafts, nothing lowered after warm-up."""
     r, want = tp_spec
-    assert_same_outputs(r["ngram"], want)
+    assert r["backend"] == "TPBackend"
     assert_same_outputs(r["replay"], want)
     lengths = [g["meta_info"]["spec_accept_length"] for g in r["replay"]
                if g["meta_info"]["spec_verify_ct"] > 0]
@@ -429,10 +434,12 @@ def test_tensor_parallel_ngram_outputs_equal_one_device(tp_spec):
 
 
 def test_tensor_parallel_nextn_outputs_and_drafts_equal_one_device(tp_spec, nextn_engine):
-    """NEXTN at TP2: the plain outputs with verify steps, nothing lowered after warm-up, and
-    the MTP drafts at every proposal equal the one-device engine's for the same sequence
-    (``reference_drafts``, which ``test_nextn_drafts_equal_the_mtp_reference`` ties to it)."""
+    """NEXTN at TP4, its own MTP drafts and replayed ones: the plain outputs with verify
+    steps, nothing lowered after warm-up, and the MTP drafts at every proposal (a sample of
+    them) equal the one-device engine's for the same sequence (``reference_drafts``, which
+    ``test_nextn_drafts_equal_the_mtp_reference`` ties to it)."""
     r, want = tp_spec
+    assert r["nextn_backend"] == "TPBackend"
     assert_same_outputs(r["nextn"], want)
     assert_same_outputs(r["nextn_replay"], want)
     assert sum(g["meta_info"]["spec_verify_ct"] > 0 for g in r["nextn"]) > len(want) // 4

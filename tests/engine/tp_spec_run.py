@@ -1,14 +1,15 @@
-"""Speculative decoding with --tp-size 2 (run as a script).
+"""Speculative decoding with tensor-parallel attention (run as a script).
 
-Run by tests/engine/test_speculative.py in a subprocess with 2 simulated CPU devices (fixed
+Run by tests/engine/test_speculative.py in a subprocess with 4 simulated CPU devices (fixed
 before jax starts); the one-device engines the outputs are compared with live in the test
-process. Input (JSON): ``seed`` and ``n`` of the test's ``workload`` and the plain engine's
-output ids of each request. A warmed-up NGRAM engine (k = 3) serves the workload twice: with
-its NGRAM drafter, and with drafts replaying the plain engine's continuation (a wrong one at a
-varying position, so most tokens come from accepted drafts). A warmed-up NEXTN engine serves
-it with its MTP drafts, then with the replayed drafts, recording the MTP drafts every request
-holds at each proposal. Writes JSON: each run's outputs, the programs lowered while serving
-(after warm-up), and the recorded (sequence, MTP drafts).
+process. Input (JSON): ``seed`` and ``n`` of the test's ``workload``, the plain engine's
+output ids of each request, and the --tp-size of each engine. A warmed-up NGRAM engine
+(k = 3) serves the workload with drafts replaying the plain engine's continuation (a wrong
+one at a varying position, so most tokens come from accepted drafts). A warmed-up NEXTN
+engine serves it with its MTP drafts, then with the replayed drafts, recording the MTP drafts
+every request holds at each proposal. Writes JSON: each run's outputs, the programs lowered
+while serving (after warm-up), the recorded (rid, sequence, MTP drafts) and the engines' step
+backends.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tests.engine.test_speculative import (ENGINE_ARGS, K, RecordingDrafter, fre
                                            run_all, workload)
 
 # Small pools and buckets: warm-up compiles every bucket of both engines.
-ARGS = {**ENGINE_ARGS, "max_running_requests": 8, "tp_size": 2, "skip_warmup": False,
+ARGS = {**ENGINE_ARGS, "max_running_requests": 8, "skip_warmup": False,
         "speculative_num_draft_tokens": K + 1}
 
 
@@ -47,22 +48,23 @@ def serve_with(engine, drafter, objs) -> list[dict]:
 
 
 def main(in_path: str, out_path: str) -> None:
-    assert len(jax.devices()) == 2, jax.devices()
     spec = json.loads(open(in_path).read())
+    assert len(jax.devices()) == max(spec["ngram_tp"], spec["nextn_tp"]), jax.devices()
     objs = workload(spec["seed"], n=spec["n"])
     reference = {f"{tag}{o.rid}": ids for tag in ("r", "m")
                  for o, ids in zip(objs, spec["want"])}
     replay = replay_drafts(reference, wrong_at)
     out = {}
 
-    engine = Engine(ServerArgs(speculative_algorithm="NGRAM", **ARGS))
+    engine = Engine(ServerArgs(speculative_algorithm="NGRAM", tp_size=spec["ngram_tp"], **ARGS))
+    out["backend"] = type(engine.runner.backend).__name__
     counter = CompileCounter()
-    out["ngram"] = run_all(engine, fresh(objs, "n"))
     out["replay"] = serve_with(engine, CallbackDrafter(replay), fresh(objs, "r"))
     out["ngram_lowerings"] = counter.lowerings
     engine.shutdown()
 
-    engine = Engine(ServerArgs(speculative_algorithm="NEXTN", **ARGS))
+    engine = Engine(ServerArgs(speculative_algorithm="NEXTN", tp_size=spec["nextn_tp"], **ARGS))
+    out["nextn_backend"] = type(engine.runner.backend).__name__
     counter = CompileCounter()
     out["nextn"] = run_all(engine, fresh(objs, "x"))
     recorder = RecordingDrafter(replay)
