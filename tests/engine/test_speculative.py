@@ -855,6 +855,17 @@ def no_mtp_model(tmp_path) -> dict:
     return dict(model_path=str(tmp_path), tokenizer_path=str(default_model_path()))
 
 
+def test_nextn_disaggregation_refuses_tp(engine):
+    """A NEXTN prefill / decode replica hands the MTP KV over on one device: --tp-size 2 is
+    refused there, naming both flags (colocated it serves: ``tp_spec_run.py``)."""
+    from sglang_tpu_backend.engine import _mtp_params
+
+    args = ServerArgs(**{**NEXTN_ARGS, "tp_size": 2})
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match="--speculative-algorithm NEXTN.*--tp-size > 1"):
+            _mtp_params(args, engine.model_config, role)
+
+
 @pytest.mark.parametrize("case, role, match", [
     ("dummy", "colocated", "--load-format dummy"),
     ("no-mtp", "colocated", "mtp_num_hidden_layers 0"),
