@@ -256,7 +256,7 @@ def compile_tp_verify_with_mtp(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *,
     scratch = pages_for(num_steps, spec.page_size) + 1
     mtp_cache = jax.eval_shape(lambda: tp.init_mtp_cache(
         num_pages=spec.num_pages + R * scratch, page_size=spec.page_size, kv_dtype=dtype))
-    mtp_cache = abstract(mtp_cache.shape, mtp_cache.dtype, mesh, tp._split(5, 2))
+    mtp_cache = abstract(mtp_cache.shape, mtp_cache.dtype, mesh, tp.mtp_cache_spec())
     batch = abstract_batch(spec, mesh)
     i32 = lambda *shape: abstract(shape, jnp.int32, mesh)  # noqa: E731
     inp = MtpInputs(next_ids=i32(T), from_sampled=i32(T), draft_rows=i32(R),

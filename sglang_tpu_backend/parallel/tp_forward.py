@@ -31,8 +31,8 @@ routed experts. Global layouts, tp devices, d = device index (``chip * dies + di
 Speculative decoding: ``verify`` runs ``model_executor/verify.forward_verify`` on every device
 over its heads; its ``VerifyStates`` (windows [Lyr, R, K-1+n, tp*c], a / b [Lyr, R, n, tp*hv])
 are split on their last axis like conv_state's channels and rec_state's value heads, and
-``commit`` runs ``verify.commit_accepted`` on each device's share of them and of the slots
-(slots and accepted lengths replicated). NEXTN: ``forward_hidden`` / ``verify_hidden`` also
+``commit`` runs ``verify.commit_accepted`` on each device's share of them, writing its heads
+and channels of the shared slots (slot ids and accepted lengths replicated). NEXTN: ``forward_hidden`` / ``verify_hidden`` also
 return the hidden states [T, H] (replicated), and ``mtp_drafts`` runs
 ``model_executor/nextn_step.mtp_drafts`` on every device: the MTP layer's weights laid out
 and split by name like the main layers' (routed experts [E, ...] split on E), its KV pages
@@ -318,15 +318,19 @@ class TPForward:
         specs = self.param_specs(mtp_params, expert_axis=0)
         return place_params(mtp_params, jax.tree.map(self.sharding, specs))
 
+    def mtp_cache_spec(self) -> PartitionSpec:
+        """The MTP KV pages [n, pages, tp*2g, S, D]: split on the head axis."""
+        return self._split(5, 2)
+
     def init_mtp_cache(self, *, num_pages: int, page_size: int, kv_dtype) -> jax.Array:
-        """Zeroed MTP KV pages [n, num_pages, tp*2g, S, D], split on the head axis."""
+        """Zeroed MTP KV pages (``mtp_cache_spec``), ``num_pages`` shared by all devices."""
         from sglang_tpu_backend.models.mtp import init_mtp_cache
 
         glob = dataclasses.replace(
             self.cfg, num_key_value_heads=self.local_cfg.num_key_value_heads * self.tp)
         make = functools.partial(init_mtp_cache, glob, num_pages=num_pages,
                                  page_size=page_size, kv_dtype=kv_dtype)
-        return jax.jit(make, out_shardings=self.sharding(self._split(5, 2)))()
+        return jax.jit(make, out_shardings=self.sharding(self.mtp_cache_spec()))()
 
     def _global_mtp(self, params, mtp_params, cache, batch, hidden, inp, sampled, accepted_len,
                     num_steps: int):
@@ -337,9 +341,9 @@ class TPForward:
         step = jax.shard_map(
             lambda *args: local(*args), mesh=self.mesh,
             in_specs=(self.param_specs(params), self.param_specs(mtp_params, expert_axis=0),
-                      self._split(5, 2), _replicated(batch), REPLICATED, _replicated(inp),
+                      self.mtp_cache_spec(), _replicated(batch), REPLICATED, _replicated(inp),
                       REPLICATED, REPLICATED),
-            out_specs=(REPLICATED, self._split(5, 2)), check_vma=False)
+            out_specs=(REPLICATED, self.mtp_cache_spec()), check_vma=False)
         return step(params, mtp_params, cache, batch, hidden, inp, sampled, accepted_len)
 
     def mtp_drafts(self, params, mtp_params, cache, batch: ForwardBatch, hidden, inp, sampled,
