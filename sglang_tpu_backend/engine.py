@@ -77,13 +77,17 @@ def _overlap_schedule(args: ServerArgs, runner: ModelRunner) -> bool:
                 or args.speculative_algorithm)
 
 
-def _mtp_params(args: ServerArgs, cfg):
+def _mtp_params(args: ServerArgs, cfg, role: str):
     """The checkpoint's MTP params under --speculative-algorithm NEXTN / EAGLE (else None);
-    ValueError naming the flag when the checkpoint has none."""
+    ValueError naming the flag when the checkpoint has none, or when a prefill / decode role
+    runs with --tp-size > 1 (the handover moves the MTP KV of one device or of DP ranks)."""
     algo = args.speculative_algorithm
     if algo not in ("NEXTN", "EAGLE"):
         return None
     flag = f"--speculative-algorithm {algo}"
+    if role in ("prefill", "decode") and args.tp_size > 1:
+        raise ValueError(f"{flag}: a {role} replica hands the MTP KV cache over from one device "
+                         "or DP ranks, not with --tp-size > 1; use NGRAM there")
     if not cfg.mtp_num_hidden_layers:
         raise ValueError(f"{flag} needs MTP layers: {args.model_path}'s config has "
                          "mtp_num_hidden_layers 0")
@@ -139,7 +143,7 @@ class Engine:
         args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
         args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
         args.check_role(role)
-        mtp_params = _mtp_params(args, cfg)
+        mtp_params = _mtp_params(args, cfg, role)
         # Read by the runner's backend straight into its shardings (or drawn: dummy).
         params = WeightSource(cfg, args.model_path, args.load_format, DTYPES[args.dtype],
                               seed=args.random_seed)

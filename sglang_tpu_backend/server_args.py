@@ -94,8 +94,9 @@ class ServerArgs:
     ``speculative_ngram_min/max_match_window_size`` tokens); NEXTN (EAGLE an alias) drafts
     with the checkpoint's MTP layers on the device after every step
     (``model_executor/nextn_step.py``); the checkpoint must have MTP weights (``Engine``
-    checks). One device or DP ranks (no TP / multi-host); the overlap scheduler is off under
-    it (the next step's drafts need this step's tokens).
+    checks). One device, DP ranks, or TP attention (the verify states, the GDN commit and the
+    MTP layer's KV split by heads like the cache); not multi-host. The overlap scheduler is
+    off under it (the next step's drafts need this step's tokens).
 
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
@@ -280,7 +281,7 @@ class ServerArgs:
 
     def _validate_speculative(self) -> None:
         """The speculative flags: an algorithm served here, chain drafts (num_steps + 1 ==
-        num_draft_tokens when both are given), window sizes in order, no TP / multi-host."""
+        num_draft_tokens when both are given), window sizes in order, not multi-host."""
         algo, steps, n = (self.speculative_algorithm, self.speculative_num_steps,
                           self.speculative_num_draft_tokens)
         if algo is None:
@@ -308,9 +309,10 @@ class ServerArgs:
                 f"--speculative-ngram-min-match-window-size {lo!r} and "
                 f"--speculative-ngram-max-match-window-size {hi!r} must be integers with "
                 "1 <= min <= max")
-        if self.tp_size != 1 or self.nnodes != 1:
-            raise ValueError("--speculative-algorithm runs on one device or --dp-size ranks of "
-                             "one process: it needs --tp-size 1 and --nnodes 1")
+        if self.nnodes != 1:
+            raise ValueError(f"--speculative-algorithm with --nnodes {self.nnodes}: the "
+                             "followers of a multi-host mesh run forward steps only; "
+                             "speculation needs --nnodes 1")
 
     @property
     def speculative_num_drafts(self) -> int:

@@ -9,7 +9,8 @@ unless DP) and returns (logits, cache, router stats):
   TPBackend            ``parallel.TPForward``: one pool and one batch, every device runs every
                        request on its share of the heads and experts; logits f32[L, V]
                        replicated, the sampler state replicated beside them. Handover
-                       state is converted to / from the one-device head layout.
+                       state is converted to / from the one-device head layout. Verify
+                       states, commits and the MTP layer's KV split by heads like the cache.
   DPBackend            ``parallel.DPForward``: one rank per device, each with its own pages
                        and slots (``num_pages`` / ``num_state_slots`` per rank); logits
                        f32[D*L, V], rank r's rows at r*L .. r*L+L-1; the sampler state split
@@ -252,6 +253,8 @@ class TPBackend(StepBackend):
     """``parallel.TPForward`` over the first ``tp_size`` devices."""
 
     state_transfer = True  # converted to / from the one-device layout on the host
+    verify_steps = True
+    hidden_states = True
 
     def __init__(self, cfg: ModelConfig, tp_size: int, **kw):
         from sglang_tpu_backend.parallel.mesh import make_mesh
@@ -277,6 +280,35 @@ class TPBackend(StepBackend):
         self._no_in_flight(from_slot)
         (fb,) = batches
         return self._split(self.tp(params, cache, self.tp.put_batch(fb)))
+
+    def verify(self, params, cache, batches):
+        (fb,) = batches
+        return self.tp.verify(params, cache, self.tp.put_batch(fb))
+
+    def forward_hidden(self, params, cache, batches):
+        (fb,) = batches
+        *out, hidden = self.tp.forward_hidden(params, cache, self.tp.put_batch(fb))
+        return self._split(tuple(out)), hidden
+
+    def verify_hidden(self, params, cache, batches):
+        (fb,) = batches
+        *out, hidden = self.tp.verify_hidden(params, cache, self.tp.put_batch(fb))
+        return tuple(out), hidden
+
+    def place_mtp_params(self, mtp_params):
+        return self.tp.shard_mtp_params(mtp_params)
+
+    def init_mtp_cache(self, **sizes):
+        return self.tp.init_mtp_cache(**sizes)
+
+    def mtp_drafts(self, params, mtp_params, cache, batches, hidden, inps, sampled,
+                   accepted_len, num_steps):
+        (fb,), (inp,) = batches, inps
+        return self.tp.mtp_drafts(params, mtp_params, cache, self.tp.put_batch(fb), hidden, inp,
+                                  sampled, accepted_len, num_steps)
+
+    def commit(self, params, cache, states, slots, accepted_len):
+        return self.tp.commit(params, cache, states, slots, accepted_len)
 
 
 class DPBackend(StepBackend):

@@ -12,7 +12,7 @@ penalty state indexed by the global slot ``rank * num_state_slots + slot``
 Where the step runs (one device, DP ranks, TP heads, DP over several processes) is the step
 backend's business (``backends.py``), picked once at construction.
 
-Speculative decoding (``num_drafts`` k > 0; one device or DP ranks): a TARGET_VERIFY step
+Speculative decoding (``num_drafts`` k > 0; one device, DP ranks or TP): a TARGET_VERIFY step
 (every chunk a verify chunk) runs the verify forward, the verify sampler (greedy rows by exact
 match, drawn rows by rejection sampling, both through penalties, bias and per-position masks)
 and the commit of the accepted positions into the GDN slots (rank-local with DP), all
@@ -21,7 +21,7 @@ stats (the MoE health gauges and EPLB's expert loads then come from prefill step
 request's pages cover up to k positions past the context length, hence ``pages_per_seq`` of
 ``context_length + k`` tokens.
 
-NEXTN (``mtp_params`` given; one device or DP ranks): every step also returns the target's
+NEXTN (``mtp_params`` given; one device, DP ranks or TP): every step also returns the target's
 hidden states and dispatches the MTP pass and chain of drafts (``nextn_step.py``) after its
 sampler; each sampling chunk's k drafts come back with its tokens (``ChunkResult.drafts``).
 

@@ -69,10 +69,11 @@ class MtpInputs:
 
 def mtp_drafts(params: Any, mtp_params: Any, cache: jax.Array, batch: ForwardBatch,
                hidden: jax.Array, inp: MtpInputs, sampled: jax.Array, accepted_len: jax.Array,
-               cfg: ModelConfig, impl: str, num_steps: int, ep=None
+               cfg: ModelConfig, impl: str, num_steps: int, ep=None, tp=None
                ) -> tuple[jax.Array, jax.Array]:
     """The MTP pass over the step's rows and the chain after each request's last valid row
-    (one device, or one DP rank under ``shard_map`` with ``ep``: all arrays rank-local).
+    (one device, or one DP rank under ``shard_map`` with ``ep``: all arrays rank-local, or
+    one TP device with ``tp``: its heads of the MTP cache, every other array replicated).
 
     batch: the step's ForwardBatch; hidden [T, H] its rows' hidden states; sampled: the
     step's sampled tokens (i32[R] or i32[R, n]); accepted_len i32[R] (1 unless verify).
@@ -86,7 +87,7 @@ def mtp_drafts(params: Any, mtp_params: Any, cache: jax.Array, batch: ForwardBat
     batch = dataclasses.replace(batch, input_ids=ids, page_table=inp.page_table,
                                 logits_indices=rows if num_steps else rows[:0])
     logits, out, cache = mtp_forward(params, mtp_params, cache, batch, hidden, cfg, impl, 0,
-                                     ep=ep)
+                                     ep=ep, tp=tp)
     if not num_steps:
         return jnp.zeros((R, 0), jnp.int32), cache
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R]
@@ -100,7 +101,8 @@ def mtp_drafts(params: Any, mtp_params: Any, cache: jax.Array, batch: ForwardBat
         logits_indices=jnp.arange(R, dtype=jnp.int32), mode=ForwardMode.DECODE)
     drafts, h = [token], out[rows]
     for s in range(1, num_steps):  # step s: x[p+s+1] at position p+s, fed its own output
-        logits, h, cache = mtp_forward(params, mtp_params, cache, chain, h, cfg, impl, s, ep=ep)
+        logits, h, cache = mtp_forward(params, mtp_params, cache, chain, h, cfg, impl, s, ep=ep,
+                                       tp=tp)
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         drafts.append(token)
         chain = dataclasses.replace(chain, input_ids=token, positions=chain.positions + 1,

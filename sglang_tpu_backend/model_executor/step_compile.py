@@ -251,3 +251,50 @@ def compile_tp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
                          tp.cache_specs(kv_scales=cache.kv_scales is not None))
     return compile_for_tpu(tp._global_step, (params, cache, abstract_batch(spec, mesh)), mesh,
                            donate_argnums=(1,))
+
+
+def compile_tp_verify_with_mtp(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *,
+                               num_steps: int, dtype: Any = jnp.bfloat16,
+                               fp8_experts: bool = False, kv_dtype: Any = jnp.bfloat16,
+                               state_dtype: Any = jnp.float32, impl: str = "pallas"
+                               ) -> CompileReport:
+    """``compile_dp_verify_with_mtp`` for the tensor-parallel-attention step: the TARGET_VERIFY
+    forward with hidden states, the commit and the MTP pass with its chain of ``num_steps``
+    drafts (``TPForward``'s programs, the MTP layer's params and KV pages split by heads) as
+    one program. ``spec`` is the whole batch and pool, T = R * (num_steps + 1)."""
+    from sglang_tpu_backend.mem_cache.page_pool import pages_for
+    from sglang_tpu_backend.model_executor.nextn_step import MtpInputs
+    from sglang_tpu_backend.models.param_shapes import mtp_param_shapes
+    from sglang_tpu_backend.parallel.tp_forward import TPForward
+
+    tp = TPForward(cfg, mesh, impl=impl)
+    R, T, n = spec.num_seqs, spec.num_tokens, num_steps + 1
+    shapes = jax.eval_shape(tp.tp_params, param_shapes(cfg, dtype, fp8_experts=fp8_experts))
+    params = abstract_params(shapes, mesh, tp.param_specs(shapes))
+    mtp_shapes = jax.eval_shape(tp.tp_params, mtp_param_shapes(cfg, dtype, fp8_experts=fp8_experts))
+    mtp_params = abstract_params(mtp_shapes, mesh, tp.param_specs(mtp_shapes, expert_axis=0))
+    cache = jax.eval_shape(lambda: tp.init_cache(
+        num_pages=spec.num_pages, page_size=spec.page_size, num_state_slots=spec.num_state_slots,
+        kv_dtype=kv_dtype, state_dtype=state_dtype))
+    cache = jax.tree.map(lambda s, p: abstract(s.shape, s.dtype, mesh, p), cache,
+                         tp.cache_specs(kv_scales=cache.kv_scales is not None))
+    scratch = pages_for(num_steps, spec.page_size) + 1
+    mtp_cache = jax.eval_shape(lambda: tp.init_mtp_cache(
+        num_pages=spec.num_pages + R * scratch, page_size=spec.page_size, kv_dtype=dtype))
+    mtp_cache = abstract(mtp_cache.shape, mtp_cache.dtype, mesh, tp.mtp_cache_spec())
+    batch = abstract_batch(spec, mesh)
+    i32 = lambda *shape: abstract(shape, jnp.int32, mesh)  # noqa: E731
+    inp = MtpInputs(next_ids=i32(T), from_sampled=i32(T), draft_rows=i32(R),
+                    page_table=i32(R, spec.pages_per_seq + scratch))
+
+    def step(params, mtp_params, cache, mtp_cache, batch, inp):
+        logits, cache, states, hidden = tp._global_verify(params, cache, batch, with_hidden=True)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(R, n)
+        accepted_len = jnp.full((R,), n, jnp.int32)
+        cache = tp._global_commit(params, cache, states, batch.state_slots, accepted_len)
+        drafts, mtp_cache = tp._global_mtp(params, mtp_params, mtp_cache, batch, hidden, inp,
+                                           tokens, accepted_len, num_steps)
+        return drafts, cache, mtp_cache
+
+    return compile_for_tpu(step, (params, mtp_params, cache, mtp_cache, batch, inp), mesh,
+                           donate_argnums=(2, 3))

@@ -60,16 +60,18 @@ class VerifyStates:
 
 def forward_verify(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: ModelConfig,
                    impl: str = "auto", batch_invariant: bool = False, ep=None,
-                   with_hidden: bool = False):
+                   with_hidden: bool = False, tp=None):
     """One TARGET_VERIFY step (one device, or one DP rank under ``shard_map`` with ``ep``,
-    ``parallel/dp_forward.py``). Returns (f32[L, V] logits of the rows
+    ``parallel/dp_forward.py``, or one TP device's heads with ``tp`` and ``cfg`` its local
+    config, ``parallel/tp_forward.py``: then the states hold that device's channels and value
+    heads). Returns (f32[L, V] logits of the rows
     ``batch.logits_indices``, the cache with KV written and GDN slots unchanged,
     :class:`VerifyStates`), and with ``with_hidden`` every row's hidden state [T, H] after
     the final norm (the MTP drafter's input, ``nextn_step.py``)."""
     if not batch.mode.is_verify():
         raise ValueError(f"forward_verify needs a TARGET_VERIFY batch, got {batch.mode!r}")
     hidden, cache, _, (windows, a, b) = qwen3_5_moe.forward_hidden(
-        params, cache, batch, cfg, impl, ep=ep, batch_invariant=batch_invariant)
+        params, cache, batch, cfg, impl, ep=ep, tp=tp, batch_invariant=batch_invariant)
     logits = qwen3_5_moe.compute_logits(params, hidden, batch)
     n = batch.input_ids.shape[0] // batch.kv_lens.shape[0]
     out = logits, cache, VerifyStates(windows, a, b, fresh=batch.kv_lens <= n)
@@ -94,7 +96,8 @@ def commit_accepted(params: Params, cache: ModelCache, states: VerifyStates, slo
 
     slots: i32[R] the verify batch's ``state_slots``; accepted_len: i32[R] in 0..n (1 + the
     accepted drafts; 0 leaves the slot as it is, and padding requests must pass 0). KV pages
-    are not touched.
+    are not touched. Under TP each device runs this on its own channels and value heads
+    (``cfg`` its local config): the recurrence does not mix heads, so no collective.
     """
     conv_weight, A_log, dt_bias = gdn_layer_params(params, cfg)
     conv_state, rec_state = gdn_verify.commit_states(

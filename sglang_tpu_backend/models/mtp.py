@@ -58,11 +58,14 @@ def init_mtp_cache(cfg: ModelConfig, *, num_pages: int, page_size: int,
 
 def mtp_forward(params: Params, mtp_params: Params, cache: jax.Array, batch: ForwardBatch,
                 hidden: jax.Array, cfg: ModelConfig, impl: str = "auto", step: int = 0,
-                batch_invariant: bool = False, ep=None
+                batch_invariant: bool = False, ep=None, tp=None
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One MTP step over a ragged batch on one device, or on one DP rank under ``shard_map``
     with ``ep`` (its routed experts split over the ranks on their first axis, as
-    ``parallel/dp_forward.py`` places them) (module docstring for the math).
+    ``parallel/dp_forward.py`` places them), or on one TP device with ``tp`` (``cfg`` its
+    local config: its share of the attention heads and of the routed experts, laid out like
+    the main full-attention layers, ``parallel/tp_forward.py``; the attention output is
+    all-reduced like theirs) (module docstring for the math).
 
     Args:
       params: the target's params (``embed_tokens`` and ``lm_head`` are read).
@@ -88,10 +91,12 @@ def mtp_forward(params: Params, mtp_params: Params, cache: jax.Array, batch: For
     # The MTP pages are never FP8 (no scales): the MTP layer is not wired to --kv-cache-dtype.
     a, cache, _ = attention_block(p["self_attn"], rms_norm(x, p["input_layernorm"], eps), cache,
                                   None, layer, cos, sin, batch, cfg, impl, batch_invariant)
+    if tp is not None:
+        a = jax.lax.psum(a, tp.axes)  # the heads' partial sums of o_proj
     x = x + a
     num_valid = batch.cu_q_lens[batch.num_seqs[0]]  # real rows; padding is routed nowhere
     x = x + moe_block(p["mlp"], rms_norm(x, p["post_attention_layernorm"], eps), cfg, impl,
-                      ep, num_valid=num_valid)
+                      ep, tp=tp, num_valid=num_valid)
     out = rms_norm(x, mtp_params["norm"], eps)
     return compute_logits(params, out, batch), out, cache
 

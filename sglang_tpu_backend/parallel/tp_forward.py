@@ -27,6 +27,16 @@ routed experts. Global layouts, tp devices, d = device index (``chip * dies + di
   rec_state [Lg, slots, Hv, Dk, Dv]: split on the head / channel axis; pages and slots are
   shared by all devices (one pool, as with one device).
   batch and logits: replicated.
+
+Speculative decoding: ``verify`` runs ``model_executor/verify.forward_verify`` on every device
+over its heads; its ``VerifyStates`` (windows [Lyr, R, K-1+n, tp*c], a / b [Lyr, R, n, tp*hv])
+are split on their last axis like conv_state's channels and rec_state's value heads, and
+``commit`` runs ``verify.commit_accepted`` on each device's share of them, writing its heads
+and channels of the shared slots (slot ids and accepted lengths replicated). NEXTN: ``forward_hidden`` / ``verify_hidden`` also
+return the hidden states [T, H] (replicated), and ``mtp_drafts`` runs
+``model_executor/nextn_step.mtp_drafts`` on every device: the MTP layer's weights laid out
+and split by name like the main layers' (routed experts [E, ...] split on E), its KV pages
+[n, pages, tp*2g, S, D] split on the head axis like the main pages.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.model_executor import verify
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.model_executor.weight_layout import is_routed_expert
 from sglang_tpu_backend.models import qwen3_5_moe
@@ -134,6 +145,14 @@ class TPForward:
         self._kv_cols = kv_columns(cfg, self.tp)
         self._conv_ch = conv_channels(cfg, self.tp)
         self._step = jax.jit(self._global_step, donate_argnums=(1,))
+        self._verify = jax.jit(self._global_verify, donate_argnums=(1,))
+        self._commit = jax.jit(self._global_commit, donate_argnums=(1,))
+        hidden = functools.partial(self._global_step, with_hidden=True)
+        self._step_hidden = jax.jit(hidden, donate_argnums=(1,))
+        hidden = functools.partial(self._global_verify, with_hidden=True)
+        self._verify_hidden = jax.jit(hidden, donate_argnums=(1,))
+        self._mtp = jax.jit(self._global_mtp, static_argnames=("num_steps",),
+                            donate_argnums=(2,))
 
     # Layouts ----------------------------------------------------------------------------------
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
@@ -146,11 +165,13 @@ class TPForward:
         dims[axis] = self.ctx.axes
         return PartitionSpec(*dims)
 
-    def param_specs(self, params) -> Any:
+    def param_specs(self, params, expert_axis: int = 1) -> Any:
+        """Each leaf's split by its name; routed experts split on E (``expert_axis``: 1 for
+        the main layers' [groups, E, ...], 0 for the MTP layer's [E, ...])."""
         def spec(path, x):
             name, expert = _leaf_role(path)
             if expert:
-                return self._split(x.ndim, 1)  # [groups, E, ...]: split E
+                return self._split(x.ndim, expert_axis)
             if name in _SPLIT_LAST:
                 return self._split(x.ndim, -1)
             if name in _SPLIT_ROWS:
@@ -230,18 +251,113 @@ class TPForward:
         return ForwardBatch(**fields, mode=batch.mode)
 
     # Step -------------------------------------------------------------------------------------
-    def _global_step(self, params, cache, batch):
+    def _global_step(self, params, cache, batch, with_hidden: bool = False):
         local = functools.partial(qwen3_5_moe.forward, cfg=self.local_cfg, impl=self.impl,
                                   tp=self.ctx, with_stats=self.with_stats,
-                                  batch_invariant=self.batch_invariant)
-        batch_specs = jax.tree.map(lambda _: REPLICATED, batch)
+                                  batch_invariant=self.batch_invariant, with_hidden=with_hidden)
         out_specs = (REPLICATED, self.cache_specs()) + ((REPLICATED,) if self.with_stats else ())
         step = jax.shard_map(
             lambda p, c, b: local(p, c, b), mesh=self.mesh,
-            in_specs=(self.param_specs(params), self.cache_specs(), batch_specs),
-            out_specs=out_specs, check_vma=False)
+            in_specs=(self.param_specs(params), self.cache_specs(), _replicated(batch)),
+            out_specs=out_specs + ((REPLICATED,) if with_hidden else ()), check_vma=False)
         return step(params, cache, batch)
 
     def __call__(self, params, cache, batch: ForwardBatch):
         """f32[L, V] logits (replicated) and the updated cache (donated) (+ router stats)."""
         return self._step(params, cache, batch)
+
+    def forward_hidden(self, params, cache, batch: ForwardBatch):
+        """``__call__``'s outputs, then every row's hidden state [T, H] (replicated; NEXTN)."""
+        return self._step_hidden(params, cache, batch)
+
+    # Speculative decoding ---------------------------------------------------------------------
+    def _states_specs(self) -> verify.VerifyStates:
+        """windows [Lyr, R, K-1+n, tp*c] and a / b [Lyr, R, n, tp*hv] split on the channel /
+        value head axis like the GDN cache; fresh bool[R] replicated."""
+        split = self._split(4, -1)
+        return verify.VerifyStates(windows=split, a=split, b=split, fresh=REPLICATED)
+
+    def _global_verify(self, params, cache, batch, with_hidden: bool = False):
+        local = functools.partial(verify.forward_verify, cfg=self.local_cfg, impl=self.impl,
+                                  batch_invariant=self.batch_invariant, tp=self.ctx,
+                                  with_hidden=with_hidden)
+        out_specs = (REPLICATED, self.cache_specs(), self._states_specs())
+        step = jax.shard_map(
+            lambda p, c, b: local(p, c, b), mesh=self.mesh,
+            in_specs=(self.param_specs(params), self.cache_specs(), _replicated(batch)),
+            out_specs=out_specs + ((REPLICATED,) if with_hidden else ()), check_vma=False)
+        return step(params, cache, batch)
+
+    def _global_commit(self, params, cache, states, slots, accepted_len):
+        local = functools.partial(verify.commit_accepted, cfg=self.local_cfg, impl=self.impl)
+        step = jax.shard_map(
+            lambda p, c, s, sl, acc: local(p, c, s, sl, acc), mesh=self.mesh,
+            in_specs=(self.param_specs(params), self.cache_specs(), self._states_specs(),
+                      REPLICATED, REPLICATED),
+            out_specs=self.cache_specs(), check_vma=False)
+        return step(params, cache, states, slots, accepted_len)
+
+    def verify(self, params, cache, batch: ForwardBatch):
+        """A TARGET_VERIFY step: (logits f32[L, V] replicated, the cache (donated) with KV
+        written, VerifyStates split like the GDN cache)."""
+        return self._verify(params, cache, batch)
+
+    def verify_hidden(self, params, cache, batch: ForwardBatch):
+        """``verify``'s outputs, then every row's hidden state [T, H] (replicated; NEXTN)."""
+        return self._verify_hidden(params, cache, batch)
+
+    def commit(self, params, cache, states: verify.VerifyStates, slots, accepted_len):
+        """Slots ``slots`` i32[R] := the state after ``accepted_len`` i32[R] positions, each
+        device on its channels and value heads (cache donated)."""
+        return self._commit(params, cache, states, slots, accepted_len)
+
+    # NEXTN: the MTP layer ---------------------------------------------------------------------
+    def shard_mtp_params(self, mtp_params):
+        """The MTP params in the TP layout, placed on the mesh."""
+        mtp_params = self.tp_params(mtp_params)
+        specs = self.param_specs(mtp_params, expert_axis=0)
+        return place_params(mtp_params, jax.tree.map(self.sharding, specs))
+
+    def mtp_cache_spec(self) -> PartitionSpec:
+        """The MTP KV pages [n, pages, tp*2g, S, D]: split on the head axis."""
+        return self._split(5, 2)
+
+    def init_mtp_cache(self, *, num_pages: int, page_size: int, kv_dtype) -> jax.Array:
+        """Zeroed MTP KV pages (``mtp_cache_spec``), ``num_pages`` shared by all devices."""
+        from sglang_tpu_backend.models.mtp import init_mtp_cache
+
+        glob = dataclasses.replace(
+            self.cfg, num_key_value_heads=self.local_cfg.num_key_value_heads * self.tp)
+        make = functools.partial(init_mtp_cache, glob, num_pages=num_pages,
+                                 page_size=page_size, kv_dtype=kv_dtype)
+        return jax.jit(make, out_shardings=self.sharding(self.mtp_cache_spec()))()
+
+    def _global_mtp(self, params, mtp_params, cache, batch, hidden, inp, sampled, accepted_len,
+                    num_steps: int):
+        from sglang_tpu_backend.model_executor.nextn_step import mtp_drafts
+
+        local = functools.partial(mtp_drafts, cfg=self.local_cfg, impl=self.impl,
+                                  num_steps=num_steps, tp=self.ctx)
+        step = jax.shard_map(
+            lambda *args: local(*args), mesh=self.mesh,
+            in_specs=(self.param_specs(params), self.param_specs(mtp_params, expert_axis=0),
+                      self.mtp_cache_spec(), _replicated(batch), REPLICATED, _replicated(inp),
+                      REPLICATED, REPLICATED),
+            out_specs=(REPLICATED, self.mtp_cache_spec()), check_vma=False)
+        return step(params, mtp_params, cache, batch, hidden, inp, sampled, accepted_len)
+
+    def mtp_drafts(self, params, mtp_params, cache, batch: ForwardBatch, hidden, inp, sampled,
+                   accepted_len, num_steps: int):
+        """``nextn_step.mtp_drafts`` on every device (cache donated): (drafts i32[R, k]
+        replicated, cache). ``inp``: one ``MtpInputs`` (numpy); ``sampled`` [R] or [R, n],
+        ``accepted_len`` [R]."""
+        where = self.sharding(REPLICATED)
+        inp = jax.tree.map(lambda x: global_array(x, where), inp)
+        sampled, accepted_len = jax.device_put((sampled, accepted_len), where)
+        return self._mtp(params, mtp_params, cache, batch, hidden, inp, sampled, accepted_len,
+                         num_steps=num_steps)
+
+
+def _replicated(tree) -> Any:
+    """A REPLICATED spec for every leaf of ``tree`` (a batch, MTP inputs)."""
+    return jax.tree.map(lambda _: REPLICATED, tree)

@@ -18,6 +18,10 @@ outputs equal the plain engine's whatever the drafts, sampled ones follow its di
 - no program lowered while serving after warm-up;
 - with --dp-size 4 (``dp_spec_run.py``, 4 simulated CPU devices): NGRAM and replayed drafts
   give the plain engine's outputs, every rank served, nothing lowered after warm-up;
+- with tensor-parallel attention (``tp_spec_run.py``, 4 simulated CPU devices): replayed
+  drafts at --tp-size 2 and NEXTN at --tp-size 4 give the plain engine's tokens and logprobs
+  on 48 concurrent requests with nothing lowered after warm-up, and the TP engine's MTP
+  drafts equal the one-device engine's for the same sequences;
 - adaptive speculation: random prompts run their decode steps as DECODE steps, steps that
   switch between DECODE and TARGET_VERIFY keep the plain outputs and lower nothing;
 - the flags' validation, the NGRAM drafter itself and its back-off schedule;
@@ -399,6 +403,53 @@ def test_data_parallel_speculation(tmp_path):
     assert (s["kv_pages_used"], s["state_slots_used"], s["num_running"]) == (0, 0, 0), s
 
 
+# Tensor-parallel attention (tp_spec_run.py, 4 simulated CPU devices) -------------------------
+# NGRAM at TP2 splits every head kind of the tiny model; NEXTN at TP4 replicates its kv and GDN
+# key heads (each device holds the one its heads read), the MTP layer's kv heads too.
+TP_RUN = dict(seed=6, n=48, ngram_tp=2, nextn_tp=4)
+
+
+@pytest.fixture(scope="module")
+def tp_spec(tmp_path_factory, engine):
+    """The TP NGRAM and NEXTN engines' runs of ``TP_RUN``'s workload (tp_spec_run.py) and
+    the plain one-device engine's outputs of it."""
+    want = run_all(engine, workload(TP_RUN["seed"], n=TP_RUN["n"]))
+    tmp = tmp_path_factory.mktemp("tp_spec")
+    (tmp / "in.json").write_text(json.dumps({**TP_RUN, "want": [w["output_ids"] for w in want]}))
+    run_on_cpu_devices(Path(__file__).with_name("tp_spec_run.py"), str(tmp / "in.json"),
+                       str(tmp / "out.json"), num_devices=4)
+    return json.loads((tmp / "out.json").read_text()), want
+
+
+def test_tensor_parallel_ngram_outputs_equal_one_device(tp_spec):
+    """Replayed drafts on the TP2 NGRAM engine: the plain one-device engine's tokens and
+    logprobs, most tokens from accepted drafts, nothing lowered after warm-up."""
+    r, want = tp_spec
+    assert r["backend"] == "TPBackend"
+    assert_same_outputs(r["replay"], want)
+    lengths = [g["meta_info"]["spec_accept_length"] for g in r["replay"]
+               if g["meta_info"]["spec_verify_ct"] > 0]
+    assert len(lengths) > len(want) // 2 and np.mean(lengths) > 1.5, lengths
+    assert r["ngram_lowerings"] == 0
+
+
+def test_tensor_parallel_nextn_outputs_and_drafts_equal_one_device(tp_spec, nextn_engine):
+    """NEXTN at TP4, its own MTP drafts and replayed ones: the plain outputs with verify
+    steps, nothing lowered after warm-up, and the MTP drafts at every proposal (a sample of
+    them) equal the one-device engine's for the same sequence (``reference_drafts``, which
+    ``test_nextn_drafts_equal_the_mtp_reference`` ties to it)."""
+    r, want = tp_spec
+    assert r["nextn_backend"] == "TPBackend"
+    assert_same_outputs(r["nextn"], want)
+    assert_same_outputs(r["nextn_replay"], want)
+    assert sum(g["meta_info"]["spec_verify_ct"] > 0 for g in r["nextn"]) > len(want) // 4
+    assert r["nextn_lowerings"] == 0
+    seen = r["nextn_drafts"]
+    assert len({rid for rid, _, _ in seen}) > len(want) // 2
+    for rid, seq, drafts in seen[::max(1, len(seen) // 40)]:
+        assert drafts == reference_drafts(nextn_engine.runner, seq, K), (rid, len(seq))
+
+
 # Rollback: deterministic engines (batch-invariant attention), driven step by step. The plain
 # engine runs 32 requests per decode step so its decode steps have the verify steps' 32 token
 # rows (8 requests x 4): the dense matmuls then see the same shapes on both sides.
@@ -458,19 +509,27 @@ def test_rollback_at_every_position(det_engines):
 
 # Flags and the NGRAM drafter (no model) ------------------------------------------------------
 @pytest.mark.parametrize("kw, match", [
-    (dict(speculative_algorithm="NEXTN", tp_size=2), "--tp-size 1"),
+    (dict(speculative_algorithm="NEXTN", nnodes=2, node_rank=0, dist_init_addr="h:1",
+          dp_size=8, ep_size=8), "--nnodes 2: .*needs --nnodes 1"),
     (dict(speculative_algorithm="MEDUSA"), "must be one of"),
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=2,
           speculative_num_draft_tokens=4), "num_steps \\+ 1"),
     (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=1), ">= 2"),
     (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
           speculative_ngram_max_match_window_size=3), "min <= max"),
-    (dict(speculative_algorithm="NGRAM", tp_size=2), "--tp-size 1"),
+    (dict(speculative_algorithm="NGRAM", nnodes=2, node_rank=1, dist_init_addr="h:1",
+          dp_size=8, ep_size=8), "--nnodes 2: .*needs --nnodes 1"),
     (dict(speculative_num_draft_tokens=4), "need --speculative-algorithm"),
 ])
 def test_bad_speculative_flags_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         ServerArgs(**kw)
+
+
+def test_speculation_is_accepted_with_tensor_parallel_attention():
+    for algo in ("NGRAM", "NEXTN"):
+        args = ServerArgs(speculative_algorithm=algo, tp_size=2)
+        assert (args.tp_size, args.ep_size, args.speculative_num_drafts) == (2, 2, 3)
 
 
 def test_speculative_flags_from_the_command_line():
@@ -886,6 +945,17 @@ def no_mtp_model(tmp_path) -> dict:
             c["mtp_num_hidden_layers"] = 0
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return dict(model_path=str(tmp_path), tokenizer_path=str(default_model_path()))
+
+
+def test_nextn_disaggregation_refuses_tp(engine):
+    """A NEXTN prefill / decode replica hands the MTP KV over on one device: --tp-size 2 is
+    refused there, naming both flags (colocated it serves: ``tp_spec_run.py``)."""
+    from sglang_tpu_backend.engine import _mtp_params
+
+    args = ServerArgs(**{**NEXTN_ARGS, "tp_size": 2})
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match="--speculative-algorithm NEXTN.*--tp-size > 1"):
+            _mtp_params(args, engine.model_config, role)
 
 
 @pytest.mark.parametrize("case, role, match", [

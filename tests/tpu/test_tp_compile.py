@@ -62,3 +62,28 @@ def test_tp8_397b_does_not_fit_512_requests():
     assert p.headroom < 0 and p.max_running_requests < 512
     with pytest.raises(Exception, match="RESOURCE_EXHAUSTED"):
         compile_tp(cfg, 512)
+
+
+def test_tp8_397b_nextn_verify_step_with_the_mtp_layer_compiles(record):
+    """The whole NEXTN verify step at TP8 in one program (the verify forward with hidden
+    states, the commit, the MTP pass and its chain of 3 drafts; ``TPForward``'s programs) at
+    64 requests: the Pallas kernels compile at the local head counts (the GDN verify and
+    commit kernels on a device's 8 value heads and 2 key heads, the MTP layer's attention on
+    its one replicated kv head), it fits the planner's HBM, and the only collectives are the
+    all-reduces of the main layers (two per layer of the scan body) and of the MTP layer
+    (two per draft step): the commit needs none."""
+    from sglang_tpu_backend.model_executor.step_compile import compile_tp_verify_with_mtp
+
+    cfg, R, n = config_397b(), 64, 4
+    spec = StepSpec(ForwardMode.TARGET_VERIFY, R * n, R, R * n, PAGES, R * PAGES, 256, R)
+    report = record(f"TP8xEP8 397B NEXTN verify n={n} + MTP, {R} requests",
+                    compile_tp_verify_with_mtp(cfg, spec, make_mesh(8, topology_devices(TOPOLOGY)),
+                                               num_steps=n - 1, fp8_experts=True,
+                                               state_dtype=jnp.bfloat16), min_kernels=5)
+    m = report.memory
+    used = (m["argument_size_in_bytes"] + m["temp_size_in_bytes"]
+            + m["output_size_in_bytes"] - m["alias_size_in_bytes"])
+    assert used <= tp_plan(cfg, R).hbm, m
+    all_reduces = len(re.findall(r" all-reduce(?:-start)?\(", report.hlo))
+    assert all_reduces == 2 * cfg.layer_period + 2 * (n - 1), all_reduces
+    assert len(re.findall(r" all-gather(?:-start)?\(", report.hlo)) == 0
