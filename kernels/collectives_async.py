@@ -31,15 +31,18 @@ devices. ``impl="reference"`` carries x and runs the lax two-stage schedule in d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax import lax
 
 from kernels import collectives, dispatch
+from kernels.cost import Cost
 
 # collective_id of the start kernel's barrier (the synchronous kernel uses 0).
 ASYNC_COLLECTIVE_ID = 1
@@ -208,6 +211,7 @@ def _call_start(coords, x5, peers):
         functools.partial(_start_kernel, peers=peers), name="reduce_scatter_start",
         out_shape=out_shape, grid_spec=grid_spec,
         input_output_aliases={1: 0},  # x (after the coords) -> output 0
+        cost_estimate=_cost_estimate(reduce_scatter_start_cost, x5),
         compiler_params=pltpu.CompilerParams(collective_id=ASYNC_COLLECTIVE_ID,
                                              has_side_effects=True),
     )(coords, x5)
@@ -227,6 +231,7 @@ def _call_done(coords, fut: ReduceScatterFuture, peers):
         out_shape=(like((R, H)), like((C, R, H)), like((C, R, H))),
         grid_spec=grid_spec,
         input_output_aliases={3: 2},  # recv2 -> output 2 (peers write into it)
+        cost_estimate=_cost_estimate(reduce_scatter_done_cost, fut.x),
         compiler_params=pltpu.CompilerParams(has_side_effects=True,
                                              vmem_limit_bytes=_vmem_limit(fut.x)),
     )(coords, fut.x, fut.recv1, fut.recv2, fut.s1_send, fut.s1_recv, fut.s2_recv)
@@ -253,6 +258,31 @@ def _call_fused(coords, x5, peers, interpret):
         interpret=interpret,
     )(coords, x5)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Cost models (per device; start + done = collectives.hierarchical_reduce_scatter_cost)
+# ----------------------------------------------------------------------------------------------
+
+
+def reduce_scatter_start_cost(num_rows, hidden, *, dtype, num_chips, num_dies) -> Cost:
+    """The stage-1 sends: the (E-1)/E * N rows read from HBM and sent to the other dies."""
+    sent = (num_dies - 1) * (num_rows // num_dies) * hidden * jnp.dtype(dtype).itemsize
+    return Cost(flops=0, bytes_accessed=sent, remote_bytes=sent)
+
+
+def reduce_scatter_done_cost(num_rows, hidden, *, dtype, num_chips, num_dies) -> Cost:
+    """Everything else: both reductions and the stage-2 exchange."""
+    dims = dict(dtype=dtype, num_chips=num_chips, num_dies=num_dies)
+    total = collectives.hierarchical_reduce_scatter_cost(num_rows, hidden, **dims)
+    start = reduce_scatter_start_cost(num_rows, hidden, **dims)
+    return dataclasses.replace(total, bytes_accessed=total.bytes_accessed - start.bytes_accessed,
+                               remote_bytes=total.remote_bytes - start.remote_bytes)
+
+
+def _cost_estimate(cost_fn, x5):
+    C, E, R, H = x5.shape
+    return cost_fn(C * E * R, H, dtype=x5.dtype, num_chips=C, num_dies=E).to_pallas()
 
 
 # ----------------------------------------------------------------------------------------------

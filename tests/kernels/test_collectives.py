@@ -535,6 +535,14 @@ def test_costs():
     assert cost.bytes_accessed > n * h * 4  # reads its whole input at least once
     bf16 = col.hierarchical_reduce_scatter_cost(n, h, dtype="bfloat16")
     assert bf16.bytes_accessed * 2 == cost.bytes_accessed
+    from kernels import collectives_async as ca
+
+    dims = dict(dtype="float32", num_chips=4, num_dies=2)
+    start = ca.reduce_scatter_start_cost(n, h, **dims)
+    done = ca.reduce_scatter_done_cost(n, h, **dims)
+    assert start.remote_bytes == 32 * h * 4 and start.flops == 0  # the other die's half
+    assert start + done == col.hierarchical_reduce_scatter_cost(n, h, **dims)
+    assert done.remote_bytes == 3 * 8 * h * 4 and done.bytes_accessed > 0
     ag = col.packed_all_gather_cost(num_tokens=16, top_k=8, num_devices=8)
     assert ag.flops == 0 and ag.bytes_accessed >= 8 * 16 * 8 * 2 * 4
 
