@@ -4,7 +4,8 @@
 chip) and returns at once; :func:`reduce_scatter_done` waits for them, reduces, runs stage 2
 (partial sums to my die on the other chips) and reduces again. Whatever the program runs on
 the TensorCore between the two calls (the next micro-batch's expert matmuls, in
-``models/moe.py``) overlaps the stage-1 transfer. Same result and the same summation order as
+``models/moe.py``) overlaps the stage-1 transfer; stage 2 (over ICI) runs inside done and
+overlaps only done's own reductions. Same result and the same summation order as
 ``collectives.hierarchical_reduce_scatter`` with one micro-batch; call both inside
 ``shard_map`` over the ("chip", "die") mesh.
 
@@ -37,9 +38,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax import lax
 
 from kernels import collectives, dispatch
 from kernels.cost import Cost
