@@ -10,6 +10,13 @@ Expert-parallel flow (inside ``shard_map``; each device holds E = num_experts / 
      gather-reduce per token                                        y_all [D*T, H] (partial)
   4. hierarchical reduce-scatter: each rank gets the sum over devices of its own T rows.
 
+With ``ep.overlap_combine`` steps 3-4 run in M = ``ep.num_microbatches`` micro-batches of
+every rank's tokens (rows [m*T/M, (m+1)*T/M) of each rank): micro-batch m's reduce-scatter is
+started (``kernels/collectives_async.py``) right after its expert outputs and finished after
+micro-batch m + 1's, so its die-to-die transfer overlaps those matmuls. Each micro-batch reads
+the local experts' weights again (M times the weight bytes), so it pays only where the
+matmuls are compute-bound; off by default.
+
 With an expert location (EPLB, ``parallel/eplb.py``) the expert weights are stored per
 physical slot (P = E + redundant slots, P/D per device) and :func:`physical_ids` maps each
 routed (token, k) from its logical expert to one of that expert's copies before step 1; the
@@ -21,7 +28,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import collectives, gmm, routing
+from kernels import collectives, collectives_async, gmm, routing
 from sglang_tpu_backend.parallel.mesh import EPContext
 
 
@@ -82,8 +89,44 @@ def ep_routed_experts(experts, x, top_i, top_w, impl, ep: EPContext, layer=None)
         top_i.astype(jnp.int32), top_w.astype(jnp.float32), axis_name=ep.axes)  # [D*T, K]
     x_all = lax.all_gather(x, ep.axes, axis=0, tiled=True)  # [D*T, H]
     rank = lax.axis_index(ep.axes)
+    m = ep.num_microbatches
+    if ep.overlap_combine and m > 1 and x.shape[0] % m == 0:
+        return _overlapped_routed_experts(experts, x_all, ids_all, w_all, num_local,
+                                          rank * num_local, impl, ep, layer, top_i.size // m)
     y_all = routed_experts(experts, x_all, ids_all, w_all, num_local, rank * num_local, impl,
                            layer, expected_rows=top_i.size)  # balanced: T*K rows per device
-    m = ep.num_microbatches if x.shape[0] % ep.num_microbatches == 0 else 1
+    m = m if x.shape[0] % m == 0 else 1
     return collectives.hierarchical_reduce_scatter(
         y_all, chip_axis=ep.chip_axis, die_axis=ep.die_axis, num_microbatches=m, impl=impl)
+
+
+def _token_microbatch(a, num_ranks: int, m: int, num_microbatches: int):
+    """Micro-batch m of every rank's rows: a [D*T, ...] -> [D*T/M, ...], rank-major."""
+    per_rank = a.reshape(num_ranks, num_microbatches, -1, *a.shape[1:])  # [D, M, T/M, ...]
+    return per_rank[:, m].reshape(-1, *a.shape[1:])
+
+
+def _overlapped_routed_experts(experts, x_all, ids_all, w_all, num_local, expert_offset,
+                               impl, ep: EPContext, layer, expected_rows: int):
+    """Steps 3-4 in M micro-batches, each reduce-scatter in flight during the next one's
+    expert matmuls: x_all [D*T, H], ids_all / w_all [D*T, K] -> this rank's [T, H].
+
+    The optimization barriers pin the schedule XLA would otherwise pick freely: micro-batch
+    m's expert inputs are ready only once m - 1's reduce-scatter has started, and that
+    reduce-scatter's done needs micro-batch m's expert outputs."""
+    num_ranks = lax.axis_size(ep.chip_axis) * lax.axis_size(ep.die_axis)
+    num_mb = ep.num_microbatches
+    axes = dict(chip_axis=ep.chip_axis, die_axis=ep.die_axis, impl=impl)
+    outs, future = [], None
+    for m in range(num_mb):
+        inputs = tuple(_token_microbatch(a, num_ranks, m, num_mb) for a in (x_all, ids_all, w_all))
+        if future is not None:
+            future, inputs = lax.optimization_barrier((future, inputs))
+        y = routed_experts(experts, *inputs, num_local, expert_offset, impl, layer,
+                           expected_rows=expected_rows)  # [D*T/M, H] partial sums
+        if future is not None:
+            future, y = lax.optimization_barrier((future, y))
+            outs.append(collectives_async.reduce_scatter_done(future, **axes))  # [T/M, H]
+        future = collectives_async.reduce_scatter_start(y, **axes)
+    outs.append(collectives_async.reduce_scatter_done(future, **axes))
+    return jnp.concatenate(outs, axis=0)  # [T, H]

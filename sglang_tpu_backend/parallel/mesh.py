@@ -25,11 +25,15 @@ class EPContext:
 
     chip_axis, die_axis: mesh axis names; the EP ranks are every (chip, die) device.
     num_microbatches: micro-batches of the hierarchical reduce-scatter (1..4).
+    overlap_combine: compute the routed experts in ``num_microbatches`` micro-batches of
+      tokens and overlap each one's reduce-scatter with the next one's expert matmuls
+      (``models/moe.py``); every micro-batch reads the expert weights again.
     """
 
     chip_axis: str = CHIP_AXIS
     die_axis: str = DIE_AXIS
     num_microbatches: int = 2
+    overlap_combine: bool = False
 
     @property
     def axes(self) -> tuple[str, str]:

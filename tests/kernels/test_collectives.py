@@ -16,6 +16,7 @@ own order; float addition is not associative, so the last bits may differ -> rto
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -69,6 +70,15 @@ RS_CASES = [
     ("bf16_m2", "bfloat16", 2, 16, "int"),
     ("f32rand_m2", "float32", 2, 8, "rand"),
 ]
+
+# Start / done reduce-scatter cases (one micro-batch): (name, dtype, R, kind).
+ASYNC_CASES = [
+    ("f32", "float32", 8, "int"),
+    ("bf16", "bfloat16", 16, "int"),
+    ("f32rand", "float32", 8, "rand"),
+]
+# The expert-parallel MoE layer: tokens per device, experts (2 per device), width, top-k.
+MOE_TOKENS, MOE_EXPERTS, MOE_INTER, MOE_TOPK = 8, 16, 32, 2
 
 
 # ------------------------------------------------------------------------------------------
@@ -163,6 +173,9 @@ def _worker(out_dir: str) -> None:
     info["races_found"] = bool(ipc.races is not None and ipc.races.races_found)
     info["race_detector_ran"] = ipc.races is not None
 
+    _async_worker(run, arrays, to_numpy)
+    _moe_worker(mesh, spec, arrays)
+
     # --- ValueErrors (raised at trace time, inside shard_map) ----------------------------
     errors = {}
     bad_cases = {
@@ -246,6 +259,88 @@ def _worker(out_dir: str) -> None:
         json.dump(info, fh)
 
 
+def _async_worker(run, arrays, to_numpy) -> None:
+    """The start / done reduce-scatter (one micro-batch per pair) and its fused kernel under
+    the race detector; the synchronous kernel at M=1 alongside (same summation order)."""
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+
+    from kernels import collectives as col
+    from kernels import collectives_async as ca
+
+    def pair(a, impl):
+        return ca.reduce_scatter_done(ca.reduce_scatter_start(a, impl=impl), impl=impl)
+
+    for i, (name, dtype, rows, kind) in enumerate(ASYNC_CASES):
+        x = jnp.asarray(_make_input(dtype, 1, rows, kind, seed=50 + i)).astype(dtype)
+        arrays[f"async_{name}_x"] = to_numpy(x)
+        for impl in ("interpret", "reference"):
+            f, (xs,) = run(lambda a, impl=impl: pair(a, impl), x)
+            arrays[f"async_{name}_{impl}"] = to_numpy(f(xs))
+        f, (xs,) = run(lambda a: col.hierarchical_reduce_scatter(
+            a, num_microbatches=1, impl="interpret"), x)
+        arrays[f"async_{name}_sync"] = to_numpy(f(xs))
+        f, (xs,) = run(col.ref_hierarchical_reduce_scatter, x)
+        arrays[f"async_{name}_want"] = to_numpy(f(xs))
+
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+    x = jnp.asarray(_make_input("float32", 1, ROWS_PER_MICROBATCH, "int", seed=98))
+
+    def racy(a):
+        fut = ca.reduce_scatter_start(a, impl="interpret")
+        lo = col.ReduceScatterLayout(a.shape[0], a.shape[1], NUM_CHIPS, NUM_DIES, 1)
+        params = pltpu.InterpretParams(dma_execution_mode="eager", detect_races=True)
+        coords = col._peer_coords(lo, "chip", "die")
+        return ca._call_fused(coords, fut.x, (NUM_CHIPS, NUM_DIES, "chip", "die"), params)
+
+    f, (xs,) = run(racy, x)
+    arrays["async_race_got"] = np.asarray(f(xs))
+    arrays["async_race_x"] = np.asarray(x)
+    arrays["async_race_detector_ran"] = np.asarray(ipc.races is not None)
+    arrays["async_races_found"] = np.asarray(bool(ipc.races is not None
+                                                  and ipc.races.races_found))
+
+
+def _moe_worker(mesh, spec, arrays) -> None:
+    """The expert-parallel MoE layer (models/moe.py), float32: synchronous combine and the
+    micro-batched combine overlapped with the expert matmuls, for M = 2 and 4. Without
+    shard_map's varying-axes checks, as parallel/dp_forward.py runs it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sglang_tpu_backend.models import moe
+    from sglang_tpu_backend.parallel.mesh import EPContext
+
+    rng = np.random.RandomState(3)
+    t, h, inter, k = MOE_TOKENS, HIDDEN, MOE_INTER, MOE_TOPK
+    experts = {
+        "gate_up": (rng.standard_normal((MOE_EXPERTS, h, 2 * inter)) / h**0.5).astype(np.float32),
+        "down": (rng.standard_normal((MOE_EXPERTS, inter, h)) / inter**0.5).astype(np.float32),
+    }
+    x = rng.standard_normal((NUM_DEVICES * t, h)).astype(np.float32)
+    top_i = rng.randint(0, MOE_EXPERTS + 1, size=(NUM_DEVICES * t, k)).astype(np.int32)
+    top_w = rng.uniform(0, 1, size=(NUM_DEVICES * t, k)).astype(np.float32)
+    expert_spec = {"gate_up": P(("chip", "die")), "down": P(("chip", "die"))}
+    args = [jax.device_put(experts, {n: NamedSharding(mesh, s) for n, s in expert_spec.items()})]
+    args += [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, top_i, top_w)]
+    # Kernels' lax references only: on 8 interpreted CPU devices the routing and GMM kernels
+    # hang in the interpreter's buffer allocation (synchronous combine included).
+    for impl in ("reference",):
+        for label, ep in [("sync", EPContext(num_microbatches=2)),
+                          ("overlap2", EPContext(num_microbatches=2, overlap_combine=True)),
+                          ("overlap4", EPContext(num_microbatches=4, overlap_combine=True))]:
+            body = functools.partial(moe.ep_routed_experts, impl=impl, ep=ep)
+            f = jax.jit(_shard_map(lambda e, a, i, w, body=body: body(e, a, i, w), mesh,
+                                   (expert_spec, spec, spec, spec), spec, check_vma=False))
+            arrays[f"moe_{impl}_{label}"] = np.asarray(f(*args))
+            if label == "overlap2":
+                jaxpr = str(jax.make_jaxpr(f)(*args))
+                arrays[f"moe_{impl}_barriers"] = np.asarray(jaxpr.count("optimization_barrier"))
+
+
 # ------------------------------------------------------------------------------------------
 # Fixture: run the worker once
 # ------------------------------------------------------------------------------------------
@@ -324,6 +419,41 @@ def test_reduce_scatter_kernel_has_no_races(results):
     assert info["race_detector_ran"]
     assert not info["races_found"]
     np.testing.assert_array_equal(arrays["race_got"], _naive_reduce_scatter(arrays["race_x"]))
+
+
+@pytest.mark.parametrize("name,dtype,rows,kind", ASYNC_CASES, ids=[c[0] for c in ASYNC_CASES])
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_async_reduce_scatter_equals_sync_and_reference(results, name, dtype, rows, kind, impl):
+    arrays, _ = results
+    got, want = arrays[f"async_{name}_{impl}"], arrays[f"async_{name}_want"]
+    assert got.shape == want.shape == (NUM_DEVICES * rows, HIDDEN)
+    naive = _naive_reduce_scatter(arrays[f"async_{name}_x"])
+    if kind == "int":  # exact sums: every order gives the same bits
+        assert got.tobytes() == want.tobytes()
+        np.testing.assert_array_equal(got.astype(np.float64), naive)
+    else:
+        np.testing.assert_allclose(got, naive, rtol=1e-5, atol=1e-5)
+    if impl == "interpret":  # the synchronous kernel at M=1 sums in the same order
+        assert got.tobytes() == arrays[f"async_{name}_sync"].tobytes()
+
+
+def test_async_reduce_scatter_kernel_has_no_races(results):
+    arrays, _ = results
+    assert bool(arrays["async_race_detector_ran"])
+    assert not bool(arrays["async_races_found"])
+    np.testing.assert_array_equal(arrays["async_race_got"],
+                                  _naive_reduce_scatter(arrays["async_race_x"]))
+
+
+@pytest.mark.parametrize("label", ["overlap2", "overlap4"])
+def test_moe_overlapped_combine_equals_synchronous(results, label):
+    arrays, _ = results
+    impl = "reference"
+    sync, got = arrays[f"moe_{impl}_sync"], arrays[f"moe_{impl}_{label}"]
+    assert got.shape == sync.shape == (NUM_DEVICES * MOE_TOKENS, HIDDEN)
+    assert np.abs(sync).max() > 0.1  # routed rows reach every rank
+    assert got.tobytes() == sync.tobytes()  # each token's sums in the same order
+    assert int(arrays[f"moe_{impl}_barriers"]) == 2  # start -> next matmuls -> done
 
 
 ERROR_KEYS = [
@@ -405,6 +535,14 @@ def test_costs():
     assert cost.bytes_accessed > n * h * 4  # reads its whole input at least once
     bf16 = col.hierarchical_reduce_scatter_cost(n, h, dtype="bfloat16")
     assert bf16.bytes_accessed * 2 == cost.bytes_accessed
+    from kernels import collectives_async as ca
+
+    dims = dict(dtype="float32", num_chips=4, num_dies=2)
+    start = ca.reduce_scatter_start_cost(n, h, **dims)
+    done = ca.reduce_scatter_done_cost(n, h, **dims)
+    assert start.remote_bytes == 32 * h * 4 and start.flops == 0  # the other die's half
+    assert start + done == col.hierarchical_reduce_scatter_cost(n, h, **dims)
+    assert done.remote_bytes == 3 * 8 * h * 4 and done.bytes_accessed > 0
     ag = col.packed_all_gather_cost(num_tokens=16, top_k=8, num_devices=8)
     assert ag.flops == 0 and ag.bytes_accessed >= 8 * 16 * 8 * 2 * 4
 

@@ -17,8 +17,10 @@ keeps the KV cache in FP8 with per-row f32 scales (``--kv-cache-dtype fp8_e4m3``
 planner's KV bytes must count too.
 Overlap: in the scheduled decode step each MoE layer's hidden-state all-gather runs async (on
 the SparseCore) with TensorCore compute, the routing computation among it, between its start
-and done. The reduce-scatter kernel's micro-batches overlap its own die and ICI phases, not
-the expert matmuls (the kernels run one after another on the TensorCore).
+and done. The default reduce-scatter kernel's micro-batches overlap its own die and ICI phases, not
+the expert matmuls (the kernels run one after another on the TensorCore); with the overlapped
+combine (``EPContext.overlap_combine``) each micro-batch's async reduce-scatter is in flight
+while the next micro-batch's grouped matmuls run, counted in the scheduled HLO.
 The compile time of each program is printed in the end-of-run table.
 """
 
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 import pytest
 
 from kernels.tpu_compile import topology_devices
+from sglang_tpu_backend.compiled_roofline import program_cost
 from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.hlo_text import parse_module
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
@@ -111,14 +114,16 @@ def relaid_out_weights(hlo: str, cfg) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def compile_397b(topology: str, D: int, mode: ForwardMode, T: int, redundant: int = 0,
-                 kv: str = "bf16"):
+                 kv: str = "bf16", overlap: bool = False):
     """The full 397B DP x EP step (64 requests per rank at 9K contexts, FP8 experts, bf16 GDN
-    state), compiled once per session (``test_roofline_compile.py`` charges the decode one)."""
+    state), compiled once per session (``test_roofline_compile.py`` charges the decode one).
+    ``overlap``: the MoE combine overlapped with the expert matmuls (``EPContext``)."""
     mesh = make_mesh(D, topology_devices(topology))
     spec = StepSpec(mode, T, 64, 64, PAGES, 64 * PAGES, 256, 64)  # per DP rank
     kv_dtype = jnp.float8_e4m3fn if kv == "fp8" else jnp.bfloat16
     return compile_dp_step(config_397b(), spec, mesh, fp8_experts=True, kv_dtype=kv_dtype,
-                           state_dtype=jnp.bfloat16, redundant_experts=redundant)
+                           state_dtype=jnp.bfloat16, redundant_experts=redundant,
+                           overlap_combine=overlap)
 
 
 @pytest.mark.parametrize("topology,D,mode,T,redundant,kv", [
@@ -255,3 +260,75 @@ def test_397b_hidden_all_gather_overlaps_compute():
     for ops in hidden:
         assert len(ops) >= 4, [i.name for i in ops]
         assert any("routed_experts" in i.op_name for i in ops), [i.op_name for i in ops]
+
+
+def _producer(comp, name: str):
+    """The instruction whose result ``name`` forwards (through get-tuple-element, tuple and
+    opt-barrier): the start kernel behind an operand of a done kernel."""
+    ins = comp.instructions[name]
+    index = None
+    while True:
+        if ins.opcode == "get-tuple-element":
+            index = int(ins.attr("index"))
+            ins = comp.instructions[ins.operands[0]]
+        elif ins.opcode == "opt-barrier":
+            ins = comp.instructions[ins.operands[0]]
+        elif ins.opcode == "tuple" and index is not None:
+            ins, index = comp.instructions[ins.operands[index]], None
+        else:
+            return ins
+
+
+def reduce_scatter_windows(hlo: str) -> list[list]:
+    """Each async reduce-scatter (``kernels/collectives_async.py``: start kernel ... its done
+    kernel) of the scheduled program, in schedule order: the GMM kernels (Mosaic calls reading
+    FP8 expert weights) that the schedule places between start and done."""
+    comps, _ = parse_module(hlo)
+    windows = []
+    for comp in comps.values():
+        order = list(comp.instructions.values())
+        at = {ins.name: k for k, ins in enumerate(order)}
+        for done in order:
+            if done.opcode != "custom-call" or "reduce_scatter_done" not in done.op_name:
+                continue
+            start = _producer(comp, done.operands[1])  # the rows the start kernel aliased
+            assert "reduce_scatter_start" in start.op_name, (done.name, start.name)
+            between = order[at[start.name] + 1:at[done.name]]
+            gmms = [i for i in between if i.opcode == "custom-call"
+                    and "tpu_custom_call" in i.attrs
+                    and any(a.dtype == "f8e4m3fn" and len(a.dims) >= 3
+                            for o in i.operands for a in comp.instructions[o].arrays)]
+            windows.append(gmms)
+    return windows
+
+
+@pytest.mark.parametrize("mode,T", [(ForwardMode.DECODE, 64)], ids=["decode64"])
+def test_397b_reduce_scatter_overlaps_expert_matmuls(record, mode, T):
+    """With the overlapped combine (``EPContext.overlap_combine``, M = 2 micro-batches) the
+    397B step compiles and fits, and in its schedule each MoE layer's first reduce-scatter
+    start kernel is followed by the second micro-batch's grouped matmuls before its done
+    kernel: the stage-1 DMAs fly while the TensorCore multiplies."""
+    cfg = config_397b()
+    sizes = dict(running_requests=512, context_length=9216, page_size=256, expert_dtype="fp8",
+                 dtype="bf16", kv_dtype="bf16", state_dtype="bf16", max_num_batched_tokens=1024)
+    p = plan(cfg, "tpu7x:2x2x1", dp=8, ep=8, tp=1, **sizes)
+    report = compile_397b("tpu7x:2x2x1", 8, mode, T, overlap=True)
+    record(f"DP8xEP8 397B {mode.name} T={T}/rank, combine overlapped (M=2)", report,
+           min_kernels=5)
+    used = report.memory["argument_size_in_bytes"] + report.memory["temp_size_in_bytes"]
+    assert used <= p.hbm, (used, p.hbm)
+    windows = reduce_scatter_windows(report.hlo)
+    print("\nGMM kernels inside each async reduce-scatter:", [len(w) for w in windows])
+    assert len(windows) == 2 * cfg.layer_period, windows  # M = 2 per MoE layer of the body
+    for first in windows[::2]:  # the last micro-batch's has no next one to overlap
+        assert len(first) >= 2, first  # gate_up + down of the next micro-batch
+    for op in ("reduce-scatter", "all-reduce"):
+        assert count(report.hlo, rf" {op}(?:-start)?\(") == 0, op
+    # The compiled roofline charges the start and done kernels from their cost estimates, as
+    # every other op (it raises on an op it cannot charge), as communication; the routed
+    # experts read their weights once per micro-batch.
+    kinds = program_cost(report.hlo).kinds
+    comm = kinds["communication"]
+    print("per device: routed experts HBM GB", kinds["routed experts"].hbm_bytes / 1e9,
+          "communication die-to-die GB", comm.d2d_bytes / 1e9, "ICI GB", comm.ici_bytes / 1e9)
+    assert comm.d2d_bytes > 0 and comm.ici_bytes > 0
