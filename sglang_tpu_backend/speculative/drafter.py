@@ -46,11 +46,13 @@ class DraftGuard:
     misses:   judged proposals in a row with no draft accepted.
     skip:     proposals still to skip (the current pause).
     pause:    the length of the next pause.
+    accepted_any: whether any proposal had a draft accepted.
     """
 
     def __init__(self):
         self.pending: tuple[int, list[int]] | None = None
         self.misses, self.skip, self.pause = 0, 0, FIRST_PAUSE
+        self.accepted_any = False
 
     @property
     def judged_from(self) -> int | None:
@@ -67,7 +69,7 @@ class DraftGuard:
         accepted = next((j for j, (d, t) in enumerate(zip(drafts, new)) if d != t),
                         min(len(drafts), len(new)))
         if accepted:
-            self.misses, self.pause = 0, FIRST_PAUSE
+            self.misses, self.pause, self.accepted_any = 0, FIRST_PAUSE, True
             return
         self.misses += 1
         if self.misses >= MISSES_BEFORE_PAUSE:

@@ -9,7 +9,11 @@ is draft ``e+j-L``), so a sequence repeating a period shorter than ``k`` still g
 drafts.
 
 Back-off (``drafter.DraftGuard``): a request whose drafts keep being rejected stops drafting
-for a while, so its steps can run as plain decode steps.
+for a while, so its steps can run as plain decode steps. Until one of its drafts has been
+accepted a request proposes only on a match of at least ``PROBE_MIN_WINDOW`` tokens: in text
+that does not repeat a single token recurs by chance (a 1-token match in a 150-token
+sequence over a 1K vocabulary: one step in seven), a 2-token one almost never, and every
+such probe costs its batch a verify step.
 
 Cost: each request keeps an ``NgramIndex`` (with its ``DraftGuard``, in ``req.draft_state``)
 mapping every n-gram of each window size to its latest end. A step indexes only the tokens
@@ -23,6 +27,8 @@ from typing import Sequence
 
 from sglang_tpu_backend.managers.schedule_batch import Req
 from sglang_tpu_backend.speculative.drafter import DraftGuard
+
+PROBE_MIN_WINDOW = 2  # the shortest match a request proposes on before a draft was accepted
 
 
 class NgramIndex:
@@ -50,12 +56,15 @@ class NgramIndex:
                     break
                 self.ends[w][tuple(t[e - w:e])] = e
 
-    def propose(self, k: int) -> list[int]:
-        """Up to ``k`` drafts after the longest suffix that occurred before ([] if none did)."""
+    def propose(self, k: int, min_window: int | None = None) -> list[int]:
+        """Up to ``k`` drafts after the longest suffix of at least ``min_window`` (default: the
+        index's) tokens that occurred before ([] if none did)."""
         t, L = self.tokens, len(self.tokens)
         for w in reversed(self.windows):
             if w > L:
                 continue
+            if min_window is not None and w < min_window:
+                break
             e = self.ends[w].get(tuple(t[L - w:]))
             if e is None:
                 continue
@@ -70,8 +79,8 @@ class NgramIndex:
 class NgramDrafter:
     """``Drafter`` of ``--speculative-algorithm NGRAM``; its per-request state
     (``NgramIndex``, ``DraftGuard``) lives in ``req.draft_state``. A request's proposal is
-    [] unless a suffix of at least ``min_window`` tokens occurred before and its guard is
-    not pausing it."""
+    [] unless a suffix of at least ``min_window`` tokens (``PROBE_MIN_WINDOW`` before any
+    draft of it was accepted) occurred before and its guard is not pausing it."""
 
     def __init__(self, min_window: int, max_window: int):
         if not 1 <= min_window <= max_window:
@@ -88,7 +97,9 @@ class NgramDrafter:
             index.extend(req.fill_slice(len(index.tokens), n - len(index.tokens)))
             if guard.judged_from is not None:
                 guard.judge(index.tokens[guard.judged_from:])
-            drafts = index.propose(k) if guard.allow() else []
+            shortest = (self.min_window if guard.accepted_any
+                        else max(self.min_window, PROBE_MIN_WINDOW))
+            drafts = index.propose(k, shortest) if guard.allow() else []
             guard.proposed(len(index.tokens), drafts)
             out.append(drafts)
         return out

@@ -56,7 +56,7 @@ from sglang_tpu_backend.speculative.drafter import (
     CallbackDrafter,
 )
 from sglang_tpu_backend.speculative.nextn import NextnDrafter
-from sglang_tpu_backend.speculative.ngram import NgramDrafter, NgramIndex
+from sglang_tpu_backend.speculative.ngram import PROBE_MIN_WINDOW, NgramDrafter, NgramIndex
 from tests.cpu_devices import run_on_cpu_devices
 from tests.engine.conftest import ENGINE_ARGS, drained, serving, small_page_pool
 
@@ -606,6 +606,19 @@ def test_ngram_drafter_continues_a_period_and_the_longest_match():
     assert drafter.propose([FakeReq([1, 2, 3], [])], 3) == [[]]
 
 
+def test_ngram_probes_need_a_two_token_match_until_a_draft_is_accepted():
+    """A request none of whose drafts was accepted yet proposes only on a match of at least
+    PROBE_MIN_WINDOW tokens; afterwards on ``min_window`` (1) tokens."""
+    drafter = NgramDrafter(1, 4)
+    req = FakeReq([5, 6, 7, 8, 6], [])  # only the 1-token suffix "6" occurred before
+    assert PROBE_MIN_WINDOW == 2 and drafter.propose([req], K) == [[]]
+    req.output_ids += [5, 6]  # "5 6" occurred: a probe
+    assert drafter.propose([req], K) == [[7, 8, 6]]
+    req.output_ids += [7, 9]  # its first draft accepted, then the target's own token
+    req.output_ids += [5, 8]  # only "8" (1 token) occurred before: proposed now
+    assert drafter.propose([req], K) == [[6, 5, 6]]
+
+
 # Adaptive speculation: steps without drafts run as DECODE ----------------------------------
 def random_prompts(seed: int, n: int, tag: str) -> list[GenerateReqInput]:
     """``n`` greedy requests of random prompts (no repeated pattern), 24 outputs each."""
@@ -651,7 +664,8 @@ def test_ngram_back_off_after_rejected_drafts():
     """Two proposals in a row with nothing accepted pause drafting for 4 decode steps, then
     8, 16, ... up to MAX_PAUSE; one accepted draft ends the back-off."""
     drafter = NgramDrafter(1, 4)
-    req = FakeReq([1, 2, 3] * 2, [])  # tokens 1, 2 and 3 only: a 1-token suffix always matches
+    # Tokens 1, 2 and 3 only, every pair of them in the prompt: a 2-token suffix always matches.
+    req = FakeReq([1, 1, 2, 2, 3, 3, 1, 3, 2, 1, 1], [])
 
     def step(accept: int = 0) -> bool:
         """One decode step: propose, append the first ``accept`` drafts and then a token
