@@ -52,12 +52,13 @@ def median_seconds(fn, reps: int) -> float:
 
 
 def moe_params(h: int, e: int, i: int, s: int, dtype, seed: int = 0) -> dict:
-    """Random MoE-block params in the model's layout (models/qwen3_5_moe.py)."""
+    """Random MoE-block params in the model's layout (models/qwen3_5_moe.py): routed experts
+    [E, out, in], the rest [in, out]."""
     rng = np.random.default_rng(seed)
-    w = lambda *shape: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), dtype)  # noqa: E731
-    return {"gate": w(h, e), "experts": {"gate_up": w(e, h, 2 * i), "down": w(e, i, h)},
-            "shared_expert": {"gate_up": w(h, 2 * s), "down": w(s, h)},
-            "shared_expert_gate": w(h, 1)}
+    w = lambda fan_in, *shape: jnp.asarray(rng.standard_normal(shape) / np.sqrt(fan_in), dtype)  # noqa: E731
+    return {"gate": w(h, h, e), "experts": {"gate_up": w(h, e, 2 * i, h), "down": w(i, e, h, i)},
+            "shared_expert": {"gate_up": w(h, h, 2 * s), "down": w(s, s, h)},
+            "shared_expert_gate": w(h, h, 1)}
 
 
 def bench_layer(name: str, rows: int, tms: list[int], reps: int, dtype) -> None:

@@ -8,9 +8,13 @@ Dimension letters: M rows (token-expert assignments, sorted by group), K contrac
 ``skip_tail=True`` are left unwritten (the Pallas kernel neither reads nor writes their tiles:
 an expert-parallel step whose local groups hold ~1/D of the M rows moves only those).
 
-FP8: ``rhs`` may be ``float8_e4m3fn`` with a block scale ``rhs_scale f32[G, ceil(K/128),
-ceil(N/128)]`` (``w[g,k,n] = rhs[g,k,n] * rhs_scale[g, k//128, n//128]``, the checkpoint's
-``weight_scale_inv`` convention). With ``quantize_lhs=True`` the activations are also
+``rhs`` holds each group's weights as ``[N, K]`` (output rows, contraction last): the
+checkpoints' ``[out, in]`` layout, so weights are loaded as stored, never transposed; every
+path contracts lhs's K with rhs's last axis (``out[r] = lhs[r] @ rhs[g].T``).
+
+FP8: ``rhs`` may be ``float8_e4m3fn`` with a block scale ``rhs_scale f32[G, ceil(N/128),
+ceil(K/128)]`` (``w[g,n,k] = rhs[g,n,k] * rhs_scale[g, n//128, k//128]``: the checkpoint's
+``weight_scale_inv`` as stored). With ``quantize_lhs=True`` the activations are also
 quantised to e4m3, per row per 512-wide K sub-channel (scale = amax / 448), inside the kernel.
 
 Pallas kernel (megablox-style): grid ``(N tiles, visits, K tiles)``. A *visit* is one
@@ -27,8 +31,8 @@ stack (no gathered copy of every tile's weights), and each row reads its result 
 reference (one masked dense matmul per group over all M rows) stays the obvious oracle.
 
 TPU assumptions: tiles tm x tk x tn with tm a multiple of 16 and tk, tn multiples of 128
-(defaults 128 x 512 x 512: for the model's K=4096, N=1024 the weight tiles are 512 KiB in
-bf16, 256 KiB in fp8, well inside the default scoped VMEM). Shapes that are not tile
+(defaults 128 x 512 x 512: for the model's K=4096, N=1024 the weight tiles [tn, tk] are
+512 KiB in bf16, 256 KiB in fp8, well inside the default scoped VMEM). Shapes that are not tile
 multiples are zero-padded by the wrapper (never the case for the model's K and N).
 """
 
@@ -74,7 +78,7 @@ def _largest_dividing_tile(dim: int, cap: int) -> int:
 
 
 def default_block_sizes(m: int, k: int, n: int, *, quantize_lhs: bool = False) -> GmmBlockSizes:
-    """Tiles for an [m, k] x [k, n] problem (n = one half's width for SwiGLU)."""
+    """Tiles for an [m, k] x [n, k]^T problem (n = one half's width for SwiGLU)."""
     tm = min(128, _round_up(max(m, 1), 16))
     if quantize_lhs:
         tk = min(LHS_QUANT_BLOCK, _round_up(k, 128))  # one tile = one 512 sub-channel
@@ -87,34 +91,34 @@ def default_block_sizes(m: int, k: int, n: int, *, quantize_lhs: bool = False) -
 
 
 def quantize_fp8_blockwise(w, block: int = WEIGHT_BLOCK):
-    """Block-wise e4m3 quantisation of expert weights.
+    """Block-wise e4m3 quantisation of expert weights (blocks over the last two axes).
 
     Args:
-      w: float[G, K, N].
+      w: float[G, N, K] (any [G, rows, cols]).
       block: square block size (128 in the checkpoints).
     Returns:
-      (w_fp8 float8_e4m3fn[G, K, N], scale f32[G, ceil(K/block), ceil(N/block)]) with
-      ``w ~= w_fp8 * scale[:, k // block, n // block]``; scale = block amax / 448 (1 for an
+      (w_fp8 float8_e4m3fn[G, N, K], scale f32[G, ceil(N/block), ceil(K/block)]) with
+      ``w ~= w_fp8 * scale[:, n // block, k // block]``; scale = block amax / 448 (1 for an
       all-zero block), values rounded as ``w * (1 / scale)``.
     """
     if w.ndim != 3:
-        raise ValueError(f"w must be [G, K, N], got shape {w.shape}")
-    g, k, n = w.shape
-    kb, nb = -(-k // block), -(-n // block)
-    w32 = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, kb * block - k), (0, nb * block - n)))
-    blocks = w32.reshape(g, kb, block, nb, block)  # f32[G, Kb, b, Nb, b]
-    amax = jnp.max(jnp.abs(blocks), axis=(2, 4))  # f32[G, Kb, Nb]
+        raise ValueError(f"w must be [G, N, K], got shape {w.shape}")
+    g, n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    w32 = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, nb * block - n), (0, kb * block - k)))
+    blocks = w32.reshape(g, nb, block, kb, block)  # f32[G, Nb, b, Kb, b]
+    amax = jnp.max(jnp.abs(blocks), axis=(2, 4))  # f32[G, Nb, Kb]
     scale = _fp8_scale(amax)
     inv = (1.0 / scale)[:, :, None, :, None]
     q = jnp.clip(blocks * inv, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    q = q.reshape(g, kb * block, nb * block)[:, :k, :n]
+    q = q.reshape(g, nb * block, kb * block)[:, :n, :k]
     return q, scale
 
 
 def dequantize_fp8_blockwise(w_fp8, scale, block: int = WEIGHT_BLOCK):
-    """f32[G, K, N] = w_fp8 * scale expanded over block x block tiles."""
-    _, k, n = w_fp8.shape
-    s = jnp.repeat(jnp.repeat(scale, block, axis=1), block, axis=2)[:, :k, :n]
+    """f32[G, N, K] = w_fp8 * scale expanded over block x block tiles."""
+    _, n, k = w_fp8.shape
+    s = jnp.repeat(jnp.repeat(scale, block, axis=1), block, axis=2)[:, :n, :k]
     return w_fp8.astype(jnp.float32) * s
 
 
@@ -150,17 +154,22 @@ def _ref_dense_inputs(lhs, rhs, rhs_scale, quantize_lhs):
         w = dequantize_fp8_blockwise(rhs, rhs_scale)
     else:
         w = rhs.astype(jnp.float32)
-    return x, w  # f32[M, K], f32[G, K, N]
+    return x, w  # f32[M, K], f32[G, N, K]
+
+
+def _dot_t(x, w, **kwargs):
+    """x [M, K] times w [N, K] transposed -> [M, N]: contracts both operands' last axes."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), **kwargs)
 
 
 def _ref_grouped(x, w, group_sizes):
-    """f32[M, N]: rows of group g times w[g]; rows past the groups are zero."""
+    """f32[M, N]: rows of group g times w[g].T; rows past the groups are zero."""
     m = x.shape[0]
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))  # i32[G]
     row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")  # i32[M]
-    out = jnp.zeros((m, w.shape[2]), jnp.float32)
+    out = jnp.zeros((m, w.shape[1]), jnp.float32)
     for g in range(w.shape[0]):  # one masked dense matmul per group (reference only)
-        y = jnp.dot(x, w[g], precision=jax.lax.Precision.HIGHEST)
+        y = _dot_t(x, w[g], precision=jax.lax.Precision.HIGHEST)
         out = out + jnp.where((row_group == g)[:, None], y, 0.0)
     return out
 
@@ -177,14 +186,14 @@ def ref_gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False,
     _validate(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, swiglu=True)
     x, w = _ref_dense_inputs(lhs, rhs, rhs_scale, quantize_lhs)
     h = _ref_grouped(x, w, group_sizes)  # f32[M, 2N]
-    n = rhs.shape[2] // 2
+    n = rhs.shape[1] // 2
     return (jax.nn.silu(h[:, :n]) * h[:, n:]).astype(out_dtype or lhs.dtype)
 
 
 # --------------------------------------------------------------------------- XLA (off-TPU)
 
 # Rows per tile of the XLA path (the floor: larger M grows it, see ``xla_tile_rows``). Each
-# tile copies its group's [K, N] weights out of the stack (XLA:CPU materialises a dynamic
+# tile copies its group's [N, K] weights out of the stack (XLA:CPU materialises a dynamic
 # slice before a dot; the copy lands in cache, where the dot reads it) and multiplies all its
 # rows, padding included. At decode sizes XLA:CPU's dot costs more with more rows even with
 # the weights in cache, so tiles should be no larger than the groups they hold: decode has
@@ -242,10 +251,10 @@ def xla_tile_plan(group_sizes, num_rows: int, tm: int = XLA_TILE_ROWS):
 def _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm):
     """f32[M, N]: the tiled grouped matmul (``silu(gate) * up`` per tile for SwiGLU).
 
-    x [M, K] (f32, or bf16 when lhs and weights are bf16); rhs [Lyr, G, K, N'] (N' = 2N for
-    SwiGLU) and rhs_scale f32[Lyr, G, Kb, Nb'] or None, read at ``layer``. A loop over the
+    x [M, K] (f32, or bf16 when lhs and weights are bf16); rhs [Lyr, G, N', K] (N' = 2N for
+    SwiGLU) and rhs_scale f32[Lyr, G, Nb', Kb] or None, read at ``layer``. A loop over the
     tiles the groups use (a traced trip count: sum_g ceil(size_g / tm)) gathers each tile's
-    rows [tm, K], slices its group's weights [K, N'] out of the stack in their stored dtype
+    rows [tm, K], slices its group's weights [N', K] out of the stack in their stored dtype
     (FP8 dequantised to f32 after the slice, so only the weights the tiles use are
     converted) and multiplies with fp32 accumulation; each row then picks its tile slot back.
     One pass over a group's weights per tile: about ``M * K * N`` FLOPs and
@@ -254,22 +263,22 @@ def _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm):
     """
     m, k = x.shape
     tile_group, tile_rows, row_slot = xla_tile_plan(group_sizes, m, tm)
-    num_tiles, width = tile_group.shape[0], rhs.shape[3]
+    num_tiles, width = tile_group.shape[0], rhs.shape[2]
     n = width // 2 if swiglu else width
     used = jnp.sum((jnp.minimum(group_sizes, m) + tm - 1) // tm)  # tiles holding rows
 
     def tile(s, out):
         g = tile_group[s]
-        w = jax.lax.dynamic_slice(rhs, (layer, g, 0, 0), (1, 1, k, width))[0, 0]  # [K, N']
+        w = jax.lax.dynamic_slice(rhs, (layer, g, 0, 0), (1, 1, width, k))[0, 0]  # [N', K]
         if rhs_scale is not None:
             sc = jax.lax.dynamic_slice(rhs_scale, (layer, g, 0, 0),
-                                       (1, 1, *rhs_scale.shape[2:]))[0, 0]  # f32[Kb, Nb']
+                                       (1, 1, *rhs_scale.shape[2:]))[0, 0]  # f32[Nb', Kb]
             sc = jnp.repeat(jnp.repeat(sc, WEIGHT_BLOCK, axis=0), WEIGHT_BLOCK, axis=1)
-            w = w.astype(jnp.float32) * sc[:k, :width]  # as dequantize_fp8_blockwise
+            w = w.astype(jnp.float32) * sc[:width, :k]  # as dequantize_fp8_blockwise
         w = w.astype(x.dtype)  # no-op unless f32 activations meet bf16 weights
         xt = jnp.take(x, tile_rows[s], axis=0, mode="fill", fill_value=0)  # [tm, K]
-        y = jnp.dot(xt, w, preferred_element_type=jnp.float32,
-                    precision=jax.lax.Precision.HIGHEST)  # f32[tm, N']
+        y = _dot_t(xt, w, preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST)  # f32[tm, N']
         if swiglu:
             y = jax.nn.silu(y[:, :n]) * y[:, n:]
         return jax.lax.dynamic_update_slice(out, y, (s * tm, 0))
@@ -280,14 +289,14 @@ def _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm):
 
 def xla_gmm_impl(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype, swiglu,
                  tm: int | None = None):
-    """The XLA path of :func:`gmm` / :func:`gmm_swiglu` with stacked ``rhs`` [Lyr, G, K, N].
+    """The XLA path of :func:`gmm` / :func:`gmm_swiglu` with stacked ``rhs`` [Lyr, G, N, K].
 
     Same fp32 math as the reference (activations quantised the same way with
     ``quantize_lhs``), but only each row's own group is computed: about ``M * K * N`` FLOPs
     plus (tiles x K x N) weight reads instead of the reference's ``G * M * K * N``.
     """
     m = lhs.shape[0]
-    n = rhs.shape[3] // 2 if swiglu else rhs.shape[3]
+    n = rhs.shape[2] // 2 if swiglu else rhs.shape[2]
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
     tm = tm or xla_tile_rows(m, rhs.shape[1])  # read at trace time: a benchmark sweeps it
@@ -304,9 +313,9 @@ def xla_gmm_impl(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtyp
 
 def _validate(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, *, swiglu):
     if lhs.ndim != 2 or rhs.ndim != 3:
-        raise ValueError(f"lhs must be [M, K] and rhs [G, K, N]; got {lhs.shape}, {rhs.shape}")
+        raise ValueError(f"lhs must be [M, K] and rhs [G, N, K]; got {lhs.shape}, {rhs.shape}")
     m, k = lhs.shape
-    g, k2, n = rhs.shape
+    g, n, k2 = rhs.shape
     if k2 != k:
         raise ValueError(f"contraction mismatch: lhs {lhs.shape} vs rhs {rhs.shape}")
     if g < 1:
@@ -316,14 +325,14 @@ def _validate(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, *, swiglu):
     if not jnp.issubdtype(lhs.dtype, jnp.floating) or lhs.dtype == FP8_DTYPE:
         raise ValueError(f"lhs must be bf16/f32, got {lhs.dtype}")
     if swiglu and n % 2:
-        raise ValueError(f"gmm_swiglu rhs must be [G, K, 2N] (gate | up), got {rhs.shape}")
+        raise ValueError(f"gmm_swiglu rhs must be [G, 2N, K] (gate | up rows), got {rhs.shape}")
     is_fp8 = rhs.dtype == FP8_DTYPE
     if is_fp8 != (rhs_scale is not None):
         raise ValueError(
             f"rhs_scale is required exactly when rhs is float8_e4m3fn (rhs {rhs.dtype}, "
             f"rhs_scale {None if rhs_scale is None else rhs_scale.shape})")
     if is_fp8:
-        want = (g, -(-k // WEIGHT_BLOCK), -(-n // WEIGHT_BLOCK))
+        want = (g, -(-n // WEIGHT_BLOCK), -(-k // WEIGHT_BLOCK))
         if rhs_scale.shape != want:
             raise ValueError(f"rhs_scale must be f32{list(want)} for rhs {rhs.shape}, got {rhs_scale.shape}")
         if swiglu and (n // 2) % WEIGHT_BLOCK:
@@ -399,9 +408,9 @@ def _gmm_kernel(
     tile_ref, group_ref, lo_ref, hi_ref, first_ref,  # i32[V] each
     # Input
     lhs_ref,  # [tm, tk]
-    *refs,  # rhs [1, tk, tn] (x2 for SwiGLU: gate, up), scale f32[1, Kb, Nb] (SMEM, fp8 only)
-    # Output: o_ref [tm, tn]; Scratch: acc f32[tm, tn] (x2 for SwiGLU), wdeq [tk, tn] (fp8)
-    tm, tk, tn, num_k, swiglu, fp8, quantize, up_col_block, compute_dtype,
+    *refs,  # rhs [1, tn, tk] (x2 for SwiGLU: gate, up), scale f32[1, Nb, Kb] (SMEM, fp8 only)
+    # Output: o_ref [tm, tn]; Scratch: acc f32[tm, tn] (x2 for SwiGLU), wdeq [tn, tk] (fp8)
+    tm, tk, tn, num_k, swiglu, fp8, quantize, up_block, compute_dtype,
 ):
     num_rhs = 2 if swiglu else 1
     rhs_refs = refs[:num_rhs]
@@ -420,15 +429,15 @@ def _gmm_kernel(
         for acc in acc_refs:
             acc[...] = jnp.zeros_like(acc)
 
-    def load_rhs(rhs_ref, col_block0):
+    def load_rhs(rhs_ref, out_block0):
         if not fp8:
-            return rhs_ref[0].astype(compute_dtype)  # [tk, tn]
+            return rhs_ref[0].astype(compute_dtype)  # [tn, tk]
         kb0 = k * (tk // WEIGHT_BLOCK)
-        for i in range(tk // WEIGHT_BLOCK):  # dequantise per 128 x 128 block into VMEM
-            for jb in range(tn // WEIGHT_BLOCK):
-                s = scale_ref[0, kb0 + i, col_block0 + jb]
-                rs = slice(i * WEIGHT_BLOCK, (i + 1) * WEIGHT_BLOCK)
-                cs = slice(jb * WEIGHT_BLOCK, (jb + 1) * WEIGHT_BLOCK)
+        for jb in range(tn // WEIGHT_BLOCK):  # dequantise per 128 x 128 block into VMEM
+            for i in range(tk // WEIGHT_BLOCK):
+                s = scale_ref[0, out_block0 + jb, kb0 + i]
+                rs = slice(jb * WEIGHT_BLOCK, (jb + 1) * WEIGHT_BLOCK)
+                cs = slice(i * WEIGHT_BLOCK, (i + 1) * WEIGHT_BLOCK)
                 blk = rhs_ref[0, rs, cs].astype(jnp.float32) * s
                 wdeq_ref[rs, cs] = blk.astype(compute_dtype)
         return wdeq_ref[...]
@@ -443,10 +452,10 @@ def _gmm_kernel(
             x, row_scale = _quantize_rows(x.astype(jnp.float32))
         x = jnp.where(in_group, x, 0).astype(compute_dtype)  # [tm, tk]
         precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-        col_block0 = n * (tn // WEIGHT_BLOCK)
+        out_block0 = n * (tn // WEIGHT_BLOCK)
         for r, (rhs_ref, acc) in enumerate(zip(rhs_refs, acc_refs)):
-            w = load_rhs(rhs_ref, col_block0 + r * up_col_block)
-            y = jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
+            w = load_rhs(rhs_ref, out_block0 + r * up_block)  # [tn, tk]
+            y = _dot_t(x, w, preferred_element_type=jnp.float32, precision=precision)
             acc[...] += y * row_scale if quantize else y
 
     @pl.when(k == num_k - 1)
@@ -461,10 +470,12 @@ def _gmm_kernel(
 
 def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype, swiglu, blocks,
                 resolved, skip_tail, cost_rows, row_split):
-    """rhs [Lyr, G, K, N] (scale [Lyr, G, Kb, Nb]) read at ``layer`` by the BlockSpecs: the
-    stacked weights enter the kernel whole, so XLA never slices (copies) one layer out."""
+    """rhs [Lyr, G, N, K] (scale [Lyr, G, Nb, Kb]) read at ``layer`` by the BlockSpecs: the
+    stacked weights enter the kernel whole, so XLA never slices (copies) one layer out. Each
+    weight tile is [tn, tk] (rows of the output, columns of the contraction), multiplied
+    transposed by the MXU: no relayout of the weights anywhere."""
     m, k = lhs.shape
-    num_layers, g, _, n_total = rhs.shape
+    num_layers, g, n_total, _ = rhs.shape
     n = n_total // 2 if swiglu else n_total  # output width
     fp8 = rhs_scale is not None
     tm, tk, tn = blocks.tm, blocks.tk, blocks.tn
@@ -472,23 +483,22 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
     num_k, num_n = kp // tk, np_ // tn
 
     # Zero padding to tile multiples (none for the model's shapes). The weights are passed
-    # untouched when they need none: even a no-op reshape of [G, K, 2N] into halves makes XLA
+    # untouched when they need none: even a no-op reshape of [G, 2N, K] into halves makes XLA
     # relay out (copy) the whole weight array, which under the layer scan is the whole stack.
     lhs_p = jnp.pad(lhs, ((0, mp - m), (0, kp - k)))  # [Mp, Kp]
     halves = 2 if swiglu else 1
     rhs_p = rhs
     if kp != k or np_ != n:
-        rhs_p = rhs.reshape(num_layers, g, k, halves, n)
-        rhs_p = jnp.pad(rhs_p, ((0, 0), (0, 0), (0, kp - k), (0, 0), (0, np_ - n))).reshape(
-            num_layers, g, kp, halves * np_)
+        rhs_p = rhs.reshape(num_layers, g, halves, n, k)
+        rhs_p = jnp.pad(rhs_p, ((0, 0), (0, 0), (0, 0), (0, np_ - n), (0, kp - k))).reshape(
+            num_layers, g, halves * np_, kp)
     if fp8:
         kb, nb = kp // WEIGHT_BLOCK, np_ // WEIGHT_BLOCK
-        s = rhs_scale.astype(jnp.float32)  # f32[Lyr, G, Kb, Nb]
-        s = (s.reshape(num_layers, g, s.shape[2], halves, s.shape[3] // halves) if swiglu
-             else s[:, :, :, None, :])
-        s = jnp.pad(s, ((0, 0), (0, 0), (0, kb - s.shape[2]), (0, 0), (0, nb - s.shape[4])),
+        s = rhs_scale.astype(jnp.float32)  # f32[Lyr, G, Nb, Kb]
+        s = s.reshape(num_layers, g, halves, s.shape[2] // halves, s.shape[3])
+        s = jnp.pad(s, ((0, 0), (0, 0), (0, 0), (0, nb - s.shape[3]), (0, kb - s.shape[4])),
                     constant_values=1.0)
-        scale_p = s.reshape(num_layers, g, kb, halves * nb)  # f32[Lyr, G, Kp/128, h*Np/128]
+        scale_p = s.reshape(num_layers, g, halves * nb, kb)  # f32[Lyr, G, h*Np/128, Kp/128]
 
     meta = make_group_metadata(group_sizes, m, tm, skip_tail=skip_tail)  # i32[5, V]
     num_visits = meta.shape[1]
@@ -499,10 +509,10 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
         return tile[vi], ki
 
     def gate_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
-        return lyr[0], group[vi], ki, ni
+        return lyr[0], group[vi], ni, ki
 
     def up_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
-        return lyr[0], group[vi], ki, ni + num_n
+        return lyr[0], group[vi], ni + num_n, ki
 
     def scale_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
         return lyr[0], group[vi], 0, 0
@@ -510,22 +520,22 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
     def out_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
         return (tile[vi], ni) if row_split is None else (tile[vi], 0, 0)  # split: one N tile
 
-    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((None, 1, tk, tn), gate_map)]
+    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((None, 1, tn, tk), gate_map)]
     operands = [lhs_p, rhs_p]
     if swiglu:
-        in_specs.append(pl.BlockSpec((None, 1, tk, tn), up_map))
+        in_specs.append(pl.BlockSpec((None, 1, tn, tk), up_map))
         operands.append(rhs_p)
     if fp8:  # the whole group's scale table, a few hundred floats, as scalars
-        in_specs.append(pl.BlockSpec((None, 1, kb, halves * nb), scale_map,
+        in_specs.append(pl.BlockSpec((None, 1, halves * nb, kb), scale_map,
                                      memory_space=pltpu.SMEM))
         operands.append(scale_p)
     scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(halves)]  # fp32 accumulators
     if fp8:
-        scratch.append(pltpu.VMEM((tk, tn), compute_dtype))  # dequantised weight tile
+        scratch.append(pltpu.VMEM((tn, tk), compute_dtype))  # dequantised weight tile
 
     kernel = functools.partial(
         _gmm_kernel, tm=tm, tk=tk, tn=tn, num_k=num_k, swiglu=swiglu, fp8=fp8,
-        quantize=quantize_lhs, up_col_block=np_ // WEIGHT_BLOCK, compute_dtype=compute_dtype)
+        quantize=quantize_lhs, up_block=np_ // WEIGHT_BLOCK, compute_dtype=compute_dtype)
     cost_fn = gmm_swiglu_cost if swiglu else gmm_cost
     cost = cost_fn(m if cost_rows is None else cost_rows, k, n, g,
                    lhs_itemsize=lhs.dtype.itemsize, rhs_itemsize=rhs.dtype.itemsize,
@@ -561,12 +571,12 @@ def _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, b
         rhs, layer = rhs[None], 0
         rhs_scale = None if rhs_scale is None else rhs_scale[None]
     elif rhs.ndim != 4:
-        raise ValueError(f"with layer=, rhs must be stacked [Lyr, G, K, N], got {rhs.shape}")
+        raise ValueError(f"with layer=, rhs must be stacked [Lyr, G, N, K], got {rhs.shape}")
     one = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)  # noqa: E731
     _validate(lhs, one(rhs), group_sizes, one(rhs_scale), quantize_lhs, swiglu=swiglu)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     m, k = lhs.shape
-    n = rhs.shape[3] // 2 if swiglu else rhs.shape[3]
+    n = rhs.shape[2] // 2 if swiglu else rhs.shape[2]
     if row_split is not None and n % (128 * row_split):
         raise ValueError(f"row_split={row_split} needs N % (128 * row_split) == 0, got N={n}")
     resolved = dispatch.resolve(impl, has_xla=True)
@@ -594,19 +604,21 @@ def _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, b
 def gmm(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=None, impl=None,
         block_sizes: GmmBlockSizes | None = None, layer=None, skip_tail: bool = False,
         cost_rows: int | None = None, row_split: int | None = None):
-    """Grouped matmul: ``out[r] = lhs[r] @ w[group(r)]``, fp32 accumulation.
+    """Grouped matmul: ``out[r] = lhs[r] @ w[group(r)].T``, fp32 accumulation.
 
     Args:
       lhs: [M, K] bf16/f32, rows sorted by group.
-      rhs: [G, K, N] bf16/f32, or float8_e4m3fn with ``rhs_scale``.
+      rhs: [G, N, K] bf16/f32 (each group's weights [out, in], as checkpoints store them), or
+        float8_e4m3fn with ``rhs_scale``.
       group_sizes: i32[G]; empty groups allowed; rows past the sum give zeros.
-      rhs_scale: f32[G, ceil(K/128), ceil(N/128)] block scales for FP8 ``rhs``.
+      rhs_scale: f32[G, ceil(N/128), ceil(K/128)] block scales for FP8 ``rhs`` (the
+        checkpoints' ``weight_scale_inv``).
       quantize_lhs: FP8 only; quantise lhs to e4m3 per row per 512-wide K sub-channel.
       out_dtype: defaults to lhs.dtype.
       impl: see :mod:`kernels.dispatch` (static under jit).
       block_sizes: tile override for the Pallas path (the XLA path tiles rows by
         ``XLA_TILE_ROWS``).
-      layer: optional int or traced i32 scalar; then ``rhs`` is a stack [Lyr, G, K, N] (scale
+      layer: optional int or traced i32 scalar; then ``rhs`` is a stack [Lyr, G, N, K] (scale
         [Lyr, G, ...]) of one weight set per model layer and ``rhs[layer]`` is used. The Pallas
         path reads it in place (no XLA slice of the stack, which under a layer scan copies).
       skip_tail: the Pallas kernel leaves rows past ``sum(group_sizes)`` unwritten (their
@@ -629,13 +641,14 @@ def gmm(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=
 def gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=None,
                impl=None, block_sizes: GmmBlockSizes | None = None, layer=None,
                skip_tail: bool = False, cost_rows: int | None = None):
-    """Grouped ``silu(lhs @ gate) * (lhs @ up)`` with gate and up tiles in one kernel pass.
+    """Grouped ``silu(lhs @ gate.T) * (lhs @ up.T)`` with gate and up tiles in one kernel pass.
 
     Args:
       lhs: [M, K], rows sorted by group.
-      rhs: [G, K, 2N], columns ``[gate (N) | up (N)]``; FP8 needs N % 128 == 0.
+      rhs: [G, 2N, K], rows ``[gate (N) | up (N)]`` (a checkpoint's gate_proj and up_proj
+        [N, K] stacked); FP8 needs N % 128 == 0.
       group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, block_sizes, layer, skip_tail,
-        cost_rows: as :func:`gmm` (``rhs_scale`` is f32[G, ceil(K/128), 2N/128]).
+        cost_rows: as :func:`gmm` (``rhs_scale`` is f32[G, 2N/128, ceil(K/128)]).
     Returns:
       [M, N] in out_dtype; the activation is computed in fp32 inside the kernel.
     """
@@ -649,7 +662,7 @@ def gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out
 
 def gmm_cost(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int = 2,
              rhs_itemsize: int = 2, out_itemsize: int = 2) -> Cost:
-    """[M, K] x [G, K, N] grouped matmul: 2MKN FLOPs; lhs, all weights (+ FP8 scales), out once."""
+    """[M, K] x [G, N, K] grouped matmul: 2MKN FLOPs; lhs, all weights (+ FP8 scales), out once."""
     scale_bytes = 4 * num_groups * -(-k // WEIGHT_BLOCK) * -(-n // WEIGHT_BLOCK) if rhs_itemsize == 1 else 0
     return Cost(
         flops=2 * m * k * n,
@@ -660,7 +673,7 @@ def gmm_cost(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int = 2,
 
 def gmm_swiglu_cost(m: int, k: int, n: int, num_groups: int, *, lhs_itemsize: int = 2,
                     rhs_itemsize: int = 2, out_itemsize: int = 2) -> Cost:
-    """[M, K] x [G, K, 2N] then silu(gate) * up -> [M, N] (n is the output width)."""
+    """[M, K] x [G, 2N, K] then silu(gate) * up -> [M, N] (n is the output width)."""
     mm = gmm_cost(m, k, 2 * n, num_groups, lhs_itemsize=lhs_itemsize, rhs_itemsize=rhs_itemsize,
                   out_itemsize=0)
     return Cost(flops=mm.flops + 4 * m * n, bytes_accessed=mm.bytes_accessed + m * n * out_itemsize,

@@ -3,7 +3,8 @@
 Reads HF Qwen3.5-MoE (``model.language_model.`` / ``model.`` prefixes) and Qwen3-Next
 checkpoints, fused or per-expert expert layouts, bf16/fp32/FP8-block-scaled weights. Every
 expected tensor's name and shape is checked from the file headers before any data is read;
-then tensors stream one at a time: read, dequantise, transpose to [in, out], cast, place.
+then tensors stream one at a time: read, dequantise, transpose to [in, out] (all but the
+routed experts, which keep the checkpoint's [out, in]), cast, place.
 ``load_params`` skips the multi-token-prediction layers under ``mtp.*``; ``load_mtp_params``
 reads them, with the same checks and dtype/FP8 handling (layout in ``models/mtp.py``).
 
@@ -320,13 +321,14 @@ def _gdn_leaves(r: _Reader, cfg: ModelConfig, p: str) -> dict:
 
 
 def _expert_leaves(r: _Reader, cfg: ModelConfig, p: str, keep_fp8: bool) -> dict:
-    """Routed experts -> gate_up [E, H, 2I], down [E, I, H] (+ block scales when kept FP8),
-    each readable for a range of experts, read as stored: the last two axes swapped."""
+    """Routed experts -> gate_up [E, 2I, H] (rows [gate | up]), down [E, H, I] (+ block
+    scales when kept FP8), each readable for a range of experts: the checkpoint's [out, in]
+    layout, which is the param layout (nothing to transpose)."""
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     if f"{p}gate_up_proj" in r.entries:  # fused [E, 2I, H] / [E, H, I]: rows lo:hi
         fused = lambda name, lo, hi: r.cast(r.rows(f"{p}{name}", lo, hi))  # noqa: E731
-        return {"gate_up": Leaf(functools.partial(fused, "gate_up_proj"), True, True),
-                "down": Leaf(functools.partial(fused, "down_proj"), True, True)}
+        return {"gate_up": Leaf(functools.partial(fused, "gate_up_proj"), experts=True),
+                "down": Leaf(functools.partial(fused, "down_proj"), experts=True)}
     names = [(f"{p}{x}.gate_proj.weight", f"{p}{x}.up_proj.weight", f"{p}{x}.down_proj.weight") for x in range(e)]
     fp8 = r.is_fp8(names[0][0])
     if keep_fp8 and fp8 and i % FP8_BLOCK == 0:
@@ -349,13 +351,13 @@ def _expert_leaves(r: _Reader, cfg: ModelConfig, p: str, keep_fp8: bool) -> dict
             out[x - lo] = r.hf(names[x][2])
         return out
 
-    return {"gate_up": Leaf(gate_up, True, True), "down": Leaf(down, True, True)}
+    return {"gate_up": Leaf(gate_up, experts=True), "down": Leaf(down, experts=True)}
 
 
 def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str, str]]) -> dict:
-    """FP8 experts kept as stored values: block scales transposed along with the weights.
-    gate_up fp8[E, H, 2I], down fp8[E, I, H], gate_up_scale f32[E, H/128, 2I/128],
-    down_scale f32[E, I/128, H/128], each read with its last two axes swapped."""
+    """FP8 experts kept as stored, weights and block scales each read straight into their
+    expert's slot: gate_up fp8[E, 2I, H], down fp8[E, H, I], gate_up_scale f32[E, 2I/128,
+    H/128], down_scale f32[E, H/128, I/128]."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     bh, bi = _cdiv(h, FP8_BLOCK), i // FP8_BLOCK
 
@@ -382,10 +384,10 @@ def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str,
         r.raw_into(names[x][2] + "_scale_inv", dst)
 
     return {
-        "gate_up": Leaf(stacked((2 * i, h), _FP8, gate_up), True, True),
-        "down": Leaf(stacked((h, i), _FP8, down), True, True),
-        "gate_up_scale": Leaf(stacked((2 * bi, bh), np.float32, gate_up_scale), True, True),
-        "down_scale": Leaf(stacked((bh, bi), np.float32, down_scale), True, True),
+        "gate_up": Leaf(stacked((2 * i, h), _FP8, gate_up), experts=True),
+        "down": Leaf(stacked((h, i), _FP8, down), experts=True),
+        "gate_up_scale": Leaf(stacked((2 * bi, bh), np.float32, gate_up_scale), experts=True),
+        "down_scale": Leaf(stacked((bh, bi), np.float32, down_scale), experts=True),
     }
 
 

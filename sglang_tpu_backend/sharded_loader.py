@@ -3,15 +3,17 @@
 ``load_sharded(dir, cfg, shardings)`` builds the placed params tree (layout in
 ``models/qwen3_5_moe.py``; ``shardings`` mirrors ``param_shapes(cfg)``) with no full host copy:
 
-  * Layer by layer, in file order, leaf by leaf: the leaf as stored (HF's [out, in]; see
-    ``loader.Leaf``) becomes a global array through ``jax.make_array_from_callback`` with the
+  * Layer by layer, in file order, leaf by leaf: the leaf as stored (see ``loader.Leaf``)
+    becomes a global array through ``jax.make_array_from_callback`` with the
     leaf's sharding less the stacked axis. JAX calls the callback for this process's devices
     only, and it reads what the device holds: a routed-expert leaf ``[E, ...]`` split on E
     reads only the device's experts (their tensors in the per-expert layout, their rows of
     the fused one, FP8 scales with their weights); any other leaf is read once per process
     and handed to each local device.
-  * The devices then transpose it into its slot of the stacked ``[groups, ...]`` buffer,
-    which was allocated on the devices and is donated to every write. The host holds one
+  * The devices then write it into its slot of the stacked ``[groups, ...]`` buffer, which
+    was allocated on the devices and is donated to every write: a plain copy for the routed
+    experts, whose param layout is the checkpoint's [out, in]; a transpose for the other
+    weights (HF's [out, in] into the param's [in, out]). The host holds one
     leaf of one layer (this process's share of it) at a time; the embeddings and the head
     go in row chunks of ``CHUNK_BYTES``.
   * Meanwhile a thread asks the kernel to read the next layer's share into the page cache.

@@ -53,7 +53,8 @@ def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, im
                    expected_rows: int | None = None):
     """Sum over each token's top-k experts held here: [T, H] (zero for experts elsewhere).
 
-    experts: {gate_up [E, H, 2I], down [E, I, H] (+ FP8 scales)}, or with ``layer`` the
+    experts: {gate_up [E, 2I, H] (rows [gate | up]), down [E, H, I] (+ FP8 block scales
+    [E, 2I/128, H/128], [E, H/128, I/128]): the checkpoint's [out, in] layout}, or with ``layer`` the
     weights of every layer group stacked ([groups, E, ...]) and read at ``layer`` inside the
     kernels; top_i i32[T, K] global expert ids; top_w f32[T, K]; expert ``expert_offset + e``
     is local expert e. Ids outside the local range (other ranks' experts, and the id

@@ -67,14 +67,16 @@ def decoder_layer_shapes(cfg: ModelConfig, kind: str, moe: bool, dtype: Any = jn
         return out
     I = cfg.moe_intermediate_size
     E = cfg.num_experts if num_physical_experts is None else num_physical_experts
+    # Routed experts in the checkpoint's [out, in] layout (the grouped matmul contracts their
+    # last axis): loaded as stored, never transposed.
     if fp8_experts and I % FP8_BLOCK == 0:  # the loader dequantises other widths
         bh, bi = -(-H // FP8_BLOCK), I // FP8_BLOCK
-        experts = {"gate_up": _sd((E, H, 2 * I), jnp.float8_e4m3fn),
-                   "down": _sd((E, I, H), jnp.float8_e4m3fn),
-                   "gate_up_scale": _sd((E, bh, 2 * bi), jnp.float32),
-                   "down_scale": _sd((E, bi, bh), jnp.float32)}
+        experts = {"gate_up": _sd((E, 2 * I, H), jnp.float8_e4m3fn),
+                   "down": _sd((E, H, I), jnp.float8_e4m3fn),
+                   "gate_up_scale": _sd((E, 2 * bi, bh), jnp.float32),
+                   "down_scale": _sd((E, bh, bi), jnp.float32)}
     else:
-        experts = {"gate_up": _sd((E, H, 2 * I), dtype), "down": _sd((E, I, H), dtype)}
+        experts = {"gate_up": _sd((E, 2 * I, H), dtype), "down": _sd((E, H, I), dtype)}
     mlp: dict[str, Any] = {"gate": _sd((H, cfg.num_experts), dtype), "experts": experts}
     if num_physical_experts is not None:
         C = num_physical_experts - cfg.num_experts + 1

@@ -23,9 +23,10 @@ weight is [in, out] (HF's [out, in] transposed) so layers compute ``x @ w``.
         in_proj_qkv [H, C], in_proj_z [H, Hv*Dv], in_proj_b [H, Hv], in_proj_a [H, Hv],
         conv1d [C, K], A_log f32[Hv], dt_bias f32[Hv], norm [Dv] (plain weight),
         out_proj [Hv*Dv, H]
-      mlp (MoE): gate [H, E]; experts {gate_up [E, H, 2I] (columns [gate | up]), down [E, I, H],
-        and with FP8 experts kept: gate_up_scale f32[E, H/128, 2I/128], down_scale
-        f32[E, I/128, H/128] (128x128 block scales, multiply to dequantise)};
+      mlp (MoE): gate [H, E]; experts in the checkpoint's [out, in] layout {gate_up [E, 2I, H]
+        (rows [gate | up]), down [E, H, I], and with FP8 experts kept: gate_up_scale
+        f32[E, 2I/128, H/128], down_scale f32[E, H/128, I/128] (the 128x128 block scales as
+        stored, multiply to dequantise)};
         with EPLB (``model_executor/expert_location.py``) the experts' E is P physical slots
         and expert_location {physical i32[E, C], copies i32[E], logical i32[P]} maps them;
         shared_expert {gate_up [H, 2Is], down [Is, H]}; shared_expert_gate [H, 1]

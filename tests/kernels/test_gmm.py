@@ -30,13 +30,13 @@ def _reset_interpret_state():
 
 
 def _np_gmm(x, w, group_sizes):
-    """Per-group numpy loop in float64: x [M, K], w [G, K, N]."""
+    """Per-group numpy loop in float64: x [M, K], w [G, N, K] (each group's [out, in])."""
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    out = np.zeros((x.shape[0], w.shape[2]))
+    out = np.zeros((x.shape[0], w.shape[1]))
     start = 0
     for g, size in enumerate(np.asarray(group_sizes)):
         end = min(start + int(size), x.shape[0])
-        out[start:end] = x[start:end] @ w[g]
+        out[start:end] = x[start:end] @ w[g].T
         start = end
     return out
 
@@ -73,7 +73,7 @@ def _np_dequant(q, s):
 def _inputs(m, k, n, group_sizes, dtype, seed=0):
     rng = np.random.default_rng(seed)
     lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    rhs = jnp.asarray(rng.standard_normal((len(group_sizes), k, n)) / np.sqrt(k), dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(group_sizes), n, k)) / np.sqrt(k), dtype)
     return lhs, rhs, jnp.asarray(group_sizes, jnp.int32)
 
 
@@ -90,10 +90,13 @@ def _check(actual, expected, tol):
 
 
 def test_reference_hand_checked():
-    lhs = jnp.arange(12, dtype=jnp.float32).reshape(6, 2)  # rows 0..5
-    rhs = jnp.stack([jnp.eye(2), 2 * jnp.eye(2), jnp.array([[0.0, 1.0], [1.0, 0.0]])])
+    """rhs is [G, N, K]: output column n of a row x is x . rhs[g, n]."""
+    lhs = jnp.arange(12, dtype=jnp.float32).reshape(6, 2)  # rows 0..5, K = 2
+    eye = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])  # N = 3: [x0, x1, 0]
+    rhs = jnp.stack([eye, 2 * eye, jnp.array([[0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])])
     out = G.ref_gmm(lhs, rhs, jnp.array([2, 0, 3], jnp.int32))  # rows 0-1 g0, 2-4 g2, 5 none
-    expected = np.array([[0, 1], [2, 3], [5, 4], [7, 6], [9, 8], [0, 0]], np.float32)
+    expected = np.array([[0, 1, 0], [2, 3, 0], [5, 4, 9], [7, 6, 13], [9, 8, 17], [0, 0, 0]],
+                        np.float32)
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
@@ -246,12 +249,12 @@ def test_gmm_fp8_rhs(dtype, swiglu, tol):
                                                             marks=pytest.mark.jax_versions),
                                                (True, False, False)])
 def test_stacked_weights_read_at_layer(fp8, swiglu, padded):
-    """rhs [Lyr, G, K, N] with a traced layer equals rhs[layer] passed alone (kernel and ref)."""
+    """rhs [Lyr, G, N, K] with a traced layer equals rhs[layer] passed alone (kernel and ref)."""
     m, k, n, sizes = 96, 256, 192 if padded else 256, [30, 0, 41, 25]
     width = 2 * n if swiglu else n
     stack = [_inputs(m, k, width, sizes, jnp.float32, seed=20 + i) for i in range(3)]
     lhs, gs = stack[0][0], stack[0][2]
-    rhs = jnp.stack([w for _, w, _ in stack])  # [3, G, K, N]
+    rhs = jnp.stack([w for _, w, _ in stack])  # [3, G, N, K]
     scale = None
     if fp8:
         qs = [G.quantize_fp8_blockwise(w) for w in rhs]
@@ -295,11 +298,11 @@ def _bad_calls():
     lhs, rhs, gs = _inputs(16, 128, 128, [8, 8], jnp.float32)
     q, s = G.quantize_fp8_blockwise(rhs)
     return [
-        lambda: G.gmm(lhs, rhs[:, :64], gs),  # K mismatch
+        lambda: G.gmm(lhs, rhs[:, :, :64], gs),  # K mismatch
         lambda: G.gmm(lhs, rhs, gs[:1]),  # group count mismatch
         lambda: G.gmm(lhs[0], rhs, gs),  # lhs not 2-D
         lambda: G.gmm(lhs, rhs, gs.astype(jnp.float32)),  # non-integer group sizes
-        lambda: G.gmm_swiglu(lhs, rhs[:, :, :127], gs),  # odd 2N
+        lambda: G.gmm_swiglu(lhs, rhs[:, :127], gs),  # odd 2N
         lambda: G.gmm(lhs, q, gs),  # fp8 without scale
         lambda: G.gmm(lhs, rhs, gs, rhs_scale=s),  # scale without fp8
         lambda: G.gmm(lhs, q, gs, rhs_scale=s[:, :, :0]),  # wrong scale shape
@@ -400,7 +403,7 @@ def test_auto_resolves_to_xla_off_tpu():
 
 @pytest.mark.parametrize("swiglu,quantize", [(False, False), (True, True)])
 def test_xla_fp8_stacked_layer_equals_reference(swiglu, quantize):
-    """FP8 block scales (and quantised activations) with stacked [Lyr, G, K, N] weights read
+    """FP8 block scales (and quantised activations) with stacked [Lyr, G, N, K] weights read
     at a traced layer."""
     m, k, n, sizes = 50, 256, 128 if swiglu else 192, [7, 0, 20, 1, 9]
     width = 2 * n if swiglu else n

@@ -207,8 +207,8 @@ def _moe_problem(t=24, h=128, inter=128, e=8, k=2, seed=3):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((t, h)).astype(np.float32)
     router = rng.standard_normal((h, e)).astype(np.float32) / np.sqrt(h)
-    w_gate_up = (rng.standard_normal((e, h, 2 * inter)) / np.sqrt(h)).astype(np.float32)
-    w_down = (rng.standard_normal((e, inter, h)) / np.sqrt(inter)).astype(np.float32)
+    w_gate_up = (rng.standard_normal((e, 2 * inter, h)) / np.sqrt(h)).astype(np.float32)
+    w_down = (rng.standard_normal((e, h, inter)) / np.sqrt(inter)).astype(np.float32)
     logits = x @ router
     probs = np.exp(logits - logits.max(1, keepdims=True))
     probs /= probs.sum(1, keepdims=True)
@@ -219,16 +219,17 @@ def _moe_problem(t=24, h=128, inter=128, e=8, k=2, seed=3):
 
 
 def _dense_moe(x, w_gate_up, w_down, ids, weights, experts):
-    """Per-token float64 loop over its top-k experts, restricted to ``experts``."""
-    inter = w_down.shape[1]
+    """Per-token float64 loop over its top-k experts, restricted to ``experts``; weights
+    [E, out, in] (gate_up [E, 2I, H], down [E, H, I])."""
+    inter = w_down.shape[2]
     out = np.zeros(x.shape)
     for t in range(x.shape[0]):
         for j, e in enumerate(ids[t]):
             if e not in experts:
                 continue
-            hgu = x[t].astype(np.float64) @ w_gate_up[e]
+            hgu = x[t].astype(np.float64) @ w_gate_up[e].T
             gate, up = hgu[:inter], hgu[inter:]
-            out[t] += weights[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w_down[e])
+            out[t] += weights[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w_down[e].T)
     return out
 
 

@@ -67,15 +67,13 @@ def test_fused_and_per_expert_layouts_load_identically(tmp_path):
     _, b = load_model(per_expert, dtype=jnp.bfloat16)
     assert_trees_equal(a, b)
 
-    # And both equal the checkpoint, transposed as params.md says.
-    i = cfg.moe_intermediate_size
+    # And both equal the checkpoint: routed experts as stored ([out, in]), the rest transposed.
     gate_up = tensors[P + "layers.1.mlp.experts.gate_up_proj"].astype(np.float32)  # [E, 2I, H]
     experts = layer_params(a, cfg, 1)["mlp"]["experts"]
     assert experts["gate_up"].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(experts["gate_up"], np.float32)[2, :, :i], gate_up[2, :i].T)
-    np.testing.assert_array_equal(np.asarray(experts["gate_up"], np.float32)[2, :, i:], gate_up[2, i:].T)
+    np.testing.assert_array_equal(np.asarray(experts["gate_up"], np.float32), gate_up)
     down = tensors[P + "layers.1.mlp.experts.down_proj"].astype(np.float32)  # [E, H, I]
-    np.testing.assert_array_equal(np.asarray(experts["down"], np.float32), down.transpose(0, 2, 1))
+    np.testing.assert_array_equal(np.asarray(experts["down"], np.float32), down)
     gdn = layer_params(a, cfg, 0)["linear_attn"]
     assert gdn["A_log"].dtype == jnp.float32 and gdn["dt_bias"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(gdn["A_log"]), tensors[P + "layers.0.linear_attn.A_log"])
@@ -99,7 +97,7 @@ def test_fp8_block_scaled_checkpoint_dequantises_to_reference(tmp_path):
     np.testing.assert_allclose(q, tensors[q_name].T, atol=0.07 * np.abs(tensors[q_name]).max())
 
 
-def test_keep_fp8_experts_keeps_values_and_transposed_scales(tmp_path):
+def test_keep_fp8_experts_keeps_values_and_scales_as_stored(tmp_path):
     config = nested_config()
     fp8 = quantize_checkpoint_fp8(tensors_for(config, seed=3))
     path = write_checkpoint(tmp_path / "fp8", fp8, config)
@@ -108,15 +106,15 @@ def test_keep_fp8_experts_keeps_values_and_transposed_scales(tmp_path):
     i, bi = cfg.moe_intermediate_size, cfg.moe_intermediate_size // FP8_BLOCK
     ex = layer_params(kept, cfg, 2)["mlp"]["experts"]
     assert ex["gate_up"].dtype == jnp.float8_e4m3fn and ex["down"].dtype == jnp.float8_e4m3fn
-    assert ex["gate_up_scale"].shape == (4, 1, 2 * bi) and ex["down_scale"].shape == (4, bi, 1)
+    assert ex["gate_up_scale"].shape == (4, 2 * bi, 1) and ex["down_scale"].shape == (4, 1, bi)
     stem = P + "layers.2.mlp.experts.1."
     bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
-    np.testing.assert_array_equal(bits(ex["gate_up"])[1, :, :i], bits(fp8[stem + "gate_proj.weight"]).T)
-    np.testing.assert_array_equal(bits(ex["gate_up"])[1, :, i:], bits(fp8[stem + "up_proj.weight"]).T)
-    np.testing.assert_array_equal(bits(ex["down"])[1], bits(fp8[stem + "down_proj.weight"]).T)
-    np.testing.assert_array_equal(np.asarray(ex["gate_up_scale"])[1, :, :bi], fp8[stem + "gate_proj.weight_scale_inv"].T)
-    np.testing.assert_array_equal(np.asarray(ex["gate_up_scale"])[1, :, bi:], fp8[stem + "up_proj.weight_scale_inv"].T)
-    np.testing.assert_array_equal(np.asarray(ex["down_scale"])[1], fp8[stem + "down_proj.weight_scale_inv"].T)
+    np.testing.assert_array_equal(bits(ex["gate_up"])[1, :i], bits(fp8[stem + "gate_proj.weight"]))
+    np.testing.assert_array_equal(bits(ex["gate_up"])[1, i:], bits(fp8[stem + "up_proj.weight"]))
+    np.testing.assert_array_equal(bits(ex["down"])[1], bits(fp8[stem + "down_proj.weight"]))
+    np.testing.assert_array_equal(np.asarray(ex["gate_up_scale"])[1, :bi], fp8[stem + "gate_proj.weight_scale_inv"])
+    np.testing.assert_array_equal(np.asarray(ex["gate_up_scale"])[1, bi:], fp8[stem + "up_proj.weight_scale_inv"])
+    np.testing.assert_array_equal(np.asarray(ex["down_scale"])[1], fp8[stem + "down_proj.weight_scale_inv"])
     # Kept values times their block scales are the dequantised load.
     expand = lambda s: np.repeat(np.repeat(np.asarray(s), FP8_BLOCK, 1), FP8_BLOCK, 2)  # noqa: E731
     deq_ex = layer_params(deq, cfg, 2)["mlp"]["experts"]
@@ -198,7 +196,7 @@ def test_mtp_layers_load_into_their_params(tmp_path):
     np.testing.assert_array_equal(got(layer["self_attn"]["q_proj"]),
                                   hf("layers.0.self_attn.q_proj.weight").T)
     np.testing.assert_array_equal(got(layer["mlp"]["experts"]["gate_up"]),
-                                  hf("layers.0.mlp.experts.gate_up_proj").transpose(0, 2, 1))
+                                  hf("layers.0.mlp.experts.gate_up_proj"))  # [E, 2I, H] as stored
     shared = np.concatenate([hf("layers.0.mlp.shared_expert.gate_proj.weight"),
                              hf("layers.0.mlp.shared_expert.up_proj.weight")]).T
     np.testing.assert_array_equal(got(layer["mlp"]["shared_expert"]["gate_up"]), shared)
@@ -234,7 +232,7 @@ def test_fp8_mtp_layers_load_like_the_main_layers(tmp_path):
     assert_shaped_like(kept, mtp_param_shapes(cfg, jnp.float32, fp8_experts=True))
     bits = lambda a: np.asarray(a).view(np.uint8)  # noqa: E731
     np.testing.assert_array_equal(bits(kept["layers"][0]["mlp"]["experts"]["down"])[3],
-                                  bits(fp8["mtp.layers.0.mlp.experts.3.down_proj.weight"]).T)
+                                  bits(fp8["mtp.layers.0.mlp.experts.3.down_proj.weight"]))
 
 
 def test_unknown_tensors_are_warned_about(tmp_path, caplog):
@@ -282,9 +280,8 @@ def _expected_from_torch(sd: dict, cfg, i: int) -> dict:
         out["linear_attn.conv1d"] = t("linear_attn.conv1d.weight")[:, 0]
         out["linear_attn.norm"] = t("linear_attn.norm.weight")
         out["linear_attn.A_log"], out["linear_attn.dt_bias"] = t("linear_attn.A_log"), t("linear_attn.dt_bias")
-    gate_up = t("mlp.experts.gate_up_proj")  # [E, 2I, H] in memory
-    out["mlp.experts.gate_up"] = gate_up.transpose(0, 2, 1)
-    out["mlp.experts.down"] = t("mlp.experts.down_proj").transpose(0, 2, 1)
+    out["mlp.experts.gate_up"] = t("mlp.experts.gate_up_proj")  # [E, 2I, H]: kept as stored
+    out["mlp.experts.down"] = t("mlp.experts.down_proj")  # [E, H, I]
     out["mlp.gate"] = t("mlp.gate.weight").T
     out["mlp.shared_expert.gate_up"] = np.concatenate(
         [t("mlp.shared_expert.gate_proj.weight").T, t("mlp.shared_expert.up_proj.weight").T], axis=1)

@@ -103,7 +103,8 @@ def ref_moe(p, x, cfg):
         top = np.argsort(-probs[t])[: cfg.num_experts_per_tok]
         w = probs[t, top] / probs[t, top].sum()
         for e, we in zip(top, w):
-            out[t] += we * swiglu(x[t], p["experts"]["gate_up"][e], p["experts"]["down"][e])
+            ex = p["experts"]  # [E, out, in]: the checkpoint's layout
+            out[t] += we * swiglu(x[t], np64(ex["gate_up"][e]).T, np64(ex["down"][e]).T)
     shared = swiglu(x, p["shared_expert"]["gate_up"], p["shared_expert"]["down"])
     return out + shared / (1.0 + np.exp(-(x @ np64(p["shared_expert_gate"]))))
 

@@ -37,17 +37,18 @@ def _cases():
 
 
 def _weight_args(mesh, e, k, n, weights):
-    """(rhs, rhs_scale) abstract arrays for an [E, K, N] weight, scale None for bf16."""
+    """(rhs, rhs_scale) abstract arrays for an [E, N, K] weight (the checkpoint's [out, in]),
+    scale None for bf16."""
     if weights == "bf16":
-        return abstract((e, k, n), jnp.bfloat16, mesh), None
-    scale = abstract((e, -(-k // BLOCK), -(-n // BLOCK)), jnp.float32, mesh)  # f32[E, K/128, N/128]
-    return abstract((e, k, n), FP8, mesh), scale
+        return abstract((e, n, k), jnp.bfloat16, mesh), None
+    scale = abstract((e, -(-n // BLOCK), -(-k // BLOCK)), jnp.float32, mesh)  # f32[E, N/128, K/128]
+    return abstract((e, n, k), FP8, mesh), scale
 
 
 @pytest.mark.parametrize("op", ["gmm_swiglu", "gmm"])
 @pytest.mark.parametrize("label,m,e,h,i,weights", list(_cases()))
 def test_gmm_compiles(mesh, record, op, label, m, e, h, i, weights):
-    # gmm_swiglu: x [M, H] @ gate_up [E, H, 2I] -> [M, I]; gmm (down): [M, I] @ [E, I, H] -> [M, H]
+    # gmm_swiglu: x [M, H] @ gate_up [E, 2I, H].T -> [M, I]; gmm (down): [M, I] @ [E, H, I].T -> [M, H]
     k, n, out = (h, 2 * i, i) if op == "gmm_swiglu" else (i, h, h)
     rhs, scale = _weight_args(mesh, e, k, n, weights)
     quantize = weights == "fp8+quantize_lhs"
@@ -59,14 +60,14 @@ def test_gmm_compiles(mesh, record, op, label, m, e, h, i, weights):
         return getattr(G, op)(x, w, gs, rhs_scale=s, quantize_lhs=quantize, impl="pallas")
 
     report = compile_for_tpu(fn, args, mesh)
-    record(f"{op} {label} M={m} rhs [{e},{k},{n}] {weights}", report)
+    record(f"{op} {label} M={m} rhs [{e},{n},{k}] {weights}", report)
     assert len(report.kernels) == 1
     assert report.memory["output_size_in_bytes"] >= m * out * 2
 
 
 @pytest.mark.parametrize("m", [64 * 10, 8 * 64 * 10, 2048 * 10], ids=["M640", "M5120", "M20480"])
 def test_down_projection_row_split_compiles(mesh, record, m):
-    """The MoE's down projection as the EP step runs it: FP8 [64, 1024, 4096], rows past the
+    """The MoE's down projection as the EP step runs it: FP8 [64, 4096, 1024], rows past the
     groups skipped, output written as [M, 16, 256] row slabs (full-width tiles, tn = 4096),
     and a CostEstimate that charges ``cost_rows``, not M."""
     e, i, h, p = 64, 1024, 4096, 16

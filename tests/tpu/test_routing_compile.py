@@ -114,10 +114,10 @@ def test_ep_moe_layer_has_no_relayout_of_routed_rows(mesh, record):
 
     t, h, i, k, e = 512, 4096, 1024, 10, 64
     fp8, blk = jnp.float8_e4m3fn, 128
-    experts = {"gate_up": abstract((e, h, 2 * i), fp8, mesh),
-               "gate_up_scale": abstract((e, h // blk, 2 * i // blk), jnp.float32, mesh),
-               "down": abstract((e, i, h), fp8, mesh),
-               "down_scale": abstract((e, i // blk, h // blk), jnp.float32, mesh)}
+    experts = {"gate_up": abstract((e, 2 * i, h), fp8, mesh),
+               "gate_up_scale": abstract((e, 2 * i // blk, h // blk), jnp.float32, mesh),
+               "down": abstract((e, h, i), fp8, mesh),
+               "down_scale": abstract((e, h // blk, i // blk), jnp.float32, mesh)}
     args = [experts, abstract((t, h), jnp.bfloat16, mesh), abstract((t, k), jnp.int32, mesh),
             abstract((t, k), jnp.float32, mesh)]
 
