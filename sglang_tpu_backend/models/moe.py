@@ -13,11 +13,11 @@ Expert-parallel flow (inside ``shard_map``; each device holds E = num_experts / 
 With ``ep.overlap_combine`` steps 3-4 run in M = ``ep.num_microbatches`` micro-batches of
 this rank's EXPERTS: the E local experts cut into M contiguous groups of E/M. The reduce-scatter
 is linear, so the sum over groups of each group's reduce-scatter equals the reduce-scatter of
-the full partial sums. Group m's grouped matmuls visit only its own experts' rows (the other
-groups' sizes are zero), so each expert weight is still read once per layer; the extra traffic
-is M partial [D*T, H] outputs and M reduce-scatters. Group m's reduce-scatter is started
-(``kernels/collectives_async.py``) right after its expert outputs and finished after group
-m + 1's, so its die-to-die transfer overlaps those matmuls.
+the full partial sums. Group m's grouped matmuls see only its own experts' weights (a view of
+the local weights as [L*M, E/M, ...]), so each expert weight is still read once per layer; the
+extra traffic is M partial [D*T, H] outputs and M reduce-scatters. Group m's reduce-scatter is
+started (``kernels/collectives_async.py``) right after its expert outputs and finished after
+group m + 1's, so its die-to-die transfer overlaps those matmuls.
 
 With an expert location (EPLB, ``parallel/eplb.py``) the expert weights are stored per
 physical slot (P = E + redundant slots, P/D per device) and :func:`physical_ids` maps each
@@ -102,10 +102,20 @@ def ep_routed_experts(experts, x, top_i, top_w, impl, ep: EPContext, layer=None)
         y_all, chip_axis=ep.chip_axis, die_axis=ep.die_axis, num_microbatches=m, impl=impl)
 
 
-def _expert_group_ids(ids, lo, hi):
-    """Top-k ids i32[N, K] with the assignments outside experts [lo, hi) set to -1 (no
-    device's expert: they sort last and add nothing)."""
-    return jnp.where((ids >= lo) & (ids < hi), ids, -1)
+def _expert_group_view(experts, layer, num_groups: int):
+    """The local expert weights viewed as ``num_groups`` groups of E/M experts per layer.
+
+    Every array of ``experts`` ([E, ...], or [L, E, ...] with ``layer``) is reshaped to
+    [L*M, E/M, ...]: only leading dimensions merge, so XLA keeps it a view (no copy). Returns
+    the view and a function m -> the index of group m of ``layer`` in it; a grouped matmul
+    given the view and that index reads, and its cost estimate charges, group m's weights only.
+    """
+    def view(a):
+        lead = 1 if layer is None else 2  # dims up to and including E
+        return a.reshape(-1, a.shape[lead - 1] // num_groups, *a.shape[lead:])
+
+    base = 0 if layer is None else layer * num_groups
+    return {name: view(a) for name, a in experts.items()}, lambda m: base + m
 
 
 def _overlapped_routed_experts(experts, x_all, ids_all, w_all, num_local, expert_offset,
@@ -122,15 +132,15 @@ def _overlapped_routed_experts(experts, x_all, ids_all, w_all, num_local, expert
     reduce-scatter's done needs group m's expert outputs."""
     num_mb = ep.num_microbatches
     group = num_local // num_mb
+    weights, group_layer = _expert_group_view(experts, layer, num_mb)
     axes = dict(chip_axis=ep.chip_axis, die_axis=ep.die_axis, impl=impl)
     total, future = None, None
     for m in range(num_mb):
-        lo = expert_offset + m * group
-        inputs = (x_all, _expert_group_ids(ids_all, lo, lo + group), w_all)
+        inputs = (x_all, ids_all, w_all)
         if future is not None:
             future, inputs = lax.optimization_barrier((future, inputs))
-        y = routed_experts(experts, *inputs, num_local, expert_offset, impl, layer,
-                           expected_rows=expected_rows)  # [D*T, H] group m's partial sums
+        y = routed_experts(weights, *inputs, group, expert_offset + m * group, impl,
+                           group_layer(m), expected_rows=expected_rows)  # [D*T, H] partial
         if future is not None:
             future, y = lax.optimization_barrier((future, y))
             done = collectives_async.reduce_scatter_done(future, **axes)  # [T, H]

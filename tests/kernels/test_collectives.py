@@ -339,6 +339,16 @@ def _moe_worker(mesh, spec, arrays) -> None:
             if label == "overlap2":
                 jaxpr = str(jax.make_jaxpr(f)(*args))
                 arrays[f"moe_{impl}_barriers"] = np.asarray(jaxpr.count("optimization_barrier"))
+        # The layer scan's form: every layer's experts stacked [L, E, ...], read at ``layer``.
+        stacked_spec = {n: P(None, ("chip", "die")) for n in expert_spec}
+        stacked = {n: np.stack([-w, w]) for n, w in experts.items()}  # layer 1 = the experts
+        stacked = jax.device_put(stacked, {n: NamedSharding(mesh, s)
+                                           for n, s in stacked_spec.items()})
+        body = functools.partial(moe.ep_routed_experts, impl=impl, layer=1,
+                                 ep=EPContext(num_microbatches=2, overlap_combine=True))
+        f = jax.jit(_shard_map(lambda e, a, i, w, body=body: body(e, a, i, w), mesh,
+                               (stacked_spec, spec, spec, spec), spec, check_vma=False))
+        arrays[f"moe_{impl}_overlap2_stacked"] = np.asarray(f(stacked, *args[1:]))
 
 
 # ------------------------------------------------------------------------------------------
@@ -445,7 +455,7 @@ def test_async_reduce_scatter_kernel_has_no_races(results):
                                   _naive_reduce_scatter(arrays["async_race_x"]))
 
 
-@pytest.mark.parametrize("label", ["overlap2", "overlap4"])
+@pytest.mark.parametrize("label", ["overlap2", "overlap4", "overlap2_stacked"])
 def test_moe_overlapped_combine_equals_synchronous(results, label):
     arrays, _ = results
     impl = "reference"

@@ -281,8 +281,9 @@ def _producer(comp, name: str):
 
 def reduce_scatter_windows(hlo: str) -> list[list]:
     """Each async reduce-scatter (``kernels/collectives_async.py``: start kernel ... its done
-    kernel) of the scheduled program, in schedule order: the GMM kernels (Mosaic calls reading
-    FP8 expert weights) that the schedule places between start and done."""
+    kernel) of the scheduled program, in the schedule order of the start kernels: the GMM
+    kernels (Mosaic calls reading FP8 expert weights) that the schedule places between start
+    and done. (The dones may run in either order: the groups' results are summed.)"""
     comps, _ = parse_module(hlo)
     windows = []
     for comp in comps.values():
@@ -298,15 +299,15 @@ def reduce_scatter_windows(hlo: str) -> list[list]:
                     and "tpu_custom_call" in i.attrs
                     and any(a.dtype == "f8e4m3fn" and len(a.dims) >= 3
                             for o in i.operands for a in comp.instructions[o].arrays)]
-            windows.append(gmms)
-    return windows
+            windows.append((at[start.name], gmms))
+    return [gmms for _, gmms in sorted(windows, key=lambda w: w[0])]
 
 
 @pytest.mark.parametrize("mode,T", [(ForwardMode.DECODE, 64)], ids=["decode64"])
 def test_397b_reduce_scatter_overlaps_expert_matmuls(record, mode, T):
-    """With the overlapped combine (``EPContext.overlap_combine``, M = 2 micro-batches) the
+    """With the overlapped combine (``EPContext.overlap_combine``, M = 2 expert groups) the
     397B step compiles and fits, and in its schedule each MoE layer's first reduce-scatter
-    start kernel is followed by the second micro-batch's grouped matmuls before its done
+    start kernel is followed by the second expert group's grouped matmuls before its done
     kernel: the stage-1 DMAs fly while the TensorCore multiplies."""
     cfg = config_397b()
     sizes = dict(running_requests=512, context_length=9216, page_size=256, expert_dtype="fp8",
