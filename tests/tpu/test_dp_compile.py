@@ -19,8 +19,8 @@ Overlap: in the scheduled decode step each MoE layer's hidden-state all-gather r
 the SparseCore) with TensorCore compute, the routing computation among it, between its start
 and done. The default reduce-scatter kernel's micro-batches overlap its own die and ICI phases, not
 the expert matmuls (the kernels run one after another on the TensorCore); with the overlapped
-combine (``EPContext.overlap_combine``) each micro-batch's async reduce-scatter is in flight
-while the next micro-batch's grouped matmuls run, counted in the scheduled HLO.
+combine (``EPContext.overlap_combine``) each expert group's async reduce-scatter is in flight
+while the next group's grouped matmuls run, counted in the scheduled HLO.
 The compile time of each program is printed in the end-of-run table.
 """
 
