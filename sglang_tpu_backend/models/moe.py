@@ -11,11 +11,13 @@ Expert-parallel flow (inside ``shard_map``; each device holds E = num_experts / 
   4. hierarchical reduce-scatter: each rank gets the sum over devices of its own T rows.
 
 With ``ep.overlap_combine`` steps 3-4 run in M = ``ep.num_microbatches`` micro-batches of
-every rank's tokens (rows [m*T/M, (m+1)*T/M) of each rank): micro-batch m's reduce-scatter is
+this rank's EXPERTS: the E local experts cut into M contiguous groups of E/M. The reduce-scatter
+is linear, so the sum over groups of each group's reduce-scatter equals the reduce-scatter of
+the full partial sums. Group m's grouped matmuls see only its own experts' weights (a view of
+the local weights as [L*M, E/M, ...]), so each expert weight is still read once per layer; the
+extra traffic is M partial [D*T, H] outputs and M reduce-scatters. Group m's reduce-scatter is
 started (``kernels/collectives_async.py``) right after its expert outputs and finished after
-micro-batch m + 1's, so its die-to-die transfer overlaps those matmuls. Each micro-batch reads
-the local experts' weights again (M times the weight bytes), so it pays only where the
-matmuls are compute-bound; off by default.
+group m + 1's, so its die-to-die transfer overlaps those matmuls.
 
 With an expert location (EPLB, ``parallel/eplb.py``) the expert weights are stored per
 physical slot (P = E + redundant slots, P/D per device) and :func:`physical_ids` maps each
@@ -91,7 +93,7 @@ def ep_routed_experts(experts, x, top_i, top_w, impl, ep: EPContext, layer=None)
     x_all = lax.all_gather(x, ep.axes, axis=0, tiled=True)  # [D*T, H]
     rank = lax.axis_index(ep.axes)
     m = ep.num_microbatches
-    if ep.overlap_combine and m > 1 and x.shape[0] % m == 0:
+    if ep.overlap_combine and m > 1 and num_local % m == 0:
         return _overlapped_routed_experts(experts, x_all, ids_all, w_all, num_local,
                                           rank * num_local, impl, ep, layer, top_i.size // m)
     y_all = routed_experts(experts, x_all, ids_all, w_all, num_local, rank * num_local, impl,
@@ -101,33 +103,49 @@ def ep_routed_experts(experts, x, top_i, top_w, impl, ep: EPContext, layer=None)
         y_all, chip_axis=ep.chip_axis, die_axis=ep.die_axis, num_microbatches=m, impl=impl)
 
 
-def _token_microbatch(a, num_ranks: int, m: int, num_microbatches: int):
-    """Micro-batch m of every rank's rows: a [D*T, ...] -> [D*T/M, ...], rank-major."""
-    per_rank = a.reshape(num_ranks, num_microbatches, -1, *a.shape[1:])  # [D, M, T/M, ...]
-    return per_rank[:, m].reshape(-1, *a.shape[1:])
+def _expert_group_view(experts, layer, num_groups: int):
+    """The local expert weights viewed as ``num_groups`` groups of E/M experts per layer.
+
+    Every array of ``experts`` ([E, ...], or [L, E, ...] with ``layer``) is reshaped to
+    [L*M, E/M, ...]: only leading dimensions merge, so XLA keeps it a view (no copy). Returns
+    the view and a function m -> the index of group m of ``layer`` in it; a grouped matmul
+    given the view and that index reads, and its cost estimate charges, group m's weights only.
+    """
+    def view(a):
+        lead = 1 if layer is None else 2  # dims up to and including E
+        return a.reshape(-1, a.shape[lead - 1] // num_groups, *a.shape[lead:])
+
+    base = 0 if layer is None else layer * num_groups
+    return {name: view(a) for name, a in experts.items()}, lambda m: base + m
 
 
 def _overlapped_routed_experts(experts, x_all, ids_all, w_all, num_local, expert_offset,
                                impl, ep: EPContext, layer, expected_rows: int):
-    """Steps 3-4 in M micro-batches, each reduce-scatter in flight during the next one's
-    expert matmuls: x_all [D*T, H], ids_all / w_all [D*T, K] -> this rank's [T, H].
+    """Steps 3-4 in M expert groups, each group's reduce-scatter in flight during the next
+    group's expert matmuls: x_all [D*T, H], ids_all / w_all [D*T, K] -> this rank's [T, H].
 
-    The optimization barriers pin the schedule XLA would otherwise pick freely: micro-batch
-    m's expert inputs are ready only once m - 1's reduce-scatter has started, and that
-    reduce-scatter's done needs micro-batch m's expert outputs."""
-    num_ranks = lax.axis_size(ep.chip_axis) * lax.axis_size(ep.die_axis)
+    Group m holds local experts [m*E/M, (m+1)*E/M); its weighted gather-reduce gives the
+    partial sums [D*T, H] of only its (token, k) assignments. ``expected_rows`` (T*K/M under
+    balanced routing) sizes each group's kernel cost estimates.
+
+    The optimization barriers pin the schedule XLA would otherwise pick freely: group m's
+    expert inputs are ready only once m - 1's reduce-scatter has started, and that
+    reduce-scatter's done needs group m's expert outputs."""
     num_mb = ep.num_microbatches
+    group = num_local // num_mb
+    weights, group_layer = _expert_group_view(experts, layer, num_mb)
     axes = dict(chip_axis=ep.chip_axis, die_axis=ep.die_axis, impl=impl)
-    outs, future = [], None
+    total, future = None, None
     for m in range(num_mb):
-        inputs = tuple(_token_microbatch(a, num_ranks, m, num_mb) for a in (x_all, ids_all, w_all))
+        inputs = (x_all, ids_all, w_all)
         if future is not None:
             future, inputs = lax.optimization_barrier((future, inputs))
-        y = routed_experts(experts, *inputs, num_local, expert_offset, impl, layer,
-                           expected_rows=expected_rows)  # [D*T/M, H] partial sums
+        y = routed_experts(weights, *inputs, group, expert_offset + m * group, impl,
+                           group_layer(m), expected_rows=expected_rows)  # [D*T, H] partial
         if future is not None:
             future, y = lax.optimization_barrier((future, y))
-            outs.append(collectives_async.reduce_scatter_done(future, **axes))  # [T/M, H]
+            done = collectives_async.reduce_scatter_done(future, **axes)  # [T, H]
+            total = done if total is None else total + done
         future = collectives_async.reduce_scatter_start(y, **axes)
-    outs.append(collectives_async.reduce_scatter_done(future, **axes))
-    return jnp.concatenate(outs, axis=0)  # [T, H]
+    done = collectives_async.reduce_scatter_done(future, **axes)
+    return done if total is None else total + done  # [T, H]

@@ -25,9 +25,9 @@ class EPContext:
 
     chip_axis, die_axis: mesh axis names; the EP ranks are every (chip, die) device.
     num_microbatches: micro-batches of the hierarchical reduce-scatter (1..4).
-    overlap_combine: compute the routed experts in ``num_microbatches`` micro-batches of
-      tokens and overlap each one's reduce-scatter with the next one's expert matmuls
-      (``models/moe.py``); every micro-batch reads the expert weights again.
+    overlap_combine: compute the routed experts in ``num_microbatches`` groups of the local
+      experts and overlap each group's reduce-scatter with the next group's expert matmuls
+      (``models/moe.py``); each weight is read once, but every group reduce-scatters all rows.
     """
 
     chip_axis: str = CHIP_AXIS
