@@ -316,9 +316,9 @@ def _moe_worker(mesh, spec, arrays) -> None:
 
     rng = np.random.RandomState(3)
     t, h, inter, k = MOE_TOKENS, HIDDEN, MOE_INTER, MOE_TOPK
-    experts = {
-        "gate_up": (rng.standard_normal((MOE_EXPERTS, h, 2 * inter)) / h**0.5).astype(np.float32),
-        "down": (rng.standard_normal((MOE_EXPERTS, inter, h)) / inter**0.5).astype(np.float32),
+    experts = {  # the checkpoint's [out, in] layout, as the model stores them
+        "gate_up": (rng.standard_normal((MOE_EXPERTS, 2 * inter, h)) / h**0.5).astype(np.float32),
+        "down": (rng.standard_normal((MOE_EXPERTS, h, inter)) / inter**0.5).astype(np.float32),
     }
     x = rng.standard_normal((NUM_DEVICES * t, h)).astype(np.float32)
     top_i = rng.randint(0, MOE_EXPERTS + 1, size=(NUM_DEVICES * t, k)).astype(np.int32)
