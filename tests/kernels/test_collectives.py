@@ -307,7 +307,6 @@ def _moe_worker(mesh, spec, arrays) -> None:
     micro-batched combine overlapped with the expert matmuls, for M = 2 and 4. Without
     shard_map's varying-axes checks, as parallel/dp_forward.py runs it."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
