@@ -49,17 +49,7 @@ from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 from sglang_tpu_backend.server_args import ServerArgs
 from sglang_tpu_backend.speculative.drafter import CallbackDrafter
-from sglang_tpu_backend.tiny_model import write_random_model
-
-EMBED = "model.language_model.embed_tokens.weight"
-
-
-def write_looping_model(out_dir: str, scale: float) -> str:
-    """The tiny architecture (seed 0 weights) with its token embeddings scaled by ``scale``."""
-    def edit(config, tensors):
-        tensors[EMBED] = tensors[EMBED] * scale
-    return str(write_random_model(out_dir, seed=0, edit=edit))
-
+from sglang_tpu_backend.tiny_model import write_looping_model
 
 def run(engine: Engine, prompts: list[list[int]], max_new: int) -> dict:
     """Queue every prompt, step to the end: wall seconds, output tokens, accept length, the
@@ -132,7 +122,7 @@ def main() -> None:
                 context_length=512, page_size=16, dtype="float32", skip_warmup=True,
                 disable_radix_cache=True, disable_overlap_schedule=True)
     spec = dict(speculative_num_draft_tokens=a.num_draft_tokens)
-    looping_dir = write_looping_model(tempfile.mkdtemp(prefix="looping-"), a.loop_scale)
+    looping_dir = str(write_looping_model(tempfile.mkdtemp(prefix="looping-"), a.loop_scale))
     engines = {
         "tiny": Engine(ServerArgs(**base), start_loop=False),
         "tiny+ngram": Engine(ServerArgs(**base, speculative_algorithm="NGRAM", **spec),

@@ -254,6 +254,18 @@ def write_random_model(out_dir: str | Path, *, seed: int, edit=None) -> Path:
     return out
 
 
+def write_looping_model(out_dir: str | Path, scale: float = 1000.0) -> Path:
+    """The tiny architecture (seed 0 weights) with its token embeddings scaled by ``scale``:
+    the residual stream is then dominated by the current token, so the greedy continuation
+    falls into a loop and repeats a passage it has seen, as small language models' greedy
+    continuations do. A repetitive workload for n-gram drafting (the random default's
+    continuations never repeat). Returns ``out_dir``."""
+    def edit(config, tensors):
+        name = "model.language_model.embed_tokens.weight"
+        tensors[name] = tensors[name] * scale
+    return write_random_model(out_dir, seed=0, edit=edit)
+
+
 def write_shipped_config() -> Path:
     """Rewrite ``assets/tiny-qwen3.5-moe/config.json`` from the shipped tokenizer."""
     from tokenizers import Tokenizer

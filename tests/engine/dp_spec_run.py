@@ -2,13 +2,13 @@
 script).
 
 Run by tests/engine/test_speculative.py in a subprocess with 4 simulated CPU devices (fixed
-before jax starts). The DP engine (NGRAM, k = 3, warmed up) serves 16 concurrent greedy
-requests twice:
+before jax starts). The DP engine (NGRAM, k = 3, warmed up) serves 48 concurrent greedy
+requests of 1 to 50 prompt tokens (with logprobs) twice:
 with its NGRAM drafter, and with drafts replaying the plain engine's continuation (a wrong one
 at a varying position, so most tokens come from accepted drafts). Then a NEXTN DP engine
 (the MTP layer drafting on every rank, warmed up) and a NEXTN one-device engine serve them
 once each, recording the MTP drafts every request holds at each proposal. Writes JSON: the
-outputs of each run, their requests' accept lengths (NEXTN: verify steps), the programs
+outputs (tokens and their logprobs) of each run, their requests' accept lengths (NEXTN: verify steps), the programs
 lowered while serving, the NEXTN drafts on which the two engines differ (and how many they
 share), how many requests each rank admitted, and the final pool stats.
 """
@@ -32,14 +32,15 @@ from sglang_tpu_backend.speculative.drafter import CallbackDrafter
 ARGS = dict(max_running_requests=16, chunked_prefill_size=64, context_length=128, page_size=16,
             dtype="float32", random_seed=0, skip_warmup=True)
 K = 3
+NUM_REQUESTS = 48
 
 
 def requests(tag: str) -> list[GenerateReqInput]:
     rng = random.Random(0)
     out = []
-    for i in range(16):
+    for i in range(NUM_REQUESTS):
         ids = [rng.randrange(3, 1000) for _ in range(rng.randint(1, 50))]
-        out.append(GenerateReqInput(rid=f"{tag}{i}", input_ids=ids, sampling_params={
+        out.append(GenerateReqInput(rid=f"{tag}{i}", input_ids=ids, return_logprob=True, sampling_params={
             "max_new_tokens": rng.randint(2, 16), "temperature": 0, "ignore_eos": True}))
     return out
 
@@ -52,6 +53,11 @@ def serve(engine, tag: str) -> list[dict]:
         return await asyncio.gather(*(one(o) for o in requests(tag)))
 
     return asyncio.run(run_all())
+
+
+def logprobs(outputs: list[dict]) -> list[list[float]]:
+    """Each output's sampled-token logprobs."""
+    return [[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outputs]
 
 
 class DraftRecorder:
@@ -92,14 +98,16 @@ def wait_idle(engine, timeout=30.0) -> dict:
 def main(out_path: str) -> None:
     assert len(jax.devices()) == 4, jax.devices()
     plain = Engine(ServerArgs(**ARGS))
-    ref = [o["output_ids"] for o in serve(plain, "p")]
+    plain_out = serve(plain, "p")
+    ref = [o["output_ids"] for o in plain_out]
     plain.shutdown()
     spec = Engine(ServerArgs(dp_size=4, ep_size=4, speculative_algorithm="NGRAM",
                              speculative_num_draft_tokens=K + 1, **{**ARGS, "skip_warmup": False}))
-    result = {"ref": ref}
+    result = {"ref": ref, "ref_logprobs": logprobs(plain_out)}
     counter = CompileCounter()
     ngram = serve(spec, "n")
     result["ngram"] = [o["output_ids"] for o in ngram]
+    result["ngram_logprobs"] = logprobs(ngram)
     reference = {f"r{i}": ids for i, ids in enumerate(ref)}
 
     def replay(req, k):
@@ -113,6 +121,7 @@ def main(out_path: str) -> None:
     spec.scheduler.drafter = CallbackDrafter(replay)
     replayed = serve(spec, "r")
     result["replay"] = [o["output_ids"] for o in replayed]
+    result["replay_logprobs"] = logprobs(replayed)
     result["replay_accept"] = [o["meta_info"]["spec_accept_length"] for o in replayed]
     result["lowerings"] = counter.lowerings
     result["stats"] = wait_idle(spec)
@@ -121,6 +130,7 @@ def main(out_path: str) -> None:
     got, result["nextn_lowerings"], dp_drafts = serve_nextn(
         dict(dp_size=4, ep_size=4, **{**ARGS, "skip_warmup": False}), "x")
     result["nextn"] = [o["output_ids"] for o in got]
+    result["nextn_logprobs"] = logprobs(got)
     result["nextn_verify_ct"] = [o["meta_info"]["spec_verify_ct"] for o in got
                                  if len(o["output_ids"]) > 1]
     _, _, one_drafts = serve_nextn(ARGS, "y")

@@ -5,13 +5,17 @@ devices of its own: the colocated app under ``/colo``; the disaggregated app und
 (2 prefill replicas of 4 DP ranks, decode replicas of 2 ranks autoscaling 1..2); a second
 disaggregated app under ``/pdtp`` (1 tensor-parallel prefill replica of 2 devices, 1 decode
 replica of 2 DP ranks verifying NGRAM drafts); a third under ``/pdnx`` (1 one-device prefill
-replica, 1 decode replica of 2 DP ranks, both drafting with NEXTN). Asserts:
+replica, 1 decode replica of 2 DP ranks, both drafting with NEXTN); a fourth under ``/pdng`` (1
+one-device prefill replica, 1 decode replica of 2 DP ranks verifying NGRAM drafts, both on the
+looping checkpoint, whose greedy continuations repeat). Asserts:
 both answer native ``/generate`` (plain and streaming) and OpenAI ``/v1/completions``; greedy
 outputs of disaggregated == colocated == an in-process single-device engine for prompts of
 several KV pages (16 tokens) and GDN chunks (64 tokens); 40 concurrent requests of up to 600
-tokens handed over DP rank to DP rank, 12 from the TP prefill and 12 under NEXTN (the MTP KV
-installed on the decode rank, drafts verified), give that engine's tokens and logprobs within
-1e-5, every rank used and freed; prefix affinity sends repeats of a
+tokens handed over DP rank to DP rank, 12 from the TP prefill to NGRAM decode, 48 of mixed
+lengths quoting a passage the looping model repeats from a one-device prefill to NGRAM decode
+(drafts accepted), and 48 of up to 600 tokens under NEXTN (the MTP KV installed on the decode
+rank, drafts verified) give that engine's tokens and logprobs within 1e-5, every rank
+used and freed; prefix affinity sends repeats of a
 500-token prefix to the prefill replica that caches it (and not without a routing key);
 handover bytes and latency on ``/pd/metrics`` with ``role="decode"``; abort_request and client
 disconnect end a request that is decoding on the decode replica and free its pages and slot;
@@ -36,6 +40,7 @@ import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +73,16 @@ PDTP_ARGS = dict(ARGS, mode="disaggregated", context_length="640", prefill_tp_si
                  prefill_max_running_requests="1", decode_dp_size="2", decode_ep_size="2",
                  decode_cpu_devices_per_host="2", decode_speculative_algorithm="NGRAM",
                  decode_speculative_num_draft_tokens="4")
+# NGRAM through PD on the looping checkpoint (tiny_model.write_looping_model: its greedy
+# continuations repeat what it has seen, so n-gram drafts are right; the random default's never
+# repeat, and NGRAM finds nothing to draft): a one-device prefill replica (one request at a
+# time: its rounding is the reference engine's, where a TP prefill's split sums are not) ->
+# decode of 2 DP ranks verifying NGRAM drafts; half a CPU each. ``model_path`` is set when the
+# checkpoint is written.
+PDNG_ARGS = dict(ARGS, mode="disaggregated", context_length="640", num_cpus="0.5",
+                 prefill_cpu_devices_per_host="1", prefill_max_running_requests="1",
+                 decode_dp_size="2", decode_ep_size="2", decode_cpu_devices_per_host="2",
+                 decode_speculative_algorithm="NGRAM", decode_speculative_num_draft_tokens="4")
 # NEXTN through PD: a one-device prefill replica (one request at a time) -> decode of 2 DP
 # ranks, both drafting with the MTP layer; half a CPU each (the cluster's 8 CPUs also hold
 # the other apps' replicas, the /pd decode deployment scaled to 2 included).
@@ -83,6 +98,7 @@ FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
 
 
 METRICS_EXPORT_PORT: list[int] = []
+LOOPING_MODEL: list[Path] = []
 
 
 def _free_port() -> int:
@@ -92,13 +108,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url():
+def base_url(tmp_path_factory):
     from ray_app import app
+    from sglang_tpu_backend.tiny_model import write_looping_model
+
+    LOOPING_MODEL.append(write_looping_model(tmp_path_factory.mktemp("looping")))
 
     env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **FAST_METRICS}  # replicas import this tree
     os.environ.update(env)
     METRICS_EXPORT_PORT.append(_free_port())  # Ray's metrics agent (ray_serve_* families)
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(num_cpus=9, include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": env}, _metrics_export_port=METRICS_EXPORT_PORT[0])
     try:
         port = _free_port()
@@ -106,6 +125,8 @@ def base_url():
         serve.run(app(dict(ARGS)), name="colo", route_prefix="/colo", blocking=False)
         serve.run(app(PDTP_ARGS), name="pdtp", route_prefix="/pdtp", blocking=False)
         serve.run(app(PDNX_ARGS), name="pdnx", route_prefix="/pdnx", blocking=False)
+        serve.run(app(dict(PDNG_ARGS, model_path=str(LOOPING_MODEL[0]))), name="pdng",
+                  route_prefix="/pdng", blocking=False)
         serve.run(app(PD_ARGS), name="pd", route_prefix="/pd")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -125,16 +146,15 @@ def _generate(url: str, ids: list[int], **extra) -> dict:
     return r.json()
 
 
-@pytest.fixture(scope="module")
-def reference():
+def _reference_outputs(args: dict):
     """``outputs(prompts)``: greedy outputs (with logprobs) of an in-process single-device
-    engine (REF_ARGS), ``MAX_NEW`` tokens each, the prompts run concurrently; by prompt,
-    computed once."""
+    engine of ``args``, ``MAX_NEW`` tokens each, the prompts run concurrently; by prompt,
+    computed once. A generator: shuts the engine down when closed."""
     from ray_app.config import parse_app_args
     from sglang_tpu_backend.engine import Engine
     from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 
-    eng = Engine(parse_app_args(REF_ARGS).server_args)
+    eng = Engine(parse_app_args(args).server_args)
     done: dict[tuple[int, ...], dict] = {}
 
     async def run(ids):
@@ -154,6 +174,18 @@ def reference():
         yield outputs
     finally:
         eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The tiny default's outputs (REF_ARGS): see ``_reference_outputs``."""
+    yield from _reference_outputs(REF_ARGS)
+
+
+@pytest.fixture(scope="module")
+def looping_reference(base_url):
+    """The looping checkpoint's outputs (REF_ARGS): see ``_reference_outputs``."""
+    yield from _reference_outputs(dict(REF_ARGS, model_path=str(LOOPING_MODEL[0])))
 
 
 def test_routes_answer_in_both_modes(base_url):
@@ -193,8 +225,6 @@ def _distinct_prompts(n: int, seed: int, lo: int = 5, hi: int = 600) -> list[lis
 
 
 def _concurrently(url: str, prompts: list[list[int]], **extra) -> list[dict]:
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda ids: _generate(url, ids, **extra), prompts))
 
@@ -244,8 +274,6 @@ def test_dp4_prefill_hands_over_to_dp2_decode(base_url, reference):
     state of another chunking is rounded differently: that request's logprobs came out up to
     5e-5 apart.)
     Every rank of every replica took requests and ends with its pages and slots free."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(1) as pool:  # the reference engine runs while the replicas serve
         refs = pool.submit(reference, EXACT_PROMPTS)
         pd = _concurrently(base_url + "/pd", EXACT_PROMPTS, return_logprob=True)
@@ -254,12 +282,26 @@ def test_dp4_prefill_hands_over_to_dp2_decode(base_url, reference):
     _assert_every_rank_served_and_free("pd", "DecodeServer", ranks=2)  # autoscaled: 1 or 2
 
 
+def _quoting_prompts(xs: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """X + G(X) + X for each prompt X and its greedy continuation G(X): a prompt quoting a
+    passage the model goes on to repeat."""
+    return [x + g + x for x, g in zip(xs, continuations, strict=True)]
+
+
+def _assert_speculation_ran(outs: list[dict]) -> None:
+    """Most requests ran verify steps (random weights: drafts are mostly rejected, and a
+    request's back-off may pause its drafting after a rejection)."""
+    verified = [o["meta_info"]["spec_verify_ct"] > 0 for o in outs]
+    assert sum(verified) > len(outs) // 2, verified
+
+
 def test_tp2_prefill_hands_over_to_dp2_decode(base_url, reference):
     """A tensor-parallel prefill replica (heads and experts split over 2 devices; one request
     at a time, so its chunks end where the reference's do) hands over to a DP2 decode replica
     through Ray: 12 concurrent requests of 5 to 600 tokens, the same tokens and logprobs
     within 1e-5 of one device; both replicas end with every page and slot free. The decode
-    replica runs NGRAM speculative decoding (its outputs report verify steps)."""
+    replica runs NGRAM speculative decoding (on the random default it finds nothing to draft:
+    the 48-request NGRAM test below runs the looping checkpoint)."""
     prompts = EXACT_PROMPTS[:12]
     pd = _concurrently(base_url + "/pdtp", prompts, return_logprob=True)
     _assert_reference_outputs(pd, reference(prompts))
@@ -268,19 +310,41 @@ def test_tp2_prefill_hands_over_to_dp2_decode(base_url, reference):
     _assert_every_rank_served_and_free("pdtp", "DecodeServer", ranks=2, replicas=1)
 
 
+def test_prefill_hands_over_to_ngram_dp2_decode(base_url, looping_reference):
+    """NGRAM through Ray, on the looping checkpoint: a one-device prefill replica hands over
+    to a DP2 decode replica running NGRAM speculative decoding. 48 concurrent requests of
+    mixed lengths (X + G(X) + X, X of 3 to 190 tokens) give the non-speculative
+    single-device engine's tokens and logprobs within 1e-5; most ran verify steps and drafts
+    were accepted (accept length > 1.5 on average); every decode rank took requests and both
+    replicas end with every page and slot free."""
+    rng = np.random.default_rng(17)
+    xs = [[int(t) for t in rng.integers(3, 1000, size=int(n))] for n in rng.integers(3, 191, 48)]
+    prompts = _quoting_prompts(xs, [o["output_ids"] for o in looping_reference(xs)])
+    with ThreadPoolExecutor(1) as pool:  # the reference engine runs while the replicas serve
+        refs = pool.submit(looping_reference, prompts)
+        pd = _concurrently(base_url + "/pdng", prompts, return_logprob=True)
+        _assert_reference_outputs(pd, refs.result())
+    _assert_speculation_ran(pd)
+    accept = [o["meta_info"]["spec_accept_length"] for o in pd]
+    assert np.mean(accept) > 1.5, accept
+    _assert_every_rank_served_and_free("pdng", "PrefillServer", ranks=1, replicas=1)
+    _assert_every_rank_served_and_free("pdng", "DecodeServer", ranks=2, replicas=1)
+
+
 def test_nextn_prefill_hands_over_to_nextn_dp2_decode(base_url, reference):
     """NEXTN through Ray: a one-device NEXTN prefill replica hands each request's KV pages,
     GDN states, MTP KV pages and first drafts over to a NEXTN decode replica of 2 DP ranks,
     which installs them on the rank the request lands on and verifies the MTP layer's drafts:
-    12 concurrent requests of 5 to 600 tokens give the single-device engine's tokens and
-    logprobs within 1e-5, most of them ran verify steps (random MTP weights: drafts are
-    mostly rejected and the back-off may pause a request), every decode rank took requests
-    and both replicas end with their pages and slots free."""
-    prompts = EXACT_PROMPTS[:12]
-    pd = _concurrently(base_url + "/pdnx", prompts, return_logprob=True)
-    _assert_reference_outputs(pd, reference(prompts))
-    verified = [o["meta_info"]["spec_verify_ct"] > 0 for o in pd]
-    assert sum(verified) > len(pd) // 2, verified
+    48 concurrent requests of 5 to 600 tokens (the 40 of the DP test and 8 more) give the
+    non-speculative single-device engine's tokens and logprobs within 1e-5, most of them ran
+    verify steps (random MTP weights: drafts are mostly rejected), every decode rank took
+    requests and both replicas end with their pages and slots free."""
+    prompts = EXACT_PROMPTS + _distinct_prompts(8, seed=8)
+    with ThreadPoolExecutor(1) as pool:  # the reference engine runs while the replicas serve
+        refs = pool.submit(reference, prompts)
+        pd = _concurrently(base_url + "/pdnx", prompts, return_logprob=True)
+        _assert_reference_outputs(pd, refs.result())
+    _assert_speculation_ran(pd)
     _assert_every_rank_served_and_free("pdnx", "PrefillServer", ranks=1, replicas=1)
     _assert_every_rank_served_and_free("pdnx", "DecodeServer", ranks=2, replicas=1)
 
