@@ -66,6 +66,22 @@ def place_params(params, shardings):
     return jax.tree.map(global_array, params, shardings)
 
 
+def jit_programs(backend) -> None:
+    """Jit a mesh backend's global programs (``_global_step``, ``_global_verify``,
+    ``_global_commit``, ``_global_mtp``) as the runner calls them: the cache (argument 1; the
+    MTP pass's, argument 2) donated; the step and verify also as ``with_hidden`` variants
+    (NEXTN reads the target's hidden states)."""
+    b = backend
+    b._step = jax.jit(b._global_step, donate_argnums=(1,))
+    b._verify = jax.jit(b._global_verify, donate_argnums=(1,))
+    b._commit = jax.jit(b._global_commit, donate_argnums=(1,))
+    b._step_hidden = jax.jit(functools.partial(b._global_step, with_hidden=True),
+                             donate_argnums=(1,))
+    b._verify_hidden = jax.jit(functools.partial(b._global_verify, with_hidden=True),
+                               donate_argnums=(1,))
+    b._mtp = jax.jit(b._global_mtp, static_argnames=("num_steps",), donate_argnums=(2,))
+
+
 class DPForward:
     """``forward`` over a (chip, die) mesh: one DP rank per device, experts split over them."""
 
@@ -80,15 +96,7 @@ class DPForward:
         self.cfg, self.mesh, self.impl, self.ep = cfg, mesh, impl, ep
         self.with_stats, self.batch_invariant = with_stats, batch_invariant
         self.dp_size = mesh.size
-        self._step = jax.jit(self._global_step, donate_argnums=(1,))
-        self._verify = jax.jit(self._global_verify, donate_argnums=(1,))
-        self._commit = jax.jit(self._global_commit, donate_argnums=(1,))
-        hidden = functools.partial(self._global_step, with_hidden=True)
-        self._step_hidden = jax.jit(hidden, donate_argnums=(1,))
-        hidden = functools.partial(self._global_verify, with_hidden=True)
-        self._verify_hidden = jax.jit(hidden, donate_argnums=(1,))
-        self._mtp = jax.jit(self._global_mtp, static_argnames=("num_steps",),
-                            donate_argnums=(2,))
+        jit_programs(self)
 
     # Placement ------------------------------------------------------------------------------
     def sharding(self, spec: PartitionSpec) -> NamedSharding:

@@ -54,7 +54,7 @@ from sglang_tpu_backend.model_executor import verify
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.model_executor.weight_layout import is_routed_expert
 from sglang_tpu_backend.models import qwen3_5_moe
-from sglang_tpu_backend.parallel.dp_forward import global_array, place_params
+from sglang_tpu_backend.parallel.dp_forward import global_array, jit_programs, place_params
 from sglang_tpu_backend.parallel.mesh import CHIP_AXIS, DIE_AXIS, TPContext, canonical_spec
 
 REPLICATED = PartitionSpec()
@@ -144,15 +144,7 @@ class TPForward:
         self.ctx = TPContext(axes=(CHIP_AXIS, DIE_AXIS))
         self._kv_cols = kv_columns(cfg, self.tp)
         self._conv_ch = conv_channels(cfg, self.tp)
-        self._step = jax.jit(self._global_step, donate_argnums=(1,))
-        self._verify = jax.jit(self._global_verify, donate_argnums=(1,))
-        self._commit = jax.jit(self._global_commit, donate_argnums=(1,))
-        hidden = functools.partial(self._global_step, with_hidden=True)
-        self._step_hidden = jax.jit(hidden, donate_argnums=(1,))
-        hidden = functools.partial(self._global_verify, with_hidden=True)
-        self._verify_hidden = jax.jit(hidden, donate_argnums=(1,))
-        self._mtp = jax.jit(self._global_mtp, static_argnames=("num_steps",),
-                            donate_argnums=(2,))
+        jit_programs(self)
 
     # Layouts ----------------------------------------------------------------------------------
     def sharding(self, spec: PartitionSpec) -> NamedSharding:
