@@ -28,8 +28,30 @@ loop body once per program.
 
 Each op's time is max(FLOPs / peak, HBM bytes / bandwidth, link bytes / link bandwidth), the
 peak the FP8 one for dots of two FP8 operands and the bf16 one otherwise (Pallas calls too:
-their cost estimates do not say which unit they use); the predicted step time is their sum
-(no overlap between ops). Each op is attributed to a layer kind by the ``jax.named_scope`` of
+their cost estimates do not say which unit they use); the serial step time
+(``ProgramCost.total.seconds``) is their sum (no overlap between ops).
+
+The overlap-aware step time (``ProgramCost.overlap_seconds``) walks each computation in its
+schedule order (compiled HLO lists a scheduled computation's instructions in that order) on
+a timeline: ops run one after another on the TensorCore, except the transfers of async
+windows, which run beside them:
+- an XLA async collective (``all-gather-start``, ``all-reduce-start``,
+  ``collective-permute-start``, and a ``call-start`` / ``async-start`` whose computation holds
+  a collective, such as a collective offloaded to the SparseCore) costs the TensorCore
+  nothing at its start; its transfer takes its charged time;
+- a Pallas call with remote bytes whose kernel is named ``*_start`` (``reduce_scatter_start``,
+  ``reduce_scatter_ici_start`` of ``kernels/collectives_async.py``) costs the TensorCore its
+  time without the remote DMAs (FLOPs; HBM bytes less the remote bytes, which the DMA engines
+  read); its transfer takes max(link time, remote bytes / HBM bandwidth);
+- an op that uses a window's result (its ``-done``, or a kernel reading the start kernel's
+  buffers or semaphores, traced through tuples, get-tuple-element and optimization barriers)
+  waits until that transfer has finished.
+So one window costs max(its communication time, the compute time of the ops scheduled inside
+it) instead of their sum. Transfers queue per link (ICI, die-to-die): two in flight at once
+share it one after the other. Everything else (prefetch copies, SparseCore gathers) stays
+serial. A loop body's timeline is charged once per trip (windows do not cross trips).
+
+Each op is attributed to a layer kind by the ``jax.named_scope`` of
 its metadata (``models/qwen3_5_moe.py``), collectives and communicating kernels to
 "communication".
 
@@ -142,6 +164,7 @@ class ProgramCost:
     """A compiled program's charges per layer kind (``KINDS``), per device."""
 
     kinds: dict[str, Charge]
+    overlap_seconds: float = math.nan  # the step time with async windows overlapped
 
     @property
     def total(self) -> Charge:
@@ -156,7 +179,7 @@ def program_cost(hlo: str, device: Device = TPU7X) -> ProgramCost:
     comps, entry = parse_module(hlo)
     kinds = {k: Charge() for k in KINDS}
     _Walk(comps, device, kinds).computation(comps[entry], 1.0)
-    return ProgramCost(kinds)
+    return ProgramCost(kinds, _Timeline(comps, device).seconds(comps[entry]))
 
 
 def kind_of(instr: Instruction) -> str:
@@ -483,6 +506,127 @@ def custom_call_charge(comp: Computation, instr: Instruction, device: Device
         charge.add(link_charge(remote, device.devices, device))
         return charge, "communication"
     return charge, kind_of(instr)
+
+
+# Overlap-aware timeline --------------------------------------------------------------------
+ASYNC_COLLECTIVE_STARTS = frozenset({
+    "all-gather-start", "all-reduce-start", "collective-permute-start"})
+_FORWARDING = frozenset({"get-tuple-element", "tuple", "opt-barrier", "bitcast"})
+
+
+def _kernel_name(instr: Instruction) -> str:
+    """A Pallas call's kernel name: the op_name component before ``pallas_call``."""
+    parts = instr.op_name.split("/")
+    return parts[-2] if len(parts) >= 2 and parts[-1] == "pallas_call" else ""
+
+
+def sources(comp: Computation, name: str, index: int | None = None) -> set[str]:
+    """The instructions whose results the value ``name`` (its tuple element ``index``)
+    forwards, through get-tuple-element, tuple, opt-barrier and bitcast."""
+    ins = comp.instructions.get(name)
+    if ins is None:
+        return set()
+    if ins.opcode == "get-tuple-element":
+        return sources(comp, ins.operands[0], int(ins.attr("index")))
+    if ins.opcode == "tuple":
+        ops = ins.operands if index is None else ins.operands[index:index + 1]
+        return set().union(*(sources(comp, o) for o in ops)) if ops else set()
+    if ins.opcode == "opt-barrier":
+        return sources(comp, ins.operands[0], index)
+    if ins.opcode == "bitcast":
+        return sources(comp, ins.operands[0])
+    return {name}
+
+
+class _Timeline:
+    """The overlap-aware time of a computation (module docstring)."""
+
+    def __init__(self, comps: dict[str, Computation], device: Device):
+        self.comps, self.device = comps, device
+        self.walk = _Walk(comps, device, {k: Charge() for k in KINDS})
+        self.memo: dict[str, float] = {}
+
+    def serial(self, comp: Computation) -> Charge:
+        """The serial charge of a computation run once, summed over its ops."""
+        kinds = {k: Charge() for k in KINDS}
+        _Walk(self.comps, self.device, kinds).computation(comp, 1.0)
+        return ProgramCost(kinds).total
+
+    def seconds(self, comp: Computation) -> float:
+        if comp.name in self.memo:
+            return self.memo[comp.name]
+        dev = self.device
+        t, finish, free = 0.0, {}, {"ici": 0.0, "d2d": 0.0}
+
+        def transfer(ici_s: float, d2d_s: float, other_s: float) -> float:
+            """Queue a transfer issued at t on the links; returns when it finishes."""
+            end = t + other_s
+            for link, secs in (("ici", ici_s), ("d2d", d2d_s)):
+                if secs > 0:
+                    free[link] = max(t, free[link]) + secs
+                    end = max(end, free[link])
+            return end
+
+        for ins in comp.instructions.values():
+            op, called = ins.opcode, ins.called()
+            if op in _FORWARDING or op in ("parameter", "constant"):
+                continue
+            waits = [finish[s] for o in ins.operands for s in sources(comp, o) if s in finish]
+            t = max([t, *waits])
+            if op in ZERO_COST:
+                continue
+            if op == "while":
+                trips = trip_count(self.comps, comp, ins)
+                t += trips * self.seconds(self.comps[called["body"]])
+                t += (trips + 1) * self.seconds(self.comps[called["condition"]])
+            elif op == "conditional":
+                t += max(self.seconds(self.comps[v]) for k, v in called.items()
+                         if k.startswith("branch"))
+            elif op in ("call", "call-start", "async-start"):
+                body = self.comps[called.get("to_apply") or called["calls"]]
+                if op != "call" and self._has_collective(body):
+                    c = self.serial(body)
+                    finish[ins.name] = transfer(c.ici_bytes / dev.ici_bandwidth,
+                                                c.d2d_bytes / dev.d2d_bandwidth, dev.seconds(c))
+                else:
+                    t += self.seconds(body)
+            else:
+                charge, _ = self.walk.charge(comp, ins)
+                remote = self._async_remote_bytes(ins)
+                if op in ASYNC_COLLECTIVE_STARTS or remote is not None:
+                    remote = remote or 0.0
+                    local = Charge(charge.flops, charge.fp8_flops,
+                                   max(charge.hbm_bytes - remote, 0.0))
+                    t += dev.seconds(local)
+                    finish[ins.name] = transfer(charge.ici_bytes / dev.ici_bandwidth,
+                                                charge.d2d_bytes / dev.d2d_bandwidth,
+                                                remote / dev.hbm_bandwidth)
+                else:
+                    t += dev.seconds(charge)
+        t = max([t, *finish.values()])
+        self.memo[comp.name] = t
+        return t
+
+    def _has_collective(self, comp: Computation) -> bool:
+        for ins in comp.instructions.values():
+            if ins.opcode in COLLECTIVES or ins.opcode in ASYNC_COLLECTIVE_STARTS:
+                return True
+            for name in ins.called().values():
+                if name in self.comps and self._has_collective(self.comps[name]):
+                    return True
+        return False
+
+    @staticmethod
+    def _async_remote_bytes(ins: Instruction) -> float | None:
+        """Remote bytes of a Pallas call that starts an async transfer (its kernel named
+        ``*_start``, with remote bytes in its cost estimate); None for any other op."""
+        if ins.opcode != "custom-call" or _target(ins) != "tpu_custom_call":
+            return None
+        if not _kernel_name(ins).endswith("_start"):
+            return None
+        est = ins.backend_config().get("custom_call_config", {}).get("cost_estimate") or {}
+        remote = float(est.get("remote_bytes_transferred", 0))
+        return remote if remote else None
 
 
 # Loops ------------------------------------------------------------------------------------
