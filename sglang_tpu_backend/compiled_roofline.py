@@ -47,8 +47,8 @@ windows, which run beside them:
   buffers or semaphores, traced through tuples, get-tuple-element and optimization barriers)
   waits until that transfer has finished.
 So one window costs max(its communication time, the compute time of the ops scheduled inside
-it) instead of their sum. Transfers queue per link (ICI, die-to-die): two in flight at once
-share it one after the other. Everything else (prefetch copies, SparseCore gathers) stays
+it) instead of their sum. Transfers queue on the device's links (ICI + die-to-die seconds,
+as ``Device.seconds`` adds them): two in flight at once run one after the other. Everything else (prefetch copies, SparseCore gathers) stays
 serial. A loop body's timeline is charged once per trip (windows do not cross trips).
 
 Each op is attributed to a layer kind by the ``jax.named_scope`` of
@@ -556,16 +556,14 @@ class _Timeline:
         if comp.name in self.memo:
             return self.memo[comp.name]
         dev = self.device
-        t, finish, free = 0.0, {}, {"ici": 0.0, "d2d": 0.0}
+        t, finish, links_free = 0.0, {}, 0.0
 
-        def transfer(ici_s: float, d2d_s: float, other_s: float) -> float:
-            """Queue a transfer issued at t on the links; returns when it finishes."""
-            end = t + other_s
-            for link, secs in (("ici", ici_s), ("d2d", d2d_s)):
-                if secs > 0:
-                    free[link] = max(t, free[link]) + secs
-                    end = max(end, free[link])
-            return end
+        def transfer(c: Charge, other_s: float) -> float:
+            """Queue the link bytes of ``c``, issued at t; returns when the transfer ends."""
+            nonlocal links_free
+            links = c.ici_bytes / dev.ici_bandwidth + c.d2d_bytes / dev.d2d_bandwidth
+            links_free = max(t, links_free) + links
+            return max(links_free, t + other_s)
 
         for ins in comp.instructions.values():
             op, called = ins.opcode, ins.called()
@@ -586,8 +584,7 @@ class _Timeline:
                 body = self.comps[called.get("to_apply") or called["calls"]]
                 if op != "call" and self._has_collective(body):
                     c = self.serial(body)
-                    finish[ins.name] = transfer(c.ici_bytes / dev.ici_bandwidth,
-                                                c.d2d_bytes / dev.d2d_bandwidth, dev.seconds(c))
+                    finish[ins.name] = transfer(c, dev.seconds(c))
                 else:
                     t += self.seconds(body)
             else:
@@ -598,9 +595,7 @@ class _Timeline:
                     local = Charge(charge.flops, charge.fp8_flops,
                                    max(charge.hbm_bytes - remote, 0.0))
                     t += dev.seconds(local)
-                    finish[ins.name] = transfer(charge.ici_bytes / dev.ici_bandwidth,
-                                                charge.d2d_bytes / dev.d2d_bandwidth,
-                                                remote / dev.hbm_bandwidth)
+                    finish[ins.name] = transfer(charge, remote / dev.hbm_bandwidth)
                 else:
                     t += dev.seconds(charge)
         t = max([t, *finish.values()])
