@@ -32,10 +32,9 @@ their cost estimates do not say which unit they use); the serial step time
 (``ProgramCost.total.seconds``) is their sum (no overlap between ops).
 
 The overlap-aware step time (``ProgramCost.overlap_seconds``, ``compiled_timeline.py``) walks
-each computation in its
-schedule order (compiled HLO lists a scheduled computation's instructions in that order) on
-a timeline: ops run one after another on the TensorCore, except the transfers of async
-windows, which run beside them:
+each computation in its schedule order (compiled HLO lists a scheduled computation's
+instructions in that order) on a timeline: ops run one after another on the TensorCore,
+except the transfers of async windows, which run beside them:
 - an XLA async collective (``all-gather-start``, ``all-reduce-start``,
   ``collective-permute-start``, and a ``call-start`` / ``async-start`` whose computation holds
   a collective, such as a collective offloaded to the SparseCore) costs the TensorCore
