@@ -52,7 +52,8 @@ as ``Device.seconds`` adds them): two in flight at once run one after the other.
 else (prefetch copies, SparseCore gathers) stays serial. A loop body's timeline is charged
 once per trip (windows do not cross trips).
 
-Each op is attributed to a layer kind by the ``jax.named_scope`` of its metadata (``models/qwen3_5_moe.py``), collectives and communicating kernels to
+Each op is attributed to a layer kind by the ``jax.named_scope`` of its metadata
+(``models/qwen3_5_moe.py``), collectives and communicating kernels to
 "communication".
 
 Link figures (per chip; a TPU7x chip holds two TensorCores, each one JAX device):
