@@ -8,9 +8,16 @@ FLOPs, HBM bytes, link bytes and time beside the roofline's ideal, and the progr
 (ideal / charged). No TPU needed (libtpu compile-only):
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_compiled_roofline.py [--layers 4] [--json]
+        [--combine off,2,4]
 
 ``--layers N`` compiles the first N layers (N / 4 trips of the layer scan; 4 is one trip and
 has no per-trip slicing of the stacked weights, which the full program pays).
+``--combine``: the MoE combines to compile side by side: ``off`` (the synchronous
+reduce-scatter kernel after all expert matmuls, the default) and M (``EPContext(
+num_microbatches=M, overlap_combine=True)``: M expert groups, each group's reduce-scatter in
+flight during the next group's matmuls). Each program prints its serial step time (every op
+one after another) and its overlap-aware one (async windows charged max(transfer, compute
+inside): ``compiled_roofline.py``), and ``--json`` adds both per combine.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import jax.numpy as jnp
 
@@ -38,26 +46,45 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default: all 60")
     ap.add_argument("--prefill-tokens", type=int, default=1024, help="per DP rank")
     ap.add_argument("--json", action="store_true", help="also print the efficiencies as JSON")
+    ap.add_argument("--combine", default="off",
+                    help="comma-separated: off and/or overlapped group counts M (2, 4)")
+    ap.add_argument("--hlo-dir", default=None, help="also write each program's HLO text here")
     a = ap.parse_args()
     cfg = load_config(CONFIG_397B)
     if a.layers:
         cfg = dataclasses.replace(cfg, num_hidden_layers=a.layers,
                                   layer_types=cfg.layer_types[:a.layers])
     mesh = make_mesh(D, topology_devices("tpu7x:2x2x1"))
-    result = {}
+    combines = [c.strip() for c in a.combine.split(",")]
+    result, steps = {}, {}
     for name, mode, T in (("decode", ForwardMode.DECODE, R),
                           ("prefill", ForwardMode.EXTEND, a.prefill_tokens)):
         spec = StepSpec(mode, T, R, R, PAGES, R * PAGES, PAGE, R)
-        start = time.perf_counter()
-        report = compile_dp_step(cfg, spec, mesh, fp8_experts=True, state_dtype=jnp.bfloat16)
-        b = bucket_efficiency(name, report.hlo, cfg, tokens=T, seqs=R, kv_len=PAGES * PAGE,
-                              devices=D, device=TPU7X)
-        print(f"397B DP8 x EP8 {name}, {T} tokens per rank, {cfg.num_hidden_layers} layers "
-              f"(compile + walk {time.perf_counter() - start:.0f} s), per device:\n"
-              + format_efficiency(b), flush=True)
-        result[name] = round(b.efficiency, 4)
+        for combine in combines:
+            overlap = combine != "off"
+            start = time.perf_counter()
+            report = compile_dp_step(cfg, spec, mesh, fp8_experts=True, state_dtype=jnp.bfloat16,
+                                     num_microbatches=int(combine) if overlap else 2,
+                                     overlap_combine=overlap)
+            compile_s = time.perf_counter() - start
+            if a.hlo_dir:
+                Path(a.hlo_dir).mkdir(parents=True, exist_ok=True)
+                Path(a.hlo_dir, f"{name}_{combine}.hlo.txt").write_text(report.hlo)
+            b = bucket_efficiency(name, report.hlo, cfg, tokens=T, seqs=R, kv_len=PAGES * PAGE,
+                                  devices=D, device=TPU7X)
+            label = "combine off" if not overlap else f"combine overlapped, M = {combine}"
+            serial, overlapped = b.charged.total.seconds, b.charged.overlap_seconds
+            print(f"397B DP8 x EP8 {name}, {T} tokens per rank, {cfg.num_hidden_layers} layers, "
+                  f"{label} (compile {compile_s:.0f} s, walk "
+                  f"{time.perf_counter() - start - compile_s:.0f} s), per device:\n"
+                  + format_efficiency(b), flush=True)
+            if not overlap:
+                result[name] = round(b.efficiency, 4)
+            steps.setdefault(name, {})[combine] = {
+                "serial_ms": round(serial * 1e3, 3), "overlap_ms": round(overlapped * 1e3, 3),
+                "compile_s": round(compile_s, 1)}
     if a.json:
-        print(json.dumps({"program_efficiency": result}))
+        print(json.dumps({"program_efficiency": result, "step_ms": steps}))
 
 
 if __name__ == "__main__":

@@ -1,38 +1,43 @@
-"""The hierarchical reduce-scatter as an asynchronous start / done pair of Pallas TPU kernels.
+"""The hierarchical reduce-scatter as three asynchronous Pallas TPU kernels.
 
 :func:`reduce_scatter_start` issues the remote DMAs of stage 1 (rows to the other dies of my
-chip) and returns at once; :func:`reduce_scatter_done` waits for them, reduces, runs stage 2
-(partial sums to my die on the other chips) and reduces again. Whatever the program runs on
-the TensorCore between the two calls (the next micro-batch's expert matmuls, in
-``models/moe.py``) overlaps the stage-1 transfer; stage 2 (over ICI) runs inside done and
-overlaps only done's own reductions. Same result and the same summation order as
-``collectives.hierarchical_reduce_scatter`` with one micro-batch; call both inside
-``shard_map`` over the ("chip", "die") mesh.
+chip) and returns at once; :func:`reduce_scatter_ici_start` waits for them, reduces, issues
+the remote DMAs of stage 2 (partial sums to my die on the other chips, over ICI) and returns
+at once; :func:`reduce_scatter_done` waits for those and reduces again. Whatever the program
+runs on the TensorCore between start and ici_start overlaps the die-to-die transfer, and
+what it runs between ici_start and done overlaps the ICI transfer (in ``models/moe.py`` the
+later expert groups' matmuls). Same result and the same summation order as
+``collectives.hierarchical_reduce_scatter`` with one micro-batch; call all three inside
+``shard_map`` over the ("chip", "die") mesh. ``reduce_scatter_done`` given the stage-1 future
+runs ici_start itself (the two-kernel form: start ... ici_start + done).
 
 Dimension letters as in ``kernels/collectives.py``: C chips, E dies per chip, D = C * E
 devices, N rows per device, H hidden, R = N / D rows of one destination block. x[N, H] is
 viewed as x[C, E, R, H]; block (c, e) belongs to the device at mesh position (chip c, die e).
 
-What travels from start to done (:class:`ReduceScatterFuture`), as the "Pallas Async
-Operations" design of JAX describes: the receive buffers and the DMA semaphores are *outputs*
-of the start kernel, so XLA allocates them and keeps them alive until the done kernel (their
-consumer) has run; the source rows go through the start kernel aliased to an output and on
-into done, so XLA can neither free nor reuse them while the DMAs read them. Cross-device
-safety: a peer writes into my buffers only after the start kernel's barrier (so my start has
-run and allocated them), and my done returns only after every peer's write into them has
-landed (it waits on their receive semaphores), so no write reaches a buffer XLA has reused.
-Stage 2 sends from inside done into the peers' stage-2 buffers, which their start allocated.
+What travels between the kernels (:class:`ReduceScatterFuture`, then
+:class:`ReduceScatterIciFuture`), as the "Pallas Async Operations" design of JAX describes:
+the receive buffers and the DMA semaphores are *outputs* of the kernel that allocates them, so
+XLA keeps them alive until their consumer has run. The source rows x go through the start
+kernel aliased to an output and into ici_start, which waits for its stage-1 sends before it
+returns; the stage-1 partial sums (the stage-2 DMA source) are an output of ici_start and an
+input of done, which waits for its stage-2 sends before it returns, so XLA can neither free
+nor reuse a DMA source while a DMA reads it. The stage-2 receive buffer is allocated by the
+start kernel and aliased through ici_start and done. Cross-device safety: a peer writes into
+my buffers (stage 1 from start, stage 2 from ici_start) only after my start kernel's barrier
+(so my start has run and allocated both receive buffers), and my ici_start / done return
+only after every peer's write into them has landed (they wait on the receive semaphores), so
+no write reaches a buffer XLA has reused.
 
 Interpret mode: jax's TPU interpreter cannot return semaphores from a ``pallas_call``
 (``NotImplementedError: nan + dma_sem`` when it allocates the output), so under
-``impl="interpret"`` the start only carries x and the done runs the start and done bodies in
+``impl="interpret"`` start and ici_start only carry x and the done runs the three bodies in
 one kernel (:func:`_fused_kernel`), which checks the bodies' slots, peers and sums on CPU
 devices. ``impl="reference"`` carries x and runs the lax two-stage schedule in done.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -58,6 +63,16 @@ class ReduceScatterFuture(NamedTuple):
     recv2: jax.Array | None = None  # [C, R, H] stage-2 partials of my block, slot = chip
     s1_send: jax.Array | None = None  # DMA semaphores [E-1]
     s1_recv: jax.Array | None = None  # DMA semaphores [E-1]
+    s2_recv: jax.Array | None = None  # DMA semaphores [C]
+
+
+class ReduceScatterIciFuture(NamedTuple):
+    """A reduce-scatter whose stage 2 (ICI) is in flight (per device). Under "pallas" every
+    field is set; under "interpret" / "reference" only ``x`` (the done computes everything)."""
+
+    x: jax.Array  # [C, E, R, H] under "interpret" / "reference"; [C, R, H] part under "pallas"
+    recv2: jax.Array | None = None  # [C, R, H] stage-2 partials of my block, slot = chip
+    s2_send: jax.Array | None = None  # DMA semaphores [max(C-1, 1)]
     s2_recv: jax.Array | None = None  # DMA semaphores [C]
 
 
@@ -116,68 +131,89 @@ def _start_body(p: _Peers, x_hbm, recv1_hbm, s1_send, s1_recv):
         _stage1_copy(p, x_hbm, recv1_hbm, s1_send, s1_recv, k).start()
 
 
-def _done_body(p: _Peers, x_hbm, recv1_hbm, recv2_hbm, s1_send, s1_recv, s2_recv,
-               out_hbm, part_hbm, a_vmem, b_vmem, local_sem, s2_send):
-    """Stage-1 reduce, stage-2 exchange and reduce; out_hbm [R, H] my block's sum."""
+def _local_copy(src, dst, sem):
+    copy = pltpu.make_async_copy(src, dst, sem)
+    copy.start()
+    copy.wait()
+
+
+def _stage2_copy(p: _Peers, part_hbm, recv2_hbm, s2_send, s2_recv, k, src_chip, dst_chip):
+    """From chip src_chip to dst_chip (= src_chip + k): my partial sum of dst_chip's block
+    into its stage-2 buffer, slot src_chip."""
+    return pltpu.make_async_remote_copy(
+        src_ref=part_hbm.at[dst_chip], dst_ref=recv2_hbm.at[src_chip],
+        send_sem=s2_send.at[k - 1], recv_sem=s2_recv.at[src_chip],
+        device_id=p.device(dst_chip, p.die))
+
+
+def _ici_start_body(p: _Peers, x_hbm, recv1_hbm, recv2_hbm, s1_send, s1_recv, s2_send,
+                    s2_recv, part_hbm, a_vmem, b_vmem, local_sem):
+    """Wait for stage 1, reduce it into part_hbm [C, R, H] (block (c, my die) summed over my
+    chip's dies, in die order me, me-1, ...), issue the stage-2 sends (not waited here)."""
     C, E, chip = p.C, p.E, p.chip
-
-    def local_copy(src, dst):
-        copy = pltpu.make_async_copy(src, dst, local_sem)
-        copy.start()
-        copy.wait()
-
-    def stage2_copy(k, src_chip, dst_chip):  # from chip src_chip to dst_chip, slot src_chip
-        return pltpu.make_async_remote_copy(
-            src_ref=part_hbm.at[dst_chip], dst_ref=recv2_hbm.at[src_chip],
-            send_sem=s2_send.at[k - 1], recv_sem=s2_recv.at[src_chip],
-            device_id=p.device(dst_chip, p.die))
-
     stage1 = [_stage1_copy(p, x_hbm, recv1_hbm, s1_send, s1_recv, k) for k in range(1, E)]
     for copy in stage1:
         copy.wait_recv()
     for c in range(C):  # my rows + the other dies' rows of the block (c, my die)
-        local_copy(x_hbm.at[c, p.die], a_vmem)
+        _local_copy(x_hbm.at[c, p.die], a_vmem, local_sem)
         for k in range(1, E):
-            local_copy(recv1_hbm.at[k - 1, c], b_vmem)
+            _local_copy(recv1_hbm.at[k - 1, c], b_vmem, local_sem)
             a_vmem[...] = a_vmem[...] + b_vmem[...]
-        local_copy(a_vmem, part_hbm.at[c])
-    local_copy(part_hbm.at[chip], recv2_hbm.at[chip])
-    sends = [stage2_copy(k, chip, p.chip_plus(k)) for k in range(1, C)]
-    for copy in sends:
-        copy.start()
-    for k in range(1, C):  # what chip (chip - k) % C sent me: only its destination side
-        stage2_copy(k, p.chip_minus(k), chip).wait_recv()
-    local_copy(recv2_hbm.at[0], a_vmem)  # chip order 0..C-1, as the synchronous kernel
-    for c in range(1, C):
-        local_copy(recv2_hbm.at[c], b_vmem)
-        a_vmem[...] = a_vmem[...] + b_vmem[...]
-    local_copy(a_vmem, out_hbm)
-    for copy in stage1 + sends:  # the sources must outlive every outgoing DMA
+        _local_copy(a_vmem, part_hbm.at[c], local_sem)
+    for k in range(1, C):
+        _stage2_copy(p, part_hbm, recv2_hbm, s2_send, s2_recv, k, chip, p.chip_plus(k)).start()
+    for copy in stage1:  # x and recv1 are released after this kernel
         copy.wait_send()
+
+
+def _done_body(p: _Peers, part_hbm, recv2_hbm, s2_send, s2_recv, out_hbm, a_vmem, b_vmem,
+               local_sem):
+    """Wait for stage 2 and reduce it: out_hbm [R, H] my block's sum (chip order 0..C-1)."""
+    C, chip = p.C, p.chip
+    _local_copy(part_hbm.at[chip], recv2_hbm.at[chip], local_sem)  # no peer writes slot chip
+    for k in range(1, C):  # what chip (chip - k) % C sent me: only its destination side
+        _stage2_copy(p, part_hbm, recv2_hbm, s2_send, s2_recv, k, p.chip_minus(k),
+                     chip).wait_recv()
+    _local_copy(recv2_hbm.at[0], a_vmem, local_sem)  # chip order, as the synchronous kernel
+    for c in range(1, C):
+        _local_copy(recv2_hbm.at[c], b_vmem, local_sem)
+        a_vmem[...] = a_vmem[...] + b_vmem[...]
+    _local_copy(a_vmem, out_hbm, local_sem)
+    for k in range(1, C):  # part must outlive every outgoing DMA
+        _stage2_copy(p, part_hbm, recv2_hbm, s2_send, s2_recv, k, chip,
+                     p.chip_plus(k)).wait_send()
 
 
 def _start_kernel(coords_ref, x_hbm, x_out, recv1_hbm, recv2_hbm, s1_send, s1_recv, s2_recv,
                   *, peers):
-    del x_out, recv2_hbm, s2_recv  # x_out aliases x_hbm; recv2 and s2_recv are for done
+    del x_out, recv2_hbm, s2_recv  # x_out aliases x_hbm; recv2 and s2_recv are for later
     p = _Peers(coords_ref, *peers)
     _start_body(p, x_hbm, recv1_hbm, s1_send, s1_recv)
 
 
-def _done_kernel(coords_ref, x_hbm, recv1_hbm, recv2_in, s1_send, s1_recv, s2_recv,
-                 out_hbm, part_hbm, recv2_hbm, a_vmem, b_vmem, local_sem, s2_send, *, peers):
+def _ici_start_kernel(coords_ref, x_hbm, recv1_hbm, recv2_in, s1_send, s1_recv, s2_recv,
+                      part_hbm, recv2_hbm, s2_send, a_vmem, b_vmem, local_sem, *, peers):
     del recv2_in  # aliased to recv2_hbm (peers write into it)
     p = _Peers(coords_ref, *peers)
-    _done_body(p, x_hbm, recv1_hbm, recv2_hbm, s1_send, s1_recv, s2_recv,
-               out_hbm, part_hbm, a_vmem, b_vmem, local_sem, s2_send)
+    _ici_start_body(p, x_hbm, recv1_hbm, recv2_hbm, s1_send, s1_recv, s2_send, s2_recv,
+                    part_hbm, a_vmem, b_vmem, local_sem)
+
+
+def _done_kernel(coords_ref, part_hbm, recv2_in, s2_send, s2_recv, out_hbm, recv2_hbm,
+                 a_vmem, b_vmem, local_sem, *, peers):
+    del recv2_in  # aliased to recv2_hbm (peers write into it)
+    p = _Peers(coords_ref, *peers)
+    _done_body(p, part_hbm, recv2_hbm, s2_send, s2_recv, out_hbm, a_vmem, b_vmem, local_sem)
 
 
 def _fused_kernel(coords_ref, x_hbm, out_hbm, recv1_hbm, part_hbm, recv2_hbm,
                   a_vmem, b_vmem, local_sem, s1_send, s1_recv, s2_send, s2_recv, *, peers):
-    """Start and done bodies in one kernel (interpret mode: no semaphores between calls)."""
+    """The three bodies in one kernel (interpret mode: no semaphores between calls)."""
     p = _Peers(coords_ref, *peers)
     _start_body(p, x_hbm, recv1_hbm, s1_send, s1_recv)
-    _done_body(p, x_hbm, recv1_hbm, recv2_hbm, s1_send, s1_recv, s2_recv,
-               out_hbm, part_hbm, a_vmem, b_vmem, local_sem, s2_send)
+    _ici_start_body(p, x_hbm, recv1_hbm, recv2_hbm, s1_send, s1_recv, s2_send, s2_recv,
+                    part_hbm, a_vmem, b_vmem, local_sem)
+    _done_body(p, part_hbm, recv2_hbm, s2_send, s2_recv, out_hbm, a_vmem, b_vmem, local_sem)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,23 +255,45 @@ def _call_start(coords, x5, peers):
     return ReduceScatterFuture(*outs)
 
 
-def _call_done(coords, fut: ReduceScatterFuture, peers):
+def _scratch(R, H, dtype):
+    return [pltpu.VMEM((R, H), dtype), pltpu.VMEM((R, H), dtype), pltpu.SemaphoreType.DMA(())]
+
+
+def _call_ici_start(coords, fut: ReduceScatterFuture, peers) -> ReduceScatterIciFuture:
     C, E, R, H, E1 = _geometry(fut.x)
     like = functools.partial(collectives._struct_like, dtype=fut.x.dtype, like=fut.x)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(), in_specs=[_ANY, _ANY, _ANY, _SEM, _SEM, _SEM],
-        out_specs=[_ANY, _ANY, _ANY],
-        scratch_shapes=[pltpu.VMEM((R, H), fut.x.dtype), pltpu.VMEM((R, H), fut.x.dtype),
-                        pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA((max(C - 1, 1),))])
-    out, _, _ = pl.pallas_call(
-        functools.partial(_done_kernel, peers=peers), name="reduce_scatter_done",
-        out_shape=(like((R, H)), like((C, R, H)), like((C, R, H))),
+        out_specs=[_ANY, _ANY, _SEM], scratch_shapes=_scratch(R, H, fut.x.dtype))
+    part, recv2, s2_send = pl.pallas_call(
+        functools.partial(_ici_start_kernel, peers=peers), name="reduce_scatter_ici_start",
+        out_shape=(like((C, R, H)), like((C, R, H)),
+                   pltpu.SemaphoreType.DMA((max(C - 1, 1),))),
         grid_spec=grid_spec,
-        input_output_aliases={3: 2},  # recv2 -> output 2 (peers write into it)
-        cost_estimate=_cost_estimate(reduce_scatter_done_cost, fut.x),
+        input_output_aliases={3: 1},  # recv2 -> output 1 (peers write into it)
+        cost_estimate=_cost_estimate(reduce_scatter_ici_start_cost, fut.x),
         compiler_params=pltpu.CompilerParams(has_side_effects=True,
                                              vmem_limit_bytes=_vmem_limit(fut.x)),
     )(coords, fut.x, fut.recv1, fut.recv2, fut.s1_send, fut.s1_recv, fut.s2_recv)
+    return ReduceScatterIciFuture(part, recv2, s2_send, fut.s2_recv)
+
+
+def _call_done(coords, fut: ReduceScatterIciFuture, peers):
+    C, R, H = fut.x.shape
+    x5 = jax.ShapeDtypeStruct((C, peers[1], R, H), fut.x.dtype)  # for the cost and VMEM
+    like = functools.partial(collectives._struct_like, dtype=fut.x.dtype, like=fut.x)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(), in_specs=[_ANY, _ANY, _SEM, _SEM],
+        out_specs=[_ANY, _ANY], scratch_shapes=_scratch(R, H, fut.x.dtype))
+    out, _ = pl.pallas_call(
+        functools.partial(_done_kernel, peers=peers), name="reduce_scatter_done",
+        out_shape=(like((R, H)), like((C, R, H))),
+        grid_spec=grid_spec,
+        input_output_aliases={2: 1},  # recv2 -> output 1 (peers write into it)
+        cost_estimate=_cost_estimate(reduce_scatter_done_cost, x5),
+        compiler_params=pltpu.CompilerParams(has_side_effects=True,
+                                             vmem_limit_bytes=_vmem_limit(x5)),
+    )(coords, fut.x, fut.recv2, fut.s2_send, fut.s2_recv)
     return out
 
 
@@ -262,7 +320,7 @@ def _call_fused(coords, x5, peers, interpret):
 
 
 # ----------------------------------------------------------------------------------------------
-# Cost models (per device; start + done = collectives.hierarchical_reduce_scatter_cost)
+# Cost models (per device; start + ici_start + done = hierarchical_reduce_scatter_cost)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -272,13 +330,28 @@ def reduce_scatter_start_cost(num_rows, hidden, *, dtype, num_chips, num_dies) -
     return Cost(flops=0, bytes_accessed=sent, remote_bytes=sent)
 
 
+def reduce_scatter_ici_start_cost(num_rows, hidden, *, dtype, num_chips, num_dies) -> Cost:
+    """The stage-1 reduction (the rows kept and received, read; the N/E partial sums
+    written) and the stage-2 sends: the C-1 partial blocks read and sent to the other chips."""
+    item = jnp.dtype(dtype).itemsize
+    n, c, e = num_rows, num_chips, num_dies
+    block = n // (c * e)
+    kept_rows = n // e  # read by the reduction (the start's DMAs read the others)
+    stage1_rows = kept_rows + 2 * (e - 1) * (n // e) + n // e  # kept, recv write+read, part
+    sent = (c - 1) * block * hidden * item
+    return Cost(flops=(e - 1) * (n // e) * hidden,
+                bytes_accessed=stage1_rows * hidden * item + sent, remote_bytes=sent)
+
+
 def reduce_scatter_done_cost(num_rows, hidden, *, dtype, num_chips, num_dies) -> Cost:
-    """Everything else: both reductions and the stage-2 exchange."""
+    """The stage-2 reduction: everything the start and ici_start kernels do not do."""
     dims = dict(dtype=dtype, num_chips=num_chips, num_dies=num_dies)
     total = collectives.hierarchical_reduce_scatter_cost(num_rows, hidden, **dims)
-    start = reduce_scatter_start_cost(num_rows, hidden, **dims)
-    return dataclasses.replace(total, bytes_accessed=total.bytes_accessed - start.bytes_accessed,
-                               remote_bytes=total.remote_bytes - start.remote_bytes)
+    rest = reduce_scatter_start_cost(num_rows, hidden, **dims) + reduce_scatter_ici_start_cost(
+        num_rows, hidden, **dims)
+    return Cost(flops=total.flops - rest.flops,
+                bytes_accessed=total.bytes_accessed - rest.bytes_accessed,
+                remote_bytes=total.remote_bytes - rest.remote_bytes)
 
 
 def _cost_estimate(cost_fn, x5):
@@ -308,18 +381,39 @@ def reduce_scatter_start(x, *, chip_axis="chip", die_axis="die", impl=None
     return _call_start(coords, x5, (lo.num_chips, lo.num_dies, chip_axis, die_axis))
 
 
-def reduce_scatter_done(fut: ReduceScatterFuture, *, chip_axis="chip", die_axis="die",
-                        impl=None):
-    """Finish a started reduce-scatter: [N / (C * E), H], on the device with linear index
-    c * E + e the sum over all devices of their row block c * E + e (the result of
-    ``collectives.hierarchical_reduce_scatter(x, num_microbatches=1)``, bit for bit)."""
+def reduce_scatter_ici_start(fut: ReduceScatterFuture, *, chip_axis="chip", die_axis="die",
+                             impl=None) -> ReduceScatterIciFuture:
+    """Finish stage 1 of a started reduce-scatter and start stage 2: returns at once on TPU
+    with the ICI DMAs in flight. Pass the future to :func:`reduce_scatter_done`."""
+    if dispatch.resolve(impl) != "pallas":
+        return ReduceScatterIciFuture(fut.x)
     C, E, R, H = fut.x.shape
     lo = collectives.ReduceScatterLayout(C * E * R, H, C, E, 1)
+    coords = collectives._peer_coords(lo, chip_axis, die_axis)
+    return _call_ici_start(coords, fut, (C, E, chip_axis, die_axis))
+
+
+def reduce_scatter_done(fut: ReduceScatterFuture | ReduceScatterIciFuture, *, chip_axis="chip",
+                        die_axis="die", impl=None):
+    """Finish a started reduce-scatter: [N / (C * E), H], on the device with linear index
+    c * E + e the sum over all devices of their row block c * E + e (the result of
+    ``collectives.hierarchical_reduce_scatter(x, num_microbatches=1)``, bit for bit). Given
+    the stage-1 future (of :func:`reduce_scatter_start`) it runs
+    :func:`reduce_scatter_ici_start` first."""
+    axes = dict(chip_axis=chip_axis, die_axis=die_axis, impl=impl)
+    if isinstance(fut, ReduceScatterFuture):
+        fut = reduce_scatter_ici_start(fut, **axes)
     resolved = dispatch.resolve(impl)
+    if resolved == "pallas":
+        C, R, H = fut.x.shape
+        E = lax.axis_size(die_axis)
+        lo = collectives.ReduceScatterLayout(C * E * R, H, C, E, 1)
+        coords = collectives._peer_coords(lo, chip_axis, die_axis)
+        return _call_done(coords, fut, (C, E, chip_axis, die_axis))
+    C, E, R, H = fut.x.shape
+    lo = collectives.ReduceScatterLayout(C * E * R, H, C, E, 1)
     if resolved == "reference":
         return collectives._reduce_scatter_lax(fut.x.reshape(-1, H), lo, chip_axis, die_axis)
     coords = collectives._peer_coords(lo, chip_axis, die_axis)
     peers = (C, E, chip_axis, die_axis)
-    if resolved == "interpret":
-        return _call_fused(coords, fut.x, peers, collectives._interpret_params(resolved))
-    return _call_done(coords, fut, peers)
+    return _call_fused(coords, fut.x, peers, collectives._interpret_params(resolved))

@@ -28,9 +28,32 @@ loop body once per program.
 
 Each op's time is max(FLOPs / peak, HBM bytes / bandwidth, link bytes / link bandwidth), the
 peak the FP8 one for dots of two FP8 operands and the bf16 one otherwise (Pallas calls too:
-their cost estimates do not say which unit they use); the predicted step time is their sum
-(no overlap between ops). Each op is attributed to a layer kind by the ``jax.named_scope`` of
-its metadata (``models/qwen3_5_moe.py``), collectives and communicating kernels to
+their cost estimates do not say which unit they use); the serial step time
+(``ProgramCost.total.seconds``) is their sum (no overlap between ops).
+
+The overlap-aware step time (``ProgramCost.overlap_seconds``, ``compiled_timeline.py``) walks
+each computation in its schedule order (compiled HLO lists a scheduled computation's
+instructions in that order) on a timeline: ops run one after another on the TensorCore,
+except the transfers of async windows, which run beside them:
+- an XLA async collective (``all-gather-start``, ``all-reduce-start``,
+  ``collective-permute-start``, and a ``call-start`` / ``async-start`` whose computation holds
+  a collective, such as a collective offloaded to the SparseCore) costs the TensorCore
+  nothing at its start; its transfer takes its charged time;
+- a Pallas call with remote bytes whose kernel is named ``*_start`` (``reduce_scatter_start``,
+  ``reduce_scatter_ici_start`` of ``kernels/collectives_async.py``) costs the TensorCore its
+  time without the remote DMAs (FLOPs; HBM bytes less the remote bytes, which the DMA engines
+  read); its transfer takes max(link time, remote bytes / HBM bandwidth);
+- an op that uses a window's result (its ``-done``, or a kernel reading the start kernel's
+  buffers or semaphores, traced through tuples, get-tuple-element and optimization barriers)
+  waits until that transfer has finished.
+So one window costs max(its communication time, the compute time of the ops scheduled inside
+it) instead of their sum. Transfers queue on the device's links (ICI + die-to-die seconds,
+as ``Device.seconds`` adds them): two in flight at once run one after the other. Everything
+else (prefetch copies, SparseCore gathers) stays serial. A loop body's timeline is charged
+once per trip (windows do not cross trips).
+
+Each op is attributed to a layer kind by the ``jax.named_scope`` of its metadata
+(``models/qwen3_5_moe.py``), collectives and communicating kernels to
 "communication".
 
 Link figures (per chip; a TPU7x chip holds two TensorCores, each one JAX device):
@@ -142,6 +165,7 @@ class ProgramCost:
     """A compiled program's charges per layer kind (``KINDS``), per device."""
 
     kinds: dict[str, Charge]
+    overlap_seconds: float = math.nan  # the step time with async windows overlapped
 
     @property
     def total(self) -> Charge:
@@ -156,7 +180,9 @@ def program_cost(hlo: str, device: Device = TPU7X) -> ProgramCost:
     comps, entry = parse_module(hlo)
     kinds = {k: Charge() for k in KINDS}
     _Walk(comps, device, kinds).computation(comps[entry], 1.0)
-    return ProgramCost(kinds)
+    from sglang_tpu_backend.compiled_timeline import Timeline
+
+    return ProgramCost(kinds, Timeline(comps, device).seconds(comps[entry]))
 
 
 def kind_of(instr: Instruction) -> str:

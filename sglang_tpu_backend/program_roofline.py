@@ -111,6 +111,8 @@ def format_efficiency(b: BucketEfficiency) -> str:
     r = b.ratios()
     rows.append(f"  program efficiency (ideal / charged): bytes {r['bytes']:.3f}, "
                 f"FLOPs {r['flops']:.3f}, time {r['time']:.3f}")
+    rows.append(f"  step time: serial {b.charged.total.seconds * 1e3:.2f} ms, overlap-aware "
+                f"{b.charged.overlap_seconds * 1e3:.2f} ms (async windows overlapped)")
     return "\n".join(rows)
 
 

@@ -15,9 +15,11 @@ this rank's EXPERTS: the E local experts cut into M contiguous groups of E/M. Th
 is linear, so the sum over groups of each group's reduce-scatter equals the reduce-scatter of
 the full partial sums. Group m's grouped matmuls see only its own experts' weights (a view of
 the local weights as [L*M, E/M, ...]), so each expert weight is still read once per layer; the
-extra traffic is M partial [D*T, H] outputs and M reduce-scatters. Group m's reduce-scatter is
-started (``kernels/collectives_async.py``) right after its expert outputs and finished after
-group m + 1's, so its die-to-die transfer overlaps those matmuls.
+extra traffic is M partial [D*T, H] outputs and M reduce-scatters. Group m's reduce-scatter
+(``kernels/collectives_async.py``: start, ici_start, done) is started right after its expert
+outputs; its ici_start runs between group m + 1's gate_up and down matmuls and its done after
+them, so its die-to-die transfer overlaps group m + 1's gate_up matmul and its ICI transfer
+group m + 1's down matmul and weighted gather-reduce.
 
 With an expert location (EPLB, ``parallel/eplb.py``) the expert weights are stored per
 physical slot (P = E + redundant slots, P/D per device) and :func:`physical_ids` maps each
@@ -52,7 +54,7 @@ def physical_ids(top_i, location):
 
 
 def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, impl, layer=None,
-                   expected_rows: int | None = None):
+                   expected_rows: int | None = None, between=None):
     """Sum over each token's top-k experts held here: [T, H] (zero for experts elsewhere).
 
     experts: {gate_up [E, 2I, H] (rows [gate | up]), down [E, H, I] (+ FP8 block scales
@@ -67,6 +69,8 @@ def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, im
     gathered, not multiplied, not written: ``skip_tail``). ``expected_rows`` is how many of
     the T*K assignments are expected here (default all; T*K/D for D expert-parallel devices
     under balanced routing); it sizes the kernels' static cost estimates, nothing else.
+    ``between``: called with the SwiGLU output h [T*K, I] between the two grouped matmuls,
+    returns the h the down projection reads (the overlapped combine schedules a kernel there).
     """
     token_idx, group_sizes, rows = routing.route_metadata(
         top_i.astype(jnp.int32), num_experts, expert_offset=expert_offset)
@@ -77,6 +81,8 @@ def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, im
     h = gmm.gmm_swiglu(xs, experts["gate_up"], group_sizes, rhs_scale=experts.get("gate_up_scale"),
                        out_dtype=x.dtype, impl=impl, layer=layer, skip_tail=True,
                        cost_rows=expected)  # [T*K, I]
+    if between is not None:
+        h = between(h)
     hidden = x.shape[1]
     split = routing.row_split(hidden, x.dtype) if hidden % 128 == 0 else None
     y = gmm.gmm(h, experts["down"], group_sizes, rhs_scale=experts.get("down_scale"),
@@ -128,24 +134,40 @@ def _overlapped_routed_experts(experts, x_all, ids_all, w_all, num_local, expert
     partial sums [D*T, H] of only its (token, k) assignments. ``expected_rows`` (T*K/M under
     balanced routing) sizes each group's kernel cost estimates.
 
-    The optimization barriers pin the schedule XLA would otherwise pick freely: group m's
-    expert inputs are ready only once m - 1's reduce-scatter has started, and that
-    reduce-scatter's done needs group m's expert outputs."""
+    The optimization barriers pin the schedule XLA would otherwise pick freely, per group m:
+    start(m - 1) -> gate_up(m) -> ici_start(m - 1) -> down(m) -> done(m - 1) -> start(m):
+    group m - 1's die-to-die phase is in flight while group m's gate_up matmul runs, its ICI
+    phase while group m's down matmul and gather-reduce run. The groups' results are summed in
+    group order."""
     num_mb = ep.num_microbatches
     group = num_local // num_mb
     weights, group_layer = _expert_group_view(experts, layer, num_mb)
     axes = dict(chip_axis=ep.chip_axis, die_axis=ep.die_axis, impl=impl)
     total, future = None, None
     for m in range(num_mb):
-        inputs = (x_all, ids_all, w_all)
+        inputs, ici, between = (x_all, ids_all, w_all), [None], None
         if future is not None:
             future, inputs = lax.optimization_barrier((future, inputs))
+            between = _ici_start_between(future, ici, axes)
         y = routed_experts(weights, *inputs, group, expert_offset + m * group, impl,
-                           group_layer(m), expected_rows=expected_rows)  # [D*T, H] partial
-        if future is not None:
-            future, y = lax.optimization_barrier((future, y))
-            done = collectives_async.reduce_scatter_done(future, **axes)  # [T, H]
+                           group_layer(m), expected_rows=expected_rows,
+                           between=between)  # [D*T, H] partial
+        if ici[0] is not None:
+            pending, y = lax.optimization_barrier((ici[0], y))
+            done = collectives_async.reduce_scatter_done(pending, **axes)  # [T, H]
             total = done if total is None else total + done
         future = collectives_async.reduce_scatter_start(y, **axes)
-    done = collectives_async.reduce_scatter_done(future, **axes)
+    done = collectives_async.reduce_scatter_done(future, **axes)  # ici_start + done
     return done if total is None else total + done  # [T, H]
+
+
+def _ici_start_between(started, out: list, axes: dict):
+    """The ``between`` hook of :func:`routed_experts` that runs the ici_start kernel of the
+    started reduce-scatter ``started`` after the gate_up matmul and before the down matmul;
+    stores its future in ``out[0]``."""
+    def between(h):
+        fut, h = lax.optimization_barrier((started, h))  # after gate_up
+        out[0], h = lax.optimization_barrier(
+            (collectives_async.reduce_scatter_ici_start(fut, **axes), h))
+        return h  # the down matmul reads h after ici_start
+    return between

@@ -271,12 +271,18 @@ def _async_worker(run, arrays, to_numpy) -> None:
     def pair(a, impl):
         return ca.reduce_scatter_done(ca.reduce_scatter_start(a, impl=impl), impl=impl)
 
+    def triple(a, impl):  # start -> ici_start -> done, the overlapped combine's calls
+        fut = ca.reduce_scatter_ici_start(ca.reduce_scatter_start(a, impl=impl), impl=impl)
+        return ca.reduce_scatter_done(fut, impl=impl)
+
     for i, (name, dtype, rows, kind) in enumerate(ASYNC_CASES):
         x = jnp.asarray(_make_input(dtype, 1, rows, kind, seed=50 + i)).astype(dtype)
         arrays[f"async_{name}_x"] = to_numpy(x)
         for impl in ("interpret", "reference"):
             f, (xs,) = run(lambda a, impl=impl: pair(a, impl), x)
             arrays[f"async_{name}_{impl}"] = to_numpy(f(xs))
+            f, (xs,) = run(lambda a, impl=impl: triple(a, impl), x)
+            arrays[f"async_{name}_{impl}_triple"] = to_numpy(f(xs))
         f, (xs,) = run(lambda a: col.hierarchical_reduce_scatter(
             a, num_microbatches=1, impl="interpret"), x)
         arrays[f"async_{name}_sync"] = to_numpy(f(xs))
@@ -335,9 +341,10 @@ def _moe_worker(mesh, spec, arrays) -> None:
             f = jax.jit(_shard_map(lambda e, a, i, w, body=body: body(e, a, i, w), mesh,
                                    (expert_spec, spec, spec, spec), spec, check_vma=False))
             arrays[f"moe_{impl}_{label}"] = np.asarray(f(*args))
-            if label == "overlap2":
+            if label != "sync":
                 jaxpr = str(jax.make_jaxpr(f)(*args))
-                arrays[f"moe_{impl}_barriers"] = np.asarray(jaxpr.count("optimization_barrier"))
+                arrays[f"moe_{impl}_{label}_barriers"] = np.asarray(
+                    jaxpr.count("optimization_barrier"))
         # The layer scan's form: every layer's experts stacked [L, E, ...], read at ``layer``.
         stacked_spec = {n: P(None, ("chip", "die")) for n in expert_spec}
         stacked = {n: np.stack([-w, w]) for n, w in experts.items()}  # layer 1 = the experts
@@ -444,6 +451,8 @@ def test_async_reduce_scatter_equals_sync_and_reference(results, name, dtype, ro
         np.testing.assert_allclose(got, naive, rtol=1e-5, atol=1e-5)
     if impl == "interpret":  # the synchronous kernel at M=1 sums in the same order
         assert got.tobytes() == arrays[f"async_{name}_sync"].tobytes()
+    # The three-kernel calls (start, ici_start, done) give the same bits as start + done.
+    assert arrays[f"async_{name}_{impl}_triple"].tobytes() == got.tobytes()
 
 
 def test_async_reduce_scatter_kernel_has_no_races(results):
@@ -465,7 +474,10 @@ def test_moe_overlapped_combine_equals_synchronous(results, label):
     # the same terms as the synchronous combine, summed in another order.
     np.testing.assert_allclose(got, sync, rtol=1e-5, atol=1e-6)
     assert not np.array_equal(got, np.zeros_like(got))
-    assert int(arrays[f"moe_{impl}_barriers"]) == 2  # start -> next matmuls -> done
+    # Per group after the first: start(m-1) -> gate_up(m) -> ici_start(m-1) -> down(m) ->
+    # done(m-1): 4 barriers.
+    m = 2 if label.startswith("overlap2") else 4
+    assert int(arrays[f"moe_{impl}_overlap{m}_barriers"]) == 4 * (m - 1)
 
 
 ERROR_KEYS = [
@@ -551,10 +563,12 @@ def test_costs():
 
     dims = dict(dtype="float32", num_chips=4, num_dies=2)
     start = ca.reduce_scatter_start_cost(n, h, **dims)
+    ici = ca.reduce_scatter_ici_start_cost(n, h, **dims)
     done = ca.reduce_scatter_done_cost(n, h, **dims)
     assert start.remote_bytes == 32 * h * 4 and start.flops == 0  # the other die's half
-    assert start + done == col.hierarchical_reduce_scatter_cost(n, h, **dims)
-    assert done.remote_bytes == 3 * 8 * h * 4 and done.bytes_accessed > 0
+    assert start + ici + done == col.hierarchical_reduce_scatter_cost(n, h, **dims)
+    assert ici.remote_bytes == 3 * 8 * h * 4 and ici.flops == 32 * h  # 3 blocks; stage-1 adds
+    assert done.remote_bytes == 0 and done.flops == 3 * 8 * h and done.bytes_accessed > 0
     ag = col.packed_all_gather_cost(num_tokens=16, top_k=8, num_devices=8)
     assert ag.flops == 0 and ag.bytes_accessed >= 8 * 16 * 8 * 2 * 4
 

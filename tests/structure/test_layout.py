@@ -25,7 +25,8 @@ LAYERS = [
      "sglang_tpu_backend.tiny_model", "sglang_tpu_backend.loader", "sglang_tpu_backend.mem_cache",
      "sglang_tpu_backend.sampling", "sglang_tpu_backend.constrained", "sglang_tpu_backend.metrics",
      "sglang_tpu_backend.profiler", "sglang_tpu_backend.roofline",
-     "sglang_tpu_backend.compiled_roofline", "sglang_tpu_backend.program_roofline",
+     "sglang_tpu_backend.compiled_roofline", "sglang_tpu_backend.compiled_timeline",
+     "sglang_tpu_backend.program_roofline",
      "sglang_tpu_backend.managers.schedule_batch", "sglang_tpu_backend.managers.handover",
      "sglang_tpu_backend.speculative"),
     # 2: running the model: one device, DP, TP, multi-host; loading into shardings; planning

@@ -153,6 +153,47 @@ def test_scan_body_is_charged_once_per_trip():
         assert program_cost(program(n)).total.flops == n * 2 * 64**3
 
 
+# An async all-gather with a dot scheduled inside its window (``{inside}``) or after it.
+ASYNC_HLO = """HloModule overlap
+
+ENTRY %main (a: bf16[2048,2048], w: bf16[2048,2048], x: bf16[256,4096]) -> (bf16[2048,2048], bf16[2048,4096]) {
+  %a = bf16[2048,2048]{1,0} parameter(0)
+  %w = bf16[2048,2048]{1,0} parameter(1)
+  %x = bf16[256,4096]{1,0} parameter(2)
+  %ags = (bf16[256,4096]{1,0}, bf16[2048,4096]{1,0}) all-gather-start(%x), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  {inside}
+  %agd = bf16[2048,4096]{1,0} all-gather-done(%ags)
+  {after}
+  ROOT %t = (bf16[2048,2048]{1,0}, bf16[2048,4096]{1,0}) tuple(%dot, %agd)
+}
+"""
+_DOT = ("%dot = bf16[2048,2048]{1,0} dot(%a, %w), lhs_contracting_dims={1}, "
+        "rhs_contracting_dims={0}")
+
+
+@pytest.mark.parametrize("scale", [1, 8], ids=["comm-bound", "compute-bound"])
+def test_async_window_is_charged_its_longer_side(scale):
+    """The overlap-aware time charges an async window max(transfer, compute inside it); the
+    serial time (and a window with nothing inside) their sum. ``scale`` grows the dot so
+    that either side is the longer one."""
+    n = 2048 * scale
+    hlo = ASYNC_HLO.replace("2048,2048", f"{n},{n}")
+    inside = program_cost(hlo.replace("{inside}", _DOT.replace("2048,2048", f"{n},{n}"))
+                          .replace("{after}", ""))
+    after = program_cost(hlo.replace("{after}", _DOT.replace("2048,2048", f"{n},{n}"))
+                         .replace("{inside}", ""))
+    comm = inside.kinds["communication"].seconds
+    compute = inside.total.seconds - comm
+    assert comm > 0 and compute > 0
+    assert (comm > compute) == (scale == 1)
+    assert inside.total.seconds == pytest.approx(after.total.seconds)
+    assert inside.overlap_seconds == pytest.approx(max(comm, compute))
+    assert after.overlap_seconds == pytest.approx(comm + compute)
+    # A program without async windows: the two times agree.
+    scan = program_cost(SCAN_HLO)
+    assert scan.overlap_seconds == pytest.approx(scan.total.seconds)
+
+
 @pytest.mark.parametrize("op,error", [
     ("%bogus = s32[] frobnicate(%i)", "frobnicate"),
     ('%bogus = s32[] custom-call(%i), custom_call_target="MadeUpTarget"', "MadeUpTarget"),
