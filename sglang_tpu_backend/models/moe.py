@@ -94,12 +94,16 @@ def routed_experts(experts, x, top_i, top_w, num_experts: int, expert_offset, im
 def ep_routed_experts(experts, x, top_i, top_w, impl, ep: EPContext, layer=None):
     """Expert-parallel :func:`routed_experts` of this rank's tokens x [T, H] -> [T, H]."""
     num_local = experts["gate_up"].shape[0 if layer is None else 1]
+    m = ep.num_microbatches
+    if (ep.overlap_combine and ep.overlap_split == "tokens" and m > 1
+            and x.shape[0] % m == 0):
+        return _token_split_routed_experts(experts, x, top_i, top_w, num_local, impl, ep, layer)
     ids_all, w_all = collectives.packed_all_gather(
         top_i.astype(jnp.int32), top_w.astype(jnp.float32), axis_name=ep.axes)  # [D*T, K]
     x_all = lax.all_gather(x, ep.axes, axis=0, tiled=True)  # [D*T, H]
     rank = lax.axis_index(ep.axes)
-    m = ep.num_microbatches
-    if ep.overlap_combine and m > 1 and num_local % m == 0:
+    if (ep.overlap_combine and ep.overlap_split == "experts" and m > 1
+            and num_local % m == 0):
         return _overlapped_routed_experts(experts, x_all, ids_all, w_all, num_local,
                                           rank * num_local, impl, ep, layer, top_i.size // m)
     y_all = routed_experts(experts, x_all, ids_all, w_all, num_local, rank * num_local, impl,
@@ -159,6 +163,47 @@ def _overlapped_routed_experts(experts, x_all, ids_all, w_all, num_local, expert
         future = collectives_async.reduce_scatter_start(y, **axes)
     done = collectives_async.reduce_scatter_done(future, **axes)  # ici_start + done
     return done if total is None else total + done  # [T, H]
+
+
+def _token_split_routed_experts(experts, x, top_i, top_w, num_local, impl, ep: EPContext,
+                                layer):
+    """Steps 1-4 in M token micro-batches of this rank's rows, each chunk's reduce-scatter in
+    flight during the next chunk's expert matmuls: x [T, H], top_i / top_w [T, K] -> [T, H].
+
+    Chunk m is rows [m*T/M, (m+1)*T/M) of every rank: its all-gathers give x_c [D*T/M, H] (and
+    its ids / weights), its routed experts the partial sums [D*T/M, H] of those rows, and its
+    reduce-scatter this rank's rows of the chunk [T/M, H], the synchronous path's result for
+    them (the same terms summed in the same order per row; only the kernel's block size
+    differs). The chunks' outputs are concatenated in order. Every chunk reads the local
+    expert weights (M reads per layer); the reduce-scatter moves one step's bytes in M parts.
+
+    The optimization barriers pin, per chunk m > 0, the schedule
+    start(m - 1) -> gate_up(m) -> ici_start(m - 1) -> down(m) -> done(m - 1) -> start(m), as
+    in :func:`_overlapped_routed_experts`. The chunks' all-gathers are not pinned: XLA may
+    issue them early."""
+    num_mb = ep.num_microbatches
+    chunk = x.shape[0] // num_mb
+    offset = lax.axis_index(ep.axes) * num_local
+    axes = dict(chip_axis=ep.chip_axis, die_axis=ep.die_axis, impl=impl)
+    outs, future = [], None
+    for m in range(num_mb):
+        rows = slice(m * chunk, (m + 1) * chunk)
+        ids_all, w_all = collectives.packed_all_gather(
+            top_i[rows].astype(jnp.int32), top_w[rows].astype(jnp.float32),
+            axis_name=ep.axes)  # [D*T/M, K]
+        inputs = (lax.all_gather(x[rows], ep.axes, axis=0, tiled=True), ids_all, w_all)
+        ici, between = [None], None
+        if future is not None:
+            future, inputs = lax.optimization_barrier((future, inputs))
+            between = _ici_start_between(future, ici, axes)
+        y = routed_experts(experts, *inputs, num_local, offset, impl, layer,
+                           expected_rows=top_i[rows].size, between=between)  # [D*T/M, H]
+        if ici[0] is not None:
+            pending, y = lax.optimization_barrier((ici[0], y))
+            outs.append(collectives_async.reduce_scatter_done(pending, **axes))  # [T/M, H]
+        future = collectives_async.reduce_scatter_start(y, **axes)
+    outs.append(collectives_async.reduce_scatter_done(future, **axes))  # ici_start + done
+    return jnp.concatenate(outs, axis=0)  # [T, H]
 
 
 def _ici_start_between(started, out: list, axes: dict):

@@ -336,7 +336,11 @@ def _moe_worker(mesh, spec, arrays) -> None:
     for impl in ("reference",):
         for label, ep in [("sync", EPContext(num_microbatches=2)),
                           ("overlap2", EPContext(num_microbatches=2, overlap_combine=True)),
-                          ("overlap4", EPContext(num_microbatches=4, overlap_combine=True))]:
+                          ("overlap4", EPContext(num_microbatches=4, overlap_combine=True)),
+                          ("tok2", EPContext(num_microbatches=2, overlap_combine=True,
+                                             overlap_split="tokens")),
+                          ("tok4", EPContext(num_microbatches=4, overlap_combine=True,
+                                             overlap_split="tokens"))]:
             body = functools.partial(moe.ep_routed_experts, impl=impl, ep=ep)
             f = jax.jit(_shard_map(lambda e, a, i, w, body=body: body(e, a, i, w), mesh,
                                    (expert_spec, spec, spec, spec), spec, check_vma=False))
@@ -350,11 +354,13 @@ def _moe_worker(mesh, spec, arrays) -> None:
         stacked = {n: np.stack([-w, w]) for n, w in experts.items()}  # layer 1 = the experts
         stacked = jax.device_put(stacked, {n: NamedSharding(mesh, s)
                                            for n, s in stacked_spec.items()})
-        body = functools.partial(moe.ep_routed_experts, impl=impl, layer=1,
-                                 ep=EPContext(num_microbatches=2, overlap_combine=True))
-        f = jax.jit(_shard_map(lambda e, a, i, w, body=body: body(e, a, i, w), mesh,
-                               (stacked_spec, spec, spec, spec), spec, check_vma=False))
-        arrays[f"moe_{impl}_overlap2_stacked"] = np.asarray(f(stacked, *args[1:]))
+        for label, split in (("overlap2", "experts"), ("tok2", "tokens")):
+            body = functools.partial(moe.ep_routed_experts, impl=impl, layer=1,
+                                     ep=EPContext(num_microbatches=2, overlap_combine=True,
+                                                  overlap_split=split))
+            f = jax.jit(_shard_map(lambda e, a, i, w, body=body: body(e, a, i, w), mesh,
+                                   (stacked_spec, spec, spec, spec), spec, check_vma=False))
+            arrays[f"moe_{impl}_{label}_stacked"] = np.asarray(f(stacked, *args[1:]))
 
 
 # ------------------------------------------------------------------------------------------
@@ -478,6 +484,23 @@ def test_moe_overlapped_combine_equals_synchronous(results, label):
     # done(m-1): 4 barriers.
     m = 2 if label.startswith("overlap2") else 4
     assert int(arrays[f"moe_{impl}_overlap{m}_barriers"]) == 4 * (m - 1)
+
+
+@pytest.mark.parametrize("label", ["tok2", "tok4", "tok2_stacked"])
+def test_moe_token_split_combine_equals_synchronous(results, label):
+    """Token micro-batches (``overlap_split="tokens"``): each chunk of every rank's rows is
+    all-gathered, computed and reduce-scattered on its own; every output row is the same sum
+    of the same terms as in the synchronous combine."""
+    arrays, _ = results
+    impl = "reference"
+    sync, got = arrays[f"moe_{impl}_sync"], arrays[f"moe_{impl}_{label}"]
+    assert got.shape == sync.shape == (NUM_DEVICES * MOE_TOKENS, HIDDEN)
+    assert np.abs(sync).max() > 0.1
+    np.testing.assert_array_equal(got, sync)
+    # Per chunk after the first: start(m-1) -> gate_up(m) -> ici_start(m-1) -> down(m) ->
+    # done(m-1): 4 barriers.
+    m = int(label[3])
+    assert int(arrays[f"moe_{impl}_tok{m}_barriers"]) == 4 * (m - 1)
 
 
 ERROR_KEYS = [
