@@ -21,7 +21,9 @@ and done. The default reduce-scatter kernel's micro-batches overlap its own die 
 the expert matmuls (the kernels run one after another on the TensorCore); with the overlapped
 combine (``EPContext.overlap_combine``) each expert group's async reduce-scatter has its
 die-to-die phase in flight while the next group's gate_up matmul runs and its ICI phase while
-the next group's down matmul runs, counted in the scheduled HLO.
+the next group's down matmul runs, counted in the scheduled HLO; with token micro-batches
+(``overlap_split="tokens"``, a 4-layer slice) each chunk's reduce-scatter has the next chunk's
+matmuls in its windows.
 The compile time of each program is printed in the end-of-run table.
 """
 
@@ -356,3 +358,44 @@ def test_397b_reduce_scatter_overlaps_expert_matmuls(record, mode, T):
     assert expert_bytes > 0
     assert kinds["routed experts"].hbm_bytes <= 1.1 * expert_bytes, (
         kinds["routed experts"].hbm_bytes, expert_bytes)
+
+
+def test_397b_slice_token_split_reduce_scatter_overlaps_next_chunk(record):
+    """Token micro-batches (``EPContext(overlap_split="tokens")``, M = 2) on a 4-layer slice
+    of the 397B DP8 x EP8 step (one layer group, prefill of 256 tokens per rank: cheap to
+    compile): in the schedule each MoE layer's first chunk's reduce-scatter has the second
+    chunk's gate_up matmul in its die-to-die window and its down matmul in its ICI window;
+    each chunk reduce-scatters only its own D*T/2 rows, and each chunk reads the local expert
+    weights again (routed experts' HBM bytes at least twice one read)."""
+    cfg = config_397b(4)
+    mesh = make_mesh(8, topology_devices("tpu7x:2x2x1"))
+    T = 256
+    spec = StepSpec(ForwardMode.EXTEND, T, 64, 64, PAGES, 64 * PAGES, 256, 64)  # per DP rank
+    report = compile_dp_step(cfg, spec, mesh, fp8_experts=True, state_dtype=jnp.bfloat16,
+                             num_microbatches=2, overlap_combine=True, overlap_split="tokens")
+    record(f"DP8xEP8 397B 4-layer slice EXTEND T={T}/rank, combine token-split (M=2)", report,
+           min_kernels=5)
+    windows = reduce_scatter_windows(report.hlo)
+    print("\nGMM kernels inside each token chunk's reduce-scatter (die-to-die, ICI) windows:",
+          [(len(a), len(b)) for a, b in windows])
+    assert len(windows) == 2 * cfg.layer_period, windows  # 2 chunks per MoE layer
+    for d2d, ici in windows[::2]:  # the last chunk's has no later chunk to overlap
+        assert len(d2d) >= 1, d2d  # the next chunk's gate_up
+        assert len(ici) >= 1, ici  # the next chunk's down
+    comps, _ = parse_module(report.hlo)
+    rows = [a.dims for comp in comps.values() for ins in comp.instructions.values()
+            if ins.opcode == "custom-call" and "reduce_scatter_start" in ins.op_name
+            for o in ins.operands for a in comp.instructions[o].arrays if len(a.dims) == 4]
+    # Each start kernel reads its chunk's partial sums [D*T/2, H] as [chips, dies, T/2, H].
+    assert rows and all(d == (4, 2, T // 2, cfg.hidden_size) for d in rows), rows
+    for op in ("reduce-scatter", "all-reduce"):
+        assert count(report.hlo, rf" {op}(?:-start)?\(") == 0, op
+    cost = program_cost(report.hlo)
+    print(f"step time: serial {cost.total.seconds * 1e3:.2f} ms, overlap-aware "
+          f"{cost.overlap_seconds * 1e3:.2f} ms")
+    assert cost.overlap_seconds < cost.total.seconds
+    shapes = jax.tree_util.tree_leaves_with_path(param_shapes(cfg, jnp.bfloat16, fp8_experts=True))
+    expert_bytes = sum(s.size * s.dtype.itemsize for path, s in shapes
+                       if "'experts'" in jax.tree_util.keystr(path)) / 8  # per device
+    assert cost.kinds["routed experts"].hbm_bytes >= 2 * expert_bytes, (
+        cost.kinds["routed experts"].hbm_bytes, expert_bytes)
