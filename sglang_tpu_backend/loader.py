@@ -199,12 +199,23 @@ class Leaf:
     ``[E, ...]``) takes ``read(lo, hi)`` and reads only experts ``lo:hi`` from the files; a
     ``rows`` leaf (a large 2-D one) takes ``read(lo, hi)`` for rows ``lo:hi`` of what ``read()``
     returns. Nothing is read before ``read`` is called.
+
+    ``fill(out, *args)`` puts what ``read(*args)`` returns into ``out`` (C-contiguous, that
+    shape and dtype): straight from the files when the leaf has an ``into`` of that signature
+    (a tensor stored in the param dtype, FP8 experts kept), else by a copy of ``read``'s array.
     """
 
     read: Callable[..., np.ndarray]
     experts: bool = False
     swapped: bool = False
     rows: bool = False
+    into: Callable[..., None] | None = None
+
+    def fill(self, out: np.ndarray, *args) -> None:
+        if self.into is not None:
+            self.into(out, *args)
+        else:
+            np.copyto(out, self.read(*args))
 
 
 class _Reader:
@@ -219,6 +230,17 @@ class _Reader:
 
     def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         return read_rows(self.entries[name], lo, hi)
+
+    def direct(self, name: str) -> bool:
+        """Whether ``name`` is stored as its param is (not FP8, the param dtype): read as is."""
+        return not self.is_fp8(name) and self.entries[name].np_dtype == self.np_dtype
+
+    def rows_into(self, name: str, out: np.ndarray, lo: int, hi: int) -> None:
+        """``out[...] = cast(rows(name, lo, hi))``, read straight into ``out`` when direct."""
+        if self.direct(name):
+            read_rows(self.entries[name], lo, hi, out)
+        else:
+            out[...] = self.rows(name, lo, hi)
 
     def raw_into(self, name: str, out: np.ndarray) -> None:
         """``out[...] = raw(name)``, read straight into ``out`` when it has the stored dtype."""
@@ -251,9 +273,22 @@ class _Reader:
         """HF [out, in] weight (the param [in, out] swapped)."""
         return self.cast(self.hf(name))
 
+    def linear_into(self, out: np.ndarray, name: str) -> None:
+        """``out[...] = linear(name)``, read straight into ``out`` when direct."""
+        if self.direct(name) and out.flags.c_contiguous:
+            read_into(self.entries[name], out)
+        else:
+            out[...] = self.hf(name)
+
     def gate_up(self, gate: str, up: str) -> np.ndarray:
         """Two HF [I, H] weights -> [2I, H], rows [gate | up] (the param [H, 2I] swapped)."""
         return self.cast(np.concatenate([self.hf(gate), self.hf(up)], axis=0))
+
+    def gate_up_into(self, out: np.ndarray, gate: str, up: str) -> None:
+        """``out[...] = gate_up(gate, up)``, each half read straight into its rows when direct."""
+        i = self.entries[gate].shape[0]
+        self.linear_into(out[:i], gate)
+        self.linear_into(out[i:], up)
 
 
 def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
@@ -268,12 +303,24 @@ def _leaf(fn: Callable, *args) -> Leaf:
 
 
 def _swapped(fn: Callable, *args) -> Leaf:
-    """A leaf ``fn(*args)`` returns with its last two axes swapped (``r.linear``, ``r.gate_up``)."""
+    """A leaf ``fn(*args)`` returns with its last two axes swapped."""
     return Leaf(functools.partial(fn, *args), swapped=True)
 
 
+def _linear(r: "_Reader", name: str) -> Leaf:
+    """HF [out, in] weight ``name``, the param [in, out] swapped; fills read straight in."""
+    return Leaf(functools.partial(r.linear, name), swapped=True,
+                into=lambda out: r.linear_into(out, name))
+
+
+def _gate_up(r: "_Reader", gate: str, up: str) -> Leaf:
+    """HF gate and up weights as [2I, H], the param [H, 2I] swapped."""
+    return Leaf(functools.partial(r.gate_up, gate, up), swapped=True,
+                into=lambda out: r.gate_up_into(out, gate, up))
+
+
 def _attn_leaves(r: _Reader, p: str) -> dict:
-    return {**{k: _swapped(r.linear, f"{p}{k}.weight") for k in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    return {**{k: _linear(r, f"{p}{k}.weight") for k in ("q_proj", "k_proj", "v_proj", "o_proj")},
             "q_norm": _leaf(r.vec, f"{p}q_norm.weight"), "k_norm": _leaf(r.vec, f"{p}k_norm.weight")}
 
 
@@ -309,14 +356,14 @@ def _gdn_leaves(r: _Reader, cfg: ModelConfig, p: str) -> dict:
 
         proj = {k: _swapped(part, k) for k in names}
     else:
-        proj = {k: _swapped(r.linear, f"{p}{k}.weight") for k in names}
+        proj = {k: _linear(r, f"{p}{k}.weight") for k in names}
     return {
         **proj,
         "conv1d": Leaf(lambda: r.cast(r.raw(f"{p}conv1d.weight")[:, 0, :])),
         "A_log": _leaf(r.f32, f"{p}A_log"),
         "dt_bias": _leaf(r.f32, f"{p}dt_bias"),
         "norm": _leaf(r.vec, f"{p}norm.weight"),
-        "out_proj": _swapped(r.linear, f"{p}out_proj.weight"),
+        "out_proj": _linear(r, f"{p}out_proj.weight"),
     }
 
 
@@ -327,8 +374,9 @@ def _expert_leaves(r: _Reader, cfg: ModelConfig, p: str, keep_fp8: bool) -> dict
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     if f"{p}gate_up_proj" in r.entries:  # fused [E, 2I, H] / [E, H, I]: rows lo:hi
         fused = lambda name, lo, hi: r.cast(r.rows(f"{p}{name}", lo, hi))  # noqa: E731
-        return {"gate_up": Leaf(functools.partial(fused, "gate_up_proj"), experts=True),
-                "down": Leaf(functools.partial(fused, "down_proj"), experts=True)}
+        return {k: Leaf(functools.partial(fused, name), experts=True,
+                        into=lambda out, lo, hi, name=name: r.rows_into(f"{p}{name}", out, lo, hi))
+                for k, name in (("gate_up", "gate_up_proj"), ("down", "down_proj"))}
     names = [(f"{p}{x}.gate_proj.weight", f"{p}{x}.up_proj.weight", f"{p}{x}.down_proj.weight") for x in range(e)]
     fp8 = r.is_fp8(names[0][0])
     if keep_fp8 and fp8 and i % FP8_BLOCK == 0:
@@ -338,20 +386,22 @@ def _expert_leaves(r: _Reader, cfg: ModelConfig, p: str, keep_fp8: bool) -> dict
     elif keep_fp8 and fp8:
         log.info("keep_fp8_experts: expert width %d is not a multiple of %d; dequantising %s", i, FP8_BLOCK, p)
 
-    def gate_up(lo: int, hi: int) -> np.ndarray:
-        out = np.empty((hi - lo, 2 * i, h), r.np_dtype)  # [e, 2I, H] filled expert by expert
+    def gate_up_into(out: np.ndarray, lo: int, hi: int) -> None:  # [e, 2I, H], expert by expert
         for x in range(lo, hi):
-            out[x - lo, :i] = r.hf(names[x][0])
-            out[x - lo, i:] = r.hf(names[x][1])
-        return out
+            r.gate_up_into(out[x - lo], names[x][0], names[x][1])
 
-    def down(lo: int, hi: int) -> np.ndarray:
-        out = np.empty((hi - lo, h, i), r.np_dtype)  # [e, H, I]
+    def down_into(out: np.ndarray, lo: int, hi: int) -> None:  # [e, H, I]
         for x in range(lo, hi):
-            out[x - lo] = r.hf(names[x][2])
-        return out
+            r.linear_into(out[x - lo], names[x][2])
 
-    return {"gate_up": Leaf(gate_up, experts=True), "down": Leaf(down, experts=True)}
+    def leaf(into: Callable, shape: Shape) -> Leaf:
+        def read(lo: int, hi: int) -> np.ndarray:
+            out = np.empty((hi - lo, *shape), r.np_dtype)
+            into(out, lo, hi)
+            return out
+        return Leaf(read, experts=True, into=into)
+
+    return {"gate_up": leaf(gate_up_into, (2 * i, h)), "down": leaf(down_into, (h, i))}
 
 
 def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str, str]]) -> dict:
@@ -361,13 +411,16 @@ def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str,
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     bh, bi = _cdiv(h, FP8_BLOCK), i // FP8_BLOCK
 
-    def stacked(shape: Shape, dtype, fill: Callable[[np.ndarray, int], None]) -> Callable:
-        def read(lo: int, hi: int) -> np.ndarray:
-            out = np.empty((hi - lo, *shape), dtype)
+    def stacked(shape: Shape, dtype, fill: Callable[[np.ndarray, int], None]) -> Leaf:
+        def into(out: np.ndarray, lo: int, hi: int) -> None:
             for x in range(lo, hi):
                 fill(out[x - lo], x)
+
+        def read(lo: int, hi: int) -> np.ndarray:
+            out = np.empty((hi - lo, *shape), dtype)
+            into(out, lo, hi)
             return out
-        return read
+        return Leaf(read, experts=True, into=into)
 
     def gate_up(dst: np.ndarray, x: int) -> None:
         r.raw_into(names[x][0], dst[:i])
@@ -384,23 +437,23 @@ def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str,
         r.raw_into(names[x][2] + "_scale_inv", dst)
 
     return {
-        "gate_up": Leaf(stacked((2 * i, h), _FP8, gate_up), experts=True),
-        "down": Leaf(stacked((h, i), _FP8, down), experts=True),
-        "gate_up_scale": Leaf(stacked((2 * bi, bh), np.float32, gate_up_scale), experts=True),
-        "down_scale": Leaf(stacked((bh, bi), np.float32, down_scale), experts=True),
+        "gate_up": stacked((2 * i, h), _FP8, gate_up),
+        "down": stacked((h, i), _FP8, down),
+        "gate_up_scale": stacked((2 * bi, bh), np.float32, gate_up_scale),
+        "down_scale": stacked((bh, bi), np.float32, down_scale),
     }
 
 
 def _mlp_leaves(r: _Reader, cfg: ModelConfig, moe: bool, p: str, keep_fp8: bool) -> dict:
     if not moe:
-        return {"gate_up": _swapped(r.gate_up, f"{p}gate_proj.weight", f"{p}up_proj.weight"),
-                "down": _swapped(r.linear, f"{p}down_proj.weight")}
-    mlp = {"gate": _swapped(r.linear, f"{p}gate.weight"), "experts": _expert_leaves(r, cfg, f"{p}experts.", keep_fp8)}
+        return {"gate_up": _gate_up(r, f"{p}gate_proj.weight", f"{p}up_proj.weight"),
+                "down": _linear(r, f"{p}down_proj.weight")}
+    mlp = {"gate": _linear(r, f"{p}gate.weight"), "experts": _expert_leaves(r, cfg, f"{p}experts.", keep_fp8)}
     if cfg.shared_expert_intermediate_size:
         s = f"{p}shared_expert."
-        mlp["shared_expert"] = {"gate_up": _swapped(r.gate_up, f"{s}gate_proj.weight", f"{s}up_proj.weight"),
-                                "down": _swapped(r.linear, f"{s}down_proj.weight")}
-        mlp["shared_expert_gate"] = _swapped(r.linear, f"{p}shared_expert_gate.weight")
+        mlp["shared_expert"] = {"gate_up": _gate_up(r, f"{s}gate_proj.weight", f"{s}up_proj.weight"),
+                                "down": _linear(r, f"{s}down_proj.weight")}
+        mlp["shared_expert_gate"] = _linear(r, f"{p}shared_expert_gate.weight")
     return mlp
 
 
@@ -467,7 +520,10 @@ class CheckpointLeaves:
         def read(lo: int = 0, hi: int | None = None) -> np.ndarray:
             return r.cast(r.rows(name, lo, self.entries[name].shape[0] if hi is None else hi))
 
-        return Leaf(read, swapped=swapped, rows=True)
+        def into(out: np.ndarray, lo: int = 0, hi: int | None = None) -> None:
+            r.rows_into(name, out, lo, self.entries[name].shape[0] if hi is None else hi)
+
+        return Leaf(read, swapped=swapped, rows=True, into=into)
 
     def top(self) -> dict:
         """``embed_tokens`` [V, H], ``norm``, ``lm_head`` [H, V] (read as [V, H], swapped)."""
@@ -504,7 +560,7 @@ class CheckpointLeaves:
             return None
         _check_entries(self.dir, mtp_expected_shapes(self.cfg, prefix, self.entries), self.entries)
         r = self.reader
-        return {"fc": _swapped(r.linear, f"{prefix}fc.weight"),
+        return {"fc": _linear(r, f"{prefix}fc.weight"),
                 **{n: _leaf(r.vec, f"{prefix}{n}.weight") for n in MTP_NORMS},
                 "layers": tuple(self._layer(FULL_ATTENTION, True, f"{prefix}layers.{i}.")
                                 for i in range(self.cfg.mtp_num_hidden_layers))}

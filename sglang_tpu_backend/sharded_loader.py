@@ -45,6 +45,7 @@ from jax.experimental.layout import Format
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm.auto import tqdm
 
+from sglang_tpu_backend import host_load
 from sglang_tpu_backend.checkpoint_io import BYTES_READ
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.loader import CheckpointLeaves, Leaf, load_params, resolve_keep_fp8
@@ -180,14 +181,60 @@ def _zeros(s: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
     return _zeros_fn(tuple(s.shape), jnp.dtype(s.dtype), sharding)()
 
 
+def _load_on_host(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shardings: Any,
+                  report: LoadReport, progress: bool | None, before_layer) -> Any:
+    """``load_sharded`` for CPU devices: every leaf read into host buffers that become the
+    devices' buffers (``host_load.py``). ``before_layer(i)`` runs before layer i is read."""
+    filler = host_load.HostFiller(report, cfg.num_experts)
+    params = {}
+    try:
+        for k, leaf in leaves.top().items():
+            s, sh = shapes[k], _sharding_of(shardings[k])
+            hl = host_load.HostLeaf(s.shape, s.dtype, sh, stacked=False)
+            if leaf.rows and sh.is_fully_replicated:  # in row chunks (columns when swapped)
+                rows = s.shape[-1] if leaf.swapped else s.shape[0]
+                step = max(1, host_load.ROW_CHUNK_BYTES // (s.size // rows * s.dtype.itemsize))
+                for lo in range(0, rows, step):
+                    hi = min(rows, lo + step)
+                    region = (slice(None), slice(lo, hi)) if leaf.swapped else (slice(lo, hi),)
+                    targets = hl.targets(region)
+                    filler.fill(leaf, targets, targets[0][2].shape, (lo, hi))
+            else:
+                filler.fill(leaf, hl.targets(), tuple(s.shape))
+            params[k] = hl
+        groups = [jax.tree.flatten(g) for g in shapes["layer_groups"]]
+        group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
+        stacks = [[host_load.HostLeaf(s.shape, s.dtype, _sharding_of(sh), stacked=True)
+                   for s, sh in zip(g[0], shs)] for g, shs in zip(groups, group_shardings)]
+        P = cfg.layer_period
+        disable = None if progress is None else not progress
+        for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights", unit="layer",
+                      disable=disable):
+            before_layer(i)
+            j, g = i % P, i // P
+            for k, leaf in enumerate(jax.tree.leaves(leaves.layer(i))):
+                hl = stacks[j][k]
+                filler.fill(leaf, hl.targets((g,)), hl.shape[1:])
+    finally:
+        filler.finish()
+    params = {k: hl.array() for k, hl in params.items()}
+    params["layer_groups"] = tuple(
+        jax.tree.unflatten(treedef, [hl.array() for hl in st])
+        for (_, treedef), st in zip(groups, stacks))
+    return params
+
+
 def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *,
                  dtype: Any = jnp.bfloat16, keep_fp8_experts: bool = False,
-                 backend: str | None = None, progress: bool | None = None
-                 ) -> tuple[Any, LoadReport]:
+                 backend: str | None = None, progress: bool | None = None,
+                 host_buffers: bool | None = None) -> tuple[Any, LoadReport]:
     """The checkpoint's params placed by ``shardings`` (a mirror of ``param_shapes``), every
     process reading only what its devices hold; see the module docstring. ``dtype``,
     ``keep_fp8_experts``, ``backend``: as for ``loader.load_params``, whose params these equal.
-    Raises CheckpointError before reading any data when a tensor is missing or misshapen."""
+    ``host_buffers``: read into host buffers the devices then use as theirs (``host_load.py``;
+    only right where the devices' memory is host memory); None: exactly when every device is
+    a CPU device. Raises CheckpointError before reading any data when a tensor is missing or
+    misshapen."""
     t0, bytes0 = time.perf_counter(), BYTES_READ.bytes
     keep_fp8 = resolve_keep_fp8(keep_fp8_experts, backend)
     leaves = CheckpointLeaves(checkpoint_dir, cfg, dtype=dtype, keep_fp8_experts=keep_fp8)
@@ -214,6 +261,14 @@ def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *
             buf = _writer("rows", sharding)(buf, x, np.int32(lo), leaf.swapped)
         return buf
 
+    if host_buffers is None:
+        host_buffers = host_load.is_cpu(shardings)
+    if host_buffers:
+        params = _load_on_host(leaves, cfg, shapes, shardings, report, progress,
+                               lambda i: ahead.submit(leaves.prefetch, i + 1, experts))
+        ahead.shutdown(wait=False, cancel_futures=True)
+        report.bytes_read, report.seconds = BYTES_READ.bytes - bytes0, time.perf_counter() - t0
+        return params, report
     params = {k: place_top(leaf, shapes[k], shardings[k]) for k, leaf in leaves.top().items()}
     groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
     group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]

@@ -375,8 +375,11 @@ def test_read_rows_reads_only_those_rows(tmp_path):
         read_rows(entry, 3, 5)
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["device-writes", "host-buffers"])
 @pytest.mark.parametrize("keep_fp8", [False, True], ids=["dequantised", "fp8-kept"])
-def test_sharded_load_equals_whole_load_and_reads_every_byte_once(tmp_path, keep_fp8):
+def test_sharded_load_equals_whole_load_and_reads_every_byte_once(tmp_path, keep_fp8, host):
+    """Both load paths (on CPU devices the host-buffer one by default) give the whole load's
+    params, and the host one's arrays are its buffers (no copy)."""
     from jax.sharding import SingleDeviceSharding
 
     from sglang_tpu_backend.checkpoint_io import index_checkpoint
@@ -389,12 +392,39 @@ def test_sharded_load_equals_whole_load_and_reads_every_byte_once(tmp_path, keep
     where = SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: where, param_shapes(cfg, jnp.float32, fp8_experts=keep_fp8))
     params, report = load_sharded(path, cfg, shardings, dtype=jnp.float32,
-                                  keep_fp8_experts=keep_fp8, backend="tpu")
+                                  keep_fp8_experts=keep_fp8, backend="tpu", host_buffers=host)
     assert_trees_equal(params, whole)
+    if host:  # every leaf in host_empty's 2 MiB-aligned memory (by chance: 1 in 512 a leaf)
+        assert all(x.unsafe_buffer_pointer() % (2 << 20) == 0 for x in jax.tree.leaves(params))
     entries = index_checkpoint(path).values()
     assert report.bytes_read == sum(e.end - e.begin for e in entries)
     experts = sum(e.end - e.begin for e in entries if ".mlp.experts." in e.name)
     assert report.expert_bytes == {where.device_set.pop().id: experts}
+
+
+def test_bf16_host_load_reads_into_place_and_transposes_by_blocks(tmp_path):
+    """bf16 weights in a bf16 load: the host path reads each straight into its buffer (the
+    transposed ones through a scratch buffer) and gives what the device path gives."""
+    from jax.sharding import SingleDeviceSharding
+
+    from sglang_tpu_backend import host_load
+    from sglang_tpu_backend.sharded_loader import load_sharded
+
+    src = np.arange(3 * 200 * 70, dtype=np.uint16).view(ml_dtypes.bfloat16).reshape(3, 200, 70)
+    dst = np.empty((3, 70, 200), src.dtype)
+    host_load.transpose_into(dst, src)  # 200 rows: blocks of 64 and a partial one
+    np.testing.assert_array_equal(dst.view(np.uint16), src.view(np.uint16).transpose(0, 2, 1))
+
+    config = nested_config()
+    path = write_checkpoint(tmp_path / "bf16", tensors_for(config, seed=4, dtype=ml_dtypes.bfloat16),
+                            config, shards=2)
+    cfg = model_config_from_dict(config)
+    where = SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: where, param_shapes(cfg, jnp.bfloat16))
+    a, ra = load_sharded(path, cfg, shardings, host_buffers=True)
+    b, rb = load_sharded(path, cfg, shardings, host_buffers=False)
+    assert_trees_equal(a, b)
+    assert ra.bytes_read == rb.bytes_read > 0
 
 
 def test_dummy_params_are_the_seeds_and_shaped_like_the_config():
