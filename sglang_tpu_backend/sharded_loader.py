@@ -18,6 +18,10 @@
     go in row chunks of ``CHUNK_BYTES``.
   * Meanwhile a thread asks the kernel to read the next layer's share into the page cache.
 
+That is the path for accelerators. Where every device is a CPU device (their memory is host
+memory) the same reads go straight into host buffers that then become the devices' buffers
+without a copy, with no zero-fill and no device-side write (``host_load.py``).
+
 Files are read with positional reads of just the bytes wanted (``checkpoint_io.read_rows``);
 ``LoadReport`` has the bytes this process read and which experts each local device holds.
 
