@@ -43,7 +43,7 @@ def host_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     is touched here; the mapping goes when the last view of it does."""
     dtype = np.dtype(dtype)
     n = math.prod(shape) * dtype.itemsize
-    m = mmap.mmap(-1, n + HUGE_PAGE)
+    m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         m.madvise(mmap.MADV_HUGEPAGE)
     raw = np.frombuffer(m, np.uint8)
