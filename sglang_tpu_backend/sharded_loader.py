@@ -189,12 +189,22 @@ def _load_on_host(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shard
                   report: LoadReport, progress: bool | None, before_layer) -> Any:
     """``load_sharded`` for CPU devices: every leaf read into host buffers that become the
     devices' buffers (``host_load.py``). ``before_layer(i)`` runs before layer i is read."""
+    top = leaves.top()
+    params = {k: host_load.HostLeaf(shapes[k].shape, shapes[k].dtype, _sharding_of(shardings[k]),
+                                    stacked=False) for k in top}
+    groups = [jax.tree.flatten(g) for g in shapes["layer_groups"]]
+    group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
+    stacks = [[host_load.HostLeaf(s.shape, s.dtype, _sharding_of(sh), stacked=True)
+               for s, sh in zip(g[0], shs)] for g, shs in zip(groups, group_shardings)]
+    P = cfg.layer_period
+    order = [b for hl in params.values() for b in hl.bufs.values()]  # as filled, slot by slot
+    order += [b[i // P] for i in range(cfg.num_hidden_layers) for hl in stacks[i % P]
+              for b in hl.bufs.values()]
+    populator = host_load.Populator(order) if host_load.POPULATE_AHEAD else None
     filler = host_load.HostFiller(report, cfg.num_experts)
-    params = {}
     try:
-        for k, leaf in leaves.top().items():
-            s, sh = shapes[k], _sharding_of(shardings[k])
-            hl = host_load.HostLeaf(s.shape, s.dtype, sh, stacked=False)
+        for k, leaf in top.items():
+            s, sh, hl = shapes[k], _sharding_of(shardings[k]), params[k]
             if leaf.rows and sh.is_fully_replicated:  # in row chunks (columns when swapped)
                 rows = s.shape[-1] if leaf.swapped else s.shape[0]
                 step = max(1, host_load.ROW_CHUNK_BYTES // (s.size // rows * s.dtype.itemsize))
@@ -205,12 +215,6 @@ def _load_on_host(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shard
                     filler.fill(leaf, targets, targets[0][2].shape, (lo, hi))
             else:
                 filler.fill(leaf, hl.targets(), tuple(s.shape))
-            params[k] = hl
-        groups = [jax.tree.flatten(g) for g in shapes["layer_groups"]]
-        group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
-        stacks = [[host_load.HostLeaf(s.shape, s.dtype, _sharding_of(sh), stacked=True)
-                   for s, sh in zip(g[0], shs)] for g, shs in zip(groups, group_shardings)]
-        P = cfg.layer_period
         disable = None if progress is None else not progress
         for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights", unit="layer",
                       disable=disable):
@@ -221,6 +225,8 @@ def _load_on_host(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shard
                 filler.fill(leaf, hl.targets((g,)), hl.shape[1:])
     finally:
         filler.finish()
+        if populator is not None:
+            populator.stop()
     params = {k: hl.array() for k, hl in params.items()}
     params["layer_groups"] = tuple(
         jax.tree.unflatten(treedef, [hl.array() for hl in st])
