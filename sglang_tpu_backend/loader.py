@@ -526,12 +526,12 @@ class CheckpointLeaves:
         return Leaf(read, swapped=swapped, rows=True, into=into)
 
     def top(self) -> dict:
-        """``embed_tokens`` [V, H], ``norm``, ``lm_head`` [H, V] (read as [V, H], swapped)."""
+        """``embed_tokens`` [V, H], ``norm``, ``lm_head`` [V, H] (both as stored)."""
         embed = f"{self.prefix}embed_tokens.weight"
         head = embed if self.cfg.tie_word_embeddings else "lm_head.weight"
         return {"embed_tokens": self._row_leaf(embed, False),
                 "norm": _leaf(self.reader.vec, f"{self.prefix}norm.weight"),
-                "lm_head": self._row_leaf(head, True)}
+                "lm_head": self._row_leaf(head, False)}
 
     def layer(self, i: int) -> dict:
         return self._layer(self.cfg.layer_types[i], self.cfg.is_moe_layer(i),

@@ -78,7 +78,7 @@ def test_fused_and_per_expert_layouts_load_identically(tmp_path):
     assert gdn["A_log"].dtype == jnp.float32 and gdn["dt_bias"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(gdn["A_log"]), tensors[P + "layers.0.linear_attn.A_log"])
     np.testing.assert_array_equal(np.asarray(a["lm_head"], np.float32),
-                                  tensors["lm_head.weight"].astype(np.float32).T)
+                                  tensors["lm_head.weight"].astype(np.float32))  # as stored
 
 
 def test_fp8_block_scaled_checkpoint_dequantises_to_reference(tmp_path):
@@ -251,7 +251,7 @@ def test_tied_embeddings(tmp_path):
     assert "lm_head.weight" not in tensors
     cfg, params = load_model(write_checkpoint(tmp_path / "tied", tensors, config), dtype=jnp.float32)
     assert cfg.tie_word_embeddings
-    np.testing.assert_array_equal(np.asarray(params["lm_head"]), tensors[P + "embed_tokens.weight"].T)
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), tensors[P + "embed_tokens.weight"])
 
 
 def _randomise(model, seed: int):
@@ -312,7 +312,7 @@ def test_transformers_save_pretrained_checkpoint_matches_torch_weights(tmp_path)
     sd = model.state_dict()
     np.testing.assert_array_equal(np.asarray(params["embed_tokens"]), sd["model.embed_tokens.weight"].numpy())
     np.testing.assert_array_equal(np.asarray(params["norm"]), sd["model.norm.weight"].numpy())
-    np.testing.assert_array_equal(np.asarray(params["lm_head"]), sd["lm_head.weight"].numpy().T)
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), sd["lm_head.weight"].numpy())
     for i in range(cfg.num_hidden_layers):
         expected = _expected_from_torch(sd, cfg, i)
         got_leaves = {jax.tree_util.keystr(p, simple=True, separator="."): x
