@@ -84,7 +84,12 @@ class Populator:
                     return
 
     def stop(self) -> None:
+        """Stop at the next chunk and wait for the thread."""
         self._stop.set()
+        self._thread.join()
+
+    def stop_when_done(self) -> None:
+        """Wait until every buffer is faulted in."""
         self._thread.join()
 
 
