@@ -6,8 +6,9 @@ So for CPU devices ``sharded_loader.load_sharded`` builds every param leaf here:
 
   * Each device's shard of each leaf (a whole ``[groups, ...]`` stack for the layer leaves)
     is one uninitialised, huge-page-advised host allocation (``host_empty``): no zero-fill,
-    and first touches fault 2 MiB pages, not 4 KiB ones.
-  * Leaves stored in the param layout (routed experts, norms, embeddings) are read with
+    and first touches fault 2 MiB pages, not 4 KiB ones; a thread faults them in ahead of
+    the reads (``Populator``).
+  * Leaves stored in the param layout (routed experts, head, embeddings, norms) are read with
     positional reads straight into their slot (``Leaf.fill``). Leaves stored transposed (HF's
     [out, in] for a param's [in, out]) are read into one of two reused scratch buffers and
     transposed block by block into their slot (``transpose_into``) on a worker thread, while
@@ -39,11 +40,17 @@ POPULATE_AHEAD = True  # fault the buffers in on a thread ahead of the reads (``
 
 
 def host_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous array in its own anonymous mapping, 2 MiB-aligned and
-    advised for transparent huge pages (``MADV_HUGEPAGE``, where the kernel has it). Nothing
-    is touched here; the mapping goes when the last view of it does."""
+    """An uninitialised C-contiguous array, page-aligned (what a CPU device array may alias).
+    From 2 MiB up it has its own anonymous mapping, 2 MiB-aligned and advised for transparent
+    huge pages (``MADV_HUGEPAGE``, where the kernel has it); nothing is touched here, and the
+    mapping goes when the last view of it does. Smaller ones come from numpy's allocator
+    (a huge page each would waste most of it)."""
     dtype = np.dtype(dtype)
     n = math.prod(shape) * dtype.itemsize
+    if n < HUGE_PAGE:
+        raw = np.empty(n + mmap.PAGESIZE, np.uint8)
+        off = -raw.ctypes.data % mmap.PAGESIZE
+        return raw[off:off + n].view(dtype).reshape(shape)
     m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         m.madvise(mmap.MADV_HUGEPAGE)

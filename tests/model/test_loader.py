@@ -394,8 +394,8 @@ def test_sharded_load_equals_whole_load_and_reads_every_byte_once(tmp_path, keep
     params, report = load_sharded(path, cfg, shardings, dtype=jnp.float32,
                                   keep_fp8_experts=keep_fp8, backend="tpu", host_buffers=host)
     assert_trees_equal(params, whole)
-    if host:  # every leaf in host_empty's 2 MiB-aligned memory (by chance: 1 in 512 a leaf)
-        assert all(x.unsafe_buffer_pointer() % (2 << 20) == 0 for x in jax.tree.leaves(params))
+    if host:  # every leaf in host_empty's page-aligned memory (XLA's own: 64-byte aligned)
+        assert all(x.unsafe_buffer_pointer() % 4096 == 0 for x in jax.tree.leaves(params))
     entries = index_checkpoint(path).values()
     assert report.bytes_read == sum(e.end - e.begin for e in entries)
     experts = sum(e.end - e.begin for e in entries if ".mlp.experts." in e.name)
@@ -425,6 +425,13 @@ def test_bf16_host_load_reads_into_place_and_transposes_by_blocks(tmp_path):
     b, rb = load_sharded(path, cfg, shardings, host_buffers=False)
     assert_trees_equal(a, b)
     assert ra.bytes_read == rb.bytes_read > 0
+
+    for shape in ((8, 8), (1024, 1024)):  # numpy's memory, and a huge-page mapping
+        leaf = host_load.HostLeaf(shape, np.float32, where, stacked=False)
+        buf = leaf.bufs[where.device_set.pop()]
+        buf[...] = 3.0
+        x = leaf.array()
+        assert host_load.aliases(x, [buf]) and float(x.sum()) == 3.0 * buf.size
 
 
 def test_dummy_params_are_the_seeds_and_shaped_like_the_config():
