@@ -37,155 +37,26 @@ from sglang_tpu_backend.checkpoint_io import (
     read_rows,
     read_tensor,
 )
+from sglang_tpu_backend.checkpoint_shapes import (
+    F8_CODES,
+    MTP_NORMS,
+    Shape,
+    cdiv,
+    check_entries,
+    expected_shapes,
+    mtp_expected_shapes,
+)
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig, load_model_config
 from sglang_tpu_backend.models.qwen3_5_moe import stack_layers
 
-__all__ = ["CheckpointError", "CheckpointLeaves", "Leaf", "load_model", "load_mtp_params",
-           "load_params"]
+__all__ = ["CheckpointError", "CheckpointLeaves", "Leaf", "expected_shapes", "load_model",
+           "load_mtp_params", "load_params"]
 
 log = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = ("visual.", "model.visual.", "mtp.", "model.mtp.")  # by load_params
 MTP_PREFIXES = ("mtp.", "model.mtp.")
-MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-_F8_CODES = ("F8_E4M3", "F8_E5M2")
-Shape = tuple[int, ...]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# Expected tensors ------------------------------------------------------------------------
-def _attn_shapes(cfg: ModelConfig, p: str) -> dict[str, Shape]:
-    h, d = cfg.hidden_size, cfg.head_dim
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    return {
-        f"{p}q_proj.weight": (hq * 2 * d, h),
-        f"{p}k_proj.weight": (hkv * d, h),
-        f"{p}v_proj.weight": (hkv * d, h),
-        f"{p}o_proj.weight": (h, hq * d),
-        f"{p}q_norm.weight": (d,),
-        f"{p}k_norm.weight": (d,),
-    }
-
-
-def _gdn_shapes(cfg: ModelConfig, p: str) -> dict[str, Shape]:
-    h, hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    c = cfg.linear_conv_dim
-    shapes: dict[str, Shape] = {}
-    if cfg.model_type == "qwen3_next":
-        shapes[f"{p}in_proj_qkvz.weight"] = (c + hv * dv, h)
-        shapes[f"{p}in_proj_ba.weight"] = (2 * hv, h)
-    else:
-        shapes[f"{p}in_proj_qkv.weight"] = (c, h)
-        shapes[f"{p}in_proj_z.weight"] = (hv * dv, h)
-        shapes[f"{p}in_proj_b.weight"] = (hv, h)
-        shapes[f"{p}in_proj_a.weight"] = (hv, h)
-    shapes.update({
-        f"{p}conv1d.weight": (c, 1, cfg.linear_conv_kernel_dim),
-        f"{p}A_log": (hv,),
-        f"{p}dt_bias": (hv,),
-        f"{p}norm.weight": (dv,),
-        f"{p}out_proj.weight": (h, hv * dv),
-    })
-    return shapes
-
-
-def _mlp_shapes(cfg: ModelConfig, moe: bool, p: str, fused: bool) -> dict[str, Shape]:
-    h = cfg.hidden_size
-    if not moe:
-        i = cfg.intermediate_size
-        return {f"{p}gate_proj.weight": (i, h), f"{p}up_proj.weight": (i, h), f"{p}down_proj.weight": (h, i)}
-    e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    shapes: dict[str, Shape] = {f"{p}gate.weight": (e, h)}
-    if fused:
-        shapes[f"{p}experts.gate_up_proj"] = (e, 2 * i, h)
-        shapes[f"{p}experts.down_proj"] = (e, h, i)
-    else:
-        for x in range(e):
-            shapes[f"{p}experts.{x}.gate_proj.weight"] = (i, h)
-            shapes[f"{p}experts.{x}.up_proj.weight"] = (i, h)
-            shapes[f"{p}experts.{x}.down_proj.weight"] = (h, i)
-    if s:
-        shapes.update({
-            f"{p}shared_expert.gate_proj.weight": (s, h),
-            f"{p}shared_expert.up_proj.weight": (s, h),
-            f"{p}shared_expert.down_proj.weight": (h, s),
-            f"{p}shared_expert_gate.weight": (1, h),
-        })
-    return shapes
-
-
-def _layer_shapes(cfg: ModelConfig, kind: str, moe: bool, lp: str,
-                  entries: dict[str, TensorEntry]) -> dict[str, Shape]:
-    """One decoder layer's tensors under ``lp`` (``...layers.N.``)."""
-    h = cfg.hidden_size
-    shapes = {f"{lp}input_layernorm.weight": (h,), f"{lp}post_attention_layernorm.weight": (h,)}
-    if kind == FULL_ATTENTION:
-        shapes.update(_attn_shapes(cfg, f"{lp}self_attn."))
-    else:
-        shapes.update(_gdn_shapes(cfg, f"{lp}linear_attn."))
-    fused = f"{lp}mlp.experts.gate_up_proj" in entries
-    shapes.update(_mlp_shapes(cfg, moe, f"{lp}mlp.", fused))
-    return shapes
-
-
-def expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntry]) -> dict[str, Shape]:
-    """Every HF tensor name the model needs (FP8 scales included) -> expected shape.
-    ``entries`` (the checkpoint's index) decides fused vs per-expert experts and which
-    weights are FP8; with ``{}`` it is the per-expert layout without FP8."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    shapes: dict[str, Shape] = {f"{prefix}embed_tokens.weight": (v, h), f"{prefix}norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for i, kind in enumerate(cfg.layer_types):
-        shapes.update(_layer_shapes(cfg, kind, cfg.is_moe_layer(i), f"{prefix}layers.{i}.", entries))
-    return _with_fp8_scales(shapes, entries)
-
-
-def mtp_expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntry]
-                        ) -> dict[str, Shape]:
-    """The MTP tensors under ``prefix`` (``mtp.``) -> expected shape, like ``expected_shapes``:
-    ``fc`` [H, 2H] (input columns [embedding | hidden]), three norms, and
-    ``mtp_num_hidden_layers`` full-attention MoE decoder layers."""
-    h = cfg.hidden_size
-    shapes: dict[str, Shape] = {f"{prefix}fc.weight": (h, 2 * h)}
-    shapes.update({f"{prefix}{n}.weight": (h,) for n in MTP_NORMS})
-    for i in range(cfg.mtp_num_hidden_layers):
-        shapes.update(_layer_shapes(cfg, FULL_ATTENTION, True, f"{prefix}layers.{i}.", entries))
-    return _with_fp8_scales(shapes, entries)
-
-
-def _with_fp8_scales(shapes: dict[str, Shape], entries: dict[str, TensorEntry]) -> dict[str, Shape]:
-    """``shapes`` plus the ``*_scale_inv`` block scales of the entries stored as FP8."""
-    for name, shape in list(shapes.items()):
-        e = entries.get(name)
-        if e is None or e.dtype not in _F8_CODES:
-            continue
-        if not name.endswith(".weight") or len(shape) != 2:
-            raise CheckpointError(f"tensor {name} is {e.dtype} but only 2-D '*.weight' tensors may be FP8")
-        shapes[name + "_scale_inv"] = (_cdiv(shape[0], FP8_BLOCK), _cdiv(shape[1], FP8_BLOCK))
-    return shapes
-
-
-def _check_entries(checkpoint_dir: Path, expected: dict[str, Shape], entries: dict[str, TensorEntry]) -> None:
-    missing = [f"{n} (expected shape {list(s)})" for n, s in expected.items() if n not in entries]
-    wrong = [
-        f"{n} expected shape {list(s)}, got {list(entries[n].shape)}"
-        for n, s in expected.items()
-        if n in entries and tuple(entries[n].shape) != s
-    ]
-
-    def few(items: list[str]) -> str:
-        more = f"; ... and {len(items) - 5} more" if len(items) > 5 else ""
-        return "; ".join(items[:5]) + more
-
-    if missing:
-        raise CheckpointError(f"checkpoint {checkpoint_dir} lacks {len(missing)} tensor(s): {few(missing)}")
-    if wrong:
-        raise CheckpointError(f"checkpoint {checkpoint_dir} has {len(wrong)} tensor(s) of wrong shape: {few(wrong)}")
 
 
 # Reading and converting ------------------------------------------------------------------
@@ -251,7 +122,7 @@ class _Reader:
             out[...] = self.raw(name)
 
     def is_fp8(self, name: str) -> bool:
-        return self.entries[name].dtype in _F8_CODES
+        return self.entries[name].dtype in F8_CODES
 
     def hf(self, name: str) -> np.ndarray:
         """HF-layout tensor, dequantised (to f32) when it is FP8 block-scaled."""
@@ -409,7 +280,7 @@ def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str,
     expert's slot: gate_up fp8[E, 2I, H], down fp8[E, H, I], gate_up_scale f32[E, 2I/128,
     H/128], down_scale f32[E, H/128, I/128]."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    bh, bi = _cdiv(h, FP8_BLOCK), i // FP8_BLOCK
+    bh, bi = cdiv(h, FP8_BLOCK), i // FP8_BLOCK
 
     def stacked(shape: Shape, dtype, fill: Callable[[np.ndarray, int], None]) -> Leaf:
         def into(out: np.ndarray, lo: int, hi: int) -> None:
@@ -489,7 +360,7 @@ class CheckpointLeaves:
         self.entries = index_checkpoint(self.dir)
         self.prefix = _detect_prefix(self.entries)
         self.expected = expected_shapes(cfg, self.prefix, self.entries)
-        _check_entries(self.dir, self.expected, self.entries)
+        check_entries(self.dir, self.expected, self.entries)
         _report_leftovers(self.entries, set(self.expected), cfg)
         self.reader = _Reader(self.entries, dtype)
         self.layer_names: dict[int, list[str]] = {}
@@ -558,7 +429,7 @@ class CheckpointLeaves:
                 log.info("config lists %d MTP layer(s) but %s has no mtp.* tensors",
                          self.cfg.mtp_num_hidden_layers, self.dir)
             return None
-        _check_entries(self.dir, mtp_expected_shapes(self.cfg, prefix, self.entries), self.entries)
+        check_entries(self.dir, mtp_expected_shapes(self.cfg, prefix, self.entries), self.entries)
         r = self.reader
         return {"fc": _linear(r, f"{prefix}fc.weight"),
                 **{n: _leaf(r.vec, f"{prefix}{n}.weight") for n in MTP_NORMS},
