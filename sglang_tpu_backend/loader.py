@@ -4,7 +4,7 @@ Reads HF Qwen3.5-MoE (``model.language_model.`` / ``model.`` prefixes) and Qwen3
 checkpoints, fused or per-expert expert layouts, bf16/fp32/FP8-block-scaled weights. Every
 expected tensor's name and shape is checked from the file headers before any data is read;
 then tensors stream one at a time: read, dequantise, transpose to [in, out] (all but the
-routed experts, which keep the checkpoint's [out, in]), cast, place.
+routed experts and the head, which keep the checkpoint's [out, in]), cast, place.
 ``load_params`` skips the multi-token-prediction layers under ``mtp.*``; ``load_mtp_params``
 reads them, with the same checks and dtype/FP8 handling (layout in ``models/mtp.py``).
 

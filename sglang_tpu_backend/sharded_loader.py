@@ -12,8 +12,8 @@
     and handed to each local device.
   * The devices then write it into its slot of the stacked ``[groups, ...]`` buffer, which
     was allocated on the devices and is donated to every write: a plain copy for the routed
-    experts, whose param layout is the checkpoint's [out, in]; a transpose for the other
-    weights (HF's [out, in] into the param's [in, out]). The host holds one
+    experts and the head, whose param layout is the checkpoint's [out, in]; a transpose for
+    the other weights (HF's [out, in] into the param's [in, out]). The host holds one
     leaf of one layer (this process's share of it) at a time; the embeddings and the head
     go in row chunks of ``CHUNK_BYTES``.
   * Meanwhile a thread asks the kernel to read the next layer's share into the page cache.
