@@ -9,11 +9,17 @@ layer plus one for the embeddings and head, and the index json. ``--layers`` (de
 layer period: 3 GDN + 1 attention) and ``--experts`` per layer (default 128 of the 512) keep
 it within this machine: on CPU the "devices" are host memory too, and they hold the loaded
 weights (replicated ones once per device, hence ``--devices 1``). Then, each in a fresh
-subprocess with ``--devices`` CPU devices, in the order raw, load, load, raw:
+subprocess with ``--devices`` CPU devices, in the order raw, load, load, raw, fresh, touch:
 
-  raw   read every file start to end in 64 MiB reads (the disk's sequential figure);
+  raw   read every file start to end in 64 MiB reads into one reused buffer (the disk's
+        sequential figure);
   load  ``sharded_loader.load_sharded`` with the DP x EP shardings over the devices, FP8
-        experts kept as on TPU (routed experts split over the devices, the rest replicated).
+        experts kept as on TPU (routed experts split over the devices, the rest replicated);
+  fresh raw reads of every file into its own fresh huge-page-advised buffer, all kept: the
+        memory's first touches included, as a load's;
+  touch no reads: fresh memory of the checkpoint's size faulted in, the cost of the memory
+        that ends up holding the weights (on a VM whose host backs guest memory on first
+        touch, this, not the disk, can bound a load).
 
 Each run starts cold for the checkpoint: its files' pages are dropped from the page cache
 first (``posix_fadvise(DONTNEED)``, no root needed). Prints both figures per run, their means
@@ -138,6 +144,34 @@ def run_raw(ckpt: Path) -> dict:
     return {"bytes": n, "seconds": time.perf_counter() - t0}
 
 
+def run_fresh(ckpt: Path) -> dict:
+    """Raw reads into fresh memory: each file read start to end straight into its own new
+    huge-page-advised buffer (``host_load.host_empty``), as the load reads into its buffers."""
+    from sglang_tpu_backend.host_load import host_empty
+
+    t0, n, keep = time.perf_counter(), 0, []
+    for path in sorted(ckpt.glob("*.safetensors")):
+        buf, done = host_empty((path.stat().st_size,), np.uint8), 0
+        with open(path, "rb", buffering=0) as f:
+            while k := f.readinto(memoryview(buf)[done:done + CHUNK]):
+                done += k
+        n += done
+        keep.append(buf)  # all of it stays resident, as loaded weights do
+    return {"bytes": n, "seconds": time.perf_counter() - t0}
+
+
+def run_touch(ckpt: Path) -> dict:
+    """No reads: fresh huge-page-advised memory of the checkpoint's size faulted in
+    (``MADV_POPULATE_WRITE``, the load's ``Populator``), the cost of the memory alone."""
+    from sglang_tpu_backend.host_load import Populator, host_empty
+
+    n = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    t0 = time.perf_counter()
+    buf = host_empty((n,), np.uint8)
+    Populator([buf]).stop_when_done()
+    return {"bytes": n, "seconds": time.perf_counter() - t0}
+
+
 def run_load(ckpt: Path, devices: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -183,11 +217,13 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=1,
                     help="CPU devices (replicated weights are copied to each, in host memory)")
     ap.add_argument("--dir", type=str, default=None, help="where to write (default: a temp dir)")
-    ap.add_argument("--child", choices=("raw", "load"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("raw", "fresh", "touch", "load"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         ckpt = Path(a.dir)
-        res = run_raw(ckpt) if a.child == "raw" else run_load(ckpt, a.devices)
+        res = {"raw": run_raw, "fresh": run_fresh, "touch": run_touch}[a.child](ckpt) \
+            if a.child != "load" \
+            else run_load(ckpt, a.devices)
         print(json.dumps(res))
         return
     root = Path(tempfile.mkdtemp(prefix="bench_load-", dir=a.dir))
@@ -198,13 +234,13 @@ def main() -> None:
         print(f"wrote {total / 1e9:.2f} GB ({a.layers} layers x {a.experts} FP8 experts, "
               f"397B widths) in {time.perf_counter() - t0:.0f} s; largest layer "
               f"{largest / 1e9:.2f} GB")
-        runs = {"raw": [], "load": []}
-        for kind in ("raw", "load", "load", "raw"):
+        runs = {"raw": [], "load": [], "fresh": [], "touch": []}
+        for kind in ("raw", "load", "load", "raw", "fresh", "touch"):
             drop_from_page_cache(ckpt)
             r = _child(kind, ckpt, a.devices)
             runs[kind].append(r)
             gbs = r["bytes"] / r["seconds"] / 1e9
-            line = f"{kind:4s} {r['bytes'] / 1e9:6.2f} GB in {r['seconds']:6.2f} s = {gbs:5.2f} GB/s"
+            line = f"{kind:5s} {r['bytes'] / 1e9:6.2f} GB in {r['seconds']:6.2f} s = {gbs:5.2f} GB/s"
             if kind == "load":
                 extra = r["hwm"] - r["rss_after"]
                 line += (f" (host reads {r['bytes'] / r['read_seconds'] / 1e9:.2f} GB/s)"
@@ -216,8 +252,10 @@ def main() -> None:
                  for k, v in runs.items()}
         worst = max(r["hwm"] - r["rss_after"] for r in runs["load"])
         print(f"mean: raw {speed['raw']:.2f} GB/s, load {speed['load']:.2f} GB/s = "
-              f"{speed['load'] / speed['raw']:.0%} of raw (target >= 70%); peak host memory "
-              f"beyond the weights {worst / largest:.2f}x the largest layer (target <= 1.5x)")
+              f"{speed['load'] / speed['raw']:.0%} of raw (target >= 70%); fresh memory faulted "
+              f"in at {speed['touch']:.2f} GB/s, read into at {speed['fresh']:.2f} GB/s (the load "
+              f"is {speed['load'] / speed['fresh']:.0%} of that); peak host memory beyond the "
+              f"weights {worst / largest:.2f}x the largest layer (target <= 1.5x)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

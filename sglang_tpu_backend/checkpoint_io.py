@@ -178,14 +178,21 @@ def prefetch(entry: TensorEntry, lo: int = 0, hi: int | None = None) -> None:
         os.close(fd)
 
 
-def read_rows(entry: TensorEntry, lo: int, hi: int) -> np.ndarray:
+def read_rows(entry: TensorEntry, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
     """Rows ``lo:hi`` of a tensor's first axis (shape ``[hi - lo, *shape[1:]]``): only their
-    bytes are read from the file."""
+    bytes are read from the file, into ``out`` when given (C-contiguous, of the stored dtype
+    and that shape), else into a fresh array."""
     dt = _check_size(entry)
     if not entry.shape or not 0 <= lo <= hi <= entry.shape[0]:
         raise ValueError(f"rows {lo}:{hi} out of range for {entry.name} {list(entry.shape)}")
+    shape = (hi - lo, *entry.shape[1:])
+    if out is None:
+        out = np.empty(shape, dt)
+    elif out.dtype != dt or out.shape != shape or not out.flags.c_contiguous:
+        raise ValueError(f"tensor {entry.name}: cannot read rows {lo}:{hi} into {out.dtype}"
+                         f"{list(out.shape)} (contiguous: {out.flags.c_contiguous})")
     row = math.prod(entry.shape[1:]) * dt.itemsize
-    return _copy_out(entry, entry.begin + lo * row, np.empty((hi - lo, *entry.shape[1:]), dt))
+    return _copy_out(entry, entry.begin + lo * row, out)
 
 
 def index_checkpoint(checkpoint_dir: str | Path) -> dict[str, TensorEntry]:

@@ -4,7 +4,7 @@ Reads HF Qwen3.5-MoE (``model.language_model.`` / ``model.`` prefixes) and Qwen3
 checkpoints, fused or per-expert expert layouts, bf16/fp32/FP8-block-scaled weights. Every
 expected tensor's name and shape is checked from the file headers before any data is read;
 then tensors stream one at a time: read, dequantise, transpose to [in, out] (all but the
-routed experts, which keep the checkpoint's [out, in]), cast, place.
+routed experts and the head, which keep the checkpoint's [out, in]), cast, place.
 ``load_params`` skips the multi-token-prediction layers under ``mtp.*``; ``load_mtp_params``
 reads them, with the same checks and dtype/FP8 handling (layout in ``models/mtp.py``).
 
@@ -37,155 +37,26 @@ from sglang_tpu_backend.checkpoint_io import (
     read_rows,
     read_tensor,
 )
+from sglang_tpu_backend.checkpoint_shapes import (
+    F8_CODES,
+    MTP_NORMS,
+    Shape,
+    cdiv,
+    check_entries,
+    expected_shapes,
+    mtp_expected_shapes,
+)
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig, load_model_config
 from sglang_tpu_backend.models.qwen3_5_moe import stack_layers
 
-__all__ = ["CheckpointError", "CheckpointLeaves", "Leaf", "load_model", "load_mtp_params",
-           "load_params"]
+__all__ = ["CheckpointError", "CheckpointLeaves", "Leaf", "expected_shapes", "load_model",
+           "load_mtp_params", "load_params"]
 
 log = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = ("visual.", "model.visual.", "mtp.", "model.mtp.")  # by load_params
 MTP_PREFIXES = ("mtp.", "model.mtp.")
-MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-_F8_CODES = ("F8_E4M3", "F8_E5M2")
-Shape = tuple[int, ...]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# Expected tensors ------------------------------------------------------------------------
-def _attn_shapes(cfg: ModelConfig, p: str) -> dict[str, Shape]:
-    h, d = cfg.hidden_size, cfg.head_dim
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    return {
-        f"{p}q_proj.weight": (hq * 2 * d, h),
-        f"{p}k_proj.weight": (hkv * d, h),
-        f"{p}v_proj.weight": (hkv * d, h),
-        f"{p}o_proj.weight": (h, hq * d),
-        f"{p}q_norm.weight": (d,),
-        f"{p}k_norm.weight": (d,),
-    }
-
-
-def _gdn_shapes(cfg: ModelConfig, p: str) -> dict[str, Shape]:
-    h, hv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    c = cfg.linear_conv_dim
-    shapes: dict[str, Shape] = {}
-    if cfg.model_type == "qwen3_next":
-        shapes[f"{p}in_proj_qkvz.weight"] = (c + hv * dv, h)
-        shapes[f"{p}in_proj_ba.weight"] = (2 * hv, h)
-    else:
-        shapes[f"{p}in_proj_qkv.weight"] = (c, h)
-        shapes[f"{p}in_proj_z.weight"] = (hv * dv, h)
-        shapes[f"{p}in_proj_b.weight"] = (hv, h)
-        shapes[f"{p}in_proj_a.weight"] = (hv, h)
-    shapes.update({
-        f"{p}conv1d.weight": (c, 1, cfg.linear_conv_kernel_dim),
-        f"{p}A_log": (hv,),
-        f"{p}dt_bias": (hv,),
-        f"{p}norm.weight": (dv,),
-        f"{p}out_proj.weight": (h, hv * dv),
-    })
-    return shapes
-
-
-def _mlp_shapes(cfg: ModelConfig, moe: bool, p: str, fused: bool) -> dict[str, Shape]:
-    h = cfg.hidden_size
-    if not moe:
-        i = cfg.intermediate_size
-        return {f"{p}gate_proj.weight": (i, h), f"{p}up_proj.weight": (i, h), f"{p}down_proj.weight": (h, i)}
-    e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    shapes: dict[str, Shape] = {f"{p}gate.weight": (e, h)}
-    if fused:
-        shapes[f"{p}experts.gate_up_proj"] = (e, 2 * i, h)
-        shapes[f"{p}experts.down_proj"] = (e, h, i)
-    else:
-        for x in range(e):
-            shapes[f"{p}experts.{x}.gate_proj.weight"] = (i, h)
-            shapes[f"{p}experts.{x}.up_proj.weight"] = (i, h)
-            shapes[f"{p}experts.{x}.down_proj.weight"] = (h, i)
-    if s:
-        shapes.update({
-            f"{p}shared_expert.gate_proj.weight": (s, h),
-            f"{p}shared_expert.up_proj.weight": (s, h),
-            f"{p}shared_expert.down_proj.weight": (h, s),
-            f"{p}shared_expert_gate.weight": (1, h),
-        })
-    return shapes
-
-
-def _layer_shapes(cfg: ModelConfig, kind: str, moe: bool, lp: str,
-                  entries: dict[str, TensorEntry]) -> dict[str, Shape]:
-    """One decoder layer's tensors under ``lp`` (``...layers.N.``)."""
-    h = cfg.hidden_size
-    shapes = {f"{lp}input_layernorm.weight": (h,), f"{lp}post_attention_layernorm.weight": (h,)}
-    if kind == FULL_ATTENTION:
-        shapes.update(_attn_shapes(cfg, f"{lp}self_attn."))
-    else:
-        shapes.update(_gdn_shapes(cfg, f"{lp}linear_attn."))
-    fused = f"{lp}mlp.experts.gate_up_proj" in entries
-    shapes.update(_mlp_shapes(cfg, moe, f"{lp}mlp.", fused))
-    return shapes
-
-
-def expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntry]) -> dict[str, Shape]:
-    """Every HF tensor name the model needs (FP8 scales included) -> expected shape.
-    ``entries`` (the checkpoint's index) decides fused vs per-expert experts and which
-    weights are FP8; with ``{}`` it is the per-expert layout without FP8."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    shapes: dict[str, Shape] = {f"{prefix}embed_tokens.weight": (v, h), f"{prefix}norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for i, kind in enumerate(cfg.layer_types):
-        shapes.update(_layer_shapes(cfg, kind, cfg.is_moe_layer(i), f"{prefix}layers.{i}.", entries))
-    return _with_fp8_scales(shapes, entries)
-
-
-def mtp_expected_shapes(cfg: ModelConfig, prefix: str, entries: dict[str, TensorEntry]
-                        ) -> dict[str, Shape]:
-    """The MTP tensors under ``prefix`` (``mtp.``) -> expected shape, like ``expected_shapes``:
-    ``fc`` [H, 2H] (input columns [embedding | hidden]), three norms, and
-    ``mtp_num_hidden_layers`` full-attention MoE decoder layers."""
-    h = cfg.hidden_size
-    shapes: dict[str, Shape] = {f"{prefix}fc.weight": (h, 2 * h)}
-    shapes.update({f"{prefix}{n}.weight": (h,) for n in MTP_NORMS})
-    for i in range(cfg.mtp_num_hidden_layers):
-        shapes.update(_layer_shapes(cfg, FULL_ATTENTION, True, f"{prefix}layers.{i}.", entries))
-    return _with_fp8_scales(shapes, entries)
-
-
-def _with_fp8_scales(shapes: dict[str, Shape], entries: dict[str, TensorEntry]) -> dict[str, Shape]:
-    """``shapes`` plus the ``*_scale_inv`` block scales of the entries stored as FP8."""
-    for name, shape in list(shapes.items()):
-        e = entries.get(name)
-        if e is None or e.dtype not in _F8_CODES:
-            continue
-        if not name.endswith(".weight") or len(shape) != 2:
-            raise CheckpointError(f"tensor {name} is {e.dtype} but only 2-D '*.weight' tensors may be FP8")
-        shapes[name + "_scale_inv"] = (_cdiv(shape[0], FP8_BLOCK), _cdiv(shape[1], FP8_BLOCK))
-    return shapes
-
-
-def _check_entries(checkpoint_dir: Path, expected: dict[str, Shape], entries: dict[str, TensorEntry]) -> None:
-    missing = [f"{n} (expected shape {list(s)})" for n, s in expected.items() if n not in entries]
-    wrong = [
-        f"{n} expected shape {list(s)}, got {list(entries[n].shape)}"
-        for n, s in expected.items()
-        if n in entries and tuple(entries[n].shape) != s
-    ]
-
-    def few(items: list[str]) -> str:
-        more = f"; ... and {len(items) - 5} more" if len(items) > 5 else ""
-        return "; ".join(items[:5]) + more
-
-    if missing:
-        raise CheckpointError(f"checkpoint {checkpoint_dir} lacks {len(missing)} tensor(s): {few(missing)}")
-    if wrong:
-        raise CheckpointError(f"checkpoint {checkpoint_dir} has {len(wrong)} tensor(s) of wrong shape: {few(wrong)}")
 
 
 # Reading and converting ------------------------------------------------------------------
@@ -199,12 +70,23 @@ class Leaf:
     ``[E, ...]``) takes ``read(lo, hi)`` and reads only experts ``lo:hi`` from the files; a
     ``rows`` leaf (a large 2-D one) takes ``read(lo, hi)`` for rows ``lo:hi`` of what ``read()``
     returns. Nothing is read before ``read`` is called.
+
+    ``fill(out, *args)`` puts what ``read(*args)`` returns into ``out`` (C-contiguous, that
+    shape and dtype): straight from the files when the leaf has an ``into`` of that signature
+    (a tensor stored in the param dtype, FP8 experts kept), else by a copy of ``read``'s array.
     """
 
     read: Callable[..., np.ndarray]
     experts: bool = False
     swapped: bool = False
     rows: bool = False
+    into: Callable[..., None] | None = None
+
+    def fill(self, out: np.ndarray, *args) -> None:
+        if self.into is not None:
+            self.into(out, *args)
+        else:
+            np.copyto(out, self.read(*args))
 
 
 class _Reader:
@@ -220,6 +102,17 @@ class _Reader:
     def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         return read_rows(self.entries[name], lo, hi)
 
+    def direct(self, name: str) -> bool:
+        """Whether ``name`` is stored as its param is (not FP8, the param dtype): read as is."""
+        return not self.is_fp8(name) and self.entries[name].np_dtype == self.np_dtype
+
+    def rows_into(self, name: str, out: np.ndarray, lo: int, hi: int) -> None:
+        """``out[...] = cast(rows(name, lo, hi))``, read straight into ``out`` when direct."""
+        if self.direct(name):
+            read_rows(self.entries[name], lo, hi, out)
+        else:
+            out[...] = self.rows(name, lo, hi)
+
     def raw_into(self, name: str, out: np.ndarray) -> None:
         """``out[...] = raw(name)``, read straight into ``out`` when it has the stored dtype."""
         e = self.entries[name]
@@ -229,7 +122,7 @@ class _Reader:
             out[...] = self.raw(name)
 
     def is_fp8(self, name: str) -> bool:
-        return self.entries[name].dtype in _F8_CODES
+        return self.entries[name].dtype in F8_CODES
 
     def hf(self, name: str) -> np.ndarray:
         """HF-layout tensor, dequantised (to f32) when it is FP8 block-scaled."""
@@ -251,9 +144,22 @@ class _Reader:
         """HF [out, in] weight (the param [in, out] swapped)."""
         return self.cast(self.hf(name))
 
+    def linear_into(self, out: np.ndarray, name: str) -> None:
+        """``out[...] = linear(name)``, read straight into ``out`` when direct."""
+        if self.direct(name) and out.flags.c_contiguous:
+            read_into(self.entries[name], out)
+        else:
+            out[...] = self.hf(name)
+
     def gate_up(self, gate: str, up: str) -> np.ndarray:
         """Two HF [I, H] weights -> [2I, H], rows [gate | up] (the param [H, 2I] swapped)."""
         return self.cast(np.concatenate([self.hf(gate), self.hf(up)], axis=0))
+
+    def gate_up_into(self, out: np.ndarray, gate: str, up: str) -> None:
+        """``out[...] = gate_up(gate, up)``, each half read straight into its rows when direct."""
+        i = self.entries[gate].shape[0]
+        self.linear_into(out[:i], gate)
+        self.linear_into(out[i:], up)
 
 
 def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
@@ -268,12 +174,24 @@ def _leaf(fn: Callable, *args) -> Leaf:
 
 
 def _swapped(fn: Callable, *args) -> Leaf:
-    """A leaf ``fn(*args)`` returns with its last two axes swapped (``r.linear``, ``r.gate_up``)."""
+    """A leaf ``fn(*args)`` returns with its last two axes swapped."""
     return Leaf(functools.partial(fn, *args), swapped=True)
 
 
+def _linear(r: "_Reader", name: str) -> Leaf:
+    """HF [out, in] weight ``name``, the param [in, out] swapped; fills read straight in."""
+    return Leaf(functools.partial(r.linear, name), swapped=True,
+                into=lambda out: r.linear_into(out, name))
+
+
+def _gate_up(r: "_Reader", gate: str, up: str) -> Leaf:
+    """HF gate and up weights as [2I, H], the param [H, 2I] swapped."""
+    return Leaf(functools.partial(r.gate_up, gate, up), swapped=True,
+                into=lambda out: r.gate_up_into(out, gate, up))
+
+
 def _attn_leaves(r: _Reader, p: str) -> dict:
-    return {**{k: _swapped(r.linear, f"{p}{k}.weight") for k in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    return {**{k: _linear(r, f"{p}{k}.weight") for k in ("q_proj", "k_proj", "v_proj", "o_proj")},
             "q_norm": _leaf(r.vec, f"{p}q_norm.weight"), "k_norm": _leaf(r.vec, f"{p}k_norm.weight")}
 
 
@@ -309,14 +227,14 @@ def _gdn_leaves(r: _Reader, cfg: ModelConfig, p: str) -> dict:
 
         proj = {k: _swapped(part, k) for k in names}
     else:
-        proj = {k: _swapped(r.linear, f"{p}{k}.weight") for k in names}
+        proj = {k: _linear(r, f"{p}{k}.weight") for k in names}
     return {
         **proj,
         "conv1d": Leaf(lambda: r.cast(r.raw(f"{p}conv1d.weight")[:, 0, :])),
         "A_log": _leaf(r.f32, f"{p}A_log"),
         "dt_bias": _leaf(r.f32, f"{p}dt_bias"),
         "norm": _leaf(r.vec, f"{p}norm.weight"),
-        "out_proj": _swapped(r.linear, f"{p}out_proj.weight"),
+        "out_proj": _linear(r, f"{p}out_proj.weight"),
     }
 
 
@@ -327,8 +245,9 @@ def _expert_leaves(r: _Reader, cfg: ModelConfig, p: str, keep_fp8: bool) -> dict
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     if f"{p}gate_up_proj" in r.entries:  # fused [E, 2I, H] / [E, H, I]: rows lo:hi
         fused = lambda name, lo, hi: r.cast(r.rows(f"{p}{name}", lo, hi))  # noqa: E731
-        return {"gate_up": Leaf(functools.partial(fused, "gate_up_proj"), experts=True),
-                "down": Leaf(functools.partial(fused, "down_proj"), experts=True)}
+        return {k: Leaf(functools.partial(fused, name), experts=True,
+                        into=lambda out, lo, hi, name=name: r.rows_into(f"{p}{name}", out, lo, hi))
+                for k, name in (("gate_up", "gate_up_proj"), ("down", "down_proj"))}
     names = [(f"{p}{x}.gate_proj.weight", f"{p}{x}.up_proj.weight", f"{p}{x}.down_proj.weight") for x in range(e)]
     fp8 = r.is_fp8(names[0][0])
     if keep_fp8 and fp8 and i % FP8_BLOCK == 0:
@@ -338,20 +257,22 @@ def _expert_leaves(r: _Reader, cfg: ModelConfig, p: str, keep_fp8: bool) -> dict
     elif keep_fp8 and fp8:
         log.info("keep_fp8_experts: expert width %d is not a multiple of %d; dequantising %s", i, FP8_BLOCK, p)
 
-    def gate_up(lo: int, hi: int) -> np.ndarray:
-        out = np.empty((hi - lo, 2 * i, h), r.np_dtype)  # [e, 2I, H] filled expert by expert
+    def gate_up_into(out: np.ndarray, lo: int, hi: int) -> None:  # [e, 2I, H], expert by expert
         for x in range(lo, hi):
-            out[x - lo, :i] = r.hf(names[x][0])
-            out[x - lo, i:] = r.hf(names[x][1])
-        return out
+            r.gate_up_into(out[x - lo], names[x][0], names[x][1])
 
-    def down(lo: int, hi: int) -> np.ndarray:
-        out = np.empty((hi - lo, h, i), r.np_dtype)  # [e, H, I]
+    def down_into(out: np.ndarray, lo: int, hi: int) -> None:  # [e, H, I]
         for x in range(lo, hi):
-            out[x - lo] = r.hf(names[x][2])
-        return out
+            r.linear_into(out[x - lo], names[x][2])
 
-    return {"gate_up": Leaf(gate_up, experts=True), "down": Leaf(down, experts=True)}
+    def leaf(into: Callable, shape: Shape) -> Leaf:
+        def read(lo: int, hi: int) -> np.ndarray:
+            out = np.empty((hi - lo, *shape), r.np_dtype)
+            into(out, lo, hi)
+            return out
+        return Leaf(read, experts=True, into=into)
+
+    return {"gate_up": leaf(gate_up_into, (2 * i, h)), "down": leaf(down_into, (h, i))}
 
 
 def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str, str]]) -> dict:
@@ -359,15 +280,18 @@ def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str,
     expert's slot: gate_up fp8[E, 2I, H], down fp8[E, H, I], gate_up_scale f32[E, 2I/128,
     H/128], down_scale f32[E, H/128, I/128]."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
-    bh, bi = _cdiv(h, FP8_BLOCK), i // FP8_BLOCK
+    bh, bi = cdiv(h, FP8_BLOCK), i // FP8_BLOCK
 
-    def stacked(shape: Shape, dtype, fill: Callable[[np.ndarray, int], None]) -> Callable:
-        def read(lo: int, hi: int) -> np.ndarray:
-            out = np.empty((hi - lo, *shape), dtype)
+    def stacked(shape: Shape, dtype, fill: Callable[[np.ndarray, int], None]) -> Leaf:
+        def into(out: np.ndarray, lo: int, hi: int) -> None:
             for x in range(lo, hi):
                 fill(out[x - lo], x)
+
+        def read(lo: int, hi: int) -> np.ndarray:
+            out = np.empty((hi - lo, *shape), dtype)
+            into(out, lo, hi)
             return out
-        return read
+        return Leaf(read, experts=True, into=into)
 
     def gate_up(dst: np.ndarray, x: int) -> None:
         r.raw_into(names[x][0], dst[:i])
@@ -384,23 +308,23 @@ def _fp8_expert_leaves(r: _Reader, cfg: ModelConfig, names: list[tuple[str, str,
         r.raw_into(names[x][2] + "_scale_inv", dst)
 
     return {
-        "gate_up": Leaf(stacked((2 * i, h), _FP8, gate_up), experts=True),
-        "down": Leaf(stacked((h, i), _FP8, down), experts=True),
-        "gate_up_scale": Leaf(stacked((2 * bi, bh), np.float32, gate_up_scale), experts=True),
-        "down_scale": Leaf(stacked((bh, bi), np.float32, down_scale), experts=True),
+        "gate_up": stacked((2 * i, h), _FP8, gate_up),
+        "down": stacked((h, i), _FP8, down),
+        "gate_up_scale": stacked((2 * bi, bh), np.float32, gate_up_scale),
+        "down_scale": stacked((bh, bi), np.float32, down_scale),
     }
 
 
 def _mlp_leaves(r: _Reader, cfg: ModelConfig, moe: bool, p: str, keep_fp8: bool) -> dict:
     if not moe:
-        return {"gate_up": _swapped(r.gate_up, f"{p}gate_proj.weight", f"{p}up_proj.weight"),
-                "down": _swapped(r.linear, f"{p}down_proj.weight")}
-    mlp = {"gate": _swapped(r.linear, f"{p}gate.weight"), "experts": _expert_leaves(r, cfg, f"{p}experts.", keep_fp8)}
+        return {"gate_up": _gate_up(r, f"{p}gate_proj.weight", f"{p}up_proj.weight"),
+                "down": _linear(r, f"{p}down_proj.weight")}
+    mlp = {"gate": _linear(r, f"{p}gate.weight"), "experts": _expert_leaves(r, cfg, f"{p}experts.", keep_fp8)}
     if cfg.shared_expert_intermediate_size:
         s = f"{p}shared_expert."
-        mlp["shared_expert"] = {"gate_up": _swapped(r.gate_up, f"{s}gate_proj.weight", f"{s}up_proj.weight"),
-                                "down": _swapped(r.linear, f"{s}down_proj.weight")}
-        mlp["shared_expert_gate"] = _swapped(r.linear, f"{p}shared_expert_gate.weight")
+        mlp["shared_expert"] = {"gate_up": _gate_up(r, f"{s}gate_proj.weight", f"{s}up_proj.weight"),
+                                "down": _linear(r, f"{s}down_proj.weight")}
+        mlp["shared_expert_gate"] = _linear(r, f"{p}shared_expert_gate.weight")
     return mlp
 
 
@@ -436,7 +360,7 @@ class CheckpointLeaves:
         self.entries = index_checkpoint(self.dir)
         self.prefix = _detect_prefix(self.entries)
         self.expected = expected_shapes(cfg, self.prefix, self.entries)
-        _check_entries(self.dir, self.expected, self.entries)
+        check_entries(self.dir, self.expected, self.entries)
         _report_leftovers(self.entries, set(self.expected), cfg)
         self.reader = _Reader(self.entries, dtype)
         self.layer_names: dict[int, list[str]] = {}
@@ -467,15 +391,18 @@ class CheckpointLeaves:
         def read(lo: int = 0, hi: int | None = None) -> np.ndarray:
             return r.cast(r.rows(name, lo, self.entries[name].shape[0] if hi is None else hi))
 
-        return Leaf(read, swapped=swapped, rows=True)
+        def into(out: np.ndarray, lo: int = 0, hi: int | None = None) -> None:
+            r.rows_into(name, out, lo, self.entries[name].shape[0] if hi is None else hi)
+
+        return Leaf(read, swapped=swapped, rows=True, into=into)
 
     def top(self) -> dict:
-        """``embed_tokens`` [V, H], ``norm``, ``lm_head`` [H, V] (read as [V, H], swapped)."""
+        """``embed_tokens`` [V, H], ``norm``, ``lm_head`` [V, H] (both as stored)."""
         embed = f"{self.prefix}embed_tokens.weight"
         head = embed if self.cfg.tie_word_embeddings else "lm_head.weight"
         return {"embed_tokens": self._row_leaf(embed, False),
                 "norm": _leaf(self.reader.vec, f"{self.prefix}norm.weight"),
-                "lm_head": self._row_leaf(head, True)}
+                "lm_head": self._row_leaf(head, False)}
 
     def layer(self, i: int) -> dict:
         return self._layer(self.cfg.layer_types[i], self.cfg.is_moe_layer(i),
@@ -502,9 +429,9 @@ class CheckpointLeaves:
                 log.info("config lists %d MTP layer(s) but %s has no mtp.* tensors",
                          self.cfg.mtp_num_hidden_layers, self.dir)
             return None
-        _check_entries(self.dir, mtp_expected_shapes(self.cfg, prefix, self.entries), self.entries)
+        check_entries(self.dir, mtp_expected_shapes(self.cfg, prefix, self.entries), self.entries)
         r = self.reader
-        return {"fc": _swapped(r.linear, f"{prefix}fc.weight"),
+        return {"fc": _linear(r, f"{prefix}fc.weight"),
                 **{n: _leaf(r.vec, f"{prefix}{n}.weight") for n in MTP_NORMS},
                 "layers": tuple(self._layer(FULL_ATTENTION, True, f"{prefix}layers.{i}.")
                                 for i in range(self.cfg.mtp_num_hidden_layers))}

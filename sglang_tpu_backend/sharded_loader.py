@@ -12,11 +12,15 @@
     and handed to each local device.
   * The devices then write it into its slot of the stacked ``[groups, ...]`` buffer, which
     was allocated on the devices and is donated to every write: a plain copy for the routed
-    experts, whose param layout is the checkpoint's [out, in]; a transpose for the other
-    weights (HF's [out, in] into the param's [in, out]). The host holds one
+    experts and the head, whose param layout is the checkpoint's [out, in]; a transpose for
+    the other weights (HF's [out, in] into the param's [in, out]). The host holds one
     leaf of one layer (this process's share of it) at a time; the embeddings and the head
     go in row chunks of ``CHUNK_BYTES``.
   * Meanwhile a thread asks the kernel to read the next layer's share into the page cache.
+
+That is the path for accelerators. Where every device is a CPU device (their memory is host
+memory) the same reads go straight into host buffers that then become the devices' buffers
+without a copy, with no zero-fill and no device-side write (``host_load.py``).
 
 Files are read with positional reads of just the bytes wanted (``checkpoint_io.read_rows``);
 ``LoadReport`` has the bytes this process read and which experts each local device holds.
@@ -45,6 +49,7 @@ from jax.experimental.layout import Format
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm.auto import tqdm
 
+from sglang_tpu_backend import host_load
 from sglang_tpu_backend.checkpoint_io import BYTES_READ
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.loader import CheckpointLeaves, Leaf, load_params, resolve_keep_fp8
@@ -180,14 +185,66 @@ def _zeros(s: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
     return _zeros_fn(tuple(s.shape), jnp.dtype(s.dtype), sharding)()
 
 
+def _load_on_host(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shardings: Any,
+                  report: LoadReport, progress: bool | None, before_layer) -> Any:
+    """``load_sharded`` for CPU devices: every leaf read into host buffers that become the
+    devices' buffers (``host_load.py``). ``before_layer(i)`` runs before layer i is read."""
+    top = leaves.top()
+    params = {k: host_load.HostLeaf(shapes[k].shape, shapes[k].dtype, _sharding_of(shardings[k]),
+                                    stacked=False) for k in top}
+    groups = [jax.tree.flatten(g) for g in shapes["layer_groups"]]
+    group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
+    stacks = [[host_load.HostLeaf(s.shape, s.dtype, _sharding_of(sh), stacked=True)
+               for s, sh in zip(g[0], shs)] for g, shs in zip(groups, group_shardings)]
+    P = cfg.layer_period
+    order = [b for hl in params.values() for b in hl.bufs.values()]  # as filled, slot by slot
+    order += [b[i // P] for i in range(cfg.num_hidden_layers) for hl in stacks[i % P]
+              for b in hl.bufs.values()]
+    populator = host_load.Populator(order) if host_load.POPULATE_AHEAD else None
+    filler = host_load.HostFiller(report, cfg.num_experts)
+    try:
+        for k, leaf in top.items():
+            s, sh, hl = shapes[k], _sharding_of(shardings[k]), params[k]
+            if leaf.rows and sh.is_fully_replicated:  # in row chunks (columns when swapped)
+                rows = s.shape[-1] if leaf.swapped else s.shape[0]
+                step = max(1, host_load.ROW_CHUNK_BYTES // (s.size // rows * s.dtype.itemsize))
+                for lo in range(0, rows, step):
+                    hi = min(rows, lo + step)
+                    region = (slice(None), slice(lo, hi)) if leaf.swapped else (slice(lo, hi),)
+                    targets = hl.targets(region)
+                    filler.fill(leaf, targets, targets[0][2].shape, (lo, hi))
+            else:
+                filler.fill(leaf, hl.targets(), tuple(s.shape))
+        disable = None if progress is None else not progress
+        for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights", unit="layer",
+                      disable=disable):
+            before_layer(i)
+            j, g = i % P, i // P
+            for k, leaf in enumerate(jax.tree.leaves(leaves.layer(i))):
+                hl = stacks[j][k]
+                filler.fill(leaf, hl.targets((g,)), hl.shape[1:])
+    finally:
+        filler.finish()
+        if populator is not None:
+            populator.stop()
+    params = {k: hl.array() for k, hl in params.items()}
+    params["layer_groups"] = tuple(
+        jax.tree.unflatten(treedef, [hl.array() for hl in st])
+        for (_, treedef), st in zip(groups, stacks))
+    return params
+
+
 def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *,
                  dtype: Any = jnp.bfloat16, keep_fp8_experts: bool = False,
-                 backend: str | None = None, progress: bool | None = None
-                 ) -> tuple[Any, LoadReport]:
+                 backend: str | None = None, progress: bool | None = None,
+                 host_buffers: bool | None = None) -> tuple[Any, LoadReport]:
     """The checkpoint's params placed by ``shardings`` (a mirror of ``param_shapes``), every
     process reading only what its devices hold; see the module docstring. ``dtype``,
     ``keep_fp8_experts``, ``backend``: as for ``loader.load_params``, whose params these equal.
-    Raises CheckpointError before reading any data when a tensor is missing or misshapen."""
+    ``host_buffers``: read into host buffers the devices then use as theirs (``host_load.py``;
+    only right where the devices' memory is host memory); None: exactly when every device is
+    a CPU device. Raises CheckpointError before reading any data when a tensor is missing or
+    misshapen."""
     t0, bytes0 = time.perf_counter(), BYTES_READ.bytes
     keep_fp8 = resolve_keep_fp8(keep_fp8_experts, backend)
     leaves = CheckpointLeaves(checkpoint_dir, cfg, dtype=dtype, keep_fp8_experts=keep_fp8)
@@ -214,6 +271,14 @@ def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *
             buf = _writer("rows", sharding)(buf, x, np.int32(lo), leaf.swapped)
         return buf
 
+    if host_buffers is None:
+        host_buffers = host_load.is_cpu(shardings)
+    if host_buffers:
+        params = _load_on_host(leaves, cfg, shapes, shardings, report, progress,
+                               lambda i: ahead.submit(leaves.prefetch, i + 1, experts))
+        ahead.shutdown(wait=False, cancel_futures=True)
+        report.bytes_read, report.seconds = BYTES_READ.bytes - bytes0, time.perf_counter() - t0
+        return params, report
     params = {k: place_top(leaf, shapes[k], shardings[k]) for k, leaf in leaves.top().items()}
     groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
     group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]

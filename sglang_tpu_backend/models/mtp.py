@@ -13,7 +13,7 @@ are known, one MTP step computes
                                                         MTP layer's own KV of positions <= p
     x   = x + moe(rms_norm(x, post_attention_layernorm))   routed top-k + gated shared expert
     out = rms_norm(x, norm)                             the MTP's hidden state
-    logits = out @ lm_head                              a distribution over x[p+2]
+    logits = out @ lm_head.T                            a distribution over x[p+2]
 
 Every RMSNorm is the model's zero-centred one (weight applied as 1 + w). The embedding and
 the LM head are the target's (``params``); only fc, the three norms and the decoder layers

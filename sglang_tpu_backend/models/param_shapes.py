@@ -102,7 +102,7 @@ def param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16, fp8_experts: bool 
                    for j in range(P))
     V, H = cfg.vocab_size, cfg.hidden_size
     return {"embed_tokens": _sd((V, H), dtype), "layer_groups": groups,
-            "norm": _sd((H,), dtype), "lm_head": _sd((H, V), dtype)}
+            "norm": _sd((H,), dtype), "lm_head": _sd((V, H), dtype)}
 
 
 def mtp_param_shapes(cfg: ModelConfig, dtype: Any = jnp.bfloat16, fp8_experts: bool = False

@@ -9,9 +9,11 @@ Dimension letters: T tokens in the step, R requests, L logits rows, H hidden, V 
 E experts, K top-k, I expert width, N q heads, G kv heads, D head dim.
 
 Parameter pytree (``loader.load_params`` builds it): nested dicts of arrays; every linear
-weight is [in, out] (HF's [out, in] transposed) so layers compute ``x @ w``.
+weight is [in, out] (HF's [out, in] transposed) so layers compute ``x @ w``, but for the
+routed experts and the head, which keep the checkpoint's [out, in] (the matmul contracts their
+last axis; the head is the largest single weight, and loads as stored, with no transpose).
 
-    embed_tokens [V, H], norm [H], lm_head [H, V] (= embed_tokens.T when tied),
+    embed_tokens [V, H], norm [H], lm_head [V, H] (= embed_tokens when tied),
     layer_groups: tuple of ``cfg.layer_period`` dicts, position j holding layers j, j + p, ...
       with every leaf stacked over the groups ([num_groups, ...]; ``stack_layers`` builds it,
       ``layer_params`` slices one layer back out). Each layer's dict holds
@@ -452,7 +454,7 @@ def compute_logits(params: Params, hidden, batch: ForwardBatch):
     """f32[L, V] logits of the rows ``batch.logits_indices`` of hidden [T, H]."""
     with jax.named_scope("lm_head"):
         h = hidden[batch.logits_indices]  # [L, H]
-        return (h @ params["lm_head"]).astype(jnp.float32)
+        return (h @ params["lm_head"].T).astype(jnp.float32)  # lm_head [V, H]
 
 
 forward_jit = jax.jit(forward, static_argnames=("cfg", "impl", "ep", "tp", "with_stats",

@@ -78,7 +78,7 @@ def test_fused_and_per_expert_layouts_load_identically(tmp_path):
     assert gdn["A_log"].dtype == jnp.float32 and gdn["dt_bias"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(gdn["A_log"]), tensors[P + "layers.0.linear_attn.A_log"])
     np.testing.assert_array_equal(np.asarray(a["lm_head"], np.float32),
-                                  tensors["lm_head.weight"].astype(np.float32).T)
+                                  tensors["lm_head.weight"].astype(np.float32))  # as stored
 
 
 def test_fp8_block_scaled_checkpoint_dequantises_to_reference(tmp_path):
@@ -251,7 +251,7 @@ def test_tied_embeddings(tmp_path):
     assert "lm_head.weight" not in tensors
     cfg, params = load_model(write_checkpoint(tmp_path / "tied", tensors, config), dtype=jnp.float32)
     assert cfg.tie_word_embeddings
-    np.testing.assert_array_equal(np.asarray(params["lm_head"]), tensors[P + "embed_tokens.weight"].T)
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), tensors[P + "embed_tokens.weight"])
 
 
 def _randomise(model, seed: int):
@@ -312,7 +312,7 @@ def test_transformers_save_pretrained_checkpoint_matches_torch_weights(tmp_path)
     sd = model.state_dict()
     np.testing.assert_array_equal(np.asarray(params["embed_tokens"]), sd["model.embed_tokens.weight"].numpy())
     np.testing.assert_array_equal(np.asarray(params["norm"]), sd["model.norm.weight"].numpy())
-    np.testing.assert_array_equal(np.asarray(params["lm_head"]), sd["lm_head.weight"].numpy().T)
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), sd["lm_head.weight"].numpy())
     for i in range(cfg.num_hidden_layers):
         expected = _expected_from_torch(sd, cfg, i)
         got_leaves = {jax.tree_util.keystr(p, simple=True, separator="."): x
@@ -375,8 +375,11 @@ def test_read_rows_reads_only_those_rows(tmp_path):
         read_rows(entry, 3, 5)
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["device-writes", "host-buffers"])
 @pytest.mark.parametrize("keep_fp8", [False, True], ids=["dequantised", "fp8-kept"])
-def test_sharded_load_equals_whole_load_and_reads_every_byte_once(tmp_path, keep_fp8):
+def test_sharded_load_equals_whole_load_and_reads_every_byte_once(tmp_path, keep_fp8, host):
+    """Both load paths (on CPU devices the host-buffer one by default) give the whole load's
+    params, and the host one's arrays are its buffers (no copy)."""
     from jax.sharding import SingleDeviceSharding
 
     from sglang_tpu_backend.checkpoint_io import index_checkpoint
@@ -389,12 +392,46 @@ def test_sharded_load_equals_whole_load_and_reads_every_byte_once(tmp_path, keep
     where = SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: where, param_shapes(cfg, jnp.float32, fp8_experts=keep_fp8))
     params, report = load_sharded(path, cfg, shardings, dtype=jnp.float32,
-                                  keep_fp8_experts=keep_fp8, backend="tpu")
+                                  keep_fp8_experts=keep_fp8, backend="tpu", host_buffers=host)
     assert_trees_equal(params, whole)
+    if host:  # every leaf in host_empty's page-aligned memory (XLA's own: 64-byte aligned)
+        assert all(x.unsafe_buffer_pointer() % 4096 == 0 for x in jax.tree.leaves(params))
     entries = index_checkpoint(path).values()
     assert report.bytes_read == sum(e.end - e.begin for e in entries)
     experts = sum(e.end - e.begin for e in entries if ".mlp.experts." in e.name)
     assert report.expert_bytes == {where.device_set.pop().id: experts}
+
+
+def test_bf16_host_load_reads_into_place_and_transposes_by_blocks(tmp_path):
+    """bf16 weights in a bf16 load: the host path reads each straight into its buffer (the
+    transposed ones through a scratch buffer) and gives what the device path gives."""
+    from jax.sharding import SingleDeviceSharding
+
+    from sglang_tpu_backend import host_load
+    from sglang_tpu_backend.sharded_loader import load_sharded
+
+    src = np.arange(3 * 200 * 70, dtype=np.uint16).view(ml_dtypes.bfloat16).reshape(3, 200, 70)
+    dst = np.empty((3, 70, 200), src.dtype)
+    host_load.transpose_into(dst, src)  # 200 rows: blocks of 64 and a partial one
+    np.testing.assert_array_equal(dst.view(np.uint16), src.view(np.uint16).transpose(0, 2, 1))
+
+    config = nested_config()
+    path = write_checkpoint(tmp_path / "bf16", tensors_for(config, seed=4, dtype=ml_dtypes.bfloat16),
+                            config, shards=2)
+    cfg = model_config_from_dict(config)
+    where = SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: where, param_shapes(cfg, jnp.bfloat16))
+    a, ra = load_sharded(path, cfg, shardings, host_buffers=True)
+    b, rb = load_sharded(path, cfg, shardings, host_buffers=False)
+    assert_trees_equal(a, b)
+    assert ra.bytes_read == rb.bytes_read > 0
+
+    for shape in ((8, 8), (1024, 1024)):  # numpy's memory, and a huge-page mapping
+        leaf = host_load.HostLeaf(shape, np.float32, where, stacked=False)
+        buf = leaf.bufs[where.device_set.pop()]
+        buf[...] = 3.0
+        x = leaf.array()
+        assert host_load.aliases(x, [buf]) and float(x.sum()) == 3.0 * buf.size
 
 
 def test_dummy_params_are_the_seeds_and_shaped_like_the_config():

@@ -118,7 +118,7 @@ def ref_mtp(params, mtp, next_ids, hidden, cfg):
     x = x + ref_attention(layer["self_attn"], rms(x, layer["input_layernorm"]), cfg)
     x = x + ref_moe(layer["mlp"], rms(x, layer["post_attention_layernorm"]), cfg)
     out = rms(x, mtp["norm"])
-    return out @ np64(params["lm_head"]), out
+    return out @ np64(params["lm_head"]).T, out
 
 
 # Tests ----------------------------------------------------------------------------------------

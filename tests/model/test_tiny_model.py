@@ -144,8 +144,8 @@ def test_padding_ids_have_zero_embeddings_and_logit_rows(model_dir):
     n = len(load_tokenizer(model_dir))
     assert n < cfg.vocab_size
     embed, lm_head = np.asarray(params["embed_tokens"]), np.asarray(params["lm_head"])
-    assert not embed[n:].any() and not lm_head[:, n:].any()
-    assert np.all(np.abs(embed[:n]).max(axis=1) > 0) and np.all(np.abs(lm_head[:, :n]).max(axis=0) > 0)
+    assert not embed[n:].any() and not lm_head[n:].any()
+    assert np.all(np.abs(embed[:n]).max(axis=1) > 0) and np.all(np.abs(lm_head[:n]).max(axis=1) > 0)
 
 
 def test_generated_checkpoint_fits_transformers_model_exactly(model_dir):

@@ -22,7 +22,8 @@ LAYERS = [
      "sglang_tpu_backend.metrics.router_stats", "sglang_tpu_backend.hlo_text"),
     # 1: the model, tokenizer, caches, sampling, drafting, grammars, metrics, per-request state
     ("sglang_tpu_backend.server_args", "sglang_tpu_backend.models", "sglang_tpu_backend.tokenizer",
-     "sglang_tpu_backend.tiny_model", "sglang_tpu_backend.loader", "sglang_tpu_backend.mem_cache",
+     "sglang_tpu_backend.tiny_model", "sglang_tpu_backend.loader",
+     "sglang_tpu_backend.checkpoint_shapes", "sglang_tpu_backend.mem_cache",
      "sglang_tpu_backend.sampling", "sglang_tpu_backend.constrained", "sglang_tpu_backend.metrics",
      "sglang_tpu_backend.profiler", "sglang_tpu_backend.roofline",
      "sglang_tpu_backend.compiled_roofline", "sglang_tpu_backend.compiled_timeline",
@@ -32,7 +33,7 @@ LAYERS = [
     # 2: running the model: one device, DP, TP, multi-host; loading into shardings; planning
     ("sglang_tpu_backend.model_executor", "sglang_tpu_backend.parallel", "sglang_tpu_backend.plan",
      "sglang_tpu_backend.mem_budget", "sglang_tpu_backend.generate",
-     "sglang_tpu_backend.sharded_loader"),
+     "sglang_tpu_backend.sharded_loader", "sglang_tpu_backend.host_load"),
     # 3: the engine's components (scheduler, loop, outputs, handover, weight updates)
     ("sglang_tpu_backend.managers",),
     # 4: the engine facade
