@@ -485,5 +485,9 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
         return jnp.moveaxis(o, 1, 0).reshape(T, geom.Hv, Dv), conv_state, rec_state
     req, pos, valid = token_meta(cu_q_lens, num_seqs, T)
     chunk = jnp.clip(lay.first_chunk[req] + pos // L, 0, N - 1)  # i32[T]
-    o = o[:, chunk, :, pos % L].reshape(T, geom.Hv, Dv)  # [T, nb, hb, Dv] -> [T, Hv, Dv]
+    # Rows first, then one row gather: indexing o[:, chunk, :, pos % L] directly (two index
+    # arrays around a sliced dim) makes XLA:TPU emit a SparseCore gather that fails to compile
+    # for tpu7x once T > 1024 (gather_emitter RET_CHECK: operand and output tilings differ).
+    rows = jnp.transpose(o, (1, 3, 0, 2, 4)).reshape(N * L, geom.Hv, Dv)  # [N*L, Hv, Dv]
+    o = rows[chunk * L + pos % L]  # [T, Hv, Dv]
     return jnp.where(valid[:, None, None], o, jnp.zeros((), o.dtype)), conv_state, rec_state
