@@ -141,3 +141,26 @@ def test_commit_updates_states_in_place(mesh, record):
     print(f"\ngdn commit 397B R={reqs}, GiB: " + ", ".join(f"{k} {v:.3f}" for k, v in gib.items()))
     record(f"gdn commit 397B R={reqs} k={n - 1} bf16 state", report)
     _assert_states_not_copied(report, QWEN, BF16)
+
+
+@pytest.mark.parametrize("tokens", [2048, 4096])
+def test_qwen_chunked_into_out_proj(mesh, record, tokens):
+    # The model's GDN block past the kernel: gated RMSNorm, then out_proj. XLA:TPU fuses the
+    # output's token gather into the matmul; gathering o[:, chunk, :, pos % L] straight from
+    # the kernel's [nb, N, hb, L, Dv] output made a SparseCore gather that fails for tpu7x above
+    # 1,024 tokens (gather_emitter RET_CHECK: operand and output tilings differ).
+    from sglang_tpu_backend.models.layers import gated_rms_norm
+
+    hv, d = QWEN["hv"], QWEN["d"]
+    shapes = _shapes(QWEN, tokens=tokens, reqs=64, state_dtype=BF16) + [
+        ((tokens, hv, d), BF16), ((d,), BF16), ((hv * d, 4096), BF16)]
+    args = [abstract(shape, dtype, mesh) for shape, dtype in shapes]
+
+    def block(*a):
+        o, cs, rs = _step(QWEN, False)(*a[:13])
+        y = gated_rms_norm(o, a[13], a[14], 1e-6).reshape(tokens, hv * d)
+        return y @ a[15], cs, rs
+
+    report = compile_for_tpu(block, args, mesh, donate_argnums=(6, 7))
+    record(f"gdn 397B chunked T={tokens} R=64 + norm + out_proj", report)
+    _assert_states_not_copied(report, QWEN, BF16)
