@@ -13,7 +13,8 @@ for 32-bit and (16, 128) for bf16, and needs dynamic offsets there to be provabl
     rows into ``[nb, T, 1, cb]``, gate inputs into ``[nb, N, L, hb]`` / ``[nb, T, 1, hb]``,
     with the channels of head block j contiguous (``cb = [q_j | k_j | v_j]``). BlockSpecs
     then cover whole trailing dims and pipeline automatically. The output comes back as
-    ``[nb, N, hb, L, Dv]`` / ``[nb, T, hb, Dv]`` and is un-chunked by the wrapper.
+    ``[N, L, Hv*Dv]`` (chunk rows, heads on lanes) / ``[nb, T, hb, Dv]`` and is un-chunked by
+    the wrapper with one row gather.
   * Persistent states keep their one layout, ``conv_state [Lyr, S, rows, C]`` (channels on
     lanes; rows = K-1 rounded up to a power of two, see ``gdn_common.conv_state_rows``, so
     XLA's default layout of the array is the row-major one Mosaic takes) and
@@ -307,7 +308,8 @@ def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref):
     """UT/WY chunked delta rule for the block's heads, one chunk.
 
     q, k, v: per head f32[L, Dk|Dv]; gam f32[L, hb], gam_t f32[hb, L], beta f32[L, hb];
-    s_f32 f32[hb, Dk, Dv] state (read and updated); writes o_ref [hb, L, Dv].
+    s_f32 f32[hb, Dk, Dv] state (read and updated); writes o_ref [L, hb * Dv] (head h on
+    lanes h*Dv:(h+1)*Dv: rows already in token order for the wrapper's row gather).
     """
     L, hb = gam.shape
     row = lax.broadcasted_iota(jnp.int32, (L, L), 0)
@@ -329,7 +331,7 @@ def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref):
         o = _dot(q[h] * jnp.exp(gcol), s) + _dot(attn, v_new)  # [L, Dv]
         g_last = gcol[L - 1 :, :]  # [1, 1]
         s_f32[h] = s * jnp.exp(g_last) + _dot_tn(k[h] * jnp.exp(g_last - gcol), v_new)
-        o_ref[h] = o.astype(o_ref.dtype)
+        o_ref[:, h * o.shape[1] : (h + 1) * o.shape[1]] = o.astype(o_ref.dtype)
 
 
 def _chunk_kernel(
@@ -345,7 +347,7 @@ def _chunk_kernel(
     w_ref,  # [K, cb] conv weights of the block
     cs_hbm, rs_hbm,  # [Lyr, S, rows, C], [Lyr, S, Hv, Dk, Dv] (ANY; aliased to cs_out, rs_out)
     # Outputs
-    o_ref,  # [hb, L, Dv]
+    o_ref,  # [L, hb * Dv]
     cs_out, rs_out,
     # Scratch
     ext,  # f32[P+L, cb] conv context (rows P-(K-1)..P-1) then this chunk's inputs
@@ -453,8 +455,11 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
         x_in = jnp.moveaxis(_to_blocks(chunked(mixed_qkv), geom), 2, 0)  # [nb, N, L, cb]
         a_in, b_in = (jnp.moveaxis(_head_blocks(chunked(z), geom), 2, 0)  # [nb, N, L, hb]
                       for z in (a, b))
-        x_spec, ab_spec, o_spec = per_step(L, cb), per_step(L, hb), per_step(hb, L, Dv)
-        o_shape = (nb, N, hb, L, Dv)
+        x_spec, ab_spec = per_step(L, cb), per_step(L, hb)
+        # Output rows in chunk order with the head blocks side by side on lanes: [N, L, Hv*Dv]
+        # (hb*Dv is a multiple of 128 or all of Hv*Dv: block_error), block (chunk i, block j).
+        o_spec = pl.BlockSpec((sq, L, hb * Dv), lambda j, i, *_: (i, 0, j))
+        o_shape = (N, L, geom.Hv * Dv)
         scratch = [pltpu.VMEM((geom.ctx_rows + L, cb), F32),
                    pltpu.VMEM((conv_state.shape[2], cb), conv_state.dtype),
                    pltpu.VMEM((hb, geom.Dk, Dv), F32),
@@ -485,9 +490,9 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
         return jnp.moveaxis(o, 1, 0).reshape(T, geom.Hv, Dv), conv_state, rec_state
     req, pos, valid = token_meta(cu_q_lens, num_seqs, T)
     chunk = jnp.clip(lay.first_chunk[req] + pos // L, 0, N - 1)  # i32[T]
-    # Rows first, then one row gather: indexing o[:, chunk, :, pos % L] directly (two index
-    # arrays around a sliced dim) makes XLA:TPU emit a SparseCore gather that fails to compile
-    # for tpu7x once T > 1024 (gather_emitter RET_CHECK: operand and output tilings differ).
-    rows = jnp.transpose(o, (1, 3, 0, 2, 4)).reshape(N * L, geom.Hv, Dv)  # [N*L, Hv, Dv]
-    o = rows[chunk * L + pos % L]  # [T, Hv, Dv]
+    # One gather of whole rows. Gathering o[:, chunk, :, pos % L] from an [nb, N, hb, L, Dv]
+    # output (two index arrays around a sliced dim) made XLA:TPU fuse a SparseCore gather into
+    # out_proj that fails to compile for tpu7x once T > 1024 (gather_emitter RET_CHECK:
+    # operand and output tilings differ).
+    o = o.reshape(N * L, geom.Hv, Dv)[chunk * L + pos % L]  # [T, Hv, Dv]
     return jnp.where(valid[:, None, None], o, jnp.zeros((), o.dtype)), conv_state, rec_state
