@@ -66,7 +66,7 @@ run_dir() {  # [312:]directory: one pytest process; its output in $LOGS/<name>.l
   compgen -G "$d/test_*.py" >/dev/null || return 0  # e.g. __pycache__/
   name=$(echo "$1" | tr ':/' '__')
   start=$SECONDS
-  "$py" -m pytest -q -ra "${flags[@]}" "$d" >"$LOGS/$name.log" 2>&1 || rc=$?
+  "$py" -m pytest -q -ra --durations=12 "${flags[@]}" "$d" >"$LOGS/$name.log" 2>&1 || rc=$?
   echo "$(date -u +%T) $1 ($py): $([ $rc -eq 0 ] && echo passed || echo "FAILED ($rc)") in $((SECONDS - start)) s"
   return $rc
 }

@@ -312,6 +312,39 @@ def reduce_scatter_windows(hlo: str) -> list[tuple[list, list]]:
     return [(d2d, ici) for _, d2d, ici in sorted(windows, key=lambda w: w[0])]
 
 
+def assert_two_microbatches_overlap(report, cfg):
+    """The overlapped combine with M = 2 micro-batches (expert groups or token chunks) in the
+    scheduled program: per MoE layer of the scan body two async reduce-scatters, the first
+    with the second micro-batch's gate_up matmul in its die-to-die window and its down matmul
+    in its ICI window; no XLA reduce-scatter or all-reduce; the compiled roofline charges the
+    three kernels as communication (it raises on an op it cannot charge) and its
+    overlap-aware time, which credits the windows, is below the serial one. Returns the
+    program cost."""
+    windows = reduce_scatter_windows(report.hlo)
+    print("\nGMM kernels inside each async reduce-scatter's (die-to-die, ICI) windows:",
+          [(len(a), len(b)) for a, b in windows])
+    assert len(windows) == 2 * cfg.layer_period, windows
+    for d2d, ici in windows[::2]:  # the last micro-batch's has no later one to overlap
+        assert len(d2d) >= 1, d2d  # the next micro-batch's gate_up
+        assert len(ici) >= 1, ici  # the next micro-batch's down
+    for op in ("reduce-scatter", "all-reduce"):
+        assert count(report.hlo, rf" {op}(?:-start)?\(") == 0, op
+    cost = program_cost(report.hlo)
+    print(f"step time: serial {cost.total.seconds * 1e3:.2f} ms, overlap-aware "
+          f"{cost.overlap_seconds * 1e3:.2f} ms")
+    assert cost.overlap_seconds < cost.total.seconds
+    return cost
+
+
+def local_expert_bytes(cfg) -> float:
+    """One read of a device's routed-expert weights (FP8, DP8 x EP8), bytes."""
+    shapes = jax.tree_util.tree_leaves_with_path(param_shapes(cfg, jnp.bfloat16, fp8_experts=True))
+    out = sum(s.size * s.dtype.itemsize for path, s in shapes
+              if "'experts'" in jax.tree_util.keystr(path)) / 8
+    assert out > 0
+    return out
+
+
 @pytest.mark.parametrize("mode,T", [(ForwardMode.DECODE, 64)], ids=["decode64"])
 def test_397b_reduce_scatter_overlaps_expert_matmuls(record, mode, T):
     """With the overlapped combine (``EPContext.overlap_combine``, M = 2 expert groups) the
@@ -328,22 +361,7 @@ def test_397b_reduce_scatter_overlaps_expert_matmuls(record, mode, T):
            min_kernels=5)
     used = report.memory["argument_size_in_bytes"] + report.memory["temp_size_in_bytes"]
     assert used <= p.hbm, (used, p.hbm)
-    windows = reduce_scatter_windows(report.hlo)
-    print("\nGMM kernels inside each async reduce-scatter's (die-to-die, ICI) windows:",
-          [(len(a), len(b)) for a, b in windows])
-    assert len(windows) == 2 * cfg.layer_period, windows  # M = 2 per MoE layer of the body
-    for d2d, ici in windows[::2]:  # the last group's has no later group to overlap
-        assert len(d2d) >= 1, d2d  # the next group's gate_up
-        assert len(ici) >= 1, ici  # the next group's down
-    for op in ("reduce-scatter", "all-reduce"):
-        assert count(report.hlo, rf" {op}(?:-start)?\(") == 0, op
-    # The compiled roofline charges the three kernels from their cost estimates, as every
-    # other op (it raises on an op it cannot charge), as communication; its overlap-aware
-    # time credits the windows (the serial one charges every op one after another).
-    cost = program_cost(report.hlo)
-    print(f"step time: serial {cost.total.seconds * 1e3:.2f} ms, overlap-aware "
-          f"{cost.overlap_seconds * 1e3:.2f} ms")
-    assert cost.overlap_seconds < cost.total.seconds
+    cost = assert_two_microbatches_overlap(report, cfg)
     # Each expert group's matmuls read only that group's weights: the routed experts' HBM
     # bytes stay within 10% of one read of the local expert weights (split by tokens, each
     # micro-batch would read them all again: twice that).
@@ -352,10 +370,7 @@ def test_397b_reduce_scatter_overlaps_expert_matmuls(record, mode, T):
     print("per device: routed experts HBM GB", kinds["routed experts"].hbm_bytes / 1e9,
           "communication die-to-die GB", comm.d2d_bytes / 1e9, "ICI GB", comm.ici_bytes / 1e9)
     assert comm.d2d_bytes > 0 and comm.ici_bytes > 0
-    shapes = jax.tree_util.tree_leaves_with_path(param_shapes(cfg, jnp.bfloat16, fp8_experts=True))
-    expert_bytes = sum(s.size * s.dtype.itemsize for path, s in shapes
-                       if "'experts'" in jax.tree_util.keystr(path)) / 8  # per device
-    assert expert_bytes > 0
+    expert_bytes = local_expert_bytes(cfg)
     assert kinds["routed experts"].hbm_bytes <= 1.1 * expert_bytes, (
         kinds["routed experts"].hbm_bytes, expert_bytes)
 
@@ -375,27 +390,13 @@ def test_397b_slice_token_split_reduce_scatter_overlaps_next_chunk(record):
                              num_microbatches=2, overlap_combine=True, overlap_split="tokens")
     record(f"DP8xEP8 397B 4-layer slice EXTEND T={T}/rank, combine token-split (M=2)", report,
            min_kernels=5)
-    windows = reduce_scatter_windows(report.hlo)
-    print("\nGMM kernels inside each token chunk's reduce-scatter (die-to-die, ICI) windows:",
-          [(len(a), len(b)) for a, b in windows])
-    assert len(windows) == 2 * cfg.layer_period, windows  # 2 chunks per MoE layer
-    for d2d, ici in windows[::2]:  # the last chunk's has no later chunk to overlap
-        assert len(d2d) >= 1, d2d  # the next chunk's gate_up
-        assert len(ici) >= 1, ici  # the next chunk's down
+    cost = assert_two_microbatches_overlap(report, cfg)
     comps, _ = parse_module(report.hlo)
     rows = [a.dims for comp in comps.values() for ins in comp.instructions.values()
             if ins.opcode == "custom-call" and "reduce_scatter_start" in ins.op_name
             for o in ins.operands for a in comp.instructions[o].arrays if len(a.dims) == 4]
     # Each start kernel reads its chunk's partial sums [D*T/2, H] as [chips, dies, T/2, H].
     assert rows and all(d == (4, 2, T // 2, cfg.hidden_size) for d in rows), rows
-    for op in ("reduce-scatter", "all-reduce"):
-        assert count(report.hlo, rf" {op}(?:-start)?\(") == 0, op
-    cost = program_cost(report.hlo)
-    print(f"step time: serial {cost.total.seconds * 1e3:.2f} ms, overlap-aware "
-          f"{cost.overlap_seconds * 1e3:.2f} ms")
-    assert cost.overlap_seconds < cost.total.seconds
-    shapes = jax.tree_util.tree_leaves_with_path(param_shapes(cfg, jnp.bfloat16, fp8_experts=True))
-    expert_bytes = sum(s.size * s.dtype.itemsize for path, s in shapes
-                       if "'experts'" in jax.tree_util.keystr(path)) / 8  # per device
+    expert_bytes = local_expert_bytes(cfg)
     assert cost.kinds["routed experts"].hbm_bytes >= 2 * expert_bytes, (
         cost.kinds["routed experts"].hbm_bytes, expert_bytes)
