@@ -153,11 +153,11 @@ class HostFiller:
         self.report, self.E = report, num_experts
         self.worker = concurrent.futures.ThreadPoolExecutor(1)
         self.scratch = _Scratch()
-        self.last: concurrent.futures.Future | None = None
+        self.pending: list[concurrent.futures.Future] = []
 
     def _submit(self, fn: Callable, *args) -> concurrent.futures.Future:
-        self.last = self.worker.submit(fn, *args)
-        return self.last
+        self.pending.append(self.worker.submit(fn, *args))
+        return self.pending[-1]
 
     def _read(self, leaf: Any, out: np.ndarray, args: tuple) -> None:
         """``out`` := the leaf in the param layout; its read counted in ``read_seconds``.
@@ -207,10 +207,14 @@ class HostFiller:
             self._submit(np.copyto, out, whole[idx])
 
     def finish(self) -> None:
-        """Wait for every transpose and copy (re-raising their errors); stop the worker."""
-        if self.last is not None:
-            self.last.result()
-        self.worker.shutdown(wait=True)
+        """Wait for every transpose and copy, re-raising the first error (any of them, not
+        only the last one's); stop the worker."""
+        try:
+            for f in self.pending:
+                f.result()
+        finally:
+            self.pending.clear()
+            self.worker.shutdown(wait=True)
 
 
 class HostLeaf:

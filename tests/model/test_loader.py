@@ -480,3 +480,18 @@ def test_dummy_weights_at_397b_shapes_without_materialising_them():
     where = SingleDeviceSharding(jax.devices()[0])
     lowered = jax.jit(init, out_shardings=jax.tree.map(lambda _: where, want)).lower(0)
     assert len(jax.tree.leaves(lowered.out_info)) == len(jax.tree.leaves(want))
+
+
+def test_host_filler_raises_an_error_of_any_worker_task_not_only_the_last():
+    """A transpose or copy that failed on the worker fails the load, even when later tasks
+    succeeded (a finish that waited only for the last task would hand out a half-filled
+    buffer)."""
+    from sglang_tpu_backend import host_load
+    from sglang_tpu_backend.sharded_loader import LoadReport
+
+    filler = host_load.HostFiller(LoadReport(), num_experts=1)
+    dst = np.zeros((3, 2), np.float32)
+    filler._submit(host_load.transpose_into, dst, np.ones((3, 2), np.float32))  # wrong shape
+    filler._submit(np.copyto, dst, np.ones((3, 2), np.float32))
+    with pytest.raises(ValueError, match="cannot transpose"):
+        filler.finish()
