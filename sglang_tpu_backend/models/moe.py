@@ -29,6 +29,9 @@ flow above then runs on slot ids, unchanged.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -146,23 +149,14 @@ def _overlapped_routed_experts(experts, x_all, ids_all, w_all, num_local, expert
     num_mb = ep.num_microbatches
     group = num_local // num_mb
     weights, group_layer = _expert_group_view(experts, layer, num_mb)
-    axes = dict(chip_axis=ep.chip_axis, die_axis=ep.die_axis, impl=impl)
-    total, future = None, None
-    for m in range(num_mb):
-        inputs, ici, between = (x_all, ids_all, w_all), [None], None
-        if future is not None:
-            future, inputs = lax.optimization_barrier((future, inputs))
-            between = _ici_start_between(future, ici, axes)
-        y = routed_experts(weights, *inputs, group, expert_offset + m * group, impl,
-                           group_layer(m), expected_rows=expected_rows,
-                           between=between)  # [D*T, H] partial
-        if ici[0] is not None:
-            pending, y = lax.optimization_barrier((ici[0], y))
-            done = collectives_async.reduce_scatter_done(pending, **axes)  # [T, H]
-            total = done if total is None else total + done
-        future = collectives_async.reduce_scatter_start(y, **axes)
-    done = collectives_async.reduce_scatter_done(future, **axes)  # ici_start + done
-    return done if total is None else total + done  # [T, H]
+
+    def group_experts(m, inputs, between):  # [D*T, H] partial sums of group m
+        return routed_experts(weights, *inputs, group, expert_offset + m * group, impl,
+                              group_layer(m), expected_rows=expected_rows, between=between)
+
+    outs = _pipelined_reduce_scatters(num_mb, lambda m: (x_all, ids_all, w_all), group_experts,
+                                      dict(chip_axis=ep.chip_axis, die_axis=ep.die_axis, impl=impl))
+    return functools.reduce(operator.add, outs)  # [T, H], summed in group order
 
 
 def _token_split_routed_experts(experts, x, top_i, top_w, num_local, impl, ep: EPContext,
@@ -184,26 +178,42 @@ def _token_split_routed_experts(experts, x, top_i, top_w, num_local, impl, ep: E
     num_mb = ep.num_microbatches
     chunk = x.shape[0] // num_mb
     offset = lax.axis_index(ep.axes) * num_local
-    axes = dict(chip_axis=ep.chip_axis, die_axis=ep.die_axis, impl=impl)
-    outs, future = [], None
-    for m in range(num_mb):
+
+    def chunk_inputs(m):  # x_c [D*T/M, H], ids / weights [D*T/M, K] of chunk m
         rows = slice(m * chunk, (m + 1) * chunk)
         ids_all, w_all = collectives.packed_all_gather(
-            top_i[rows].astype(jnp.int32), top_w[rows].astype(jnp.float32),
-            axis_name=ep.axes)  # [D*T/M, K]
-        inputs = (lax.all_gather(x[rows], ep.axes, axis=0, tiled=True), ids_all, w_all)
-        ici, between = [None], None
+            top_i[rows].astype(jnp.int32), top_w[rows].astype(jnp.float32), axis_name=ep.axes)
+        return lax.all_gather(x[rows], ep.axes, axis=0, tiled=True), ids_all, w_all
+
+    def chunk_experts(m, inputs, between):  # [D*T/M, H] partial sums of chunk m
+        return routed_experts(experts, *inputs, num_local, offset, impl, layer,
+                              expected_rows=chunk * top_i.shape[1], between=between)
+
+    outs = _pipelined_reduce_scatters(num_mb, chunk_inputs, chunk_experts,
+                                      dict(chip_axis=ep.chip_axis, die_axis=ep.die_axis, impl=impl))
+    return jnp.concatenate(outs, axis=0)  # [T, H]
+
+
+def _pipelined_reduce_scatters(num_mb: int, inputs_of, experts_of, axes: dict) -> list:
+    """The overlapped combine's pipeline over ``num_mb`` micro-batches: ``inputs_of(m)`` gives
+    micro-batch m's expert inputs, ``experts_of(m, inputs, between)`` its partial sums
+    [rows, H] (``between``: the hook :func:`routed_experts` runs between its two matmuls); each
+    is reduce-scattered by the async kernels. Optimization barriers pin, per m > 0,
+    start(m - 1) -> gate_up(m) -> ici_start(m - 1) -> down(m) -> done(m - 1) -> start(m).
+    Returns each micro-batch's reduce-scattered rows [rows / D, H], in order."""
+    outs, future = [], None
+    for m in range(num_mb):
+        inputs, ici, between = inputs_of(m), [None], None
         if future is not None:
             future, inputs = lax.optimization_barrier((future, inputs))
             between = _ici_start_between(future, ici, axes)
-        y = routed_experts(experts, *inputs, num_local, offset, impl, layer,
-                           expected_rows=top_i[rows].size, between=between)  # [D*T/M, H]
+        y = experts_of(m, inputs, between)
         if ici[0] is not None:
             pending, y = lax.optimization_barrier((ici[0], y))
-            outs.append(collectives_async.reduce_scatter_done(pending, **axes))  # [T/M, H]
+            outs.append(collectives_async.reduce_scatter_done(pending, **axes))
         future = collectives_async.reduce_scatter_start(y, **axes)
     outs.append(collectives_async.reduce_scatter_done(future, **axes))  # ici_start + done
-    return jnp.concatenate(outs, axis=0)  # [T, H]
+    return outs
 
 
 def _ici_start_between(started, out: list, axes: dict):
