@@ -41,6 +41,7 @@ import pytest
 
 from kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.compiled_roofline import program_cost
+from sglang_tpu_backend.compiled_timeline import sources
 from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.hlo_text import parse_module
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
@@ -266,20 +267,10 @@ def test_397b_hidden_all_gather_overlaps_compute():
 
 
 def _producer(comp, name: str):
-    """The instruction whose result ``name`` forwards (through get-tuple-element, tuple and
-    opt-barrier): the start kernel behind an operand of a done kernel."""
-    ins = comp.instructions[name]
-    index = None
-    while True:
-        if ins.opcode == "get-tuple-element":
-            index = int(ins.attr("index"))
-            ins = comp.instructions[ins.operands[0]]
-        elif ins.opcode == "opt-barrier":
-            ins = comp.instructions[ins.operands[0]]
-        elif ins.opcode == "tuple" and index is not None:
-            ins, index = comp.instructions[ins.operands[index]], None
-        else:
-            return ins
+    """The instruction whose result ``name`` forwards (through get-tuple-element, tuple,
+    opt-barrier and bitcast, ``compiled_timeline.sources``): the kernel behind an operand."""
+    (src,) = sources(comp, name)
+    return comp.instructions[src]
 
 
 def reduce_scatter_windows(hlo: str) -> list[tuple[list, list]]:
