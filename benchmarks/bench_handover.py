@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 import ray
 
-from ray_app.handover import TRANSPORTS, make_transport
+from ray_app.handover import TRANSPORTS, make_transport, release
 from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.managers.handover import RequestHandover
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
@@ -103,6 +103,7 @@ def measure(prefill, decode, trials: int, transports: list[str]) -> dict[str, li
             else:
                 t0, sent = ray.get(prefill.send.remote(kind))
                 t1, _ = ray.get(decode.receive.remote(sent))
+                release(sent)  # as the ingress does once the decode replica has the state
             del sent  # the object leaves the store before the next trial
             if i:
                 out[kind].append(t1 - t0)

@@ -4,7 +4,8 @@ A transport turns a handover (numpy KV pages + GDN states, see
 ``sglang_tpu_backend.managers.handover``) into a small picklable ticket that travels through
 the ingress, and a ticket back into the handover on the receiving replica:
   object_store  (default) the state in Ray's object store; the decode replica pulls it from
-                the prefill replica's node.
+                the prefill replica's node. A keeper actor beside the prefill replica holds
+                it until the ingress releases the ticket.
   device        ``jax.experimental.transfer``: the prefill replica's transfer server offers
                 the state as device buffers and the decode replica's server pulls them
                 straight into its own device (no object store; on TPU the runtime's
@@ -18,6 +19,7 @@ import asyncio
 import dataclasses
 import itertools
 import threading
+import time
 from typing import Any, Protocol
 
 import ml_dtypes
@@ -34,6 +36,15 @@ class Transport(Protocol):
 
     async def receive(self, ticket: dict[str, Any]) -> RequestHandover:
         """The handover a ticket names (on the receiving replica)."""
+
+
+def release(ticket: dict[str, Any]) -> None:
+    """The carrier of ``ticket`` (the ingress) is done with it: the receiving replica has its
+    state, or never will. Idempotent, returns at once; a no-op for the device transport (its
+    server drops an offer once pulled)."""
+    keeper = ticket.get("keeper")
+    if keeper is not None:
+        keeper.release.remote(ticket["key"])
 
 
 STATE_ARRAYS = ("kv", "conv", "rec")  # the handover's cache state (numpy, any dtype)
@@ -56,29 +67,91 @@ def _dtype(name: str) -> np.dtype:
     return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
 
 
+KEEP_S = 600.0  # how long a keeper holds a ticket's state that nobody released
+
+
+class HandoverKeeper:
+    """Holds the object-store refs of the tickets its prefill replica sent until the ingress
+    releases them (``release``) or ``keep_s`` passes (an ingress that died never releases).
+
+    Why: the ref travels nested in the prefill call's reply through Serve to the ingress and
+    on to the decode replica. Under load (48 concurrent handovers) that chain of borrows once
+    let Ray free the object before the decode replica fetched it
+    (``ReferenceCountingAssertionError``). The keeper borrows each ref the plain way, as an
+    actor call's argument, so the owner (the prefill replica) keeps the object at least until
+    the release. A Ray actor (``ray.remote(HandoverKeeper)``), started by the prefill
+    replica's transport on its node; it dies with that replica, as does the state it owns.
+    """
+
+    def __init__(self, keep_s: float = KEEP_S):
+        self.keep_s = keep_s
+        self._held: dict[int, tuple[list, float]] = {}  # key -> (refs, monotonic deadline)
+        # Keys released before their ``keep`` arrived (the two come from different callers,
+        # whose calls Ray does not order): that ``keep`` is dropped.
+        self._released: dict[int, float] = {}
+
+    def keep(self, key: int, refs: list) -> None:
+        self._expire()
+        if self._released.pop(key, None) is None:
+            self._held[key] = (refs, time.monotonic() + self.keep_s)
+
+    def release(self, key: int) -> None:
+        self._expire()
+        if self._held.pop(key, None) is None:
+            self._released[key] = time.monotonic() + self.keep_s
+
+    def held(self) -> list[int]:
+        self._expire()
+        return sorted(self._held)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        self._held = {k: v for k, v in self._held.items() if v[1] >= now}
+        self._released = {k: t for k, t in self._released.items() if t >= now}
+
+
 class ObjectStoreTransport:
     """Ray object store: ``ray.put`` on the prefill replica, ``await ref`` on the decode one.
 
     The state arrays travel as one object of flat byte buffers (zero-copy in and out of the
     store); the rest of the handover (the request, its ids and logprobs: small) rides in the
     ticket. The ref is nested in the ticket (a list), so Ray does not resolve it on the way
-    through the ingress; the prefill replica owns the object until the ticket is dropped.
+    through the ingress. The prefill replica owns the object (it is lost if that replica dies
+    before the decode replica fetched it); its ``HandoverKeeper`` holds it until
+    :func:`release`.
     """
 
     name = "object_store"
+
+    def __init__(self, keep_s: float = KEEP_S):
+        self.keep_s = keep_s
+        self._keeper = None
+        self._keys = itertools.count(1)
 
     def send(self, h: RequestHandover) -> dict[str, Any]:
         import ray
 
         meta = dataclasses.replace(h, **{name: None for name in STATE_ARRAYS})
-        return {"transport": self.name, "refs": [ray.put(state_buffers(h))], "meta": meta,
-                "nbytes": h.nbytes}
+        refs, key, keeper = [ray.put(state_buffers(h))], next(self._keys), self._start_keeper()
+        keeper.keep.remote(key, refs)  # before the ticket leaves: actor calls run in order
+        return {"transport": self.name, "refs": refs, "keeper": keeper, "key": key,
+                "meta": meta, "nbytes": h.nbytes}
 
     async def receive(self, ticket: dict[str, Any]) -> RequestHandover:
         if ticket.get("transport") != self.name:
             raise ValueError(f"ticket of transport {ticket.get('transport')!r}, expected {self.name!r}")
         buffers = await ticket["refs"][0]
         return dataclasses.replace(ticket["meta"], **state_arrays(buffers))
+
+    def _start_keeper(self):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if self._keeper is None:
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            self._keeper = ray.remote(HandoverKeeper).options(
+                num_cpus=0, scheduling_strategy=here).remote(self.keep_s)
+        return self._keeper
 
 
 class DeviceTransport:

@@ -5,7 +5,8 @@ ingress, ``__serve_build_asgi_app__``), once the engine handles exist.
 
 Colocated: ``generate_request`` streams from one engine replica. Disaggregated: a prefill replica
 runs the prompt and the first token and returns a transport ticket; a decode replica
-installs the state and streams the rest; the first output is yielded in between (streaming
+installs the state and streams the rest (the ingress releases the ticket once the decode
+replica's first output shows it holds the state, ``ray_app/handover.release``); the first output is yielded in between (streaming
 requests see the first token before decoding starts). A ``rid`` already in flight at this
 ingress is refused (400).
 A handle call reaches one replica; what concerns every replica is broadcast to all running
@@ -31,6 +32,7 @@ import ray
 from fastapi import FastAPI
 from ray import serve
 
+from ray_app.handover import release as release_ticket
 from ray_app.metrics_hub import get_hub
 from ray_app.routing import prefix_key
 
@@ -153,9 +155,11 @@ class RemoteEngine:
                 raise e.cause from None
             if not isinstance(e.cause, HANDOVER_LOST):
                 raise
-            log.warning("request %s: handover lost: %s", obj.rid, e.cause)  # its prefill replica died
-            yield abort_output(obj.rid, "the request's prefilled state was lost with its prefill "
-                               f"replica ({type(e.cause).__name__})", flight.last)
+            log.warning("request %s: handover lost: %s", obj.rid, e.cause)
+            where = ("with its prefill replica" if isinstance(e.cause, ray.exceptions.OwnerDiedError)
+                     else "before its decode replica fetched it")
+            yield abort_output(obj.rid, f"the request's prefilled state was lost {where} "
+                               f"({type(e.cause).__name__})", flight.last)
         except REPLICA_GONE as e:
             log.warning("request %s: replica failed: %s", obj.rid, e)
             yield abort_output(obj.rid, f"the serving replica failed: {type(e).__name__}", flight.last)
@@ -168,18 +172,26 @@ class RemoteEngine:
         (yielded when streaming, or when it is the final one), then the decode replica's."""
         key = self._routing_key(obj)
         if self.engine is not None:
-            stream = flight.start(self.engine.options(stream=True).generate.remote(
-                obj, routing_key=key))
-        else:
-            res = await self._prefill(obj, flight, key)
-            flight.last = res["first"]
-            if res["ticket"] is None or obj.stream:
-                yield res["first"]
-            if res["ticket"] is None:
-                return
-            stream = flight.start(self.decode.options(stream=True).decode.remote(res["ticket"]))
-        async for out in stream:
-            yield out
+            async for out in flight.start(self.engine.options(stream=True).generate.remote(
+                    obj, routing_key=key)):
+                yield out
+            return
+        res = await self._prefill(obj, flight, key)
+        flight.last, ticket = res["first"], res["ticket"]
+        if ticket is None or obj.stream:
+            yield res["first"]
+        if ticket is None:
+            return
+        held = True  # the prefill side holds the state until the ticket is released
+        try:
+            async for out in flight.start(self.decode.options(stream=True).decode.remote(ticket)):
+                if held:  # the decode replica's first output: it has the state
+                    release_ticket(ticket)
+                    held = False
+                yield out
+        finally:
+            if held:
+                release_ticket(ticket)
 
     def _routing_key(self, obj: GenerateReqInput) -> str | None:
         """The prefix-affinity key of ``obj``'s prompt (None: route by load alone)."""

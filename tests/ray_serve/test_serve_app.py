@@ -5,12 +5,15 @@ devices of its own: the colocated app under ``/colo``; the disaggregated app und
 (2 prefill replicas of 4 DP ranks, decode replicas of 2 ranks autoscaling 1..2); a second
 disaggregated app under ``/pdtp`` (1 tensor-parallel prefill replica of 2 devices, 1 decode
 replica of 2 DP ranks verifying NGRAM drafts); a third under ``/pdnx`` (1 one-device prefill
-replica, 1 decode replica of 2 DP ranks, both drafting with NEXTN)). Asserts:
+replica, 1 decode replica of 2 DP ranks, both drafting with NEXTN); a fourth under ``/pdng`` (1
+one-device prefill replica, 1 decode replica of 2 DP ranks verifying NGRAM drafts, both on the
+looping checkpoint, whose greedy continuations repeat). Asserts:
 both answer native ``/generate`` (plain and streaming) and OpenAI ``/v1/completions``; greedy
 outputs of disaggregated == colocated == an in-process single-device engine for prompts of
 several KV pages (16 tokens) and GDN chunks (64 tokens); 40 concurrent requests of up to 600
-tokens handed over DP rank to DP rank, 12 from the TP prefill to NGRAM decode, and 48 of 5
-to 200 tokens under NEXTN (the MTP KV installed on the decode
+tokens handed over DP rank to DP rank, 12 from the TP prefill to NGRAM decode, 48 of mixed
+lengths quoting a passage the looping model repeats from a one-device prefill to NGRAM decode
+(drafts accepted), and 48 of 5 to 200 tokens under NEXTN (the MTP KV installed on the decode
 rank, drafts verified) give that engine's tokens and logprobs within 1e-5, every rank
 used and freed; prefix affinity sends repeats of a
 500-token prefix to the prefill replica that caches it (and not without a routing key);
@@ -70,6 +73,16 @@ PDTP_ARGS = dict(ARGS, mode="disaggregated", context_length="640", prefill_tp_si
                  prefill_max_running_requests="1", decode_dp_size="2", decode_ep_size="2",
                  decode_cpu_devices_per_host="2", decode_speculative_algorithm="NGRAM",
                  decode_speculative_num_draft_tokens="4")
+# NGRAM through PD on the looping checkpoint (tiny_model.write_looping_model: its greedy
+# continuations repeat what it has seen, so n-gram drafts are right; the random default's never
+# repeat, and NGRAM finds nothing to draft): a one-device prefill replica (one request at a
+# time: its rounding is the reference engine's, where a TP prefill's split sums are not) ->
+# decode of 2 DP ranks verifying NGRAM drafts; half a CPU each. ``model_path`` is set when the
+# checkpoint is written.
+PDNG_ARGS = dict(ARGS, mode="disaggregated", context_length="640", num_cpus="0.5",
+                 prefill_cpu_devices_per_host="1", prefill_max_running_requests="1",
+                 decode_dp_size="2", decode_ep_size="2", decode_cpu_devices_per_host="2",
+                 decode_speculative_algorithm="NGRAM", decode_speculative_num_draft_tokens="4")
 # NEXTN through PD: a one-device prefill replica (one request at a time) -> decode of 2 DP
 # ranks, both drafting with the MTP layer; half a CPU each (the cluster's 8 CPUs also hold
 # the other apps' replicas, the /pd decode deployment scaled to 2 included).
@@ -85,6 +98,7 @@ FAST_METRICS = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
 
 
 METRICS_EXPORT_PORT: list[int] = []
+LOOPING_MODEL: list[Path] = []
 
 
 def _free_port() -> int:
@@ -94,13 +108,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url():
+def base_url(tmp_path_factory):
     from ray_app import app
+    from sglang_tpu_backend.tiny_model import write_looping_model
+
+    LOOPING_MODEL.append(write_looping_model(tmp_path_factory.mktemp("looping")))
 
     env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **FAST_METRICS}  # replicas import this tree
     os.environ.update(env)
     METRICS_EXPORT_PORT.append(_free_port())  # Ray's metrics agent (ray_serve_* families)
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(num_cpus=9, include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": env}, _metrics_export_port=METRICS_EXPORT_PORT[0])
     try:
         port = _free_port()
@@ -108,6 +125,8 @@ def base_url():
         serve.run(app(dict(ARGS)), name="colo", route_prefix="/colo", blocking=False)
         serve.run(app(PDTP_ARGS), name="pdtp", route_prefix="/pdtp", blocking=False)
         serve.run(app(PDNX_ARGS), name="pdnx", route_prefix="/pdnx", blocking=False)
+        serve.run(app(dict(PDNG_ARGS, model_path=str(LOOPING_MODEL[0]))), name="pdng",
+                  route_prefix="/pdng", blocking=False)
         serve.run(app(PD_ARGS), name="pd", route_prefix="/pd")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -161,6 +180,12 @@ def _reference_outputs(args: dict):
 def reference():
     """The tiny default's outputs (REF_ARGS): see ``_reference_outputs``."""
     yield from _reference_outputs(REF_ARGS)
+
+
+@pytest.fixture(scope="module")
+def looping_reference(base_url):
+    """The looping checkpoint's outputs (REF_ARGS): see ``_reference_outputs``."""
+    yield from _reference_outputs(dict(REF_ARGS, model_path=str(LOOPING_MODEL[0])))
 
 
 def test_routes_answer_in_both_modes(base_url):
@@ -257,6 +282,12 @@ def test_dp4_prefill_hands_over_to_dp2_decode(base_url, reference):
     _assert_every_rank_served_and_free("pd", "DecodeServer", ranks=2)  # autoscaled: 1 or 2
 
 
+def _quoting_prompts(xs: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """X + G(X) + X for each prompt X and its greedy continuation G(X): a prompt quoting a
+    passage the model goes on to repeat."""
+    return [x + g + x for x, g in zip(xs, continuations, strict=True)]
+
+
 def _assert_speculation_ran(outs: list[dict]) -> None:
     """Most requests ran verify steps (random weights: drafts are mostly rejected, and a
     request's back-off may pause its drafting after a rejection)."""
@@ -269,13 +300,35 @@ def test_tp2_prefill_hands_over_to_dp2_decode(base_url, reference):
     at a time, so its chunks end where the reference's do) hands over to a DP2 decode replica
     through Ray: 12 concurrent requests of 5 to 600 tokens, the same tokens and logprobs
     within 1e-5 of one device; both replicas end with every page and slot free. The decode
-    replica runs NGRAM speculative decoding (on the random default it finds nothing to draft)."""
+    replica runs NGRAM speculative decoding (on the random default it finds nothing to draft:
+    the 48-request NGRAM test below runs the looping checkpoint)."""
     prompts = EXACT_PROMPTS[:12]
     pd = _concurrently(base_url + "/pdtp", prompts, return_logprob=True)
     _assert_reference_outputs(pd, reference(prompts))
     assert all("spec_verify_ct" in o["meta_info"] for o in pd), pd[0]["meta_info"]
     _assert_every_rank_served_and_free("pdtp", "PrefillServer", ranks=1, replicas=1)
     _assert_every_rank_served_and_free("pdtp", "DecodeServer", ranks=2, replicas=1)
+
+
+def test_prefill_hands_over_to_ngram_dp2_decode(base_url, looping_reference):
+    """NGRAM through Ray, on the looping checkpoint: a one-device prefill replica hands over
+    to a DP2 decode replica running NGRAM speculative decoding. 48 concurrent requests of
+    mixed lengths (X + G(X) + X, X of 3 to 190 tokens: 16 to 388) give the non-speculative
+    single-device engine's tokens and logprobs within 1e-5; most ran verify steps and drafts
+    were accepted (accept length > 1.5 on average); every decode rank took requests and both
+    replicas end with every page and slot free."""
+    rng = np.random.default_rng(17)
+    xs = [[int(t) for t in rng.integers(3, 1000, size=int(n))] for n in rng.integers(3, 191, 48)]
+    prompts = _quoting_prompts(xs, [o["output_ids"] for o in looping_reference(xs)])
+    with ThreadPoolExecutor(1) as pool:  # the reference engine runs while the replicas serve
+        refs = pool.submit(looping_reference, prompts)
+        pd = _concurrently(base_url + "/pdng", prompts, return_logprob=True)
+        _assert_reference_outputs(pd, refs.result())
+    _assert_speculation_ran(pd)
+    accept = [o["meta_info"]["spec_accept_length"] for o in pd]
+    assert np.mean(accept) > 1.5, accept
+    _assert_every_rank_served_and_free("pdng", "PrefillServer", ranks=1, replicas=1)
+    _assert_every_rank_served_and_free("pdng", "DecodeServer", ranks=2, replicas=1)
 
 
 def test_nextn_prefill_hands_over_to_nextn_dp2_decode(base_url, reference):

@@ -1,15 +1,19 @@
 """The handover transports' send / receive outside Serve (the apps use them end to end:
-object_store in tests/ray_serve/test_serve_app.py, device in test_multihost_app.py)."""
+object_store in tests/ray_serve/test_serve_app.py, device in test_multihost_app.py), and the
+object store's keeper (in process, and its actor on a local Ray cluster)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from ray_app.handover import DeviceTransport, ObjectStoreTransport, state_arrays, state_buffers
+from ray_app.handover import (
+    DeviceTransport, HandoverKeeper, ObjectStoreTransport, release, state_arrays, state_buffers)
 from sglang_tpu_backend.managers.handover import RequestHandover
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 
@@ -71,3 +75,52 @@ def test_device_transport_carries_the_nextn_mtp_kv_and_drafts():
     _assert_same(got, h)
     assert got.mtp_kv.dtype == h.mtp_kv.dtype and np.array_equal(got.mtp_kv, h.mtp_kv)
     assert got.drafts == [11, 12, 13]
+
+
+
+def test_keeper_holds_until_released_or_expired_and_drops_a_late_keep():
+    keeper = HandoverKeeper(keep_s=0.2)
+    keeper.keep(1, ["a"])
+    keeper.keep(2, ["b"])
+    keeper.release(1)
+    assert keeper.held() == [2]
+    keeper.release(3)  # released before its keep arrived (calls of two callers)
+    keeper.keep(3, ["c"])
+    assert keeper.held() == [2]
+    time.sleep(0.3)
+    assert keeper.held() == []  # nobody released 2: it expired
+
+
+def test_object_store_ticket_is_held_until_released():
+    """On a local Ray cluster: a prefill actor's ticket reaches a decode actor, which gets the
+    state equal; the prefill side's keeper holds the state until ``release``."""
+    ray = pytest.importorskip("ray")
+    repo = str(Path(__file__).resolve().parents[2])
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu", "PYTHONPATH": repo}})
+    try:
+        @ray.remote(num_cpus=0)
+        class Prefill:
+            def __init__(self):
+                self.transport = ObjectStoreTransport()
+
+            def send(self, h):
+                return self.transport.send(h)
+
+        @ray.remote(num_cpus=0)
+        class Decode:
+            async def receive(self, ticket):
+                return await ObjectStoreTransport().receive(ticket)
+
+        prefill, decode = Prefill.remote(), Decode.remote()
+        sent = [_handover(6), _handover(7)]
+        tickets = [ray.get(prefill.send.remote(h)) for h in sent]
+        assert tickets[0]["keeper"] == tickets[1]["keeper"]  # one keeper per prefill replica
+        keeper = tickets[0]["keeper"]
+        assert ray.get(keeper.held.remote()) == [t["key"] for t in tickets]
+        for ticket, h in zip(tickets, sent):
+            _assert_same(ray.get(decode.receive.remote(ticket)), h)
+        release(tickets[0])
+        assert ray.get(keeper.held.remote()) == [tickets[1]["key"]]
+    finally:
+        ray.shutdown()
