@@ -129,13 +129,16 @@ class SchedulerLoop:
                     if swapped:
                         continue
                 nxt = self._launch()
-                if launched is not None:
+                completed = launched is not None
+                if completed:
                     self._complete(launched)
                 launched = nxt
                 if launched is not None and not self.overlap:
                     self._complete(launched)
                     launched = None
-                if nxt is None and launched is None:
+                # Nothing could launch: sleep, unless a step just completed (its outputs may
+                # be what a request waited for, e.g. a grammar's next mask: launch again now).
+                if nxt is None and not completed:
                     self._wait_for_room()
         except BaseException as e:  # the phases recover from Exceptions; anything else ends it
             self.loop_error = f"{type(e).__name__}: {e}"

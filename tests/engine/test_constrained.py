@@ -93,6 +93,21 @@ def test_json_schema_output_parses_and_validates(clean_engine, temperature):
     assert isinstance(value["ok"], bool)
 
 
+def test_a_grammar_request_alone_never_sleeps_the_loop(clean_engine, monkeypatch):
+    """A constrained request's next step needs its previous step's token (the grammar's next
+    mask), so while that step is in flight nothing can launch. The loop must then complete the
+    step and launch again, not sleep: it slept ``MAX_IDLE_WAIT_S`` (1 s) per token."""
+    loop = clean_engine.loop
+    sleeps = []
+    wait = loop._wait_for_room
+    monkeypatch.setattr(loop, "_wait_for_room", lambda: (sleeps.append(1), wait())[1])
+    obj = GenerateReqInput(text="Person:", sampling_params={
+        "max_new_tokens": 40, "json_schema": json.dumps(SCHEMA), "temperature": 0})
+    out = collect(clean_engine, obj)[-1]
+    assert len(out["output_ids"]) > 10 and out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert sleeps == []
+
+
 def test_marker_tokens_are_text_to_the_grammar(backend):
     """Qwen's non-special added tokens (``</think>``, ``<tool_call>``) are text to llguidance: a
     grammar needing that text accepts it, sampled as the marker token or spelled out."""
