@@ -6,8 +6,28 @@
 #                                 tests/tpu), the bench extra (matplotlib, aiohttp), Debian's
 #                                 prometheus package (tests/monitoring), and .venv312
 #                                 (Python 3.12, jax 0.12)
+#   scripts/setup_env.sh --test --no-py312   all of that but .venv312
+#   scripts/setup_env.sh --py312  only .venv312 (tests/run.sh builds it beside the first tests)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+setup_py312() {  # .venv312, when a Python 3.12 is found
+  # Python 3.12 may only be installed under pyenv without being on the global path.
+  local py312=${PYTHON312:-python3.12}
+  if ! "$py312" --version >/dev/null 2>&1; then
+    py312=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+  fi
+  if [ -n "$py312" ] && "$py312" --version >/dev/null 2>&1; then
+    [ -x .venv312/bin/python ] || "$py312" -m venv .venv312
+    .venv312/bin/python -m pip install -q --upgrade pip
+    .venv312/bin/pip install -q -e ".[test]"
+  fi
+}
+
+if [ "${1:-}" = "--py312" ]; then
+  setup_py312
+  exit 0
+fi
 PY=${PYTHON:-python3.11}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
@@ -29,13 +49,4 @@ fi
 .venv/bin/pip install -q --no-deps "sglang==0.5.23"
 .venv/bin/pip install -q orjson psutil pybase64 triton pillow msgspec pyzmq ipython aiohttp 2>&1 \
   | grep -v "requires" || true
-# Python 3.12 may only be installed under pyenv without being on the global path.
-PY312=${PYTHON312:-python3.12}
-if ! "$PY312" --version >/dev/null 2>&1; then
-  PY312=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
-fi
-if [ -n "$PY312" ] && "$PY312" --version >/dev/null 2>&1; then
-  [ -x .venv312/bin/python ] || "$PY312" -m venv .venv312
-  .venv312/bin/python -m pip install -q --upgrade pip
-  .venv312/bin/pip install -q -e ".[test]"
-fi
+[ "${2:-}" = "--no-py312" ] || setup_py312

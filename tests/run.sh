@@ -16,7 +16,7 @@
 # they share lane B so that two clusters never run at once. Everything else binds free ports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup_env.sh --test
+scripts/setup_env.sh --test --no-py312  # .venv312: below, beside the first tests
 export JAX_PLATFORMS=cpu
 # XLA:CPU maps every compiled program's code into its own memory mappings: one engine test
 # process compiles thousands of programs and passes 20,000 mappings within minutes, on the way to
@@ -33,6 +33,8 @@ fi
 
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
+# .venv312 builds while the lanes start (it is first needed late in lane A).
+(scripts/setup_env.sh --py312 >"$LOGS/setup312.log" 2>&1; echo $? >"$LOGS/setup312.rc") &
 
 # The Python 3.12 / jax 0.12 leg runs only what can differ between jax versions, the tests
 # marked `jax_versions` in tests/kernels and tests/model: for every Pallas kernel (attention and
@@ -43,10 +45,7 @@ trap 'rm -rf "$LOGS"' EXIT
 # at more shapes, dtypes and block sizes; checkpoint loading, configs, engine-level model tests)
 # repeats jax operations the marked tests already run on 0.12, so it runs on the main leg only,
 # as does tests/parallel. No torch on this leg (the transformers-parity tests would skip).
-LEG312=()
-if [ -x .venv312/bin/python ]; then
-  LEG312=(312:tests/kernels 312:tests/model)
-fi
+LEG312=(312:tests/kernels 312:tests/model)  # skipped where no Python 3.12 is found
 
 # Lane A: the TPU compile leg, the model, the server, the jax 0.12 leg and tests/parallel;
 # lane B: the kernels, the engine and the Ray-based directories. A directory neither lane names
@@ -62,6 +61,15 @@ run_dir() {  # [312:]directory: one pytest process; its output in $LOGS/<name>.l
   local py=.venv/bin/python d=$1 flags=() name start rc=0
   if [[ $d == 312:* ]]; then
     py=.venv312/bin/python d=${d#312:} flags=(-m jax_versions)
+    while [ ! -f "$LOGS/setup312.rc" ]; do sleep 2; done
+    if [ "$(cat "$LOGS/setup312.rc")" != 0 ]; then
+      echo "$(date -u +%T) $1: FAILED: setting up .venv312 failed:"; cat "$LOGS/setup312.log"
+      return 1
+    fi
+    if [ ! -x "$py" ]; then
+      echo "$(date -u +%T) $1: skipped (no Python 3.12)"
+      return 0
+    fi
   fi
   compgen -G "$d/test_*.py" >/dev/null || return 0  # e.g. __pycache__/
   name=$(echo "$1" | tr ':/' '__')

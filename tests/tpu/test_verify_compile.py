@@ -8,7 +8,7 @@ counts them (``plan --speculative-num-draft-tokens``), and its figure is within 
 compiler's argument + temporary + non-aliased output bytes: at the largest batch it plans
 (FP8 KV), and for the whole NEXTN verify step with the MTP layer (its params, its KV pages,
 the MTP pass and the chain of drafts in the same program) at 512 requests per host (64 per DP
-rank), which fit with FP8 and bf16 KV.
+rank), which fits with bf16 KV.
 """
 
 from __future__ import annotations
@@ -59,11 +59,13 @@ def test_397b_verify_step_fits_at_the_planners_batch(record):
     _check_plan(record, p, p.requests_per_device, jnp.float8_e4m3fn, "fp8")
 
 
-@pytest.mark.parametrize("kv_name,kv_dtype", [("fp8", jnp.float8_e4m3fn), ("bf16", jnp.bfloat16)])
+@pytest.mark.parametrize("kv_name,kv_dtype", [("bf16", jnp.bfloat16)])
 def test_397b_nextn_verify_step_with_the_mtp_layer_fits_at_512_requests(record, kv_name, kv_dtype):
     """The whole NEXTN verify step in one program (verify forward with hidden states, the
     commit, the MTP pass and its chain of 3 drafts on the MTP layer's params and pages) at
-    512 requests per host: it fits, and the planner (``--mtp``) is within 2%."""
+    512 requests per host: it fits, and the planner (``--mtp``) is within 2%. bf16 KV: the
+    larger one (FP8 KV, the same program with per-row scales, fit too and is left out of CI
+    for time: the plain verify step above covers FP8 KV's attention)."""
     cfg = config_397b()
     p = plan(cfg, "tpu7x:2x2x1", dp=D, ep=D, tp=1, num_draft_tokens=N, running_requests=512,
              mtp=True, **dict(SIZES, kv_dtype=kv_name))
