@@ -133,7 +133,8 @@ class ObjectStoreTransport:
 
         meta = dataclasses.replace(h, **{name: None for name in STATE_ARRAYS})
         refs, key, keeper = [ray.put(state_buffers(h))], next(self._keys), self._start_keeper()
-        keeper.keep.remote(key, refs)  # a release may still reach the keeper first (it drops this keep then)
+        # A release may still reach the keeper before this keep (the keeper then drops it).
+        keeper.keep.remote(key, refs)
         return {"transport": self.name, "refs": refs, "keeper": keeper, "key": key,
                 "meta": meta, "nbytes": h.nbytes}
 

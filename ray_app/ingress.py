@@ -6,8 +6,8 @@ ingress, ``__serve_build_asgi_app__``), once the engine handles exist.
 Colocated: ``generate_request`` streams from one engine replica. Disaggregated: a prefill replica
 runs the prompt and the first token and returns a transport ticket; a decode replica
 installs the state and streams the rest (the ingress releases the ticket once the decode
-replica's first output shows it holds the state, ``ray_app/handover.release``); the first output is yielded in between (streaming
-requests see the first token before decoding starts). A ``rid`` already in flight at this
+replica's first output shows it holds the state, ``ray_app/handover.release``); the first
+output is yielded in between (streaming requests see the first token before decoding starts). A ``rid`` already in flight at this
 ingress is refused (400).
 A handle call reaches one replica; what concerns every replica is broadcast to all running
 replicas of every engine deployment (``DeploymentHandle.broadcast`` to
