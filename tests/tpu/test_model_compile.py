@@ -103,12 +103,12 @@ SPECS_397B = {  # 64 running requests per DP rank, 8K contexts, page 256, 1024-t
 }
 
 
-# bf16 GDN state in every bucket; f32 state through the decode kernels and the chunked ones
-# (mixed1024: EXTEND and MIXED trace the same forward, so prefill1024 adds only its request
-# count, which the bf16 compile covers).
-SLICE_COMPILES = [(jnp.bfloat16, "decode64"), (jnp.bfloat16, "prefill1024"),
-                  (jnp.bfloat16, "mixed1024"), (jnp.float32, "decode64"),
-                  (jnp.float32, "mixed1024")]
+# bf16 GDN state in both buckets, f32 state through the decode kernels. Left out for CI time:
+# prefill1024 (EXTEND and MIXED trace the same forward; EXTEND at 1,024 tokens compiles at
+# 60 layers in test_roofline_compile.py) and f32-state mixed1024 (the chunked GDN kernel with
+# f32 state at the 397B's shapes compiles in test_gdn_compile.py::test_qwen_chunked).
+SLICE_COMPILES = [(jnp.bfloat16, "decode64"), (jnp.bfloat16, "mixed1024"),
+                  (jnp.float32, "decode64")]
 
 
 @pytest.mark.parametrize("state_dtype,name", SLICE_COMPILES,

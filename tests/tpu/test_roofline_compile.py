@@ -205,9 +205,9 @@ def test_an_op_without_a_cost_rule_raises(op, error):
 
 
 def _bucket(name: str, num_layers: int | None, T: int):
-    report = (compile_397b("tpu7x:2x2x1", D, ForwardMode.DECODE, T) if num_layers is None
-              else compiled_step(num_layers, ForwardMode.DECODE if name == "decode"
-                                 else ForwardMode.EXTEND, T))
+    mode = ForwardMode.DECODE if name == "decode" else ForwardMode.EXTEND
+    report = (compile_397b("tpu7x:2x2x1", D, mode, T) if num_layers is None
+              else compiled_step(num_layers, mode, T))
     cfg = config_397b(num_layers)
     return report, bucket_efficiency(name, report.hlo, cfg, tokens=T, seqs=R,
                                      kv_len=PAGES * PAGE, devices=D, device=TPU7X)
