@@ -196,13 +196,14 @@ def run_load(ckpt: Path, devices: int) -> dict:
 
 
 # Driver ---------------------------------------------------------------------------------
-def _child(kind: str, ckpt: Path, devices: int) -> dict:
+def _child(kind: str, ckpt: Path, devices: int, platform: str) -> dict:
     # Transparent huge pages for malloc's large blocks (glibc >= 2.35; ignored by older ones):
     # where THP is madvise-only, first touches of fresh 4 KiB pages ran at ~0.35 GB/s on this
     # VM and dominated the load (every leaf lands in fresh host-memory "device" buffers).
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    env = dict(os.environ, JAX_PLATFORMS=platform, PYTHONPATH=str(REPO),
                GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    if platform == "cpu":
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     out = subprocess.run([sys.executable, __file__, "--child", kind, "--dir", str(ckpt),
                           "--devices", str(devices)], env=env, capture_output=True, text=True)
     if out.returncode:
@@ -217,6 +218,9 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=1,
                     help="CPU devices (replicated weights are copied to each, in host memory)")
     ap.add_argument("--dir", type=str, default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--platform", choices=("cpu", "tpu"), default="cpu",
+                    help="where the load child puts the weights: CPU devices, or the TPU chips "
+                         "of this host (then --devices is how many of them)")
     ap.add_argument("--child", choices=("raw", "fresh", "touch", "load"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -237,7 +241,7 @@ def main() -> None:
         runs = {"raw": [], "load": [], "fresh": [], "touch": []}
         for kind in ("raw", "load", "load", "raw", "fresh", "touch"):
             drop_from_page_cache(ckpt)
-            r = _child(kind, ckpt, a.devices)
+            r = _child(kind, ckpt, a.devices, a.platform)
             runs[kind].append(r)
             gbs = r["bytes"] / r["seconds"] / 1e9
             line = f"{kind:5s} {r['bytes'] / 1e9:6.2f} GB in {r['seconds']:6.2f} s = {gbs:5.2f} GB/s"

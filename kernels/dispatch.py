@@ -9,7 +9,10 @@ Values of ``impl``:
   ``"auto"``       Pallas on a TPU backend; elsewhere the op's fast XLA implementation where
                    it has one (grouped matmuls, attention), else its reference (the default).
   ``"pallas"``     always the Pallas kernel, compiled for the TPU.
-  ``"interpret"``  the Pallas kernel in TPU interpret mode (runs on CPU; used by tests).
+  ``"interpret"``  the Pallas kernel in TPU interpret mode (runs on CPU; used by tests). With
+                   ``STB_INTERPRET_ON_CHIP=1`` on a TPU backend it resolves to ``"pallas"``:
+                   the TPU leg of the tests (``tests/run_tpu.sh``) runs every interpret-mode
+                   test case compiled by Mosaic and executed on the chip.
   ``"xla"``        the op's fast pure-XLA implementation (grouped matmuls: only the routed
                    rows; attention: only the pages the batch holds; GDN: the reference with
                    CPU-sized chunks); ops without one (their reference already is efficient
@@ -30,6 +33,8 @@ IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "xla", "reference")
 # Process-wide default, so a whole server can be forced onto one path without plumbing:
 # STB_KERNEL_IMPL=interpret python -m ...
 DEFAULT_IMPL: str = os.environ.get("STB_KERNEL_IMPL", "auto")
+# The TPU test leg: "interpret" means the compiled kernel when a chip is there.
+INTERPRET_ON_CHIP: bool = os.environ.get("STB_INTERPRET_ON_CHIP", "") == "1"
 
 
 def resolve(impl: str | None, *, has_xla: bool = False) -> str:
@@ -44,6 +49,8 @@ def resolve(impl: str | None, *, has_xla: bool = False) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "tpu" else "xla"
+    elif impl == "interpret" and INTERPRET_ON_CHIP and jax.default_backend() == "tpu":
+        impl = "pallas"
     if impl == "xla" and not has_xla:
         return "reference"
     return impl

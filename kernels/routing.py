@@ -67,6 +67,15 @@ class RoutingBlockSizes:
     reduce_tokens: int = 32
 
 
+def _check_smem_block(name: str, block: int, padded: int, legal: bool, rule: str) -> None:
+    """Raise a ValueError naming ``RoutingBlockSizes.<name>`` when a block of ``block`` rows
+    over ``padded`` rows (several grid steps) breaks Mosaic's SMEM block rule ``rule``: one
+    block over the whole array is always legal."""
+    if block != padded and not legal:
+        raise ValueError(f"RoutingBlockSizes.{name}={block} is not a legal TPU block over "
+                         f"{padded} rows: {rule} (or one block covering every row)")
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -263,6 +272,8 @@ def gather_rows(x, token_idx, *, num_rows=None, cost_rows: int | None = None, im
     p = row_split(h, x.dtype)
     bm = min((block_sizes or RoutingBlockSizes()).gather_rows, _round_up(m, 16))
     mp = _round_up(m, bm)
+    _check_smem_block("gather_rows", bm, mp, (bm >= 128 and bm & (bm - 1) == 0) or bm % 1024 == 0,
+                      "a rank-1 SMEM block must be a power of two >= 128 or a multiple of 1,024")
     idx = token_idx.astype(jnp.int32)
     idx = jnp.where(idx < t, idx, -1)  # out-of-range rows read nothing (zeros)
     idx = jnp.pad(idx, (0, mp - m), constant_values=-1)  # i32[Mp]
@@ -329,6 +340,8 @@ def gather_reduce(y, rows, weights, *, cost_reads: int | None = None, impl=None,
     p = row_split(h, y.dtype)
     bt = min((block_sizes or RoutingBlockSizes()).reduce_tokens, _round_up(t, 8))
     tp = _round_up(t, bt)
+    _check_smem_block("reduce_tokens", bt, tp, bt % 8 == 0,
+                      "the rows of an SMEM [tokens, k] block must be a multiple of 8")
     r = rows.astype(jnp.int32)
     r = jnp.pad(jnp.where(r < m, r, -1), ((0, tp - t), (0, 0)), constant_values=-1)  # i32[Tp, k]
     w = jnp.pad(weights.astype(jnp.float32), ((0, tp - t), (0, 0)))  # f32[Tp, k]

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable
 
 import jax
+from jax.experimental.layout import Format
 import numpy as np
 
 from sglang_tpu_backend.checkpoint_io import BYTES_READ
@@ -120,10 +121,17 @@ def aliases(x: jax.Array, bufs: list[np.ndarray]) -> bool:
     return all(s.data.unsafe_buffer_pointer() in ptrs for s in x.addressable_shards)
 
 
+def sharding_of(s: Any) -> jax.sharding.Sharding:
+    """The sharding of a tree leaf that is a Sharding or a layout ``Format`` (what the
+    parameter shardings hold for dense weights on a TPU: sharding + device layout)."""
+    return s.sharding if isinstance(s, Format) else s
+
+
 def is_cpu(shardings: Any) -> bool:
-    """Whether every device of every sharding in the tree is a CPU device."""
+    """Whether every device of every sharding in the tree (Shardings or ``Format``s) is a CPU
+    device."""
     return all(d.platform == "cpu" for s in jax.tree.leaves(shardings)
-               for d in s.device_set)
+               for d in sharding_of(s).device_set)
 
 
 class _Scratch:

@@ -45,7 +45,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.layout import Format
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm.auto import tqdm
 
@@ -90,16 +89,12 @@ def with_native_layouts(shapes: Any, shardings: Any) -> Any:
     return shardings
 
 
-def _sharding_of(s: Any) -> Any:
-    return s.sharding if isinstance(s, Format) else s
-
-
 def _as_read(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any, *, stacked: bool
              ) -> tuple[tuple[int, ...], Any]:
     """Shape and sharding of what ``leaf.read`` returns for a param of shape ``s`` placed by
     ``sharding``: one layer's slice of a ``stacked`` [groups, ...] leaf, its last two axes
     swapped when the leaf is read that way."""
-    shape, sharding = s.shape[1:] if stacked else s.shape, _sharding_of(sharding)
+    shape, sharding = s.shape[1:] if stacked else s.shape, host_load.sharding_of(sharding)
     if isinstance(sharding, NamedSharding):
         spec = list(sharding.spec) + [None] * (len(s.shape) - len(sharding.spec))
         spec = spec[1:] if stacked else spec
@@ -117,7 +112,7 @@ def _place_leaf(leaf: Leaf, shape: tuple[int, ...], sharding: Any, num_experts: 
                 report: LoadReport) -> jax.Array:
     """One leaf as a global array, each local device's shard read for it alone."""
     whole: list[np.ndarray] = []  # a non-expert leaf, read once for every local device
-    devices = _sharding_of(sharding).addressable_devices_indices_map(shape)
+    devices = host_load.sharding_of(sharding).addressable_devices_indices_map(shape)
 
     def shard(idx: tuple[slice, ...]) -> np.ndarray:
         t0 = time.perf_counter()
@@ -146,7 +141,7 @@ def _local_expert_ranges(shapes: Any, shardings: Any, num_experts: int) -> list[
     for (path, s), sh in zip(jax.tree_util.tree_flatten_with_path(shapes)[0],
                              jax.tree.leaves(shardings)):
         if any(getattr(k, "key", None) == "experts" for k in path):
-            for idx in _sharding_of(sh).addressable_devices_indices_map(s.shape).values():
+            for idx in host_load.sharding_of(sh).addressable_devices_indices_map(s.shape).values():
                 found.add(idx[1].indices(num_experts)[:2])  # [groups, E, ...]
             break
     return sorted(found)
@@ -190,11 +185,11 @@ def _load_on_host(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shard
     """``load_sharded`` for CPU devices: every leaf read into host buffers that become the
     devices' buffers (``host_load.py``). ``before_layer(i)`` runs before layer i is read."""
     top = leaves.top()
-    params = {k: host_load.HostLeaf(shapes[k].shape, shapes[k].dtype, _sharding_of(shardings[k]),
+    params = {k: host_load.HostLeaf(shapes[k].shape, shapes[k].dtype, host_load.sharding_of(shardings[k]),
                                     stacked=False) for k in top}
     groups = [jax.tree.flatten(g) for g in shapes["layer_groups"]]
     group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
-    stacks = [[host_load.HostLeaf(s.shape, s.dtype, _sharding_of(sh), stacked=True)
+    stacks = [[host_load.HostLeaf(s.shape, s.dtype, host_load.sharding_of(sh), stacked=True)
                for s, sh in zip(g[0], shs)] for g, shs in zip(groups, group_shardings)]
     P = cfg.layer_period
     order = [b for hl in params.values() for b in hl.bufs.values()]  # as filled, slot by slot
@@ -204,7 +199,7 @@ def _load_on_host(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shard
     filler = host_load.HostFiller(report, cfg.num_experts)
     try:
         for k, leaf in top.items():
-            s, sh, hl = shapes[k], _sharding_of(shardings[k]), params[k]
+            s, sh, hl = shapes[k], host_load.sharding_of(shardings[k]), params[k]
             if leaf.rows and sh.is_fully_replicated:  # in row chunks (columns when swapped)
                 rows = s.shape[-1] if leaf.swapped else s.shape[0]
                 step = max(1, host_load.ROW_CHUNK_BYTES // (s.size // rows * s.dtype.itemsize))
@@ -259,7 +254,7 @@ def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *
     def place_top(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
         """A top-level leaf; a large one by row chunks when every local device holds it whole."""
         shape, as_read = _as_read(leaf, s, sharding, stacked=False)
-        if not (leaf.rows and _sharding_of(sharding).is_fully_replicated):
+        if not (leaf.rows and host_load.sharding_of(sharding).is_fully_replicated):
             x = _place_leaf(leaf, shape, as_read, E, report)
             return _writer("rows", sharding)(_zeros(s, sharding), x, np.int32(0), True) \
                 if leaf.swapped else x

@@ -254,6 +254,36 @@ def write_random_model(out_dir: str | Path, *, seed: int, edit=None) -> Path:
     return out
 
 
+# A second tiny architecture (parity tests across layouts): another layer pattern (5 layers,
+# no period), twice the hidden width, head_dim 128 with 4 query heads per kv head, GDN with 3
+# value heads per key head and key/value widths 64/32, 32 experts top-8.
+SECOND_ARCHITECTURE = dict(
+    hidden_size=256, num_hidden_layers=5,
+    layer_types=[LINEAR_ATTENTION, FULL_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION,
+                 FULL_ATTENTION],
+    num_attention_heads=4, num_key_value_heads=1, head_dim=128,
+    linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=64,
+    linear_value_head_dim=32, num_experts=32, num_experts_per_tok=8,
+    moe_intermediate_size=128, shared_expert_intermediate_size=256, mtp_num_hidden_layers=0,
+)
+
+
+def write_architecture(out_dir: str | Path, text_config: dict, *, seed: int = SEED) -> Path:
+    """A random checkpoint of the tiny model's config with ``text_config`` overrides (another
+    architecture: layer pattern, widths, heads, experts), the shipped tokenizer. Returns
+    ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((ASSET_DIR / "config.json").read_text())
+    config["text_config"].update(text_config)
+    tensors = random_checkpoint_tensors(model_config_from_dict(config), seed=seed,
+                                        num_real_tokens=_tokenizer_size())
+    write_safetensors(out / "model.safetensors", tensors)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copy_tokenizer_files(ASSET_DIR, out)
+    return out
+
+
 def write_looping_model(out_dir: str | Path, scale: float = 1000.0) -> Path:
     """The tiny architecture (seed 0 weights) with its token embeddings scaled by ``scale``:
     the residual stream is then dominated by the current token, so the greedy continuation

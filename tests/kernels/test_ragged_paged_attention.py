@@ -477,6 +477,7 @@ def test_xla_path_matches_reference(name, pages_per_block, batch_invariant):
     assert np.all(np.asarray(got[real:], np.float32) == 0.0)
 
 
+@pytest.mark.cpu_only(reason="auto picks Pallas on a TPU")
 def test_auto_picks_the_xla_path_off_tpu():
     from kernels import dispatch
 

@@ -13,7 +13,9 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels import gmm as G
 from kernels import routing as R
 
-BLOCKS = R.RoutingBlockSizes(gather_rows=16, reduce_tokens=8)  # several grid steps
+# Several grid steps at the smallest blocks legal on a TPU (Mosaic's SMEM block rules: a
+# rank-1 block a power of two >= 128, a [tokens, k] block a multiple of 8 rows).
+BLOCKS = R.RoutingBlockSizes(gather_rows=128, reduce_tokens=8)
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +75,7 @@ def test_route_metadata_consistent_under_jit():
 def test_gather_rows_kernel(dtype):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((23, 256)), dtype)
-    idx = rng.integers(-1, 23, 50).astype(np.int32)  # repeats, -1 entries, 50 % 16 != 0
+    idx = rng.integers(-1, 23, 300).astype(np.int32)  # repeats, -1 entries, 300 % 128 != 0
     idx[:3] = [-1, 22, 0]
     out = R.gather_rows(x, jnp.asarray(idx), impl="interpret", block_sizes=BLOCKS)
     expected = np.where(idx[:, None] >= 0, np.asarray(x, np.float32)[np.maximum(idx, 0)], 0)
@@ -104,16 +106,16 @@ def test_gather_reduce_kernel(dtype, tol):
     _check(R.ref_gather_reduce(y, jnp.asarray(rows), jnp.asarray(w)), expected, tol)
 
 
-@pytest.mark.parametrize("num_rows", [0, 16, 23, 50])
+@pytest.mark.parametrize("num_rows", [0, 128, 200, 300])
 def test_gather_rows_num_rows_writes_the_leading_rows(num_rows):
     """With num_rows the rows before it are gathered as usual (later ones are unspecified)."""
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((23, 256)), jnp.float32)
-    idx = rng.integers(-1, 23, 50).astype(np.int32)
+    idx = rng.integers(-1, 23, 300).astype(np.int32)
     out = R.gather_rows(x, jnp.asarray(idx), num_rows=jnp.int32(num_rows), cost_rows=7,
                         impl="interpret", block_sizes=BLOCKS)
     expected = np.where(idx[:, None] >= 0, np.asarray(x)[np.maximum(idx, 0)], 0)
-    assert out.shape == (50, 256)
+    assert out.shape == (300, 256)
     np.testing.assert_array_equal(np.asarray(out)[:num_rows], expected[:num_rows])
 
 
@@ -182,6 +184,24 @@ def test_gather_reduce_layouts(dtype, h):
     assert out.dtype == dtype and out.shape == (t, h)
     _check(out, expected, 1e-6 if dtype == jnp.float32 else 1e-2)
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+
+
+def test_illegal_tpu_block_sizes_are_named():
+    """A block size Mosaic would reject raises first, naming the field; one block covering
+    every row is legal at any size."""
+    x = jnp.zeros((23, 256), jnp.float32)
+    idx = jnp.zeros((300,), jnp.int32)
+    with pytest.raises(ValueError, match="RoutingBlockSizes.gather_rows=16"):
+        R.gather_rows(x, idx, impl="interpret", block_sizes=R.RoutingBlockSizes(gather_rows=16))
+    with pytest.raises(ValueError, match="RoutingBlockSizes.gather_rows=96"):
+        R.gather_rows(x, idx, impl="interpret", block_sizes=R.RoutingBlockSizes(gather_rows=96))
+    rows, w = jnp.zeros((37, 3), jnp.int32), jnp.zeros((37, 3), jnp.float32)
+    with pytest.raises(ValueError, match="RoutingBlockSizes.reduce_tokens=4"):
+        R.gather_reduce(jnp.zeros((60, 128)), rows, w, impl="interpret",
+                        block_sizes=R.RoutingBlockSizes(reduce_tokens=4))
+    small = R.gather_rows(x, idx[:10], impl="interpret",  # 16 rows, one block: legal
+                          block_sizes=R.RoutingBlockSizes(gather_rows=16))
+    assert small.shape == (10, 256)
 
 
 def test_gather_default_blocks_single_and_many_steps():

@@ -495,3 +495,18 @@ def test_host_filler_raises_an_error_of_any_worker_task_not_only_the_last():
     filler._submit(np.copyto, dst, np.ones((3, 2), np.float32))
     with pytest.raises(ValueError, match="cannot transpose"):
         filler.finish()
+
+
+def test_is_cpu_reads_layout_formats():
+    """A TPU's parameter shardings hold layout ``Format``s (sharding + device layout) for the
+    dense weights; ``is_cpu`` reads their shardings (it raised AttributeError on them, which
+    stopped the engine from starting on a chip)."""
+    from jax.experimental.layout import Format, Layout
+    from jax.sharding import SingleDeviceSharding
+
+    from sglang_tpu_backend import host_load
+
+    cpu = SingleDeviceSharding(jax.devices("cpu")[0])
+    tree = {"w": Format(Layout(major_to_minor=(0, 1)), cpu), "b": cpu}
+    assert host_load.is_cpu(tree)
+    assert host_load.sharding_of(tree["w"]) is cpu and host_load.sharding_of(cpu) is cpu

@@ -1,0 +1,243 @@
+"""The engine end to end on whatever backend runs it: start-up, tok/s and where a step's time goes.
+
+    python benchmarks/bench_engine.py [--dtype bfloat16] [--requests 1,64] [--new-tokens 128]
+                                      [--json out.json] [--model-path DIR]
+
+In one process, in this order:
+
+  start-up  in a child process (a chip takes one process at a time, so before this one
+            opens it): imports, opening the backend, and ``Engine(...)`` to ready (weights
+            loaded, every serving program compiled by the warm-up) with an empty persistent
+            compilation cache (a fresh temp dir); then a second child with that cache filled.
+  serving   for each request count N: N prompts of 16 tokens, ``--new-tokens`` greedy tokens
+            each (ignore_eos), through the running engine (its scheduler loop, overlap on where
+            the engine turns it on), twice; output tok/s of the second (the first may still
+            meet a first-run cost).
+  split     during that second run, the loop thread's time per decode step by phase, from
+            timers around the engine's own methods: ``schedule`` (scheduler), ``build``
+            (numpy step inputs), ``dispatch`` (enqueueing the forward and sampler programs,
+            host to device copies of the inputs included), ``wait+d2h`` (``complete``: blocked
+            on the device, then the one device-to-host copy of the step's outputs),
+            ``process`` and ``deliver``; and from a ``jax.profiler`` trace of the same run the
+            device's busy time per step (the union of its XLA module executions), and the
+            device-to-host copy of one step's outputs alone (``d2h``, a ready array fetched).
+
+A step's wall time is the loop's time between steps; where the host sets the pace, the device
+is idle part of it (``device busy`` < step). Printed as a table; ``--json`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_PROCESS = time.perf_counter()  # before the imports: a start-up child counts them
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from typing import Any, Callable
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from sglang_tpu_backend.engine import Engine  # noqa: E402
+from sglang_tpu_backend.entrypoints.offline import OfflineEngine  # noqa: E402
+from sglang_tpu_backend.server_args import ServerArgs  # noqa: E402
+
+PROMPT_LEN = 16
+
+
+def start(args: argparse.Namespace, cache_dir: str, max_running: int) -> Engine:
+    return Engine(ServerArgs(model_path=args.model_path, dtype=args.dtype,
+                             max_running_requests=max_running, context_length=args.context_length,
+                             chunked_prefill_size=args.chunked_prefill_size,
+                             compilation_cache_dir=cache_dir, random_seed=0))
+
+
+def startup_child(args: argparse.Namespace) -> None:
+    """The start-up figures of this process (a child of ``main``), as one JSON line."""
+    t_imports = time.perf_counter() - T_PROCESS
+    t0 = time.perf_counter()
+    jax.devices()
+    t_backend = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eng = start(args, args.startup_child, max(int(x) for x in args.requests.split(",")))
+    t_engine = time.perf_counter() - t0
+    print(json.dumps({"imports_s": t_imports, "backend_s": t_backend, "engine_s": t_engine,
+                      "warmup_s": eng.warmup_seconds,
+                      "ready_s": time.perf_counter() - T_PROCESS}))
+    eng.shutdown()
+
+
+def startup(argv: list[str], cache_dir: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, *argv, "--startup-child", cache_dir],
+                         capture_output=True, text=True, env=dict(os.environ, TQDM_DISABLE="1"))
+    if out.returncode:
+        raise RuntimeError(f"start-up child failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class PhaseTimer:
+    """Wraps methods of the engine's objects; adds each call's wall seconds to ``totals``."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = collections.defaultdict(float)
+        self.undo: list[Callable[[], None]] = []
+
+    def wrap(self, obj: Any, method: str, phase: str) -> None:
+        fn = getattr(obj, method)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.totals[phase] += time.perf_counter() - t0
+
+        setattr(obj, method, timed)
+        self.undo.append(lambda: delattr(obj, method) if method in vars(obj) else None)
+
+    def restore(self) -> None:
+        for u in self.undo:
+            u()
+
+
+def device_busy_seconds(trace_dir: str) -> tuple[float, int]:
+    """(seconds, executions): the union of XLA module executions on the TPU devices of a
+    ``jax.profiler`` trace, and how many ran; (nan, 0) without a device plane."""
+    from jax.profiler import ProfileData
+
+    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    spans = []
+    for f in files:
+        for plane in ProfileData.from_file(f).planes:
+            if not plane.name.startswith("/device:TPU"):
+                continue
+            for line in plane.lines:
+                if line.name == "XLA Modules":
+                    spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+    if not spans:
+        return float("nan"), 0
+    spans.sort()
+    busy, end = 0.0, -1.0
+    for s, e in spans:
+        if s > end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy * 1e-9, len(spans)
+
+
+def serve_once(off: OfflineEngine, n: int, new_tokens: int) -> float:
+    rng = np.random.default_rng(n)
+    prompts = [rng.integers(3, 1000, PROMPT_LEN).tolist() for _ in range(n)]
+    t0 = time.perf_counter()
+    outs = off.generate(input_ids=prompts, sampling_params={
+        "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True})
+    dt = time.perf_counter() - t0
+    outs = outs if isinstance(outs, list) else [outs]
+    assert sum(len(o["output_ids"]) for o in outs) == n * new_tokens
+    return dt
+
+
+def measure_serving(eng: Engine, n: int, new_tokens: int, profile: bool) -> dict:
+    off = OfflineEngine(engine=eng)
+    serve_once(off, n, new_tokens)  # first run: compiles nothing (warm-up did), fills caches
+    timer = PhaseTimer()
+    runner, sched = eng.runner, eng.scheduler
+    timer.wrap(sched, "schedule", "schedule")
+    timer.wrap(runner, "prepare", "build")
+    timer.wrap(runner, "forward", "dispatch")
+    timer.wrap(runner, "sample", "dispatch")
+    timer.wrap(runner, "complete", "wait+d2h")
+    timer.wrap(sched, "process_result", "process")
+    timer.wrap(eng.loop.delivery, "deliver", "deliver")
+    steps0 = eng.loop.stats["num_steps"]
+    trace = tempfile.mkdtemp(prefix="bench_engine-trace-") if profile else None
+    if trace:
+        jax.profiler.start_trace(trace)
+    try:
+        seconds = serve_once(off, n, new_tokens)
+    finally:
+        if trace:
+            jax.profiler.stop_trace()
+        timer.restore()
+    steps = eng.loop.stats["num_steps"] - steps0
+    busy, execs = device_busy_seconds(trace) if trace else (float("nan"), 0)
+    # The device-to-host copy alone: an array of a step's sampled tokens, already computed.
+    probe = jax.device_put(np.zeros((max(n, 8),), np.int32))
+    jax.block_until_ready(probe)
+    d2h = []
+    for _ in range(20):
+        x = probe + 1
+        jax.block_until_ready(x)
+        t0 = time.perf_counter()
+        jax.device_get(x)
+        d2h.append(time.perf_counter() - t0)
+    per_step = {k: v / steps * 1e3 for k, v in timer.totals.items()}
+    return {"requests": n, "new_tokens": new_tokens, "seconds": seconds,
+            "tok_per_s": n * new_tokens / seconds, "steps": steps,
+            "step_ms": seconds / steps * 1e3, "phase_ms_per_step": per_step,
+            "host_ms_per_step": sum(v for k, v in per_step.items() if k != "wait+d2h"),
+            "device_busy_ms_per_step": busy / steps * 1e3, "device_executions": execs,
+            "d2h_ms": statistics.median(d2h) * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--requests", default="1,64")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--context-length", type=int, default=512)
+    ap.add_argument("--chunked-prefill-size", type=int, default=1024)
+    ap.add_argument("--no-profile", action="store_true", help="skip the jax.profiler trace")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-startup", action="store_true", help="skip the start-up children")
+    ap.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.startup_child:
+        return startup_child(args)
+    counts = [int(x) for x in args.requests.split(",")]
+    report: dict[str, Any] = {"dtype": args.dtype}
+    cache_dir = tempfile.mkdtemp(prefix="bench_engine-cc-")
+    if not args.no_startup:  # before this process opens the backend
+        argv = [a for a in sys.argv[1:]]
+        report["startup_cold"] = cold = startup(argv, cache_dir)
+        report["startup_warm"] = warm = startup(argv, cache_dir)
+    report["backend"], report["device_kind"] = jax.default_backend(), jax.devices()[0].device_kind
+    print(f"backend {report['backend']} ({report['device_kind']}), {args.dtype}")
+    if not args.no_startup:
+        for name, r in (("an empty", cold), ("a filled", warm)):
+            print(f"start-up, {name} compilation cache: ready {r['ready_s']:.1f} s after the "
+                  f"process started (imports {r['imports_s']:.1f} s, backend {r['backend_s']:.1f} "
+                  f"s, Engine {r['engine_s']:.1f} s of which warm-up {r['warmup_s']:.1f} s)")
+    eng = start(args, cache_dir, max(counts))
+    report["serving"] = []
+    try:
+        for n in counts:
+            r = measure_serving(eng, n, args.new_tokens, profile=not args.no_profile)
+            report["serving"].append(r)
+            ph = "  ".join(f"{k} {v:.3f}" for k, v in r["phase_ms_per_step"].items())
+            print(f"{n:4d} requests x {args.new_tokens} tokens: {r['tok_per_s']:9.0f} tok/s, "
+                  f"{r['steps']} steps, {r['step_ms']:.3f} ms/step; host {r['host_ms_per_step']:.3f} "
+                  f"ms/step, device busy {r['device_busy_ms_per_step']:.3f} ms/step "
+                  f"({r['device_executions']} programs), d2h alone {r['d2h_ms']:.3f} ms")
+            print(f"     per step (ms): {ph}")
+    finally:
+        eng.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
