@@ -63,6 +63,16 @@ def start(args: argparse.Namespace, cache_dir: str, max_running: int) -> Engine:
 def startup_child(args: argparse.Namespace) -> None:
     """The start-up figures of this process (a child of ``main``), as one JSON line."""
     t_imports = time.perf_counter() - T_PROCESS
+    compile_s: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.defaultdict(int)
+
+    def on_duration(event: str, seconds: float, **_) -> None:
+        if event.startswith("/jax/core/compile/"):
+            name = event.rsplit("/", 1)[1].removesuffix("_duration")
+            compile_s[name] += seconds
+            counts[name] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     t0 = time.perf_counter()
     jax.devices()
     t_backend = time.perf_counter() - t0
@@ -71,7 +81,8 @@ def startup_child(args: argparse.Namespace) -> None:
     t_engine = time.perf_counter() - t0
     print(json.dumps({"imports_s": t_imports, "backend_s": t_backend, "engine_s": t_engine,
                       "warmup_s": eng.warmup_seconds,
-                      "ready_s": time.perf_counter() - T_PROCESS}))
+                      "ready_s": time.perf_counter() - T_PROCESS,
+                      "compile_s": dict(compile_s), "compile_counts": dict(counts)}))
     eng.shutdown()
 
 
@@ -220,6 +231,8 @@ def main() -> None:
             print(f"start-up, {name} compilation cache: ready {r['ready_s']:.1f} s after the "
                   f"process started (imports {r['imports_s']:.1f} s, backend {r['backend_s']:.1f} "
                   f"s, Engine {r['engine_s']:.1f} s of which warm-up {r['warmup_s']:.1f} s)")
+            print("   jax compile time: " + ", ".join(
+                f"{k} {v:.1f} s ({r['compile_counts'][k]})" for k, v in r["compile_s"].items()))
     eng = start(args, cache_dir, max(counts))
     report["serving"] = []
     try:

@@ -42,8 +42,8 @@ import numpy as np
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledBatch, ScheduledChunk
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
-from sglang_tpu_backend.model_executor import state_transfer, warmup
-from sglang_tpu_backend.model_executor.backends import make_backend
+from sglang_tpu_backend.model_executor import host_inputs, state_transfer, warmup
+from sglang_tpu_backend.model_executor.backends import SingleDeviceBackend, make_backend
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.nextn_step import MtpInputs, NextnDrafts
@@ -324,6 +324,7 @@ class ModelRunner:
         """The jitted forward on one numpy batch per rank; updates the cache in place
         (donated). f32[D*L, V] logits. ``from_slot`` i32[T] (one device only): rows >= 0 take
         their input id from the sampler's ``last_tokens``. NEXTN: keeps the hidden states."""
+        fbs, from_slot = self.place_batch(fbs, from_slot)
         if self.nextn is not None:
             if from_slot is not None:  # (speculation turns overlap scheduling off)
                 raise ValueError("NEXTN steps take no in-flight decode inputs")
@@ -371,7 +372,27 @@ class ModelRunner:
                variant: sampler.SamplerVariant = sampler.FULL) -> dict[str, jax.Array]:
         """Dispatch the sampler (updating the penalty counts and last tokens); returns its
         outputs as device arrays."""
-        return self.sampler.sample(logits, inp, K, variant)
+        return self.sampler.sample(logits, self.place_sampling(inp), K, variant)
+
+    # Host inputs on the device -----------------------------------------------------------
+    def place_batch(self, fbs: list[ForwardBatch], from_slot: np.ndarray | None
+                    ) -> tuple[list[ForwardBatch], Any]:
+        """One device: the numpy batch and in-flight rows (then always an array, -1 = none;
+        NEXTN takes none) on the device in one copy (``host_inputs.py``). DP and TP
+        backends place their inputs over the mesh themselves: unchanged."""
+        if not isinstance(self.backend, SingleDeviceBackend):
+            return fbs, from_slot
+        (fb,) = fbs
+        if from_slot is None and self.nextn is None:
+            from_slot = np.full(fb.input_ids.shape, -1, np.int32)
+        fb, from_slot = host_inputs.to_device((fb, from_slot), self.backend.device)
+        return [fb], from_slot
+
+    def place_sampling(self, inp: sampler.SamplingInputs) -> sampler.SamplingInputs:
+        """One device: the sampling inputs on the device in one copy (else unchanged)."""
+        if not isinstance(self.backend, SingleDeviceBackend):
+            return inp
+        return host_inputs.to_device(inp, self.backend.device)
 
     def run(self, batch: ScheduledBatch) -> list[ChunkResult]:
         """Run one step: forward, sample, and split the outputs per chunk."""
@@ -403,6 +424,8 @@ class ModelRunner:
         if step.mtp is not None:
             out["drafts"] = self.draft(step.fbs, step.mtp, out["tokens"],
                                        np.ones(len(out["tokens"]), np.int32), batch.chunks)
+        for x in jax.tree.leaves((out, self._stats)):  # the copy back starts as the step ends
+            x.copy_to_host_async()
         return LaunchedStep(batch, out, step.rows, step.sample_idx, self._stats)
 
     def complete(self, step: LaunchedStep) -> list[ChunkResult]:

@@ -58,7 +58,8 @@ def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
 
     def warm_sampler(logits, R: int, L: int) -> None:
         for variant in runner.sampler_variants():
-            inp = dummy_sampling_inputs(D * R, D * L, runner.vocab_size, variant)
+            inp = runner.place_sampling(
+                dummy_sampling_inputs(D * R, D * L, runner.vocab_size, variant))
             for K in (0, runner.max_top_logprobs_num):
                 _, scratch[0], scratch[1] = state.sample_with(logits, *scratch, inp, K, variant)
         jax.block_until_ready(scratch)
