@@ -159,7 +159,8 @@ def serve_once(off: OfflineEngine, n: int, new_tokens: int) -> float:
     return dt
 
 
-def measure_serving(eng: Engine, n: int, new_tokens: int, profile: bool) -> dict:
+def measure_serving(eng: Engine, n: int, new_tokens: int, profile: bool,
+                    trace_out: str | None = None) -> dict:
     off = OfflineEngine(engine=eng)
     serve_once(off, n, new_tokens)  # first run: compiles nothing (warm-up did), fills caches
     timer = PhaseTimer()
@@ -183,6 +184,11 @@ def measure_serving(eng: Engine, n: int, new_tokens: int, profile: bool) -> dict
         timer.restore()
     steps = eng.loop.stats["num_steps"] - steps0
     busy, execs = device_busy_seconds(trace) if trace else (float("nan"), 0)
+    if trace and trace_out:
+        import shutil
+
+        for f in glob.glob(f"{trace}/**/*.xplane.pb", recursive=True):
+            shutil.copy(f, os.path.join(trace_out, f"requests{n}.xplane.pb"))
     # The device-to-host copy alone: an array of a step's sampled tokens, already computed.
     probe = jax.device_put(np.zeros((max(n, 8),), np.int32))
     jax.block_until_ready(probe)
@@ -211,6 +217,8 @@ def main() -> None:
     ap.add_argument("--context-length", type=int, default=512)
     ap.add_argument("--chunked-prefill-size", type=int, default=1024)
     ap.add_argument("--no-profile", action="store_true", help="skip the jax.profiler trace")
+    ap.add_argument("--trace-out", default=None,
+                    help="copy each run's profiler trace (xplane.pb) into this directory")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-startup", action="store_true", help="skip the start-up children")
     ap.add_argument("--startup-child", default=None, help=argparse.SUPPRESS)
@@ -237,7 +245,8 @@ def main() -> None:
     report["serving"] = []
     try:
         for n in counts:
-            r = measure_serving(eng, n, args.new_tokens, profile=not args.no_profile)
+            r = measure_serving(eng, n, args.new_tokens, profile=not args.no_profile,
+                                trace_out=args.trace_out)
             report["serving"].append(r)
             ph = "  ".join(f"{k} {v:.3f}" for k, v in r["phase_ms_per_step"].items())
             print(f"{n:4d} requests x {args.new_tokens} tokens: {r['tok_per_s']:9.0f} tok/s, "

@@ -1,17 +1,34 @@
 #!/usr/bin/env bash
 # The TPU leg: the kernel tests, the model on the kernels and the engine, on a TPU chip, in one
-# process (a chip takes one process at a time).
-#   bash tests/run_tpu.sh              the whole leg
-#   bash tests/run_tpu.sh -k gdn       pytest arguments are passed on
+# process per part (a chip takes one process at a time).
+#   bash tests/run_tpu.sh                  every part, one after another
+#   bash tests/run_tpu.sh attention        one part: kernels (GDN, GDN verify, grouped matmul,
+#                                          routing, collectives, package), attention (ragged
+#                                          paged attention), engine (the model on the kernels,
+#                                          tests/chip); each part runs within 10 minutes on a v5e
+#   bash tests/run_tpu.sh kernels -k gdn   pytest arguments after the part are passed on
 # Every kernel test case written for interpret mode runs compiled by Mosaic and executed on the
-# chip (STB_INTERPRET_ON_CHIP=1, kernels/dispatch.py); f32 comparisons run at the "highest"
-# matmul precision (tests/conftest.py); tests about the CPU (marker cpu_only) skip, tests that
-# need a chip (marker chip, tests/chip/) run. Without a TPU the chip tests skip: this leg is not
-# part of CI (tests/run.sh), which has no chip.
+# chip (STB_INTERPRET_ON_CHIP=1, kernels/dispatch.py); tests about the CPU (marker cpu_only)
+# skip, tests that need a chip (marker chip, tests/chip/) run; tests that compare f32 results
+# set the matmul precision they mean (tests/conftest.py). Without a TPU the chip tests skip:
+# this leg is not part of CI (tests/run.sh), which has no chip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
 export JAX_PLATFORMS=tpu,cpu STB_INTERPRET_ON_CHIP=1
-exec "$PY" -m pytest -q -ra --durations=15 tests/kernels tests/model/test_model_on_kernels.py \
-  tests/chip "$@"
+KERNELS=(tests/kernels/test_gdn.py tests/kernels/test_gdn_verify.py tests/kernels/test_gmm.py
+         tests/kernels/test_routing.py tests/kernels/test_collectives.py tests/kernels/test_package.py)
+ATTENTION=(tests/kernels/test_ragged_paged_attention.py)
+ENGINE=(tests/model/test_model_on_kernels.py tests/chip)
+part=all
+case "${1:-}" in kernels|attention|engine|all) part=$1; shift;; esac
+run() { "$PY" -m pytest -q -ra -p no:cacheprovider --durations=10 "$@"; }
+case $part in
+  kernels) run "${KERNELS[@]}" "$@";;
+  attention) run "${ATTENTION[@]}" "$@";;
+  engine) run "${ENGINE[@]}" "$@";;
+  all) status=0
+       for p in kernels attention engine; do bash "$0" "$p" "$@" || status=1; done
+       exit $status;;
+esac

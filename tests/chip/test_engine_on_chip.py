@@ -4,7 +4,7 @@ its greedy float32 tokens equal the CPU's on two architectures.
 Runs on the TPU leg (``tests/run_tpu.sh``); skipped everywhere else (marker ``chip``).
 
 Parity: the engine decodes greedily on the chip (f32 weights and caches, the Pallas kernels,
-matmuls at "highest" precision, set by the leg); the CPU then runs the pure-JAX reference
+matmuls at "highest" precision); the CPU then runs the pure-JAX reference
 forward over each whole sequence (prompt + the chip's tokens, teacher-forced) on the CPU
 device of the same process. A sequence equals the CPU's greedy one exactly when, at every
 generated position, the CPU's argmax is the chip's token. Where the first one differs, the
@@ -95,7 +95,7 @@ def _parity(model_path, name: str) -> dict:
     try:
         outs = eng.generate(input_ids=prompts, sampling_params={
             "max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
-        path = eng.engine.server_args.model_path
+        path = eng.engine.args.model_path
     finally:
         eng.shutdown()
     gen = [o["output_ids"] for o in outs]
@@ -123,8 +123,18 @@ def _parity(model_path, name: str) -> dict:
     return report
 
 
+@pytest.fixture
+def f32_matmuls():
+    """f32 matmuls process-wide for the test (the engine's loop thread traces its programs
+    too, and a ``with`` block would hold for this thread only), restored after."""
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    jax.config.update("jax_default_matmul_precision", before)
+
+
 @pytest.mark.parametrize("arch", ["default", "second"])
-def test_greedy_f32_tokens_equal_the_cpus(arch, tmp_path):
+def test_greedy_f32_tokens_equal_the_cpus(arch, tmp_path, f32_matmuls):
     from sglang_tpu_backend.tiny_model import SECOND_ARCHITECTURE, write_architecture
 
     path = None if arch == "default" else write_architecture(tmp_path / "m", SECOND_ARCHITECTURE)

@@ -2,7 +2,8 @@
 
 Tolerances (max abs error; inputs are O(1), outputs O(0.1-1)):
   fp32 everywhere: 2e-5 between the chunked, recurrent and rearranged-decode forms (same math,
-    different summation order), 1e-4 against the float64 numpy loop and transformers.
+    different summation order; 5e-5 on a TPU, see F32_TOL), 1e-4 against the float64 numpy
+    loop and transformers.
   bf16 inputs/outputs or bf16 state: 1.6e-2 (2 bf16 ulps of the state values in [1, 2); the
     kernel and the reference can round an fp32 value to neighbouring bf16 values). Measured
     errors are far below: ~1e-5.
@@ -24,7 +25,10 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from kernels import gdn  # noqa: E402
 from kernels.gdn_common import conv_state_rows  # noqa: E402
 
-F32_TOL = 2e-5
+# On a TPU (the TPU leg) f32 exp / log1p / rsqrt are not correctly rounded and HIGHEST
+# products go through bf16 passes: the chunked and recurrent forms, which exponentiate the
+# cumulative gates in different orders, measured 2.2e-5 to 3.8e-5 apart on a v5e.
+F32_TOL = 5e-5 if jax.default_backend() == "tpu" else 2e-5
 F64_TOL = 1e-4
 BF16_TOL = 1.6e-2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import pytest
 
 import kernels
@@ -25,7 +26,8 @@ def test_transformers_does_not_see_a_hub_kernels_package():
 
 def test_dispatch_resolves_and_rejects():
     assert dispatch.resolve("reference") == "reference"
-    assert dispatch.resolve("interpret") == "interpret"
+    on_chip = dispatch.INTERPRET_ON_CHIP and jax.default_backend() == "tpu"  # the TPU leg
+    assert dispatch.resolve("interpret") == ("pallas" if on_chip else "interpret")
     assert dispatch.resolve("auto") in ("pallas", "reference")
     assert dispatch.interpret_params("reference") is False
     with pytest.raises(ValueError, match="impl must be one of"):

@@ -189,6 +189,8 @@ def test_reference_matches_numpy_loop(name):
     close(o2, numpy_attention(x, x["kv_pages"], c.head_dim ** -0.5), c.dtype)
 
 
+@pytest.mark.cpu_only(reason="exact softmax weights at rtol 1e-6; XLA:TPU's f32 exp is not "
+                            "correctly rounded (the kernel cases check the chip)")
 def test_reference_hand_checked():
     """One request, one head, only dim 0 non-zero: softmax weights 1:2(:3) by hand."""
     x = make_inputs(Case([2], [1], num_q_heads=1, num_kv_heads=1, head_dim=128, page_size=16))
