@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch
-from kernels.cost import Cost
+from . import dispatch
+from .cost import Cost
 
 MAX_MICROBATCHES = 4
 # collective_id of the reduce-scatter kernel's barrier semaphore (one per collective kernel).

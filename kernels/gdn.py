@@ -52,12 +52,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels import dispatch
-from kernels import gdn_kernels
-from kernels.cost import Cost
-from kernels.gdn_common import (F32, HI, VALID, L2NORM_EPS, chunk_layout, conv_act, conv_state_rows,
-                                decode_rows, gates, l2norm, num_chunk_slots, request_meta,
-                                token_meta)
+from . import dispatch
+from . import gdn_kernels
+from .cost import Cost
+from .gdn_common import (F32, HI, VALID, L2NORM_EPS, chunk_layout, conv_act, conv_state_rows,
+                         decode_rows, gates, l2norm, num_chunk_slots, request_meta, token_meta)
 
 __all__ = ["CHUNK_SIZE", "GdnBlockSizes", "L2NORM_EPS", "XLA_CHUNK_SIZE", "gated_delta_net",
            "gated_delta_net_cost", "num_chunk_slots", "ref_gated_delta_net", "ref_recurrent_gdn"]

@@ -42,8 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.gdn_common import (F32, FIRST, FRESH, HI, LAST, VALID, chunk_layout, conv_act,
-                                decode_rows, gates, l2norm, num_chunk_slots, token_meta)
+from .gdn_common import (F32, FIRST, FRESH, HI, LAST, VALID, chunk_layout, conv_act,
+                         decode_rows, gates, l2norm, num_chunk_slots, token_meta)
 
 _LANES = 128
 _NUM_SEMS = 4  # DMA semaphores: conv segments (<= 3) + recurrent state block

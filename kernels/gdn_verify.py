@@ -43,9 +43,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import dispatch, gdn, gdn_kernels, gdn_verify_kernel
-from kernels.cost import Cost
-from kernels.gdn_common import F32, token_meta
+from . import dispatch, gdn, gdn_kernels, gdn_verify_kernel
+from .cost import Cost
+from .gdn_common import F32, token_meta
 
 __all__ = ["commit_states", "gated_delta_net_commit_cost", "gated_delta_net_verify",
            "gated_delta_net_verify_cost", "ref_gdn_verify"]

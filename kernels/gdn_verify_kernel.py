@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.gdn_common import F32, FRESH, VALID, conv_act, gates
-from kernels.gdn_kernels import (_NUM_SEMS, Geometry, _block_heads, _decode_conv, _decode_head,
-                                 _dma_all, _head_blocks, _state_copies, _to_blocks)
+from .gdn_common import F32, FRESH, VALID, conv_act, gates
+from .gdn_kernels import (_NUM_SEMS, Geometry, _block_heads, _decode_conv, _decode_head,
+                          _dma_all, _head_blocks, _state_copies, _to_blocks)
 
 
 def _verify_kernel(

@@ -63,7 +63,7 @@ from typing import Any
 
 import jax
 
-from kernels.gdn_common import conv_state_rows
+from sglang_tpu_backend.kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.config import ModelConfig, load_model_config, model_config_from_dict
 from sglang_tpu_backend.models.param_shapes import mtp_param_shapes, num_param_bytes, param_shapes
 
@@ -449,7 +449,7 @@ def compile_and_compare(cfg: ModelConfig, p: MemoryPlan, a, out=sys.stdout
     Returns (exit code, {"decode": bytes efficiency, "prefill": FLOPs efficiency})."""
     import jax.numpy as jnp
 
-    from kernels.tpu_compile import topology_devices
+    from sglang_tpu_backend.kernels.tpu_compile import topology_devices
     from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
     from sglang_tpu_backend.model_executor.step_compile import (
         StepSpec,

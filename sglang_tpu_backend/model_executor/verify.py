@@ -31,7 +31,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels import gdn_verify
+from sglang_tpu_backend.kernels import gdn_verify
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.models import qwen3_5_moe

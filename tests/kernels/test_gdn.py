@@ -21,8 +21,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from kernels import gdn  # noqa: E402
-from kernels.gdn_common import conv_state_rows  # noqa: E402
+from sglang_tpu_backend.kernels import gdn  # noqa: E402
+from sglang_tpu_backend.kernels.gdn_common import conv_state_rows  # noqa: E402
 
 F32_TOL = 2e-5
 F64_TOL = 1e-4

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from kernels import gdn, gdn_verify  # noqa: E402
+from sglang_tpu_backend.kernels import gdn, gdn_verify  # noqa: E402
 from tests.kernels.test_gdn import BF16_TOL, F32_TOL, assert_close, make_case  # noqa: E402
 
 N = 4  # k = 3 drafts + the last token

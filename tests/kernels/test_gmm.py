@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import gmm as G
+from sglang_tpu_backend.kernels import gmm as G
 
 B = G.GmmBlockSizes
 
@@ -391,7 +391,7 @@ def test_xla_tile_rows_and_small_tiles():
 
 
 def test_auto_resolves_to_xla_off_tpu():
-    from kernels import dispatch
+    from sglang_tpu_backend.kernels import dispatch
 
     if jax.default_backend() == "tpu":
         pytest.skip("auto is Pallas on a TPU")

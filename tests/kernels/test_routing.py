@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import gmm as G
-from kernels import routing as R
+from sglang_tpu_backend.kernels import gmm as G
+from sglang_tpu_backend.kernels import routing as R
 
 BLOCKS = R.RoutingBlockSizes(gather_rows=16, reduce_tokens=8)  # several grid steps
 
