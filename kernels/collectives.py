@@ -411,7 +411,7 @@ def hierarchical_reduce_scatter(
       x: [N, H] this device's rows (float32, bfloat16 or int32), N divisible by C*E*M.
       chip_axis, die_axis: mesh axis names.
       num_microbatches: M in 1..4.
-      impl: see ``kernels.dispatch``; "reference" runs the same two-stage schedule with lax
+      impl: see ``kernels/dispatch.py``; "reference" runs the same two-stage schedule with lax
         collectives, "pallas"/"interpret" the remote-DMA kernel.
 
     Returns:

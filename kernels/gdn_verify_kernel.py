@@ -1,8 +1,8 @@
-"""Pallas TPU kernels of the GDN verify mode and its commit (the op: ``kernels.gdn_verify``).
+"""Pallas TPU kernels of the GDN verify mode and its commit (the op: ``kernels/gdn_verify.py``).
 
 Verify, grid (head block j, request r). A step reads request r's conv and recurrent state
 block once from the stacked HBM states (manual DMA, as the decode kernel in
-``kernels.gdn_kernels``; zeros for a fresh request), runs the request's n = k+1 tokens as n
+``kernels/gdn_kernels.py``; zeros for a fresh request), runs the request's n = k+1 tokens as n
 decode steps in VMEM with the decode kernel's math (``gdn_kernels._decode_conv`` /
 ``_decode_head``) and writes o and the conv state it read. The stacked states are only read:
 verify mode never writes a slot, and keeps no per-position state.

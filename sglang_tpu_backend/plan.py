@@ -28,7 +28,7 @@ weights   from ``models.param_shapes.param_shapes`` (+ ``num_param_bytes``), no 
                        where SGLang shards vocab and shared expert: TP weights are an upper bound).
 KV pages  r * ceil(context / page) * La * (2 * g * page * D * b_kv)      ([.., 2g, page, D])
 GDN state r * Lg * (rows(K) * c * b_kv + hv * Dk * Dv * b_state)
-          with rows = kernels.gdn_common.conv_state_rows(K) (4 for K = 4), c = 2*hk*Dk + hv*Dv;
+          with rows = gdn_common.conv_state_rows(K) (4 for K = 4), c = 2*hk*Dk + hv*Dv;
           the conv state is stored in the KV dtype.
 activations, one step of T = --max-num-batched-tokens tokens per DP rank, b = --dtype bytes:
           b * (2*T*H             residual stream + one layer's output

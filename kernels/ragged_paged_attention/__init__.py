@@ -64,7 +64,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
       layer: int (range-checked) or traced i32 scalar (clipped into range): the layer of
         kv_pages to write and read. The whole cache goes to the kernel (scalar prefetch of
         the layer index), never a per-layer slice.
-      impl: see :mod:`kernels.dispatch`.
+      impl: see ``kernels/dispatch.py``.
       block_sizes: Pallas tiling; default :meth:`BlockSizes.get_default`.
       batch_invariant: the XLA path reads every key from the pages in absolute-position
         blocks (a token's result does not depend on the rest of the batch; slower on

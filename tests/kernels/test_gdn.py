@@ -1,4 +1,4 @@
-"""Tests for kernels.gdn: fused causal conv1d + Gated DeltaNet (recurrent and chunked).
+"""Tests for kernels/gdn.py: fused causal conv1d + Gated DeltaNet (recurrent and chunked).
 
 Tolerances (max abs error; inputs are O(1), outputs O(0.1-1)):
   fp32 everywhere: 2e-5 between the chunked, recurrent and rearranged-decode forms (same math,

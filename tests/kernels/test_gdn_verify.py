@@ -1,4 +1,4 @@
-"""Tests for kernels.gdn_verify: GDN verify mode (k+1 tokens per request; o, the conv windows
+"""Tests for kernels/gdn_verify.py: GDN verify mode (k+1 tokens per request; o, the conv windows
 and the gate inputs) and ``commit_states`` (the accepted positions run again into the slots).
 
 Exactness claims, float32: the XLA path's o and conv windows, and the states its commit leaves

@@ -50,7 +50,7 @@ def _np_swiglu(h):
 def _np_quantize_lhs(x):
     """Numpy simulation of quantize_lhs: e4m3 per row per 512-wide K chunk, scale amax/448.
 
-    Rounds ``x * (1 / scale)`` in float32 exactly as documented in kernels.gmm.
+    Rounds ``x * (1 / scale)`` in float32 exactly as documented in kernels/gmm.py.
     """
     x = np.asarray(x, np.float32)
     out = np.zeros(x.shape, np.float64)

@@ -1,4 +1,4 @@
-"""TPU7x compile tests of the GDN kernels (kernels.gdn_kernels) through kernels.gdn.
+"""TPU7x compile tests of the GDN kernels (kernels/gdn_kernels.py) through kernels/gdn.py.
 
 Each case lowers ``gated_delta_net(..., impl="pallas")`` with Mosaic for one Ironwood
 TensorCore from abstract arrays, the layer passed as a traced scalar (as under the model's
