@@ -5,6 +5,7 @@ hub, which sglang and transformers import): transformers sees it only where it i
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -31,10 +32,15 @@ def _hub_kernels_installed() -> bool:
     return True
 
 
-def test_transformers_does_not_mistake_our_folder_for_hub_kernels():
-    transformers_utils = pytest.importorskip("transformers.utils")
+def test_top_level_kernels_is_never_ours():
+    """kernels/ (on sys.path through pytest's pythonpath) is at most a namespace portion: an
+    installed hub ``kernels`` wins; without one, transformers does not mistake it for one."""
+    spec = importlib.util.find_spec("kernels")
     if _hub_kernels_installed():
-        pytest.skip("Hugging Face's kernels package is installed (tests/structure covers it)")
+        assert spec.origin and Path(spec.origin).resolve().parent != REPO / "kernels"
+        return
+    assert spec is None or spec.origin in (None, "namespace")
+    transformers_utils = pytest.importorskip("transformers.utils")
     assert not transformers_utils.is_kernels_available()
 
 
