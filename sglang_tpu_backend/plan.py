@@ -63,8 +63,8 @@ from typing import Any
 
 import jax
 
-from sglang_tpu_backend.kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.config import ModelConfig, load_model_config, model_config_from_dict
+from sglang_tpu_backend.kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.models.param_shapes import mtp_param_shapes, num_param_bytes, param_shapes
 
 GiB = 1 << 30

@@ -43,9 +43,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig
 from sglang_tpu_backend.kernels import gdn, gdn_verify, ragged_paged_attention as rpa
 from sglang_tpu_backend.kernels.gdn_common import conv_state_rows
-from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.models.layers import (
     apply_partial_rope,
