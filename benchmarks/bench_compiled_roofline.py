@@ -32,8 +32,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.compiled_roofline import TPU7X
+from sglang_tpu_backend.kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh

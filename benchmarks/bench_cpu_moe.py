@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import gmm
 from sglang_tpu_backend.config import model_config_from_dict
+from sglang_tpu_backend.kernels import gmm
 from sglang_tpu_backend.models.moe import routed_experts
 from sglang_tpu_backend.models.qwen3_5_moe import moe_block, route_tokens
 from sglang_tpu_backend.tiny_model import tiny_config_dict

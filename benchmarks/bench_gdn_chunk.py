@@ -19,8 +19,8 @@ import time
 import jax
 import numpy as np
 
-from kernels import gdn
 from sglang_tpu_backend.engine import Engine
+from sglang_tpu_backend.kernels import gdn
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.warmup import dummy_batch
 from sglang_tpu_backend.models import qwen3_5_moe

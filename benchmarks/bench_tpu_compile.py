@@ -17,8 +17,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from kernels.tpu_compile import core_mesh
 from sglang_tpu_backend.config import model_config_from_dict
+from sglang_tpu_backend.kernels.tpu_compile import core_mesh
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_step
 

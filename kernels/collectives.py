@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch
-from kernels.cost import Cost
+from . import dispatch
+from .cost import Cost
 
 MAX_MICROBATCHES = 4
 # collective_id of the reduce-scatter kernel's barrier semaphore (one per collective kernel).
@@ -411,7 +411,7 @@ def hierarchical_reduce_scatter(
       x: [N, H] this device's rows (float32, bfloat16 or int32), N divisible by C*E*M.
       chip_axis, die_axis: mesh axis names.
       num_microbatches: M in 1..4.
-      impl: see ``kernels.dispatch``; "reference" runs the same two-stage schedule with lax
+      impl: see ``kernels/dispatch.py``; "reference" runs the same two-stage schedule with lax
         collectives, "pallas"/"interpret" the remote-DMA kernel.
 
     Returns:

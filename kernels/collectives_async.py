@@ -47,8 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import collectives, dispatch
-from kernels.cost import Cost
+from . import collectives, dispatch
+from .cost import Cost
 
 # collective_id of the start kernel's barrier (the synchronous kernel uses 0).
 ASYNC_COLLECTIVE_ID = 1

@@ -23,12 +23,12 @@ weight dtype before SiLU and to the input dtype after it; q/k are l2-normalised 
 b's dtype; ``g = -exp(A_log) * softplus(a + dt_bias)`` in fp32; the recurrence is fp32 and
 the recurrent state is stored back in its own dtype (fp32 or bf16).
 
-Implementations (``impl``, see ``kernels.dispatch``; the Pallas kernels are in
-``kernels.gdn_kernels``, the math they share with the references in ``kernels.gdn_common``):
+Implementations (``impl``, see ``kernels/dispatch.py``; the Pallas kernels are in
+``kernels/gdn_kernels.py``, the math they share with the references in ``kernels/gdn_common.py``):
   * ``decode=True``: one token per request, row r is request r. A vectorised recurrent step
     using ``o = q.S_pre + (q.k) d`` (S_pre the decayed state), so o does not wait on the
     rank-1 update. Off the Pallas path it runs as :func:`decode_loop`, the loop body that
-    speculative verify mode (``kernels.gdn_verify``) runs once per verified position.
+    speculative verify mode (``kernels/gdn_verify.py``) runs once per verified position.
   * ``decode=False``: ragged prefill chunks and decode rows mixed. Each request's tokens are
     cut into chunks of ``chunk_size``; the chunks of all requests are laid out in a static
     number of chunk slots ``N = min(T, cdiv(T, L) + R)``, and a scan over chunks carries each
@@ -52,12 +52,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels import dispatch
-from kernels import gdn_kernels
-from kernels.cost import Cost
-from kernels.gdn_common import (F32, HI, VALID, L2NORM_EPS, chunk_layout, conv_act, conv_state_rows,
-                                decode_rows, gates, l2norm, num_chunk_slots, request_meta,
-                                token_meta)
+from . import dispatch
+from . import gdn_kernels
+from .cost import Cost
+from .gdn_common import (F32, HI, VALID, L2NORM_EPS, chunk_layout, conv_act, conv_state_rows,
+                         decode_rows, gates, l2norm, num_chunk_slots, request_meta, token_meta)
 
 __all__ = ["CHUNK_SIZE", "GdnBlockSizes", "L2NORM_EPS", "XLA_CHUNK_SIZE", "gated_delta_net",
            "gated_delta_net_cost", "num_chunk_slots", "ref_gated_delta_net", "ref_recurrent_gdn"]
@@ -450,7 +449,7 @@ def gated_delta_net(
         default ``CHUNK_SIZE``, ``XLA_CHUNK_SIZE`` on the XLA path.
       layer: the GDN layer to read and update: a Python int or a traced i32 scalar (the Pallas
         kernels receive it by scalar prefetch; a traced value is clipped to [0, Lyr)).
-      impl: see ``kernels.dispatch``; static under jit.
+      impl: see ``kernels/dispatch.py``; static under jit.
       block_sizes: tiling of the Pallas kernels.
 
     Returns:

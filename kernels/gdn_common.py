@@ -1,5 +1,5 @@
-"""Math and batch metadata shared by the GDN references (``kernels.gdn``) and the Pallas
-kernels (``kernels.gdn_kernels``). See ``kernels.gdn`` for the op, its numerics and the
+"""Math and batch metadata shared by the GDN references (``kernels/gdn.py``) and the Pallas
+kernels (``kernels/gdn_kernels.py``). See ``kernels/gdn.py`` for the op, its numerics and the
 dimension letters.
 """
 

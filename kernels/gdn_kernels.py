@@ -1,4 +1,4 @@
-"""Pallas TPU kernels of the fused causal conv1d + Gated DeltaNet (the op: ``kernels.gdn``).
+"""Pallas TPU kernels of the fused causal conv1d + Gated DeltaNet (the op: ``kernels/gdn.py``).
 
 Two kernels over a grid (head block j, step i): ``_decode_kernel`` (step = decode row, one
 token per request) and ``_chunk_kernel`` (step = chunk of one request; a request's chunks are
@@ -27,7 +27,7 @@ for 32-bit and (16, 128) for bf16, and needs dynamic offsets there to be provabl
     per-head lane slices); the last K-1 inputs of a chunk of dynamic length, and row i of the
     forward substitution, are picked with iota masks instead of dynamic sublane indexing.
 
-Dimension letters as in ``kernels.gdn``; nb head blocks of kb qk heads and hb = kb * Hv / Hk
+Dimension letters as in ``kernels/gdn.py``; nb head blocks of kb qk heads and hb = kb * Hv / Hk
 value heads; cb = 2 * kb * Dk + hb * Dv block channels; P = K-1 rounded up to 8.
 """
 
@@ -42,8 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.gdn_common import (F32, FIRST, FRESH, HI, LAST, VALID, chunk_layout, conv_act,
-                                decode_rows, gates, l2norm, num_chunk_slots, token_meta)
+from .gdn_common import (F32, FIRST, FRESH, HI, LAST, VALID, chunk_layout, conv_act,
+                         decode_rows, gates, l2norm, num_chunk_slots, token_meta)
 
 _LANES = 128
 _NUM_SEMS = 4  # DMA semaphores: conv segments (<= 3) + recurrent state block
@@ -414,7 +414,7 @@ def _head_blocks(x, geom):
 def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state,
                cu_q_lens, kv_lens, state_slots, num_seqs, layer, *, geom: Geometry,
                decode: bool, cost, interpret):
-    """Run the decode or chunk kernel; arguments as ``kernels.gdn.gated_delta_net`` (``layer``
+    """Run the decode or chunk kernel; arguments as ``gdn.gated_delta_net`` (``layer``
     an i32 scalar, already clipped to the stacked layers)."""
     T = mixed_qkv.shape[0]
     R = state_slots.shape[0]

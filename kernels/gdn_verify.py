@@ -19,7 +19,7 @@ a <= n decode steps of the GDN layers only (the model is not re-run).
 Layout: T = R * n tokens, request r owns rows ``r*n .. r*n+n-1`` (every request, padding
 requests included, has exactly n rows; n is static, ``T // R``). Requests ``r >= num_seqs``
 are padding: their outputs are zero. A request with ``kv_lens[r] == n`` is fresh (its slot
-is read as zeros), as in ``kernels.gdn``. Dimension letters and numerics as there.
+is read as zeros), as in ``kernels/gdn.py``. Dimension letters and numerics as there.
 
 Each position, in verify mode and in the commit, is one decode step in the decode path's
 association order (``gdn._decode_step``: o = q.S_pre + (q.k) d). On the XLA path all run the
@@ -30,7 +30,7 @@ needs the conv state's dtype to hold mixed_qkv's values exactly (the same dtype 
 one): the commit reads the inputs back from the windows, cast to a's dtype. The reference
 agrees with both to rounding (another association order).
 
-Implementations (``impl``, ``kernels.dispatch``):
+Implementations (``impl``, ``kernels/dispatch.py``):
   * ``"xla"`` / ``"auto"`` off-TPU: n decode steps over all requests (``gdn.decode_loop``).
   * ``"reference"``: the ground truth, :func:`gdn.ref_recurrent_gdn` (transformers' order):
     over all n tokens of every request (verify), over each request's accepted ones (commit).
@@ -43,9 +43,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import dispatch, gdn, gdn_kernels, gdn_verify_kernel
-from kernels.cost import Cost
-from kernels.gdn_common import F32, token_meta
+from . import dispatch, gdn, gdn_kernels, gdn_verify_kernel
+from .cost import Cost
+from .gdn_common import F32, token_meta
 
 __all__ = ["commit_states", "gated_delta_net_commit_cost", "gated_delta_net_verify",
            "gated_delta_net_verify_cost", "ref_gdn_verify"]

@@ -1,8 +1,8 @@
-"""Pallas TPU kernels of the GDN verify mode and its commit (the op: ``kernels.gdn_verify``).
+"""Pallas TPU kernels of the GDN verify mode and its commit (the op: ``kernels/gdn_verify.py``).
 
 Verify, grid (head block j, request r). A step reads request r's conv and recurrent state
 block once from the stacked HBM states (manual DMA, as the decode kernel in
-``kernels.gdn_kernels``; zeros for a fresh request), runs the request's n = k+1 tokens as n
+``kernels/gdn_kernels.py``; zeros for a fresh request), runs the request's n = k+1 tokens as n
 decode steps in VMEM with the decode kernel's math (``gdn_kernels._decode_conv`` /
 ``_decode_head``) and writes o and the conv state it read. The stacked states are only read:
 verify mode never writes a slot, and keeps no per-position state.
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.gdn_common import F32, FRESH, VALID, conv_act, gates
-from kernels.gdn_kernels import (_NUM_SEMS, Geometry, _block_heads, _decode_conv, _decode_head,
-                                 _dma_all, _head_blocks, _state_copies, _to_blocks)
+from .gdn_common import F32, FRESH, VALID, conv_act, gates
+from .gdn_kernels import (_NUM_SEMS, Geometry, _block_heads, _decode_conv, _decode_head,
+                          _dma_all, _head_blocks, _state_copies, _to_blocks)
 
 
 def _verify_kernel(

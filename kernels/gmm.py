@@ -46,8 +46,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch
-from kernels.cost import Cost
+from . import dispatch
+from .cost import Cost
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -615,7 +615,7 @@ def gmm(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False, out_dtype=
         checkpoints' ``weight_scale_inv``).
       quantize_lhs: FP8 only; quantise lhs to e4m3 per row per 512-wide K sub-channel.
       out_dtype: defaults to lhs.dtype.
-      impl: see :mod:`kernels.dispatch` (static under jit).
+      impl: see ``kernels/dispatch.py`` (static under jit).
       block_sizes: tile override for the Pallas path (the XLA path tiles rows by
         ``XLA_TILE_ROWS``).
       layer: optional int or traced i32 scalar; then ``rhs`` is a stack [Lyr, G, N, K] (scale

@@ -53,8 +53,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch
-from kernels.cost import Cost
+from . import dispatch
+from .cost import Cost
 
 NUM_INFLIGHT = 8  # row DMAs kept in flight per kernel step
 
@@ -260,7 +260,7 @@ def gather_rows(x, token_idx, *, num_rows=None, cost_rows: int | None = None, im
         blocks that start below it; later rows are unspecified and cost no traffic
         (``route_metadata`` puts the local rows first, so their count is enough).
       cost_rows: rows the Pallas ``CostEstimate`` charges (static; default M).
-      impl: see :mod:`kernels.dispatch` (static under jit).
+      impl: see ``kernels/dispatch.py`` (static under jit).
     Returns:
       [M, H] in x.dtype.
     """
@@ -319,7 +319,7 @@ def gather_reduce(y, rows, weights, *, cost_reads: int | None = None, impl=None,
       weights: f32[T, k] routing weights.
       cost_reads: rows of y the Pallas ``CostEstimate`` charges (static; default T*k): the
         kernel DMAs only the slots with a valid row, e.g. ~T*k/D on an expert-parallel device.
-      impl: see :mod:`kernels.dispatch` (static under jit).
+      impl: see ``kernels/dispatch.py`` (static under jit).
     Returns:
       [T, H] in y.dtype, summed in fp32.
     """

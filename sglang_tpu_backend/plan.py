@@ -28,7 +28,7 @@ weights   from ``models.param_shapes.param_shapes`` (+ ``num_param_bytes``), no 
                        where SGLang shards vocab and shared expert: TP weights are an upper bound).
 KV pages  r * ceil(context / page) * La * (2 * g * page * D * b_kv)      ([.., 2g, page, D])
 GDN state r * Lg * (rows(K) * c * b_kv + hv * Dk * Dv * b_state)
-          with rows = kernels.gdn_common.conv_state_rows(K) (4 for K = 4), c = 2*hk*Dk + hv*Dv;
+          with rows = gdn_common.conv_state_rows(K) (4 for K = 4), c = 2*hk*Dk + hv*Dv;
           the conv state is stored in the KV dtype.
 activations, one step of T = --max-num-batched-tokens tokens per DP rank, b = --dtype bytes:
           b * (2*T*H             residual stream + one layer's output
@@ -63,8 +63,8 @@ from typing import Any
 
 import jax
 
-from kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.config import ModelConfig, load_model_config, model_config_from_dict
+from sglang_tpu_backend.kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.models.param_shapes import mtp_param_shapes, num_param_bytes, param_shapes
 
 GiB = 1 << 30
@@ -449,7 +449,7 @@ def compile_and_compare(cfg: ModelConfig, p: MemoryPlan, a, out=sys.stdout
     Returns (exit code, {"decode": bytes efficiency, "prefill": FLOPs efficiency})."""
     import jax.numpy as jnp
 
-    from kernels.tpu_compile import topology_devices
+    from sglang_tpu_backend.kernels.tpu_compile import topology_devices
     from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
     from sglang_tpu_backend.model_executor.step_compile import (
         StepSpec,

@@ -55,9 +55,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from kernels.gdn import gated_delta_net_cost
-from kernels.gdn_verify import gated_delta_net_commit_cost, gated_delta_net_verify_cost
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig, model_config_from_dict
+from sglang_tpu_backend.kernels.gdn import gated_delta_net_cost
+from sglang_tpu_backend.kernels.gdn_verify import (gated_delta_net_commit_cost,
+                                                  gated_delta_net_verify_cost)
 from sglang_tpu_backend.models.param_shapes import layer_param_shapes
 
 CONFIG_397B = Path(__file__).parent / "assets" / "configs" / "qwen3.5-397b-a17b.json"

@@ -28,19 +28,14 @@ model), ``xla`` (the path off TPU). :func:`ragged_paged_attention` picks one by 
 
 from __future__ import annotations
 
-from kernels import dispatch
-from kernels.ragged_paged_attention.common import MASK_VALUE, _layer_index, _validate
-from kernels.ragged_paged_attention.kv_write import (_outputs, _pallas_write_new_kv,
-                                                     new_kv_rows, write_new_kv,
-                                                     write_window_rows)
-from kernels.ragged_paged_attention.pallas_attention import (
-    DECODE_Q_ROWS, KV_BLOCK_TOKENS, PREFILL_Q_ROWS, VMEM_LIMIT_BYTES, BlockSizes,
-    _pallas_attention, ragged_paged_attention_cost)
-from kernels.ragged_paged_attention.quant import (FP8_MAX, dequantize, is_quantized,
-                                                  quantize_rows, scales_shape)
-from kernels.ragged_paged_attention.reference import REF_BATCH_BYTES, ref_ragged_paged_attention
-from kernels.ragged_paged_attention.xla import (PREFIX_GROUP, XLA_KV_BLOCK_TOKENS,
-                                                xla_ragged_paged_attention)
+from .. import dispatch
+from .common import MASK_VALUE, _layer_index, _validate
+from .kv_write import _outputs, _pallas_write_new_kv, new_kv_rows, write_new_kv, write_window_rows
+from .pallas_attention import (DECODE_Q_ROWS, KV_BLOCK_TOKENS, PREFILL_Q_ROWS, VMEM_LIMIT_BYTES,
+                               BlockSizes, _pallas_attention, ragged_paged_attention_cost)
+from .quant import FP8_MAX, dequantize, is_quantized, quantize_rows, scales_shape
+from .reference import REF_BATCH_BYTES, ref_ragged_paged_attention
+from .xla import PREFIX_GROUP, XLA_KV_BLOCK_TOKENS, xla_ragged_paged_attention
 
 __all__ = ["BlockSizes", "DECODE_Q_ROWS", "FP8_MAX", "KV_BLOCK_TOKENS", "MASK_VALUE",
            "PREFILL_Q_ROWS", "PREFIX_GROUP", "REF_BATCH_BYTES", "VMEM_LIMIT_BYTES",
@@ -69,7 +64,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
       layer: int (range-checked) or traced i32 scalar (clipped into range): the layer of
         kv_pages to write and read. The whole cache goes to the kernel (scalar prefetch of
         the layer index), never a per-layer slice.
-      impl: see :mod:`kernels.dispatch`.
+      impl: see ``kernels/dispatch.py``.
       block_sizes: Pallas tiling; default :meth:`BlockSizes.get_default`.
       batch_invariant: the XLA path reads every key from the pages in absolute-position
         blocks (a token's result does not depend on the rest of the batch; slower on

@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.ragged_paged_attention.common import _layer_index, _token_metadata
-from kernels.ragged_paged_attention.quant import quantize_rows
+from .common import _layer_index, _token_metadata
+from .quant import quantize_rows
 
 # ----------------------------------------------------------------------------- reference
 

@@ -48,8 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.cost import Cost
-from kernels.ragged_paged_attention.common import MASK_VALUE
+from ..cost import Cost
+from .common import MASK_VALUE
 
 # Target query rows (tokens * G) of a prefill block and kv tokens of a kv block.
 PREFILL_Q_ROWS = 512

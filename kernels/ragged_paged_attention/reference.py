@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.ragged_paged_attention.common import (MASK_VALUE, _layer_index, _token_metadata,
-                                                   _validate)
-from kernels.ragged_paged_attention.kv_write import _outputs, _write
+from .common import MASK_VALUE, _layer_index, _token_metadata, _validate
+from .kv_write import _outputs, _write
 
 # Memory budget of one lax.map batch of the reference (gathered K/V in fp32 plus scores).
 REF_BATCH_BYTES = 128 * 1024 * 1024

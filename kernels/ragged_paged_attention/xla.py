@@ -9,10 +9,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.ragged_paged_attention.common import (MASK_VALUE, _layer_index, _token_metadata,
-                                                   _validate)
-from kernels.ragged_paged_attention.kv_write import _outputs, _write, new_kv_rows
-from kernels.ragged_paged_attention.quant import dequantize
+from .common import MASK_VALUE, _layer_index, _token_metadata, _validate
+from .kv_write import _outputs, _write, new_kv_rows
+from .quant import dequantize
 
 # KV tokens per block of the XLA path: small, so a short context reads little past its end.
 # Every row of a step reads as many blocks as the step's longest request, and XLA scores

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kernels.tpu_compile import CompileReport, abstract, compile_for_tpu
 from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.kernels.tpu_compile import CompileReport, abstract, compile_for_tpu
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor import verify
 from sglang_tpu_backend.models import qwen3_5_moe

@@ -31,8 +31,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kernels import gdn_verify
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig
+from sglang_tpu_backend.kernels import gdn_verify
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.models.qwen3_5_moe import ModelCache, Params

@@ -35,7 +35,7 @@ import operator
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import collectives, collectives_async, gmm, routing
+from sglang_tpu_backend.kernels import collectives, collectives_async, gmm, routing
 from sglang_tpu_backend.parallel.mesh import EPContext
 
 

@@ -43,9 +43,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kernels import gdn, gdn_verify, ragged_paged_attention as rpa
-from kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig
+from sglang_tpu_backend.kernels import gdn, gdn_verify, ragged_paged_attention as rpa
+from sglang_tpu_backend.kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.models.layers import (
     apply_partial_rope,
@@ -196,7 +196,7 @@ def attention_block(p: Params, x, kv_pages, kv_scales, layer, cos, sin, batch: F
 def gdn_block(p: Params, x, conv_state, rec_state, layer, batch: ForwardBatch, cfg, impl):
     """Gated DeltaNet of GDN layer ``layer``. x: [T, H] -> ([T, H], conv_state, rec_state,
     verify), verify None except in TARGET_VERIFY mode: then the slots are left as they are
-    and verify = (windows [R, K-1+n, C], a [R, n, Hv], b [R, n, Hv]) (``kernels.gdn_verify``)."""
+    and verify = (windows [R, K-1+n, C], a [R, n, Hv], b [R, n, Hv]) (``kernels/gdn_verify.py``)."""
     T = x.shape[0]
     Hv, Dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     mixed_qkv = x @ p["in_proj_qkv"]  # [T, C]
@@ -244,7 +244,7 @@ def route_tokens(router_logits, cfg: ModelConfig, num_valid=None, act_dtype=None
     Returns:
       (top_w f32[T, K] weights rounded through the activation dtype, top_i i32[T, K] global
       expert ids). Padding rows get id ``cfg.num_experts``, outside every rank's expert range
-      (``kernels.routing.route_metadata`` drops it), and weight 0: no expert computes them and
+      (``route_metadata``, kernels/routing.py, drops it), and weight 0: no expert computes them and
       the group sizes count only real rows.
     """
     K = cfg.num_experts_per_tok

@@ -220,7 +220,7 @@ def test_aligned_chunks_and_no_mixed_steps():
 
 
 def test_deterministic_shapes_and_flag_validation():
-    from kernels import gdn
+    from sglang_tpu_backend.kernels import gdn
     from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
     from sglang_tpu_backend.model_executor.step_buckets import deterministic_shapes
     from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs

@@ -116,7 +116,7 @@ def _worker(out_dir: str) -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from kernels import collectives as col
+    from sglang_tpu_backend.kernels import collectives as col
 
     assert len(jax.devices()) >= NUM_DEVICES, jax.devices()
     mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]).reshape(NUM_CHIPS, NUM_DIES), ("chip", "die"))
@@ -267,8 +267,8 @@ def _async_worker(run, arrays, to_numpy) -> None:
     import jax.numpy as jnp
     from jax.experimental.pallas import tpu as pltpu
 
-    from kernels import collectives as col
-    from kernels import collectives_async as ca
+    from sglang_tpu_backend.kernels import collectives as col
+    from sglang_tpu_backend.kernels import collectives_async as ca
 
     def pair(a, impl):
         return ca.reduce_scatter_done(ca.reduce_scatter_start(a, impl=impl), impl=impl)
@@ -574,7 +574,7 @@ def test_packed_all_gather_value_errors(results, key):
 
 
 def test_costs():
-    from kernels import collectives as col
+    from sglang_tpu_backend.kernels import collectives as col
 
     n, h = 64, 128
     cost = col.hierarchical_reduce_scatter_cost(n, h, num_chips=4, num_dies=2, num_microbatches=2)
@@ -584,7 +584,7 @@ def test_costs():
     assert cost.bytes_accessed > n * h * 4  # reads its whole input at least once
     bf16 = col.hierarchical_reduce_scatter_cost(n, h, dtype="bfloat16")
     assert bf16.bytes_accessed * 2 == cost.bytes_accessed
-    from kernels import collectives_async as ca
+    from sglang_tpu_backend.kernels import collectives_async as ca
 
     dims = dict(dtype="float32", num_chips=4, num_dies=2)
     start = ca.reduce_scatter_start_cost(n, h, **dims)

@@ -1,4 +1,4 @@
-"""Tests for kernels.gdn: fused causal conv1d + Gated DeltaNet (recurrent and chunked).
+"""Tests for kernels/gdn.py: fused causal conv1d + Gated DeltaNet (recurrent and chunked).
 
 Tolerances (max abs error; inputs are O(1), outputs O(0.1-1)):
   fp32 everywhere: 2e-5 between the chunked, recurrent and rearranged-decode forms (same math,
@@ -22,8 +22,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from kernels import gdn  # noqa: E402
-from kernels.gdn_common import conv_state_rows  # noqa: E402
+from sglang_tpu_backend.kernels import gdn  # noqa: E402
+from sglang_tpu_backend.kernels.gdn_common import conv_state_rows  # noqa: E402
 
 # On a TPU (the TPU leg) f32 exp / log1p / rsqrt are not correctly rounded and HIGHEST
 # products go through bf16 passes: the chunked and recurrent forms, which exponentiate the

@@ -1,4 +1,4 @@
-"""Tests for kernels.gdn_verify: GDN verify mode (k+1 tokens per request; o, the conv windows
+"""Tests for kernels/gdn_verify.py: GDN verify mode (k+1 tokens per request; o, the conv windows
 and the gate inputs) and ``commit_states`` (the accepted positions run again into the slots).
 
 Exactness claims, float32: the XLA path's o and conv windows, and the states its commit leaves
@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from kernels import gdn, gdn_verify  # noqa: E402
+from sglang_tpu_backend.kernels import gdn, gdn_verify  # noqa: E402
 from tests.kernels.test_gdn import BF16_TOL, F32_TOL, assert_close, make_case  # noqa: E402
 
 N = 4  # k = 3 drafts + the last token

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import gmm as G
+from sglang_tpu_backend.kernels import gmm as G
 
 B = G.GmmBlockSizes
 
@@ -50,7 +50,7 @@ def _np_swiglu(h):
 def _np_quantize_lhs(x):
     """Numpy simulation of quantize_lhs: e4m3 per row per 512-wide K chunk, scale amax/448.
 
-    Rounds ``x * (1 / scale)`` in float32 exactly as documented in kernels.gmm.
+    Rounds ``x * (1 / scale)`` in float32 exactly as documented in kernels/gmm.py.
     """
     x = np.asarray(x, np.float32)
     out = np.zeros(x.shape, np.float64)
@@ -391,7 +391,7 @@ def test_xla_tile_rows_and_small_tiles():
 
 
 def test_auto_resolves_to_xla_off_tpu():
-    from kernels import dispatch
+    from sglang_tpu_backend.kernels import dispatch
 
     if jax.default_backend() == "tpu":
         pytest.skip("auto is Pallas on a TPU")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import ragged_paged_attention as rpa
+from sglang_tpu_backend.kernels import ragged_paged_attention as rpa
 
 # Max abs error allowed against the reference / numpy loop, per dtype.
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float8_e4m3fn: 2e-2}
@@ -481,7 +481,7 @@ def test_xla_path_matches_reference(name, pages_per_block, batch_invariant):
 
 @pytest.mark.cpu_only(reason="auto picks Pallas on a TPU")
 def test_auto_picks_the_xla_path_off_tpu():
-    from kernels import dispatch
+    from sglang_tpu_backend.kernels import dispatch
 
     assert dispatch.resolve("auto", has_xla=True) == "xla"
     assert dispatch.resolve("auto") == "reference"  # kernels without an XLA path

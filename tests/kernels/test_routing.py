@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import gmm as G
-from kernels import routing as R
+from sglang_tpu_backend.kernels import gmm as G
+from sglang_tpu_backend.kernels import routing as R
 
 # Several grid steps at the smallest blocks legal on a TPU (Mosaic's SMEM block rules: a
 # rank-1 block a power of two >= 128, a [tokens, k] block a multiple of 8 rows).

@@ -126,7 +126,7 @@ def test_padding_rows_routed_nowhere_and_change_nothing(model):
     are the same with or without padding: for the model (the module's 64-token bucket on the
     reference kernels vs an exact-size batch on impl="auto", the fast XLA grouped matmuls on
     CPU) and for one MoE block."""
-    from kernels.routing import route_metadata
+    from sglang_tpu_backend.kernels.routing import route_metadata
     from sglang_tpu_backend.models.qwen3_5_moe import layer_params, moe_block, route_tokens
 
     cfg, params = model

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kernels.tpu_compile import core_mesh, libtpu_available
+from sglang_tpu_backend.kernels.tpu_compile import core_mesh, libtpu_available
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,7 +38,7 @@ def record():
     Also asserts what every compile test must hold: at least one Mosaic kernel in the HLO
     (so a silent fallback to the jnp reference cannot pass) and VMEM within a TensorCore's.
     """
-    from kernels.tpu_compile import TPU7X_VMEM_BYTES
+    from sglang_tpu_backend.kernels.tpu_compile import TPU7X_VMEM_BYTES
 
     def _record(name, report, *, min_kernels=1):
         _REPORTS.append((name, report))

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernels import ragged_paged_attention as rpa
-from kernels.tpu_compile import abstract, compile_for_tpu
+from sglang_tpu_backend.kernels import ragged_paged_attention as rpa
+from sglang_tpu_backend.kernels.tpu_compile import abstract, compile_for_tpu
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 # (label, T tokens, R rows, Hq, Hkv, D, S page size, P pages per row, N pages, Lyr layers,

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from kernels import collectives as col
-from kernels.tpu_compile import abstract, compile_for_tpu, host_mesh
+from sglang_tpu_backend.kernels import collectives as col
+from sglang_tpu_backend.kernels.tpu_compile import abstract, compile_for_tpu, host_mesh
 
 NUM_CHIPS, NUM_DIES = 4, 2
 NUM_DEVICES = NUM_CHIPS * NUM_DIES

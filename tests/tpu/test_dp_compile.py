@@ -39,11 +39,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.compiled_roofline import program_cost
 from sglang_tpu_backend.compiled_timeline import sources
 from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.hlo_text import parse_module
+from sglang_tpu_backend.kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.models.param_shapes import param_shapes

@@ -1,4 +1,4 @@
-"""TPU7x compile tests of the GDN kernels (kernels.gdn_kernels) through kernels.gdn.
+"""TPU7x compile tests of the GDN kernels (kernels/gdn_kernels.py) through kernels/gdn.py.
 
 Each case lowers ``gated_delta_net(..., impl="pallas")`` with Mosaic for one Ironwood
 TensorCore from abstract arrays, the layer passed as a traced scalar (as under the model's
@@ -19,9 +19,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
-from kernels import gdn, gdn_verify  # noqa: E402
-from kernels.gdn_common import conv_state_rows  # noqa: E402
-from kernels.tpu_compile import abstract, compile_for_tpu  # noqa: E402
+from sglang_tpu_backend.kernels import gdn, gdn_verify  # noqa: E402
+from sglang_tpu_backend.kernels.gdn_common import conv_state_rows  # noqa: E402
+from sglang_tpu_backend.kernels.tpu_compile import abstract, compile_for_tpu  # noqa: E402
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 TINY = dict(hk=2, hv=4, d=32, layers=6, slots=16)  # C = 2*2*32 + 4*32 = 256

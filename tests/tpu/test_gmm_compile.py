@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from kernels import gmm as G
-from kernels.tpu_compile import abstract, compile_for_tpu
+from sglang_tpu_backend.kernels import gmm as G
+from sglang_tpu_backend.kernels.tpu_compile import abstract, compile_for_tpu
 
 FP8 = G.FP8_DTYPE
 BLOCK = G.WEIGHT_BLOCK

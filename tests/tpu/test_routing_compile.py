@@ -13,8 +13,8 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from kernels import routing as R
-from kernels.tpu_compile import abstract, compile_for_tpu
+from sglang_tpu_backend.kernels import routing as R
+from sglang_tpu_backend.kernels.tpu_compile import abstract, compile_for_tpu
 
 # (label, T tokens, H hidden, k top-k, dtype)
 CASES = [

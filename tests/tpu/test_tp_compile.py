@@ -19,7 +19,7 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from kernels.tpu_compile import topology_devices
+from sglang_tpu_backend.kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_tp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from kernels.tpu_compile import topology_devices
+from sglang_tpu_backend.kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import (
     StepSpec,
