@@ -188,9 +188,8 @@ class Engine:
         self.metrics = EngineMetrics(args.served_model_name, role=role, dp_size=dp,
                                      num_moe_layers=cfg.num_hidden_layers,
                                      step_phases=PHASES + BETWEEN_STEPS)
-        self.outputs = OutputBuilder(self.requests.decode_token,
-                                     speculative=args.speculative_algorithm is not None,
-                                     weight_version=args.weight_version)
+        self.outputs = OutputBuilder(self.requests.decode_token, weight_version=args.weight_version,
+                                     speculative=args.speculative_algorithm is not None)
         overlap = _overlap_schedule(args, self.runner)
         self.loop = SchedulerLoop(
             self.scheduler, self.runner, Delivery(self.outputs, self.metrics, args.stream_interval),
@@ -200,8 +199,7 @@ class Engine:
         self.loop.handover = self.handover = HandoverManager(
             self.loop, self.runner, page_size=args.page_size, wait_timeout=args.handover_wait_timeout)
         self.loop.weights = self.weights = WeightUpdater(self.loop, self.runner, cfg, args)
-        self.rl = RLControl(self.loop, self.runner)
-        self.status = EngineStatus(self)
+        self.status, self.rl = EngineStatus(self), RLControl(self.loop, self.runner)
         self._enable_compilation_cache(args)
         self.warmup_seconds = 0.0 if args.skip_warmup else self._warm_up(role)
         if start_loop:
