@@ -166,6 +166,33 @@ def test_http_update_from_tensor_bad_payloads(eng):
     assert eng.get_weight_version() == version
 
 
+def test_fp8_and_per_expert_tensors_build_what_the_loader_reads(ckpt_b, tmp_path):
+    """FP8 block-scaled, per-expert tensors (a subset first, then the rest) give the params
+    the loader reads from a checkpoint of those tensors."""
+    import json
+
+    import jax.numpy as jnp
+
+    from sglang_tpu_backend.checkpoint_io import (
+        quantize_checkpoint_fp8, read_checkpoint, write_checkpoint)
+    from sglang_tpu_backend.loader import load_model
+    from sglang_tpu_backend.model_executor.tensor_update import build_params
+    from sglang_tpu_backend.tiny_model import default_model_path
+
+    cfg, serving = load_model(default_model_path(), dtype=jnp.float32)
+    serving = jax.device_put(serving, jax.devices()[0])
+    fp8 = quantize_checkpoint_fp8(read_checkpoint(ckpt_b))
+    write_checkpoint(tmp_path / "fp8", fp8, json.loads((ckpt_b / "config.json").read_text()))
+    _, want = load_model(tmp_path / "fp8", dtype=jnp.float32)
+    first = {n: t for n, t in fp8.items() if ".experts.3." in n}
+    half, report = build_params(first, cfg, serving, dtype=np.float32)
+    assert report["num_leaves"] == cfg.layer_period * 2  # gate_up, down of each layer group
+    full, _ = build_params({n: t for n, t in fp8.items() if n not in first}, cfg, half,
+                           dtype=np.float32)
+    for got, ref in zip(jax.tree.leaves(full), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
 def _device_bytes(runner) -> int:
     """Bytes of every device array the runner holds (params, KV / GDN state, snapshots,
     sampler state)."""
@@ -181,8 +208,10 @@ def _live_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays())
 
 
-def test_release_and_resume_memory(eng, capsys):
+def test_release_and_resume_memory(eng, ckpt_b, capsys):
     from fastapi.testclient import TestClient
+
+    from sglang_tpu_backend.checkpoint_io import read_checkpoint
 
     from sglang_tpu_backend.entrypoints.http_server import create_app
     from sglang_tpu_backend.managers.io_struct import ServiceUnavailableError
@@ -212,9 +241,15 @@ def test_release_and_resume_memory(eng, capsys):
         eng.update_weights_from_disk("/nonexistent")
     r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 503 and "released" in r.text
+    assert client.get("/get_server_info").json()["memory_released"] == ["kv_cache", "weights"]
+    assert client.get("/metrics").status_code == 200 and client.get("/health").status_code == 200
 
     counter = CompileCounter()
     assert eng.resume_memory_occupation(["weights"])["tags"] == ["kv_cache"]
+    # verl's order: weights back, refit them, then the KV cache (the same values here).
+    norm = "model.language_model.norm.weight"
+    res = eng.update_weights_from_tensor({norm: read_checkpoint(ckpt_b)[norm]}, weight_version="b")
+    assert res["success"], res
     r = client.post("/resume_memory_occupation", json={})
     assert r.status_code == 200 and r.json()["tags"] == [], r.text
     after = _fresh(eng)
@@ -293,6 +328,7 @@ def test_pause_in_place_and_abort(eng, ckpt_b):
         r = await asyncio.to_thread(client.post, "/pause_generation", json={"mode": "in_place"})
         assert r.status_code == 200 and r.json()["mode"] == "in_place", r.text
         assert len(eng.scheduler.running) == 1  # kept its pages and slot
+        assert eng.get_server_info()["paused"] == "in_place"
         await _assert_still(eng, outs)
         # A weight update does not wait for the paused request.
         res = await asyncio.to_thread(eng.update_weights_from_tensor, {norm: norm_b},
