@@ -412,6 +412,21 @@ def test_admin_routes_take_the_admin_key(api_key, admin_key, unlocks, refused):
                                          "dump_expert_distribution_record"] * len(unlocks)
 
 
+def test_rl_routes_take_the_admin_key_and_answer_501_without_the_engine_calls():
+    """SGLang's RL routes (entrypoints/rl_routes.py) are admin routes; an engine without the
+    calls (this fake, the Ray app's remote engine) answers 501 naming the call."""
+    eng = FakeEngine(ServerArgs(context_length=256, api_key="user", admin_api_key="admin"))
+    calls = [("POST", "/update_weights_from_tensor", {"serialized_named_tensors": "AAAA"}),
+             ("POST", "/pause_generation", {"mode": "retract"}), ("POST", "/continue_generation", None),
+             ("POST", "/release_memory_occupation", {"tags": None}),
+             ("POST", "/resume_memory_occupation", None)]
+    for key in (None, "user"):
+        for r in run(_call_all(eng, calls, key)):
+            _error(r, 401, "authorization")
+    for r, (_, path, _) in zip(run(_call_all(eng, calls, "admin")), calls):
+        assert r.status_code == 501 and path.strip("/") in r.json()["error"]["message"], r.text
+
+
 def test_serving_routes_take_the_plain_key_and_probes_stay_open():
     eng = FakeEngine(ServerArgs(context_length=256, api_key="user", admin_api_key="admin"))
     gen = [("POST", "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 1}}),
