@@ -14,7 +14,10 @@ Any subset of names may be given. A param leaf is rebuilt when at least one of i
 comes from a given tensor; its other elements keep their serving values: each touched leaf
 is built twice, once from the tensors (zeros for the missing ones) and once from a mask
 (ones for given tensors, zeros for the rest), and merged with the serving leaf where the
-mask is 0. Untouched leaves stay the serving arrays themselves. A top-level leaf given whole
+mask is 0 (only then is the serving leaf read back from the devices: a whole layer group's
+stack, so a model sent in many small calls reads back and re-places each stacked leaf once
+per call that touches it; sent whole, nothing is read back). Untouched leaves stay the
+serving arrays themselves. A top-level leaf given whole
 as a ``jax.Array`` of the serving dtype (``embed_tokens``, ``norm``, an untied ``lm_head``)
 is taken without a copy when it is already placed as the serving leaf, else resharded
 device to device; every other leaf is built on the host and placed with the serving leaf's
@@ -209,20 +212,38 @@ class _Builder:
                                                 label=LABEL, keep_fp8_experts=keep_fp8)
 
         self.values, self.masks = leaves(value), leaves(mask)
-        self.stacks: dict[tuple, np.ndarray] = {}  # stacked group leaves, host copies
+        # Touched stacked group leaves on the host: the slices built so far (``filled``); the
+        # serving stack is read back only when a slice is merged or left unbuilt (``fetched``).
+        self.stacks: dict[tuple, np.ndarray] = {}
+        self.filled: dict[tuple, set[int]] = {}
+        self.fetched: set[tuple] = set()
+        self.whole: dict[tuple, np.ndarray] = {}  # touched top-level leaves
         self.placed: dict[tuple, jax.Array] = {}
         self.num_zero_copy = 0
 
-    def _merge(self, keys: tuple, m_leaf: Leaf, v_leaf: Leaf, cur: np.ndarray) -> np.ndarray | None:
-        """The leaf's new value (``cur`` where the mask is 0), or None when untouched."""
+    def _merge(self, keys: tuple, m_leaf: Leaf, v_leaf: Leaf, serving: Any, current
+               ) -> np.ndarray | None:
+        """The leaf's new value, ``current()`` (the serving value, read only then) where the
+        mask is 0; None when no given tensor touches it. ``serving``: its shape and dtype."""
         m = _param_form(m_leaf, self.cfg.num_experts) != 0
         if not m.any():
             return None
         v = _param_form(v_leaf, self.cfg.num_experts)
-        if v.shape != cur.shape or v.dtype != cur.dtype:
+        if v.shape != tuple(serving.shape) or v.dtype != serving.dtype:
             raise WeightUpdateError(f"the tensors for parameter {keys} build {v.dtype}{list(v.shape)}; "
-                                    f"the serving one is {cur.dtype}{list(cur.shape)}")
-        return v if m.all() else np.where(m, v, cur)
+                                    f"the serving one is {serving.dtype}{list(serving.shape)}")
+        return v if m.all() else np.where(m, v, current())
+
+    def _stack(self, keys: tuple) -> np.ndarray:
+        """The host stack of ``keys``: the serving values where no slice was built."""
+        if keys not in self.fetched:
+            cur = np.array(jax.device_get(_node(self.params, keys)))  # writable
+            built = self.stacks.get(keys)
+            for k in self.filled.get(keys, ()):
+                cur[k] = built[k]
+            self.stacks[keys], self.filled[keys] = cur, set(self.filled.get(keys, ()))
+            self.fetched.add(keys)
+        return self.stacks[keys]
 
     def layer(self, i: int) -> None:
         p = self.cfg.layer_period
@@ -230,13 +251,14 @@ class _Builder:
         vals = dict(jax.tree_util.tree_flatten_with_path(self.values.layer(i))[0])
         for path, m_leaf in jax.tree_util.tree_flatten_with_path(self.masks.layer(i))[0]:
             keys = ("layer_groups", group, *_keys(path))
-            stack = self.stacks.get(keys)
-            if stack is None:  # a writable host copy of the serving stack
-                stack = np.array(jax.device_get(_node(self.params, keys)))
-            new = self._merge(keys, m_leaf, vals[path], stack[k])
+            serving = _node(self.params, keys)
+            new = self._merge(keys, m_leaf, vals[path], jax.ShapeDtypeStruct(serving.shape[1:], serving.dtype),
+                              lambda: self._stack(keys)[k])
             if new is not None:
-                stack[k] = new
-                self.stacks[keys] = stack
+                if keys not in self.stacks:
+                    self.stacks[keys], self.filled[keys] = np.empty(serving.shape, serving.dtype), set()
+                self.stacks[keys][k] = new
+                self.filled[keys].add(k)
 
     def top(self, names: dict[str, str]) -> None:
         """``names``: top-level leaf -> the tensor name it reads."""
@@ -251,24 +273,34 @@ class _Builder:
                 self.placed[(key,)] = g if same else jax.device_put(g, _target(serving))
                 self.num_zero_copy += same
                 continue
-            new = self._merge((key,), m_leaf, vals[key], np.asarray(jax.device_get(serving)))
+            new = self._merge((key,), m_leaf, vals[key], serving,
+                              lambda serving=serving: np.asarray(jax.device_get(serving)))
             if new is not None:
-                self.stacks[(key,)] = new
+                self.whole[(key,)] = new
 
     def tree(self) -> Any:
         """The serving params with the touched leaves placed as the ones they replace."""
-        for keys, host in self.stacks.items():
+        for keys in list(self.stacks):
+            if len(self.filled[keys]) < self.stacks[keys].shape[0]:
+                self._stack(keys)  # groups not given keep their serving values
+        for keys, host in [*self.stacks.items(), *self.whole.items()]:
             self.placed[keys] = jax.device_put(np.ascontiguousarray(host),
                                                _target(_node(self.params, keys)))
         return jax.tree_util.tree_map_with_path(
             lambda path, x: self.placed.get(_keys(path), x), self.params)
+
+    @property
+    def num_read_back(self) -> int:
+        """Serving leaves read back to the host (partial merges, groups not given)."""
+        return len(self.fetched)
 
 
 def build_params(named_tensors: Any, cfg: ModelConfig, params: Any, *, dtype: Any,
                  nextn: bool = False) -> tuple[Any, dict]:
     """``params`` (the serving tree) with the leaves ``named_tensors`` touch replaced, placed
     as the serving leaves; and a report ``{"num_tensors", "num_ignored", "num_leaves",
-    "num_zero_copy"}``. Raises WeightUpdateError (nothing built) naming what does not fit."""
+    "num_zero_copy", "num_read_back"}`` (leaves placed; taken without a copy; read back from
+    the devices to merge). Raises WeightUpdateError (nothing built) naming what does not fit."""
     given_raw = named_arrays(named_tensors)
     if not given_raw:
         raise WeightUpdateError("named_tensors is empty")
@@ -295,4 +327,5 @@ def build_params(named_tensors: Any, cfg: ModelConfig, params: Any, *, dtype: An
         b.top(top)
     tree = b.tree()
     return tree, {"num_tensors": len(given), "num_ignored": len(ignored),
-                  "num_leaves": len(b.placed), "num_zero_copy": b.num_zero_copy}
+                  "num_leaves": len(b.placed), "num_zero_copy": b.num_zero_copy,
+                  "num_read_back": b.num_read_back}

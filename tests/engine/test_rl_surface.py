@@ -187,10 +187,14 @@ def test_fp8_and_per_expert_tensors_build_what_the_loader_reads(ckpt_b, tmp_path
     first = {n: t for n, t in fp8.items() if ".experts.3." in n}
     half, report = build_params(first, cfg, serving, dtype=np.float32)
     assert report["num_leaves"] == cfg.layer_period * 2  # gate_up, down of each layer group
+    assert report["num_read_back"] == report["num_leaves"]  # one expert of E: merged
     full, _ = build_params({n: t for n, t in fp8.items() if n not in first}, cfg, half,
                            dtype=np.float32)
-    for got, ref in zip(jax.tree.leaves(full), jax.tree.leaves(want)):
+    once, report = build_params(fp8, cfg, serving, dtype=np.float32)
+    assert report["num_read_back"] == 0  # every leaf whole: nothing read from the devices
+    for got, again, ref in zip(jax.tree.leaves(full), jax.tree.leaves(once), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+        np.testing.assert_array_equal(np.asarray(again), np.asarray(ref))
 
 
 def _device_bytes(runner) -> int:
