@@ -169,17 +169,21 @@ class OfflineEngine:
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                  abort_all_requests: bool = False,
-                                 weight_version: str | None = None) -> dict:
-        """``{"success", "message", "num_paused_requests"}`` once the new weights serve."""
-        return self.engine.update_weights_from_disk(model_path, load_format, abort_all_requests,
-                                                    weight_version)
+                                 weight_version: str | None = None) -> tuple[bool, str, int]:
+        """SGLang's ``(success, message, num_paused_requests)`` once the new weights serve
+        (the route answers the same as a dict)."""
+        r = self.engine.update_weights_from_disk(model_path, load_format, abort_all_requests,
+                                                 weight_version)
+        return r["success"], r["message"], r["num_paused_requests"]
 
     def update_weights_from_tensor(self, named_tensors, load_format: str | None = None,
-                                   flush_cache: bool = True, weight_version: str | None = None) -> dict:
+                                   flush_cache: bool = True, weight_version: str | None = None
+                                   ) -> tuple[bool, str]:
         """Checkpoint-named arrays (``[(name, numpy or jax array), ...]`` or a dict; any subset
-        of the names) -> ``{"success", "message", "num_paused_requests"}``."""
-        return self.engine.update_weights_from_tensor(named_tensors, load_format, flush_cache,
-                                                      weight_version)
+        of the names) -> SGLang's ``(success, message)``."""
+        r = self.engine.update_weights_from_tensor(named_tensors, load_format, flush_cache,
+                                                   weight_version)
+        return r["success"], r["message"]
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
         return self.engine.release_memory_occupation(tags)

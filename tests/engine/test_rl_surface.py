@@ -9,6 +9,7 @@ Checkpoint "B" is the tiny model's config with weights from seed 1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 
@@ -268,6 +269,16 @@ def test_release_and_resume_memory(eng, ckpt_b, capsys):
     assert _fresh(eng) == before and counter.lowerings == 0
 
 
+@contextlib.contextmanager
+def _slow_steps(engine, seconds=0.02):
+    """Each step takes at least ``seconds`` (so a stream is still running when paused)."""
+    engine.fault_injector = lambda phase: time.sleep(seconds) if phase == "schedule" else None
+    try:
+        yield
+    finally:
+        engine.fault_injector = None
+
+
 def _stream(engine, text, sp, outs: list):
     """A task collecting ``text``'s outputs into ``outs``; returns the last one."""
     async def consume():
@@ -310,7 +321,8 @@ def test_pause_retract_midstream_completes_as_uninterrupted(eng):
         last = await asyncio.wait_for(task, TIMEOUT_S)
         return got_so_far, last
 
-    got_so_far, last = asyncio.run(run())
+    with _slow_steps(eng):
+        got_so_far, last = asyncio.run(run())
     assert 5 <= got_so_far < len(want)
     assert last["output_ids"] == want and last["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -359,7 +371,8 @@ def test_pause_in_place_and_abort(eng, ckpt_b):
         last = await asyncio.wait_for(task, TIMEOUT_S)
         assert last["meta_info"]["finish_reason"]["type"] == "length"
 
-    asyncio.run(run())
+    with _slow_steps(eng):
+        asyncio.run(run())
     r = client.post("/pause_generation", json={"mode": "sideways"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
 
@@ -381,8 +394,12 @@ def test_offline_engine_calls(eng, tmp_path):
         assert (tmp_path / "x").exists() is False
         path = off.dump_expert_distribution_record(str(tmp_path / "x"))
         assert path.startswith(str(tmp_path / "x"))
-        out = off.update_weights_from_disk(str(tmp_path / "missing"))
-        assert not out["success"] and "missing" in out["message"]
+        ok, message, _ = off.update_weights_from_disk(str(tmp_path / "missing"))  # SGLang's tuple
+        assert not ok and "missing" in message
+        version = off.get_weight_version()
+        norm = "model.language_model.norm.weight"
+        ok, message = off.update_weights_from_tensor([(norm, np.ones(3, np.float32))])
+        assert not ok and norm in message and off.get_weight_version() == version
         assert off.pause_generation("in_place")["success"] and off.continue_generation()["success"]
         assert off.release_memory_occupation(["kv_cache"])["tags"] == ["kv_cache"]
         assert off.resume_memory_occupation()["tags"] == []
