@@ -135,7 +135,7 @@ class RLControl:
         now), "freed_bytes"}``. RLStateError while requests are in the engine."""
         tags = check_tags(tags)
         loop = self.loop
-        with loop.lock:
+        with loop.weights.updates_lock, loop.lock:  # (an update in progress finishes first)
             self._check_empty()
             before = loop.paused
             loop.paused = loop.paused or RELEASED
@@ -158,7 +158,7 @@ class RLControl:
         """Place ``tags`` (None: all) again as they were; ``{"success", "tags" (still
         released)}``."""
         tags = check_tags(tags)
-        with self.loop.lock:
+        with self.loop.weights.updates_lock, self.loop.lock:
             try:
                 self.memory.resume(tags)
             finally:

@@ -48,6 +48,12 @@ class WeightUpdater:
         self._serialize = threading.Lock()  # one update at a time
 
     @property
+    def updates_lock(self) -> threading.Lock:
+        """Held by an update from its first read of the serving params to its answer (memory
+        release takes it too, so it never frees params an update is reading)."""
+        return self._serialize
+
+    @property
     def has_pending(self) -> bool:
         return self.pending is not None
 
@@ -110,6 +116,9 @@ class WeightUpdater:
                 weight_version: str | None, flush_cache: bool) -> dict:
         """``load()`` (placed params, placed MTP params or None), then the swap."""
         with self._serialize:
+            if self.runner.params is None:  # released meanwhile (release_memory_occupation)
+                return weight_update.update_result(
+                    False, "the weights are released (release_memory_occupation); resume them first")
             t0 = time.perf_counter()
             try:
                 placed, placed_mtp = load()
