@@ -406,3 +406,21 @@ def test_offline_engine_calls(eng, tmp_path):
         assert off.generate(PROMPTS[1], GREEDY)["meta_info"]["weight_version"] == off.get_weight_version()
     finally:
         off.close()
+
+
+def test_refit_and_sleep_with_dp_ranks_and_split_experts(tmp_path):
+    """--dp-size 2 --ep-size 2 (``rl_dp_run.py`` in a subprocess with 2 CPU devices): B's
+    tensors in two calls give an engine started on B's tokens, with the experts split over
+    the devices; release frees the params and KV pages; nothing recompiles."""
+    import json
+    from pathlib import Path
+
+    from tests.cpu_devices import run_on_cpu_devices
+
+    out = tmp_path / "out.json"
+    run_on_cpu_devices(Path(__file__).resolve().parent / "rl_dp_run.py", str(out),
+                       str(tmp_path / "b"), num_devices=2)
+    r = json.loads(out.read_text())
+    assert r["a"] != r["b"] and r["refit"] == r["b"] and r["resumed"] == r["b"]
+    assert r["experts_split"] and r["freed_bytes"] >= r["device_bytes"]
+    assert r["lowerings"] == 0
