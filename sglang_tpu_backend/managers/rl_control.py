@@ -134,6 +134,9 @@ class RLControl:
         """Free the device memory of ``tags`` (None: all). ``{"success", "tags" (released
         now), "freed_bytes"}``. RLStateError while requests are in the engine."""
         tags = check_tags(tags)
+        if not self.runner.backend.weight_updates:  # (the multi-host backend)
+            raise RLStateError("tags", "releasing memory is not supported with --nnodes > 1 "
+                               "(each process holds its own shards)")
         loop = self.loop
         with loop.weights.updates_lock, loop.lock:  # (an update in progress finishes first)
             self._check_empty()
