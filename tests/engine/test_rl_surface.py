@@ -213,10 +213,8 @@ def _live_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays())
 
 
-def test_release_and_resume_memory(eng, ckpt_b, capsys):
+def test_release_and_resume_memory(eng, capsys):
     from fastapi.testclient import TestClient
-
-    from sglang_tpu_backend.checkpoint_io import read_checkpoint
 
     from sglang_tpu_backend.entrypoints.http_server import create_app
     from sglang_tpu_backend.managers.io_struct import ServiceUnavailableError
@@ -252,8 +250,8 @@ def test_release_and_resume_memory(eng, ckpt_b, capsys):
     counter = CompileCounter()
     assert eng.resume_memory_occupation(["weights"])["tags"] == ["kv_cache"]
     # verl's order: weights back, refit them, then the KV cache (the same values here).
-    norm = "model.language_model.norm.weight"
-    res = eng.update_weights_from_tensor({norm: read_checkpoint(ckpt_b)[norm]}, weight_version="b")
+    norm = np.asarray(eng.runner.params["norm"])
+    res = eng.update_weights_from_tensor({"model.language_model.norm.weight": norm})
     assert res["success"], res
     r = client.post("/resume_memory_occupation", json={})
     assert r.status_code == 200 and r.json()["tags"] == [], r.text
