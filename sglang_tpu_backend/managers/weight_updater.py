@@ -1,13 +1,16 @@
-"""Weight updates without a restart (``/update_weights_from_disk``).
+"""Weight updates without a restart (``/update_weights_from_disk``,
+``/update_weights_from_tensor``).
 
-The new checkpoint is loaded on the host, checked against the serving params and placed like
-them while the old weights keep serving. Then new requests are held (at most
+The new checkpoint (or the named tensors, ``model_executor/tensor_update.py``) is loaded on
+the host, checked against the serving params and placed like them while the old weights keep
+serving. Then new requests are held (at most
 ``--max-queued-requests``; more get HTTP 503), the requests already in the engine finish on
 the old weights for at most ``--weight-update-timeout`` seconds (then they are aborted with a
 message saying so; ``abort_all_requests`` aborts them at once), and with no step in flight and
-the pools idle the loop swaps the params (same shapes, shardings and layouts: nothing
-recompiles), flushes the prefix cache (its pages and snapshots came from the old weights),
-sets the weight version and releases the held requests onto the new weights. Under NEXTN the
+the pools idle (or generation paused: ``rl_control.py``) the loop swaps the params (same
+shapes, shardings and layouts: nothing recompiles), flushes the prefix cache (its pages and
+snapshots came from the old weights; a tensor update with ``flush_cache=False`` keeps it),
+sets the weight version (also in every output's meta_info) and releases the held requests onto the new weights. Under NEXTN the
 MTP layers' params are loaded, checked and swapped with them (a checkpoint without ``mtp.*``
 is refused); the MTP KV cache needs no flush: with the pools idle no request holds pages, and
 a step reads MTP KV only at positions its own request's steps wrote (``nextn_step.py``).
