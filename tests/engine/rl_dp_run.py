@@ -5,7 +5,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=2. An engine on checkpoint B gi
 reference; an engine on the tiny model's weights then takes B's tensors in two calls
 (experts split over the devices: each placed with the serving leaf's sharding), is released
 and resumed; writes JSON: the outputs, the programs lowered after the first outputs, the
-bytes freed and the engine's device bytes before.
+bytes freed and the engine's device bytes before. Then a --tp-size 2 engine: released and
+resumed (outputs), and its answer to a tensor refit (refused: not built for TP yet).
 """
 
 from __future__ import annotations
@@ -63,6 +64,17 @@ def main(out_path: str, ckpt_dir: str) -> None:
     result["resumed"] = serve(eng)
     result["lowerings"] = counter.lowerings
     eng.shutdown()
+    del eng
+
+    # --tp-size 2: memory release works; tensor refit is refused (params re-laid out per head).
+    tp = Engine(ServerArgs(**{**ARGS, "dp_size": 1, "tp_size": 2}))
+    result["tp"] = serve(tp)
+    norm = "model.language_model.norm.weight"
+    result["tp_refit"] = tp.update_weights_from_tensor({norm: tensors[norm]})
+    tp.release_memory_occupation()
+    tp.resume_memory_occupation()
+    result["tp_resumed"] = serve(tp)
+    tp.shutdown()
     with open(out_path, "w") as f:
         json.dump(result, f)
 

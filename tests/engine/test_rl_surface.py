@@ -409,7 +409,8 @@ def test_offline_engine_calls(eng, tmp_path):
 def test_refit_and_sleep_with_dp_ranks_and_split_experts(tmp_path):
     """--dp-size 2 --ep-size 2 (``rl_dp_run.py`` in a subprocess with 2 CPU devices): B's
     tensors in two calls give an engine started on B's tokens, with the experts split over
-    the devices; release frees the params and KV pages; nothing recompiles."""
+    the devices; release frees the params and KV pages; nothing recompiles. --tp-size 2:
+    release / resume keep the outputs; a tensor refit is refused naming the flag."""
     import json
     from pathlib import Path
 
@@ -422,3 +423,5 @@ def test_refit_and_sleep_with_dp_ranks_and_split_experts(tmp_path):
     assert r["a"] != r["b"] and r["refit"] == r["b"] and r["resumed"] == r["b"]
     assert r["experts_split"] and r["freed_bytes"] >= r["device_bytes"]
     assert r["lowerings"] == 0
+    assert r["tp_resumed"] == r["tp"]
+    assert not r["tp_refit"]["success"] and "--tp-size" in r["tp_refit"]["message"]
