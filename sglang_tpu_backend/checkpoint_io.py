@@ -234,9 +234,56 @@ def index_checkpoint(checkpoint_dir: str | Path) -> dict[str, TensorEntry]:
     return entries
 
 
+def read_safetensors_bytes(data: bytes) -> dict[str, np.ndarray]:
+    """The tensors of one safetensors file held in memory (``safetensors_bytes``' output, or
+    ``safetensors.torch.save``'s), as numpy arrays (bf16 / fp8 through ml_dtypes) that view
+    ``data``. Raises CheckpointError naming what is malformed."""
+    if len(data) < 8:
+        raise CheckpointError("not a safetensors payload (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise CheckpointError(f"not a safetensors payload (header length {n} > {len(data) - 8} bytes)")
+    try:
+        header = json.loads(data[8:8 + n])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError("corrupt safetensors header (not a JSON object)")
+    out, body = {}, memoryview(data)[8 + n:]
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(x) for x in info["shape"])
+            dtype = _ST_TO_NP[str(info["dtype"])]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"corrupt safetensors header entry for tensor {name}") from None
+        if not 0 <= begin <= end <= len(body) or end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"tensor {name}: data_offsets [{begin}, {end}] do not hold "
+                                  f"{dtype}{list(shape)} in a {len(body)}-byte body")
+        out[name] = np.frombuffer(body[begin:end], dtype.newbyteorder("<")).astype(
+            dtype, copy=False).reshape(shape)
+    return out
+
+
 # Writers ---------------------------------------------------------------------------------
+def safetensors_bytes(tensors: Mapping[str, np.ndarray], metadata: dict | None = None) -> bytes:
+    """One safetensors file, in memory, of numpy arrays (bf16/fp8 via ml_dtypes allowed)."""
+    import io
+
+    buf = io.BytesIO()
+    _write_safetensors(buf, tensors, metadata)
+    return buf.getvalue()
+
+
 def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], metadata: dict | None = None) -> None:
     """Write numpy arrays (bf16/fp8 via ml_dtypes allowed) to one ``.safetensors`` file."""
+    with open(path, "wb") as f:
+        _write_safetensors(f, tensors, metadata)
+
+
+def _write_safetensors(f, tensors: Mapping[str, np.ndarray], metadata: dict | None) -> None:
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     arrays = []
@@ -250,11 +297,10 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], metad
         arrays.append(a)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for a in arrays:
-            f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for a in arrays:
+        f.write(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
 
 
 def write_checkpoint(

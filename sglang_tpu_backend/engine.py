@@ -11,7 +11,10 @@ Built from ``ServerArgs`` (SGLang flag names), it wires:
 - ``managers/delivery.py`` + ``managers/output_builder.py``: SGLang-format outputs pushed to
   each request's consumer;
 - ``managers/handover_manager.py``: disaggregated prefill export / decode install;
-- ``managers/weight_updater.py``: weight updates without a restart.
+- ``managers/weight_updater.py``: weight updates without a restart (from a checkpoint
+  directory or from named tensors);
+- ``managers/rl_control.py``: SGLang's RL controls (pause / continue generation, release /
+  resume memory occupation).
 
 ``generate_request`` is the request-level API the HTTP routes and the Ray app use (SGLang's
 ``TokenizerManager.generate_request``): an async iterator of output dicts for one prompt;
@@ -41,6 +44,7 @@ from sglang_tpu_backend.managers.handover_manager import HandoverManager
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError, ServiceUnavailableError
 from sglang_tpu_backend.managers.output_builder import OutputBuilder, OutputSnapshot
 from sglang_tpu_backend.managers.request_builder import RequestBuilder
+from sglang_tpu_backend.managers.rl_control import RLControl
 from sglang_tpu_backend.managers.schedule_batch import Req
 from sglang_tpu_backend.managers.scheduler import Scheduler
 from sglang_tpu_backend.managers.scheduler_loop import BETWEEN_STEPS, PHASES, SchedulerLoop
@@ -184,7 +188,7 @@ class Engine:
         self.metrics = EngineMetrics(args.served_model_name, role=role, dp_size=dp,
                                      num_moe_layers=cfg.num_hidden_layers,
                                      step_phases=PHASES + BETWEEN_STEPS)
-        self.outputs = OutputBuilder(self.requests.decode_token,
+        self.outputs = OutputBuilder(self.requests.decode_token, weight_version=args.weight_version,
                                      speculative=args.speculative_algorithm is not None)
         overlap = _overlap_schedule(args, self.runner)
         self.loop = SchedulerLoop(
@@ -195,7 +199,7 @@ class Engine:
         self.loop.handover = self.handover = HandoverManager(
             self.loop, self.runner, page_size=args.page_size, wait_timeout=args.handover_wait_timeout)
         self.loop.weights = self.weights = WeightUpdater(self.loop, self.runner, cfg, args)
-        self.status = EngineStatus(self)
+        self.status, self.rl = EngineStatus(self), RLControl(self.loop, self.runner)
         self._enable_compilation_cache(args)
         self.warmup_seconds = 0.0 if args.skip_warmup else self._warm_up(role)
         if start_loop:
@@ -298,6 +302,7 @@ class Engine:
         """Lock held: refuse a request the loop cannot serve now."""
         if self.loop.is_dead:
             raise ServiceUnavailableError(f"the scheduler loop is not running ({self.loop.loop_error})")
+        self.rl.check_admission()
         limit = self.args.max_queued_requests
         waiting = self.scheduler.num_waiting + len(self.weights.held)
         if queue_limit and limit is not None and waiting >= limit:
@@ -307,10 +312,15 @@ class Engine:
         if self.loop.delivery.has_consumer(req.rid):
             raise InvalidRequestError("rid", f"rid {req.rid!r} is already in use")
 
-    def abort_request(self, rid: str) -> bool:
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> bool:
         """Abort a queued, running, installing or held request; its pages and slot are free
-        on return. False when no such request is in the engine."""
+        on return. False when no such request is in the engine. ``abort_all`` (SGLang's
+        flag): every request in the engine instead; True."""
         with self.loop.lock:
+            if abort_all:
+                self.loop.abort_all(ABORTED_BY_CLIENT)
+                self.loop.wake.notify()
+                return True
             if self.handover.abort(rid, ABORTED_BY_CLIENT) or self.weights.abort(rid, ABORTED_BY_CLIENT):
                 return True
             req = self.scheduler.abort(rid, ABORTED_BY_CLIENT)
@@ -370,8 +380,35 @@ class Engine:
                                  abort_all_requests: bool = False,
                                  weight_version: str | None = None) -> dict:
         """Serve checkpoint ``model_path`` from now on (``managers/weight_updater.py``)."""
+        self.rl.check_weights_present()
         return self.weights.update_weights_from_disk(model_path, load_format, abort_all_requests,
                                                      weight_version)
+
+    def update_weights_from_tensor(self, named_tensors, load_format: str | None = None,
+                                   flush_cache: bool = True, weight_version: str | None = None,
+                                   abort_all_requests: bool = False) -> dict:
+        """Serve checkpoint-named arrays (``[(hf_name, array), ...]`` or a dict; numpy or
+        jax.Array; any subset of the names) from now on; SGLang's answer ``{"success",
+        "message", "num_paused_requests"}`` (``managers/weight_updater.py``)."""
+        self.rl.check_weights_present()
+        return self.weights.update_weights_from_tensor(named_tensors, load_format, flush_cache,
+                                                       weight_version, abort_all_requests)
+
+    def get_weight_version(self) -> str:
+        return self.weights.version
+
+    # RL controls (``managers/rl_control.py``) ----------------------------------------------
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self.rl.pause_generation(mode)
+
+    def continue_generation(self) -> dict:
+        return self.rl.continue_generation()
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self.rl.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self.rl.resume_memory_occupation(tags)
 
     def start_expert_distribution_record(self) -> None:
         """Record the routed rows per expert and MoE layer from now on (recording runs from

@@ -368,6 +368,18 @@ class CheckpointLeaves:
             m = re.match(rf"{re.escape(self.prefix)}layers\.(\d+)\.", name)
             self.layer_names.setdefault(int(m.group(1)) if m else -1, []).append(name)
 
+    @classmethod
+    def from_reader(cls, reader: "_Reader", cfg: ModelConfig, prefix: str, *, label: str,
+                    keep_fp8_experts: bool) -> "CheckpointLeaves":
+        """Leaves over ``reader`` (its ``entries`` index every tensor the leaves read; a
+        ``_Reader`` subclass may serve them from memory: ``tensor_update.py``), without a
+        directory or checks; ``label`` names the source in messages."""
+        self = cls.__new__(cls)
+        self.dir, self.cfg, self.keep_fp8 = Path(label), cfg, keep_fp8_experts
+        self.entries, self.prefix, self.reader = reader.entries, prefix, reader
+        self.expected, self.layer_names = {}, {}
+        return self
+
     def prefetch(self, layer: int, experts: list[tuple[int, int]]) -> None:
         """Start reading ``layer``'s tensors (-1: the top-level ones) into the page cache in
         the background, of the routed experts only those in the ranges ``experts``."""

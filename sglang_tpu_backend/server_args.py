@@ -453,6 +453,9 @@ def _add_model_and_server_flags(a, d) -> None:
            "dummy: random weights of the config's shapes drawn on the devices (no weights "
            "needed; benchmarks)")
     a("--served-model-name", type=str, default=d.served_model_name)
+    a("--enable-metrics", action="store_true", default=False,
+      help="accepted for SGLang compatibility and has no effect: metrics are always on "
+           "(GET /metrics is always served)")
     a("--weight-version", type=str, default=d.weight_version,
       help="version label of the loaded weights (/get_model_info, /get_weight_version); "
            "/update_weights_from_disk replaces it")

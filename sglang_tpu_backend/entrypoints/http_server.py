@@ -448,6 +448,9 @@ def install(app: FastAPI, engine) -> None:
     app.state.seed_rng = random.Random(_arg(engine, "random_seed", 0))
     app.state.inflight = set()  # rids of requests being served, for abort_all
     app.include_router(router)
+    from sglang_tpu_backend.entrypoints.rl_routes import router as rl_router
+
+    app.include_router(rl_router)  # SGLang's RL surface (its own module: it imports this one)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):

@@ -150,6 +150,76 @@ class OfflineEngine:
             return self._chunks(self._parse(body))
         return await self._outputs(body)
 
+    # SGLang's other Engine calls (the core's; blocking ones run here, on the caller's thread) -
+    def flush_cache(self) -> bool:
+        return self.engine.flush_cache()
+
+    def get_server_info(self) -> dict:
+        info = dict(self.engine.get_server_info())
+        info["pool_stats"] = self.engine.pool_stats()  # as GET /get_server_info
+        return info
+
+    def get_weight_version(self) -> str:
+        return self.engine.get_weight_version()
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> bool:
+        """Abort request ``rid``, or with ``abort_all`` every request; False when no such
+        request is in the engine."""
+        return self.engine.abort_request(rid, abort_all=abort_all)
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False,
+                                 weight_version: str | None = None) -> tuple[bool, str, int]:
+        """SGLang's ``(success, message, num_paused_requests)`` once the new weights serve
+        (the route answers the same as a dict)."""
+        r = self.engine.update_weights_from_disk(model_path, load_format, abort_all_requests,
+                                                 weight_version)
+        return r["success"], r["message"], r["num_paused_requests"]
+
+    def update_weights_from_tensor(self, named_tensors, load_format: str | None = None,
+                                   flush_cache: bool = True, weight_version: str | None = None
+                                   ) -> tuple[bool, str]:
+        """Checkpoint-named arrays (``[(name, numpy or jax array), ...]`` or a dict; any subset
+        of the names) -> SGLang's ``(success, message)``."""
+        r = self.engine.update_weights_from_tensor(named_tensors, load_format, flush_cache,
+                                                   weight_version)
+        return r["success"], r["message"]
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self.engine.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self.engine.resume_memory_occupation(tags)
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self.engine.pause_generation(mode)
+
+    def continue_generation(self) -> dict:
+        return self.engine.continue_generation()
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        return self.engine.start_profile(output_dir, num_steps)
+
+    def stop_profile(self) -> str:
+        return self.engine.stop_profile()
+
+    def start_expert_distribution_record(self) -> None:
+        self.engine.start_expert_distribution_record()
+
+    def stop_expert_distribution_record(self) -> None:
+        self.engine.stop_expert_distribution_record()
+
+    def dump_expert_distribution_record(self, output_dir: str | None = None) -> str:
+        """Write the record into ``output_dir`` (default: ``--profile-dir-root``'s default,
+        ``$SGLANG_TORCH_PROFILER_DIR`` or the temp directory); returns the file's path."""
+        import os
+        import tempfile
+
+        if output_dir is None:
+            output_dir = (self.engine.args.profile_dir_root
+                          or os.environ.get("SGLANG_TORCH_PROFILER_DIR") or tempfile.gettempdir())
+        return self.engine.dump_expert_distribution_record(output_dir)
+
     # Context manager ---------------------------------------------------------------------------
     def __enter__(self):
         return self

@@ -58,6 +58,8 @@ class EngineStatus:
             "jax_backend": jax.default_backend(),
             "version": __version__,
             "weight_version": e.weights.version,
+            "paused": e.rl.mode,  # pause_generation's mode, None while generating
+            "memory_released": e.rl.released,  # release_memory_occupation's tags
             "mem_budget": None if e.mem_budget is None else e.mem_budget.to_dict(),
         })
         return info

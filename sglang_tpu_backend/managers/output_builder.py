@@ -69,11 +69,14 @@ class OutputBuilder:
     ``return_text_in_logprobs``. ``speculative``: meta_info carries SGLang's
     ``spec_verify_ct`` (verify steps the request ran) and ``spec_accept_length`` (output
     tokens it gained per verify step, on average: 1 + the drafts accepted, less what a stop
-    dropped; 0 before its first)."""
+    dropped; 0 before its first). ``weight_version``: the label of the weights serving now,
+    in every output's meta_info (SGLang's; the weight updater sets it at each swap)."""
 
-    def __init__(self, decode_token: Callable[[int], str], speculative: bool = False):
+    def __init__(self, decode_token: Callable[[int], str], speculative: bool = False,
+                 weight_version: str = "default"):
         self.decode_token = decode_token
         self.speculative = speculative
+        self.weight_version = weight_version
 
     def snapshot(self, req: Any) -> OutputSnapshot:
         """``req``'s SGLang output so far (cumulative text, ids and logprob lists)."""
@@ -83,6 +86,7 @@ class OutputBuilder:
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
+            "weight_version": self.weight_version,
         }
         if req.finished:
             meta["e2e_latency"] = time.monotonic() - req.arrival_time

@@ -245,6 +245,15 @@ class Scheduler:
         self.waiting.appendleft(req)
         logger.debug("retracted %s (%d tokens to re-prefill)", req.rid, req.num_fill)
 
+    def retract_all(self) -> int:
+        """Retract every running request (``pause_generation(mode="retract")``), newest first
+        so the oldest ends up first in the queue; none may have a token in flight. Returns
+        how many were retracted."""
+        running = list(self.running)
+        for req in reversed(running):
+            self._retract(req)
+        return len(running)
+
     # Scheduling ----------------------------------------------------------------------
     def _chunk(self, req: Req, n: int) -> ScheduledChunk:
         start = req.num_computed

@@ -80,6 +80,10 @@ class SchedulerLoop:
         self.loop_error: str | None = None  # why the loop thread ended (None while it runs)
         self.last_step_end = time.monotonic()  # the progress mark (watchdog)
         self.stopping = False
+        # ``pause_generation``'s mode while paused (None: running): no step is launched; a
+        # pending weight swap still runs. ``parked``: the thread waits with no step in flight.
+        self.paused: str | None = None
+        self.parked = False
         # Test hook: called with each phase name (PHASES, BETWEEN_STEPS) as the phase starts.
         self.fault_injector: Callable[[str], None] | None = None
         self.thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
@@ -108,8 +112,15 @@ class SchedulerLoop:
         return self.thread.is_alive()
 
     def _has_work(self) -> bool:
+        if self.paused is not None:
+            return self.weights.has_pending
         return (not self.scheduler.is_idle() or self.handover.has_pending
                 or self.weights.has_pending)
+
+    def wait_parked(self, timeout: float) -> bool:
+        """Lock held, ``paused`` set: wait until the thread waits with no step in flight (True;
+        also when no thread runs), or ``timeout`` seconds (False)."""
+        return self.wake.wait_for(lambda: self.parked or not self.thread.is_alive(), timeout)
 
     def _run(self) -> None:
         """Launch step i+1, then complete step i (overlap), or one step at a time."""
@@ -118,7 +129,10 @@ class SchedulerLoop:
             while True:
                 with self.lock:
                     while not self.stopping and launched is None and not self._has_work():
+                        self.parked = True
+                        self.wake.notify_all()  # a pause waits for this
                         self.wake.wait()
+                        self.parked = False
                         self.last_step_end = time.monotonic()  # idle is progress
                     if self.stopping:
                         return
@@ -171,7 +185,10 @@ class SchedulerLoop:
         return None if launched is None else launched.batch
 
     def _launch(self):
-        """Schedule a step and dispatch it to the device; None when nothing runs now."""
+        """Schedule a step and dispatch it to the device; None when nothing runs now (or
+        generation is paused)."""
+        if self.paused is not None:
+            return None
         if self.handover.has_pending:
             self.guarded("install", self.handover.install_pending, self.handover.fail_installs)
         with self.lock:
@@ -288,7 +305,7 @@ class SchedulerLoop:
         if self.is_dead:
             return float("inf")
         with self.lock:
-            if self.scheduler.is_idle() and not self.handover.has_pending:
+            if self.paused is not None or (self.scheduler.is_idle() and not self.handover.has_pending):
                 return 0.0
         return max(0.0, time.monotonic() - self.last_step_end)
 

@@ -1,13 +1,16 @@
-"""Weight updates without a restart (``/update_weights_from_disk``).
+"""Weight updates without a restart (``/update_weights_from_disk``,
+``/update_weights_from_tensor``).
 
-The new checkpoint is loaded on the host, checked against the serving params and placed like
-them while the old weights keep serving. Then new requests are held (at most
+The new checkpoint (or the named tensors, ``model_executor/tensor_update.py``) is loaded on
+the host, checked against the serving params and placed like them while the old weights keep
+serving. Then new requests are held (at most
 ``--max-queued-requests``; more get HTTP 503), the requests already in the engine finish on
 the old weights for at most ``--weight-update-timeout`` seconds (then they are aborted with a
 message saying so; ``abort_all_requests`` aborts them at once), and with no step in flight and
-the pools idle the loop swaps the params (same shapes, shardings and layouts: nothing
-recompiles), flushes the prefix cache (its pages and snapshots came from the old weights),
-sets the weight version and releases the held requests onto the new weights. Under NEXTN the
+the pools idle (or generation paused: ``rl_control.py``) the loop swaps the params (same
+shapes, shardings and layouts: nothing recompiles), flushes the prefix cache (its pages and
+snapshots came from the old weights; a tensor update with ``flush_cache=False`` keeps it),
+sets the weight version (also in every output's meta_info) and releases the held requests onto the new weights. Under NEXTN the
 MTP layers' params are loaded, checked and swapped with them (a checkpoint without ``mtp.*``
 is refused); the MTP KV cache needs no flush: with the pools idle no request holds pages, and
 a step reads MTP KV only at positions its own request's steps wrote (``nextn_step.py``).
@@ -46,6 +49,12 @@ class WeightUpdater:
         self.pending: weight_update.PendingSwap | None = None  # waiting for the loop
         self.held: list[tuple[Req, Callable[[], None]]] = []  # requests held during a swap
         self._serialize = threading.Lock()  # one update at a time
+
+    @property
+    def updates_lock(self) -> threading.Lock:
+        """Held by an update from its first read of the serving params to its answer (memory
+        release takes it too, so it never frees params an update is reading)."""
+        return self._serialize
 
     @property
     def has_pending(self) -> bool:
@@ -91,20 +100,41 @@ class WeightUpdater:
         Blocks (call it from any thread but the loop's); returns SGLang's answer
         ``{"success", "message", "num_paused_requests"}``. Any problem before the swap
         answers ``success: False`` naming it and changes nothing."""
+        return self._update(lambda: self._load(model_path, load_format), model_path,
+                            abort_all_requests, weight_version, flush_cache=True)
+
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
+                                   flush_cache: bool = True, weight_version: str | None = None,
+                                   abort_all_requests: bool = False) -> dict:
+        """``update_weights_from_disk`` from checkpoint-named arrays instead of a directory
+        (``model_executor/tensor_update.py``: any subset of names; the leaves they touch are
+        rebuilt and placed as the serving ones, the rest stay). ``load_format``: None or
+        ``"direct"``. ``flush_cache=False`` keeps the prefix cache (SGLang's flag: a caller
+        sending the weights in several calls flushes on the last). Same answer and
+        guarantees: validated and placed before the swap, nothing changed on a refusal."""
+        return self._update(lambda: self._load_tensors(named_tensors, load_format),
+                            "tensors", abort_all_requests, weight_version, flush_cache)
+
+    def _update(self, load: Callable[[], tuple[Any, Any]], source: str, abort_all_requests: bool,
+                weight_version: str | None, flush_cache: bool) -> dict:
+        """``load()`` (placed params, placed MTP params or None), then the swap."""
         with self._serialize:
+            if self.runner.params is None:  # released meanwhile (release_memory_occupation)
+                return weight_update.update_result(
+                    False, "the weights are released (release_memory_occupation); resume them first")
             t0 = time.perf_counter()
             try:
-                placed, placed_mtp = self._load(model_path, load_format)
+                placed, placed_mtp = load()
             except weight_update.WeightUpdateError as e:
                 return weight_update.update_result(False, str(e))
             except Exception as e:  # e.g. out of device memory while placing: nothing changed
-                logger.exception("loading weights from %s failed", model_path)
+                logger.exception("loading weights from %s failed", source)
                 return weight_update.update_result(
-                    False, f"loading weights from {model_path} failed: {type(e).__name__}: {e}")
+                    False, f"loading weights from {source} failed: {type(e).__name__}: {e}")
             load_s = time.perf_counter() - t0
             swap = weight_update.PendingSwap(
-                placed, weight_update.next_weight_version(self.version, weight_version), model_path,
-                mtp_params=placed_mtp)
+                placed, weight_update.next_weight_version(self.version, weight_version), source,
+                mtp_params=placed_mtp, flush_cache=flush_cache)
             del placed, placed_mtp
             loop = self.loop
             with loop.lock:
@@ -124,6 +154,36 @@ class WeightUpdater:
                 result["message"] += f" (loaded in {load_s:.2f} s)"
                 logger.info("weight update: %s", result["message"])
             return result
+
+    def _load_tensors(self, named_tensors: Any, load_format: str | None) -> tuple[Any, None]:
+        from sglang_tpu_backend.model_executor.tensor_update import build_params
+
+        if load_format not in (None, "direct"):
+            raise weight_update.WeightUpdateError(
+                f"load_format {load_format!r} is not supported for tensors (None or 'direct': "
+                "named arrays in the checkpoint's layout)")
+        self._check_tensor_updates()
+        runner = self.runner
+        placed, report = build_params(named_tensors, self.model_config, runner.params,
+                                      dtype=DTYPES[self.args.dtype], nextn=runner.nextn is not None)
+        weight_update.check_placed(runner.params, placed)
+        jax.block_until_ready(placed)
+        logger.info("update_weights_from_tensor: %s", report)
+        return placed, None
+
+    def _check_tensor_updates(self) -> None:
+        """WeightUpdateError where named tensors cannot be placed leaf by leaf yet."""
+        runner = self.runner
+        if self.args.nnodes > 1:
+            raise weight_update.WeightUpdateError("weight updates are not supported with --nnodes > 1")
+        if runner.backend.param_shardings(runner.param_spec) is None:
+            raise weight_update.WeightUpdateError(
+                "update_weights_from_tensor is not supported with --tp-size > 1 yet (its "
+                "params are re-laid out per head); use update_weights_from_disk")
+        if runner.balancer is not None and runner.balancer.stores_physical:
+            raise weight_update.WeightUpdateError(
+                "update_weights_from_tensor is not supported with experts stored per physical "
+                "slot (EPLB, --init-expert-location) yet; use update_weights_from_disk")
 
     def _swap_without_loop(self, swap: weight_update.PendingSwap) -> None:
         try:
@@ -174,7 +234,10 @@ class WeightUpdater:
             swap = self.pending
             if swap is None:
                 return False
-            idle = loop.scheduler.is_idle() and not loop.handover.has_pending
+            # Paused (``pause_generation``): no step runs; what the paused requests hold
+            # stays with them (SGLang's in-place update).
+            idle = ((loop.scheduler.is_idle() or loop.paused is not None)
+                    and not loop.handover.has_pending)
             limit = self.args.weight_update_timeout
             if not idle and time.monotonic() - swap.queued_at > limit:
                 loop.abort_all(f"Aborted for a weight update: still running {limit:g} s after it "
@@ -182,12 +245,12 @@ class WeightUpdater:
                 idle = True
             if step_in_flight or not idle:
                 return False
-            if loop.scheduler.prefix is not None:  # its pages and snapshots are the old weights'
+            if loop.scheduler.prefix is not None and swap.flush_cache:  # the old weights' KV
                 loop.scheduler.prefix.flush()  # nothing runs: every entry is freed now
         # raises: the old params are still the runner's
         self.runner.replace_params(swap.params, swap.mtp_params)
         with loop.lock:
-            self.version = swap.version
+            self.version = loop.delivery.outputs.weight_version = swap.version
             held, self.held, self.pending = self.held, [], None
             for _, submit in held:
                 submit()

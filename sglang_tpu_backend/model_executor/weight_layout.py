@@ -95,6 +95,13 @@ def uses_native_layouts(sharding: Sharding) -> bool:
     return next(iter(sharding.device_set)).platform == "tpu"
 
 
+def weight_target(a: jax.Array) -> Format | Sharding:
+    """Where ``jax.device_put`` puts a host copy of the placed weight ``a`` so that it lands as
+    ``a`` did in ``place_weights``: its format (sharding + native tiling) on TPU, its sharding
+    elsewhere (there a format would route the copy through a resharding program)."""
+    return a.format if uses_native_layouts(a.sharding) else a.sharding
+
+
 def place_weights(params: Any, shardings: Any) -> Any:
     """``params`` on their devices (``shardings`` mirrors the tree), matmul weights in the
     native tiling on TPU. Committed arrays carry their layout into every jit that takes them."""

@@ -159,8 +159,10 @@ class PendingSwap:
     ``finish`` records the answer (``update_result``) and wakes the caller waiting on ``done``.
     """
 
-    def __init__(self, params: Any, version: str, model_path: str, mtp_params: Any = None):
+    def __init__(self, params: Any, version: str, model_path: str, mtp_params: Any = None,
+                 flush_cache: bool = True):
         self.params = params
+        self.flush_cache = flush_cache  # flush the prefix cache at the swap
         self.mtp_params = mtp_params  # NEXTN: the placed MTP params (else None)
         self.version = version
         self.model_path = model_path

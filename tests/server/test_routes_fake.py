@@ -329,9 +329,12 @@ def _cli_parser():
 
 def test_flags_without_effect_are_gone_and_help_is_true():
     parser = _cli_parser()
-    with pytest.raises(SystemExit):  # no reader: /metrics is always served (SGLang gates it)
-        parser.parse_args(["--enable-metrics"])
+    # SGLang gates /metrics with --enable-metrics; here metrics are always on, and the flag is
+    # accepted (RL frameworks pass it) without reaching ServerArgs; its help says so.
+    ns = parser.parse_args(["--enable-metrics"])
+    assert ns.enable_metrics and not hasattr(ServerArgs.from_cli_args(ns), "enable_metrics")
     helps = {a.dest: a.help or "" for a in parser._actions}
+    assert "always on" in helps["enable_metrics"]
     assert "not supported" not in helps["tp_size"] and "tensor-parallel" in helps["tp_size"]
     eng = FakeEngine(ServerArgs(context_length=256))
     assert run(_call_all(eng, [("GET", "/metrics", None)], None))[0].status_code == 200
@@ -407,6 +410,21 @@ def test_admin_routes_take_the_admin_key(api_key, admin_key, unlocks, refused):
                                          "start_expert_distribution_record",
                                          "stop_expert_distribution_record",
                                          "dump_expert_distribution_record"] * len(unlocks)
+
+
+def test_rl_routes_take_the_admin_key_and_answer_501_without_the_engine_calls():
+    """SGLang's RL routes (entrypoints/rl_routes.py) are admin routes; an engine without the
+    calls (this fake, the Ray app's remote engine) answers 501 naming the call."""
+    eng = FakeEngine(ServerArgs(context_length=256, api_key="user", admin_api_key="admin"))
+    calls = [("POST", "/update_weights_from_tensor", {"serialized_named_tensors": "AAAA"}),
+             ("POST", "/pause_generation", {"mode": "retract"}), ("POST", "/continue_generation", None),
+             ("POST", "/release_memory_occupation", {"tags": None}),
+             ("POST", "/resume_memory_occupation", None)]
+    for key in (None, "user"):
+        for r in run(_call_all(eng, calls, key)):
+            _error(r, 401, "authorization")
+    for r, (_, path, _) in zip(run(_call_all(eng, calls, "admin")), calls):
+        assert r.status_code == 501 and path.strip("/") in r.json()["error"]["message"], r.text
 
 
 def test_serving_routes_take_the_plain_key_and_probes_stay_open():

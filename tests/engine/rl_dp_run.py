@@ -1,0 +1,83 @@
+"""The RL surface on --dp-size 2 --ep-size 2 (2 simulated CPU devices; run as a script).
+
+Run by tests/engine/test_rl_surface.py in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=2. An engine on checkpoint B gives the
+reference; an engine on the tiny model's weights then takes B's tensors in two calls
+(experts split over the devices: each placed with the serving leaf's sharding), is released
+and resumed; writes JSON: the outputs, the programs lowered after the first outputs, the
+bytes freed and the engine's device bytes before. Then a --tp-size 2 engine: released and
+resumed (outputs), and its answer to a tensor refit (refused: not built for TP yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import jax
+
+from sglang_tpu_backend.checkpoint_io import read_checkpoint
+from sglang_tpu_backend.engine import Engine
+from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
+from sglang_tpu_backend.server_args import ServerArgs
+from sglang_tpu_backend.tiny_model import write_random_model
+
+ARGS = dict(max_running_requests=8, chunked_prefill_size=32, context_length=128, page_size=16,
+            dtype="float32", random_seed=0, dp_size=2, skip_warmup=True)
+PROMPTS = ["Count with me: 1 2 3 4 5", "The capital of France is"]
+
+
+def serve(engine: Engine) -> list[list[int]]:
+    async def one(p):
+        obj = GenerateReqInput(text=p, sampling_params={"temperature": 0, "max_new_tokens": 6,
+                                                        "ignore_eos": True})
+        return [o async for o in engine.generate_request(obj)][-1]["output_ids"]
+
+    async def run():
+        return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
+    engine.flush_cache()
+    return asyncio.run(run())
+
+
+def main(out_path: str, ckpt_dir: str) -> None:
+    b = write_random_model(ckpt_dir, seed=1)
+    ref = Engine(ServerArgs(model_path=str(b), **ARGS))
+    result = {"b": serve(ref)}
+    ref.shutdown()
+    del ref
+    eng = Engine(ServerArgs(**ARGS))
+    result["a"] = serve(eng)
+    counter = CompileCounter()
+    tensors = read_checkpoint(b)
+    names = sorted(tensors)
+    for half in (names[::2], names[1::2]):
+        res = eng.update_weights_from_tensor({n: tensors[n] for n in half})
+        assert res["success"], res
+    result["refit"] = serve(eng)
+    experts = eng.runner.params["layer_groups"][0]["mlp"]["experts"]["gate_up"]
+    result["experts_split"] = len(experts.sharding.device_set) == 2 and not experts.sharding.is_fully_replicated
+    result["device_bytes"] = sum(a.nbytes for a in jax.tree.leaves([eng.runner.params, eng.runner.cache]))
+    result["freed_bytes"] = eng.release_memory_occupation()["freed_bytes"]
+    eng.resume_memory_occupation()
+    result["resumed"] = serve(eng)
+    result["lowerings"] = counter.lowerings
+    eng.shutdown()
+    del eng
+
+    # --tp-size 2: memory release works; tensor refit is refused (params re-laid out per head).
+    tp = Engine(ServerArgs(**{**ARGS, "dp_size": 1, "tp_size": 2}))
+    result["tp"] = serve(tp)
+    norm = "model.language_model.norm.weight"
+    result["tp_refit"] = tp.update_weights_from_tensor({norm: tensors[norm]})
+    tp.release_memory_occupation()
+    tp.resume_memory_occupation()
+    result["tp_resumed"] = serve(tp)
+    tp.shutdown()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
