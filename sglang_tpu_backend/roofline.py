@@ -85,10 +85,38 @@ class Hardware:
 HARDWARE = {
     # Ironwood: 2 TensorCores per chip, 4 chips per VM.
     "tpu7x": Hardware("tpu7x", 2307e12, 4614e12, 7.4e12, 192 * 2**30, 2, 4),
+    # Earlier TPU generations (published per-chip peaks; 4 chips per VM as the ct5lp / ct6e /
+    # v5p hosts with 4 chips). No fp8 MXU before Ironwood: FP8 weights are dequantised and
+    # multiplied in bf16, so their peak is bf16's (the bytes still halve).
+    "v5e": Hardware("v5e", 197e12, 197e12, 819e9, 16 * 2**30, 1, 4),
+    "v6e": Hardware("v6e", 918e12, 918e12, 1640e9, 32 * 2**30, 1, 4),
+    "v5p": Hardware("v5p", 459e12, 459e12, 2765e9, 95 * 2**30, 1, 4),
     # NVIDIA SXM parts, dense (no sparsity) tensor-core peaks, 8 GPUs per host.
     "h100": Hardware("h100", 989e12, 1979e12, 3.35e12, 80e9, 1, 8),
     "h200": Hardware("h200", 989e12, 1979e12, 4.8e12, 141e9, 1, 8),
 }
+
+
+# JAX's ``device_kind`` of each generation's TensorCore -> its HARDWARE entry.
+DEVICE_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+                "TPU v5": "v5p", "TPU v5p": "v5p", "TPU7x": "tpu7x", "TPU 7x": "tpu7x"}
+
+
+def hardware_for(device_kind: str) -> Hardware:
+    """The peaks of the TPU generation a JAX ``device_kind`` names (``jax.devices()[0]
+    .device_kind``: "TPU v5 lite" on a v5e); ValueError naming the kind for one not known."""
+    name = DEVICE_KINDS.get(device_kind)
+    if name is None:
+        raise ValueError(f"no peaks known for device_kind {device_kind!r} "
+                         f"(known: {sorted(DEVICE_KINDS)})")
+    return HARDWARE[name]
+
+
+def this_hardware() -> Hardware:
+    """The peaks of the TPU this process runs on (``hardware_for``); off a TPU this machine
+    measured as one chip (``measure_cpu``)."""
+    dev = jax.devices()[0]
+    return hardware_for(dev.device_kind) if dev.platform == "tpu" else measure_cpu()
 
 
 def measure_cpu(size: int = 1024, stream_mb: int = 256) -> Hardware:
@@ -327,7 +355,9 @@ def _fmt(terms: dict) -> str:
 def main(argv=None) -> Ceiling:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-config", default=str(CONFIG_397B))
-    p.add_argument("--hardware", choices=[*HARDWARE, "cpu"], default="tpu7x")
+    p.add_argument("--hardware", choices=[*HARDWARE, "cpu", "auto"], default="tpu7x",
+                   help="peaks to plan with; auto: the TPU this process runs on (its "
+                        "device_kind), else this machine measured")
     p.add_argument("--num-chips", type=int, default=None, help="default: one host of the hardware")
     p.add_argument("--input-len", type=int, default=8192)
     p.add_argument("--output-len", type=int, default=1024)
@@ -345,7 +375,8 @@ def main(argv=None) -> Ceiling:
     raw = json.loads(Path(a.model_config).read_text())
     cfg_dtype = (raw.get("text_config", raw).get("dtype") or raw.get("torch_dtype") or "bfloat16")
     expert_dtype = a.expert_dtype or ("fp8" if "8" in str(cfg_dtype) else "bf16")
-    hw = measure_cpu() if a.hardware == "cpu" else HARDWARE[a.hardware]
+    hw = (measure_cpu() if a.hardware == "cpu" else this_hardware() if a.hardware == "auto"
+          else HARDWARE[a.hardware])
     chips = a.num_chips or hw.chips_per_host
     kw = dict(input_len=a.input_len, output_len=a.output_len, concurrency=a.concurrency,
               num_chips=chips, expert_dtype=expert_dtype, kv_dtype=a.kv_dtype,

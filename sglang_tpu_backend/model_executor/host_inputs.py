@@ -5,8 +5,9 @@ costs host time (on a v5e host ~0.1 ms), and a decode step passed ~27 small arra
 ``ForwardBatch``, the in-flight input rows, the ``SamplingInputs``, some of them twice): 3.6 ms
 of the step's host time for one request, against 0.7 ms of device work. Here a tree of numpy
 arrays (32-bit and bool leaves) is packed into one i32 buffer, copied once, and cut back into
-the tree's arrays by a small jitted program (``unpack``), so the step's programs receive
-device arrays and transfer nothing.
+the tree's arrays inside the program that uses them: the step's input ids are resolved
+(in-flight decode rows) as the batch is unpacked, and the sampler unpacks its inputs itself,
+so a decode step is two copies and three programs (unpack the batch, forward, sample).
 
 The packing layout (``PackLayout``: the tree's structure, each leaf's shape, dtype and word
 offset) is the unpack program's static argument: one program per step bucket and sampler
@@ -16,7 +17,6 @@ variant, compiled at warm-up with the rest (warm-up places its dummy inputs the 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -59,9 +59,18 @@ def pack(tree: Any) -> tuple[np.ndarray, PackLayout]:
     return buf, PackLayout(treedef, tuple(leaves), max(offset, 1))
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def unpack(buf: jax.Array, layout: PackLayout) -> Any:
-    """The tree ``pack`` laid out in ``buf`` (i32[num_words]), as device arrays."""
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A packed tree on the device, for a jitted program that unpacks it itself
+    (``unpack_tree`` inside its trace): buf i32[num_words], layout its static argument."""
+
+    buf: jax.Array
+    layout: PackLayout
+
+
+def unpack_tree(buf: jax.Array, layout: PackLayout) -> Any:
+    """The tree ``pack`` laid out in ``buf`` (i32[num_words]); traceable (call it inside the
+    program that uses the tree, or through ``unpack``)."""
     out = []
     for shape, dtype, start in layout.leaves:
         n = int(np.prod(shape, dtype=np.int64))
@@ -75,7 +84,16 @@ def unpack(buf: jax.Array, layout: PackLayout) -> Any:
     return jax.tree.unflatten(layout.treedef, out)
 
 
+unpack = jax.jit(unpack_tree, static_argnums=(1,))
+
+
 def to_device(tree: Any, device: Any) -> Any:
     """``tree`` (numpy leaves) on ``device`` through one host-to-device copy."""
     buf, layout = pack(tree)
     return unpack(jax.device_put(buf, device), layout)
+
+
+def packed(tree: Any, device: Any) -> Packed:
+    """``tree`` (numpy leaves) copied to ``device`` as one buffer, still packed."""
+    buf, layout = pack(tree)
+    return Packed(jax.device_put(buf, device), layout)

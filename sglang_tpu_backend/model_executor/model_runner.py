@@ -48,6 +48,7 @@ from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forw
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.nextn_step import MtpInputs, NextnDrafts
 from sglang_tpu_backend.model_executor.sampler_state import (SamplerState, sampler_variant,
+                                                             unpack_batch_jit,
                                                              sampling_inputs, uses_penalties)
 from sglang_tpu_backend.model_executor.step_buckets import StepBuckets
 from sglang_tpu_backend.model_executor.verify_step import (
@@ -377,22 +378,27 @@ class ModelRunner:
     # Host inputs on the device -----------------------------------------------------------
     def place_batch(self, fbs: list[ForwardBatch], from_slot: np.ndarray | None
                     ) -> tuple[list[ForwardBatch], Any]:
-        """One device: the numpy batch and in-flight rows (then always an array, -1 = none;
-        NEXTN takes none) on the device in one copy (``host_inputs.py``). DP and TP
-        backends place their inputs over the mesh themselves: unchanged."""
+        """One device: the numpy batch on the device in one copy, its in-flight input ids
+        resolved there (``sampler_state.unpack_batch_jit``; then no ``from_slot`` is left;
+        NEXTN has none). DP and TP backends place their inputs over the mesh: unchanged."""
         if not isinstance(self.backend, SingleDeviceBackend):
             return fbs, from_slot
         (fb,) = fbs
-        if from_slot is None and self.nextn is None:
+        if self.nextn is not None:
+            return [host_inputs.to_device(fb, self.backend.device)], from_slot
+        if from_slot is None:
             from_slot = np.full(fb.input_ids.shape, -1, np.int32)
-        fb, from_slot = host_inputs.to_device((fb, from_slot), self.backend.device)
-        return [fb], from_slot
+        buf, layout = host_inputs.pack((fb, from_slot))
+        fb = unpack_batch_jit(jax.device_put(buf, self.backend.device), self.sampler.last_tokens,
+                              layout=layout)
+        return [fb], None
 
-    def place_sampling(self, inp: sampler.SamplingInputs) -> sampler.SamplingInputs:
-        """One device: the sampling inputs on the device in one copy (else unchanged)."""
+    def place_sampling(self, inp: sampler.SamplingInputs) -> Any:
+        """One device: the sampling inputs copied to the device in one buffer, which the
+        sampler's program unpacks (``host_inputs.Packed``); else unchanged."""
         if not isinstance(self.backend, SingleDeviceBackend):
             return inp
-        return host_inputs.to_device(inp, self.backend.device)
+        return host_inputs.packed(inp, self.backend.device)
 
     def run(self, batch: ScheduledBatch) -> list[ChunkResult]:
         """Run one step: forward, sample, and split the outputs per chunk."""

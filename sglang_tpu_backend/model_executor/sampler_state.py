@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_backend.managers.schedule_batch import ScheduledChunk
+from sglang_tpu_backend.model_executor import host_inputs
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.sampling import sampler
 from sglang_tpu_backend.speculative.rejection import sample_verify_step_jit
@@ -46,15 +47,50 @@ def _record_tokens(last_tokens, slot, tokens, valid):
 
 
 _resolve_input_ids_jit = jax.jit(_resolve_input_ids)
-_record_tokens_jit = jax.jit(_record_tokens, donate_argnums=(0,))
+
+
+def _unpack_batch(buf, last_tokens, layout: host_inputs.PackLayout) -> ForwardBatch:
+    """The (ForwardBatch, from_slot) packed in ``buf`` (``host_inputs``), its input ids
+    resolved from ``last_tokens`` (``resolve_input_ids``): one program."""
+    fb, from_slot = host_inputs.unpack_tree(buf, layout)
+    return dataclasses.replace(fb, input_ids=_resolve_input_ids(fb.input_ids, from_slot,
+                                                                last_tokens))
+
+
+unpack_batch_jit = jax.jit(_unpack_batch, static_argnames=("layout",))
+
+
+def _sample_and_record(logits, counts, prompt_mask, last_tokens, inp, *, num_top_logprobs,
+                       variant):
+    """``sampler.sample``, then the sampled tokens recorded in ``last_tokens``."""
+    out = sampler.sample(logits, counts, prompt_mask, inp, num_top_logprobs=num_top_logprobs,
+                         variant=variant)
+    counts = out.pop("counts")
+    return out, counts, _record_tokens(last_tokens, inp.slot, out["tokens"], inp.valid)
+
+
+def _sample_packed(logits, counts, prompt_mask, last_tokens, buf, *, layout, num_top_logprobs,
+                   variant):
+    """``_sample_and_record`` on SamplingInputs packed in ``buf`` (``host_inputs``)."""
+    inp = host_inputs.unpack_tree(buf, layout)
+    return _sample_and_record(logits, counts, prompt_mask, last_tokens, inp,
+                              num_top_logprobs=num_top_logprobs, variant=variant)
+
+
+_STATIC = ("num_top_logprobs", "variant")
+_DONATED = ("counts", "last_tokens")
+_sample_and_record_jit = jax.jit(_sample_and_record, static_argnames=_STATIC,
+                                 donate_argnames=_DONATED)
+_sample_packed_jit = jax.jit(_sample_packed, static_argnames=("layout", *_STATIC),
+                             donate_argnames=_DONATED)
 
 
 def resolve_input_ids(fb: ForwardBatch, from_slot: np.ndarray | None, last_tokens: jax.Array
                       ) -> ForwardBatch:
     """``fb`` with its input ids read on the device: row t takes ``last_tokens[from_slot[t]]``
     where ``from_slot`` i32[T] is >= 0 (None: no row does)."""
-    if from_slot is None:
-        from_slot = np.full(fb.input_ids.shape, -1, np.int32)
+    if from_slot is None:  # (one device: ``unpack_batch_jit`` resolved them)
+        return fb
     return dataclasses.replace(fb, input_ids=_resolve_input_ids_jit(fb.input_ids, from_slot,
                                                                     last_tokens))
 
@@ -185,11 +221,14 @@ class SamplerState:
 
     def sample_with(self, logits, counts, last_tokens, inp, K, variant):
         """The sampler on given penalty counts / last tokens (both donated): (outputs, new
-        counts, new last tokens). Warm-up runs it on scratch copies."""
-        out = sampler.sample_jit(logits, counts, self.prompt_mask, inp, num_top_logprobs=K,
-                                 variant=variant)
-        counts = out.pop("counts")
-        return out, counts, _record_tokens_jit(last_tokens, inp.slot, out["tokens"], inp.valid)
+        counts, new last tokens), one program. ``inp``: SamplingInputs, or packed on the
+        device (``host_inputs.Packed``: unpacked inside that program). Warm-up runs it on
+        scratch copies."""
+        if isinstance(inp, host_inputs.Packed):
+            return _sample_packed_jit(logits, counts, self.prompt_mask, last_tokens, inp.buf,
+                                      layout=inp.layout, num_top_logprobs=K, variant=variant)
+        return _sample_and_record_jit(logits, counts, self.prompt_mask, last_tokens, inp,
+                                      num_top_logprobs=K, variant=variant)
 
     def verify_with(self, logits, counts, last_tokens, spec, inp, K, variant):
         """The verify sampler (``rejection.sample_verify_step``) on given penalty counts /

@@ -125,3 +125,19 @@ def test_cli_prints_the_speculative_ceiling_beside_the_published_figure(capsys):
     backed_off = float(re.search(r"no chain\): [\d.]+ ms, x([\d.]+) of the plain", printed)[1])
     assert 0.9 < backed_off < 1.0  # the MTP pass: one layer of 61
     assert f"{c.tokens_per_s_per_chip:.0f} total tok/s/chip" in printed
+
+
+def test_each_tpu_generation_has_its_peaks():
+    """The backend knows its TPU from JAX's device_kind and plans with that generation's
+    peaks: a v5e ("TPU v5 lite") at 819 GB/s and 197 bf16 TFLOP/s, with no fp8 MXU (FP8
+    weights run at the bf16 peak), Ironwood with its fp8 peak; an unknown kind is named."""
+    from sglang_tpu_backend import roofline
+
+    v5e = roofline.hardware_for("TPU v5 lite")
+    assert (v5e.name, v5e.hbm_bandwidth, v5e.bf16_flops) == ("v5e", 819e9, 197e12)
+    assert v5e.fp8_flops == v5e.bf16_flops and v5e.hbm_bytes == 16 * 2**30
+    assert roofline.hardware_for("TPU v6 lite").name == "v6e"
+    ironwood = roofline.hardware_for("TPU7x")
+    assert ironwood.fp8_flops == 2 * ironwood.bf16_flops
+    with pytest.raises(ValueError, match="'TPU v9'"):
+        roofline.hardware_for("TPU v9")
