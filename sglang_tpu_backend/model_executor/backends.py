@@ -209,6 +209,13 @@ class SingleDeviceBackend(StepBackend):
                                            with_stats=self.with_stats,
                                            batch_invariant=self.batch_invariant))
 
+    def lower_forward(self, params, cache, fb):
+        """The forward of ``fb``'s bucket lowered as ``forward`` would run it (device arrays,
+        input ids already resolved), for compiling ahead of the call (``warmup.py``)."""
+        return self.forward_fn.lower(params, cache, fb, cfg=self.cfg, impl=self.impl,
+                                     with_stats=self.with_stats,
+                                     batch_invariant=self.batch_invariant)
+
     def verify(self, params, cache, batches):
         from sglang_tpu_backend.model_executor.verify import forward_verify_jit
 

@@ -47,6 +47,7 @@ def _record_tokens(last_tokens, slot, tokens, valid):
 
 
 _resolve_input_ids_jit = jax.jit(_resolve_input_ids)
+_record_tokens_jit = jax.jit(_record_tokens, donate_argnums=(0,))
 
 
 def _unpack_batch(buf, last_tokens, layout: host_inputs.PackLayout) -> ForwardBatch:
@@ -60,29 +61,23 @@ def _unpack_batch(buf, last_tokens, layout: host_inputs.PackLayout) -> ForwardBa
 unpack_batch_jit = jax.jit(_unpack_batch, static_argnames=("layout",))
 
 
-def _sample_and_record(logits, counts, prompt_mask, last_tokens, inp, *, num_top_logprobs,
-                       variant):
-    """``sampler.sample``, then the sampled tokens recorded in ``last_tokens``."""
+def _sample_packed(logits, counts, prompt_mask, last_tokens, buf, *, layout, num_top_logprobs,
+                   variant):
+    """One device: ``sampler.sample`` on SamplingInputs packed in ``buf`` (``host_inputs``),
+    then the sampled tokens recorded in ``last_tokens``, in one program. (With DP or TP the
+    sampler and the record stay two programs: there the sampler state's first placement and
+    a program's output differ in sharding, and one program over both would need each
+    variant compiled for both.)"""
+    inp = host_inputs.unpack_tree(buf, layout)
     out = sampler.sample(logits, counts, prompt_mask, inp, num_top_logprobs=num_top_logprobs,
                          variant=variant)
     counts = out.pop("counts")
     return out, counts, _record_tokens(last_tokens, inp.slot, out["tokens"], inp.valid)
 
 
-def _sample_packed(logits, counts, prompt_mask, last_tokens, buf, *, layout, num_top_logprobs,
-                   variant):
-    """``_sample_and_record`` on SamplingInputs packed in ``buf`` (``host_inputs``)."""
-    inp = host_inputs.unpack_tree(buf, layout)
-    return _sample_and_record(logits, counts, prompt_mask, last_tokens, inp,
-                              num_top_logprobs=num_top_logprobs, variant=variant)
-
-
-_STATIC = ("num_top_logprobs", "variant")
-_DONATED = ("counts", "last_tokens")
-_sample_and_record_jit = jax.jit(_sample_and_record, static_argnames=_STATIC,
-                                 donate_argnames=_DONATED)
-_sample_packed_jit = jax.jit(_sample_packed, static_argnames=("layout", *_STATIC),
-                             donate_argnames=_DONATED)
+_sample_packed_jit = jax.jit(_sample_packed,
+                             static_argnames=("layout", "num_top_logprobs", "variant"),
+                             donate_argnames=("counts", "last_tokens"))
 
 
 def resolve_input_ids(fb: ForwardBatch, from_slot: np.ndarray | None, last_tokens: jax.Array
@@ -221,14 +216,16 @@ class SamplerState:
 
     def sample_with(self, logits, counts, last_tokens, inp, K, variant):
         """The sampler on given penalty counts / last tokens (both donated): (outputs, new
-        counts, new last tokens), one program. ``inp``: SamplingInputs, or packed on the
-        device (``host_inputs.Packed``: unpacked inside that program). Warm-up runs it on
+        counts, new last tokens). ``inp``: SamplingInputs (two programs), or packed on the
+        device (``host_inputs.Packed``: unpacked inside one program, ``_sample_packed``). Warm-up runs it on
         scratch copies."""
         if isinstance(inp, host_inputs.Packed):
             return _sample_packed_jit(logits, counts, self.prompt_mask, last_tokens, inp.buf,
                                       layout=inp.layout, num_top_logprobs=K, variant=variant)
-        return _sample_and_record_jit(logits, counts, self.prompt_mask, last_tokens, inp,
-                                      num_top_logprobs=K, variant=variant)
+        out = sampler.sample_jit(logits, counts, self.prompt_mask, inp, num_top_logprobs=K,
+                                 variant=variant)
+        counts = out.pop("counts")
+        return out, counts, _record_tokens_jit(last_tokens, inp.slot, out["tokens"], inp.valid)
 
     def verify_with(self, logits, counts, last_tokens, spec, inp, K, variant):
         """The verify sampler (``rejection.sample_verify_step``) on given penalty counts /
