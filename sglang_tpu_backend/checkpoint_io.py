@@ -68,6 +68,22 @@ class TensorEntry:
         return _ST_TO_NP[self.dtype]
 
 
+def _header_entries(header: dict, where: str):
+    """(name, dtype name, shape, begin, end) of each tensor of a parsed safetensors header
+    (offsets relative to the data after it); CheckpointError prefixed by ``where`` for an
+    entry that is malformed."""
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(x) for x in info["shape"])
+            dtype = str(info["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{where}corrupt safetensors header entry for tensor {name}") from None
+        yield name, dtype, shape, begin, end
+
+
 def read_header(path: str | Path) -> dict[str, TensorEntry]:
     """Parse one ``.safetensors`` file's header into {name: TensorEntry}; reads no tensor data."""
     path = Path(path)
@@ -85,15 +101,7 @@ def read_header(path: str | Path) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
     base = 8 + n
     entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            shape = tuple(int(x) for x in info["shape"])
-            dtype = str(info["dtype"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
+    for name, dtype, shape, begin, end in _header_entries(header, f"{path}: "):
         if base + end > size:
             raise CheckpointError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
         entries[name] = TensorEntry(name, path, dtype, shape, base + begin, base + end)
@@ -250,15 +258,10 @@ def read_safetensors_bytes(data: bytes) -> dict[str, np.ndarray]:
     if not isinstance(header, dict):
         raise CheckpointError("corrupt safetensors header (not a JSON object)")
     out, body = {}, memoryview(data)[8 + n:]
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            shape = tuple(int(x) for x in info["shape"])
-            dtype = _ST_TO_NP[str(info["dtype"])]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"corrupt safetensors header entry for tensor {name}") from None
+    for name, dtype, shape, begin, end in _header_entries(header, ""):
+        if dtype not in _ST_TO_NP:
+            raise CheckpointError(f"tensor {name}: dtype {dtype} not supported")
+        dtype = _ST_TO_NP[dtype]
         if not 0 <= begin <= end <= len(body) or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"tensor {name}: data_offsets [{begin}, {end}] do not hold "
                                   f"{dtype}{list(shape)} in a {len(body)}-byte body")

@@ -18,34 +18,16 @@ import numpy as np
 import pytest
 
 from tests.engine.conftest import ENGINE_ARGS
+from tests.engine.engine_runs import GREEDY, LONG, PROMPTS, TIMEOUT_S
+from tests.engine.engine_runs import req as _req
+from tests.engine.engine_runs import run_each as _run_each
+from tests.engine.engine_runs import tokens_and_logprobs as _tokens_and_logprobs
 
-PROMPTS = ["The capital of France is Paris, and the capital of Germany is Berlin; the capital of Italy is",
-           "Count with me: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20"]
-GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-LONG = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
-TIMEOUT_S = 60
 EMBED = "model.language_model.embed_tokens.weight"
 
 
-def _req(text, sp, **kw):
-    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
-
-    return GenerateReqInput(text=text, sampling_params=dict(sp), **kw)
 
 
-async def _final(engine, obj):
-    return [o async for o in engine.generate_request(obj)][-1]
-
-
-def _run_each(engine, prompts=PROMPTS, sp=GREEDY):
-    async def run():
-        return [await asyncio.wait_for(_final(engine, _req(p, sp, return_logprob=True)), TIMEOUT_S)
-                for p in prompts]
-    return asyncio.run(run())
-
-
-def _tokens_and_logprobs(outs):
-    return [(o["output_ids"], [e[0] for e in o["meta_info"]["output_token_logprobs"]]) for o in outs]
 
 
 def _assert_close(got, want, tol=1e-5):
