@@ -105,9 +105,14 @@ class HandoverKeeper:
         return sorted(self._held)
 
     def _expire(self) -> None:
+        """Drop what is past its deadline. Both dicts are in deadline order (entries are
+        added with now + keep_s and never updated), so only their expired heads are visited:
+        O(expired) a call, not O(held)."""
         now = time.monotonic()
-        self._held = {k: v for k, v in self._held.items() if v[1] >= now}
-        self._released = {k: t for k, t in self._released.items() if t >= now}
+        while self._held and next(iter(self._held.values()))[1] < now:
+            del self._held[next(iter(self._held))]
+        while self._released and next(iter(self._released.values())) < now:
+            del self._released[next(iter(self._released))]
 
 
 class ObjectStoreTransport:

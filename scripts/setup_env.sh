@@ -24,14 +24,20 @@ setup_py312() {  # .venv312, when a Python 3.12 is found
   fi
 }
 
-if [ "${1:-}" = "--py312" ]; then
-  setup_py312
-  exit 0
-fi
+# Flags in any order: --test, --no-py312 (with --test), --py312 (alone: only .venv312).
+TEST=0 NO_PY312=0
+for flag in "$@"; do
+  case $flag in
+    --py312) setup_py312; exit 0;;
+    --test) TEST=1;;
+    --no-py312) NO_PY312=1;;
+    *) echo "setup_env.sh: unknown flag $flag (--test, --no-py312, --py312)" >&2; exit 2;;
+  esac
+done
 PY=${PYTHON:-python3.11}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-if [ "${1:-}" != "--test" ]; then
+if [ "$TEST" != 1 ]; then
   .venv/bin/pip install -q -e ".[ray]"
   exit 0
 fi
@@ -49,4 +55,4 @@ fi
 .venv/bin/pip install -q --no-deps "sglang==0.5.23"
 .venv/bin/pip install -q orjson psutil pybase64 triton pillow msgspec pyzmq ipython aiohttp 2>&1 \
   | grep -v "requires" || true
-[ "${2:-}" = "--no-py312" ] || setup_py312
+[ "$NO_PY312" = 1 ] || setup_py312

@@ -92,6 +92,20 @@ def test_keeper_holds_until_released_or_expired_and_drops_a_late_keep():
     assert keeper.held() == []  # nobody released 2: it expired
 
 
+def test_keeper_expiry_visits_only_the_expired_heads():
+    """Expiry drops the oldest entries in place (deadline order), keeps the rest in order,
+    and never rebuilds the dicts (it did on every call, O(held) each)."""
+    keeper = HandoverKeeper(keep_s=0.2)
+    keeper.keep(1, ["a"])
+    keeper.release(9)  # a release whose keep has not arrived
+    held, released = keeper._held, keeper._released
+    time.sleep(0.3)
+    keeper.keep(2, ["b"])
+    keeper.keep(3, ["c"])
+    assert keeper.held() == [2, 3]
+    assert keeper._held is held and keeper._released is released and not released
+
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():

@@ -138,3 +138,16 @@ def test_files_and_functions_stay_readable():
                 if n > MAX_FUNCTION_LINES:
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
     assert not too_long, "\n".join(too_long)
+
+
+def test_setup_env_reads_its_flags_in_any_order():
+    """scripts/setup_env.sh takes --test / --no-py312 / --py312 in any position (it read
+    --no-py312 only as the second argument) and names an unknown flag."""
+    import subprocess
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "setup_env.sh"
+    out = subprocess.run(["bash", str(script), "--no-py312", "--bogus"], capture_output=True,
+                         text=True)
+    assert out.returncode == 2 and "unknown flag --bogus" in out.stderr
+    text = script.read_text()
+    assert '"${2:-}"' not in text and '"${1:-}"' not in text
