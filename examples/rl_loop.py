@@ -6,8 +6,9 @@ Starts a local Ray cluster (127.0.0.1), a ``Trainer`` actor holding the tiny def
 checkpoint's params in f32 (the project's loader; nothing is downloaded) and a
 ``ray_app.rollout.RolloutGroup`` of ``--replicas`` f32 engines on the same checkpoint. Each step:
 
-1. rollout: ``--prompts`` prompts x ``--n`` samples (temperature 1, seeded), with output token
-   logprobs; the weight version is ``step-<k>``;
+1. rollout: ``--prompts`` prompts x ``--n`` samples (temperature 1, ``--max-new-tokens``
+   each, seed ``--seed + 1000 k`` at step k, sample j of a prompt ``+ j``), with output token
+   logprobs; they carry weight version ``default`` at step 0, ``step-<k>`` after k refits;
 2. the trainer's own logprobs of the same tokens: the project's model forward
    (``models.qwen3_5_moe.forward_hidden``) over prompt + output, teacher-forced, one ragged
    batch; prints the largest |rollout logprob - trainer logprob| (the training-inference
@@ -168,7 +169,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--grad-steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=5e-3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="step k samples with seed + k")
+    ap.add_argument("--fixed-seed", action="store_true",
+                    help="the same sampling seed every step: draws then differ only through "
+                         "the weights")
     ap.add_argument("--temp-dir", default=None, help="Ray's temp dir (default: Ray's)")
     ap.add_argument("--out", default=None, help="write the per-step records here (JSON)")
     return ap.parse_args(argv)
@@ -182,12 +186,12 @@ def run(args, ray) -> list[dict]:
     group = RolloutGroup(args.replicas, ENGINE_ARGS, num_cpus=1, env=env)
     try:
         prompt_ids = ray.get(trainer.encode.remote(PROMPTS[:args.prompts]))
-        sp = {"temperature": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
-              "seed": args.seed}
-        version, records = None, []
+        sp = {"temperature": 1.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
+        records = []
         for k in range(args.steps):
+            seed = args.seed + (0 if args.fixed_seed else 1000 * k)  # sample j: seed + j
             t0 = time.perf_counter()
-            groups = group.generate(prompt_ids, sp, n=args.n)
+            groups = group.generate(prompt_ids, dict(sp, seed=seed), n=args.n)
             roll_s = time.perf_counter() - t0
             toks = sum(len(s["output_ids"]) for g in groups for s in g)
             res = ray.get(trainer.step.remote(groups, prompt_ids, 1.0, args.grad_steps))
