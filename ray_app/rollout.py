@@ -103,9 +103,9 @@ class PendingRollout:
     def result(self, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[list[dict]]:
         per_replica = self._group._get(self._refs, timeout_s)
         groups: list[list[dict]] = [[] for _ in range(self._num_prompts)]
-        for prompt_ids, outs in zip(self._slots, per_replica):
+        for replica, (prompt_ids, outs) in enumerate(zip(self._slots, per_replica)):
             if len(outs) != len(prompt_ids) * self._n:
-                raise RolloutError(f"a replica returned {len(outs)} outputs for "
+                raise RolloutError(f"replica {replica}: {len(outs)} outputs for "
                                    f"{len(prompt_ids)} prompts x n={self._n}")
             for k, i in enumerate(prompt_ids):
                 groups[i] = outs[k * self._n:(k + 1) * self._n]
@@ -132,7 +132,12 @@ class RolloutGroup:
                                                  max_concurrency=ACTOR_CONCURRENCY)
         self.replicas = [remote.remote(dict(engine_args or {}), dict(env or {}))
                          for _ in range(num_replicas)]
-        self._get([r.ready.remote() for r in self.replicas], timeout_s)
+        try:
+            self._get([r.ready.remote() for r in self.replicas], timeout_s)
+        except BaseException:
+            for r in self.replicas:  # the ones that did start
+                ray.kill(r)
+            raise
 
     # Fan-out helpers -------------------------------------------------------------------------
     def _get(self, refs: list, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list:

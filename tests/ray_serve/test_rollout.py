@@ -12,7 +12,7 @@ workers and agents all carry it).
   with seed + j, prompts told apart by length), a release / resume of weights and KV cache
   leaves greedy outputs and logprobs as they were, a pause with ``abort`` ends a rollout in
   flight on both replicas with finish_reason abort and ``continue_generation`` serves again,
-  and a refused refit raises naming the replica.
+  and an error in a replica or a refused refit raises naming the replica.
 """
 
 from __future__ import annotations
@@ -157,8 +157,12 @@ def test_pause_abort_then_continue(group):
     assert all(len(g[0]["output_ids"]) == 6 for g in again)
 
 
-def test_refused_refit_names_the_replica(group):
+def test_replica_errors_name_the_replica(group):
     from ray_app.rollout import RolloutError
+
+    # Prompts 0 and 2 go to replica 0: text and token ids mixed there is an error in the actor.
+    with pytest.raises(RolloutError, match=r"replica 0: ValueError: prompts: all strings"):
+        group.generate(["some text", [1, 2, 3], [4, 5, 6]], GREEDY)
 
     bad = {"model.language_model.layers.0.nope.weight": np.zeros(4, np.float32)}
     with pytest.raises(RolloutError, match=r"replica 0: .*nope"):
