@@ -128,8 +128,9 @@ class Trainer:
         named = {NORM: np.asarray(self.train["norm"], np.float32),
                  HEAD: np.asarray(self.train["lm_head"], np.float32)}
         jax.block_until_ready(self.train)
-        return {"max_gap": float(np.max(np.abs(mine - rollout_lp))), "reward": float(rewards.mean()),
-                "loss": float(loss), "named": named}
+        gaps = np.abs(mine - rollout_lp)
+        return {"max_gap": float(gaps.max()), "logprob_at_max_gap": float(rollout_lp[gaps.argmax()]),
+                "reward": float(rewards.mean()), "loss": float(loss), "named": named}
 
 
 def _token_logprobs(train, feats, targets, temperature):
@@ -199,6 +200,7 @@ def run(args, ray) -> list[dict]:
             refit_s = group.update_weights_from_tensor(res["named"], weight_version=version)
             rec = {"step": k, "rollout_tok_s": toks / roll_s, "rollout_s": roll_s,
                    "refit_s": refit_s, "max_gap": res["max_gap"], "reward": res["reward"],
+                   "logprob_at_max_gap": res["logprob_at_max_gap"],
                    "loss": res["loss"],
                    "weight_versions": sorted({s["meta_info"]["weight_version"]
                                               for g in groups for s in g}),
@@ -206,7 +208,8 @@ def run(args, ray) -> list[dict]:
                    "output_ids0": groups[0][0]["output_ids"]}
             records.append(rec)
             print(f"step {k}: rollout {toks} tok in {roll_s:.2f} s ({rec['rollout_tok_s']:.1f} "
-                  f"tok/s), refit {refit_s:.3f} s, max |logprob gap| {rec['max_gap']:.2e}, "
+                  f"tok/s), refit {refit_s:.3f} s, max |logprob gap| {rec['max_gap']:.2e} "
+                  f"(at logprob {rec['logprob_at_max_gap']:.2f}), "
                   f"reward {rec['reward']:.3f}, weight_version {rec['weight_versions']}",
                   flush=True)
         return records
