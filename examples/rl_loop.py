@@ -48,7 +48,7 @@ class Trainer:
     """Holds the model (f32 params, frozen trunk) and trains ``lm_head`` [V, H] and the final
     norm's weight [H] (zero-centred: the norm multiplies by ``1 + w``)."""
 
-    def __init__(self, lr: float = 5e-3, seed: int = 0):
+    def __init__(self, lr: float = 5e-3):
         import jax
         import jax.numpy as jnp
 
@@ -183,7 +183,7 @@ def run(args, ray) -> list[dict]:
     from ray_app.rollout import RolloutGroup
 
     env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    trainer = ray.remote(Trainer).options(num_cpus=1).remote(args.lr, args.seed)
+    trainer = ray.remote(Trainer).options(num_cpus=1).remote(args.lr)
     group = RolloutGroup(args.replicas, ENGINE_ARGS, num_cpus=1, env=env)
     try:
         prompt_ids = ray.get(trainer.encode.remote(PROMPTS[:args.prompts]))
