@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -45,6 +46,7 @@ from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidReque
 from sglang_tpu_backend.managers.output_builder import OutputBuilder, OutputSnapshot
 from sglang_tpu_backend.managers.request_builder import RequestBuilder
 from sglang_tpu_backend.managers.rl_control import RLControl
+from sglang_tpu_backend.managers.weight_group import WeightGroups
 from sglang_tpu_backend.managers.schedule_batch import Req
 from sglang_tpu_backend.managers.scheduler import Scheduler
 from sglang_tpu_backend.managers.scheduler_loop import BETWEEN_STEPS, PHASES, SchedulerLoop
@@ -396,6 +398,34 @@ class Engine:
 
     def get_weight_version(self) -> str:
         return self.weights.version
+
+    # Refit from a trainer process (``managers/weight_group.py``) ----------------------------
+    @functools.cached_property
+    def weight_groups(self) -> WeightGroups:
+        """SGLang's weights update groups of this engine (made on first use)."""
+        return WeightGroups(self)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "jax_transfer") -> dict:
+        """Join the trainer's group (its ``WeightSender`` at master_address:master_port) as
+        rank ``rank_offset``: ``{"success", "message"}``."""
+        return self.weight_groups.init(master_address, master_port, rank_offset, world_size,
+                                       group_name, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        flush_cache: bool = True,
+                                        weight_version: str | None = None) -> dict:
+        """Pull the trainer's next refit (device to device) and serve it as
+        ``update_weights_from_tensor`` does; its answer plus the transfer's seconds and GB/s."""
+        self.rl.check_weights_present()
+        return self.weight_groups.update(names, dtypes, shapes, group_name, flush_cache,
+                                         weight_version)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self.weight_groups.destroy(group_name)
 
     # RL controls (``managers/rl_control.py``) ----------------------------------------------
     def pause_generation(self, mode: str = "abort") -> dict:

@@ -162,6 +162,28 @@ class OfflineEngine:
     def get_weight_version(self) -> str:
         return self.engine.get_weight_version()
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "jax_transfer") -> tuple[bool, str]:
+        """SGLang's ``(success, message)``; the TPU transport (``managers/weight_group.py``)."""
+        r = self.engine.init_weights_update_group(master_address, master_port, rank_offset,
+                                                  world_size, group_name, backend)
+        return r["success"], r["message"]
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        flush_cache: bool = True,
+                                        weight_version: str | None = None) -> tuple[bool, str]:
+        r = self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
+                                                        flush_cache, weight_version)
+        return r["success"], r["message"]
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group"
+                                     ) -> tuple[bool, str]:
+        r = self.engine.destroy_weights_update_group(group_name)
+        return r["success"], r["message"]
+
     def abort_request(self, rid: str = "", abort_all: bool = False) -> bool:
         """Abort request ``rid``, or with ``abort_all`` every request; False when no such
         request is in the engine."""

@@ -97,6 +97,54 @@ async def update_weights_from_tensor(request: Request) -> JSONResponse:
     return JSONResponse(result, status_code=200 if result["success"] else 400)
 
 
+@router.post("/init_weights_update_group")
+@admin_route
+async def init_weights_update_group(request: Request) -> JSONResponse:
+    """SGLang's ``{"master_address", "master_port", "rank_offset", "world_size",
+    "group_name", "backend"}`` (backend "jax_transfer": ``managers/weight_group.py``) ->
+    ``{"success", "message"}`` (400 when refused)."""
+    body = await read_json(request)
+    fn = _method(request, "init_weights_update_group")
+    args = [_required(body, "master_address", str), _required(body, "master_port", int),
+            _required(body, "rank_offset", int), _required(body, "world_size", int)]
+    result = await asyncio.to_thread(
+        fn, *args, group_name=opt_field(body, "group_name", "str", "weight_update_group"),
+        backend=opt_field(body, "backend", "str", "jax_transfer"))
+    return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+
+@router.post("/update_weights_from_distributed")
+@admin_route
+async def update_weights_from_distributed(request: Request) -> JSONResponse:
+    """SGLang's ``{"names", "dtypes", "shapes", "group_name", "flush_cache",
+    "weight_version"}`` -> the refit's answer once the pulled weights serve (400 refused)."""
+    body = await read_json(request)
+    fn = _method(request, "update_weights_from_distributed")
+    names, dtypes, shapes = (_required(body, k, list) for k in ("names", "dtypes", "shapes"))
+    result = await _call(await asyncio.to_thread(
+        fn, names, dtypes, shapes,
+        group_name=opt_field(body, "group_name", "str", "weight_update_group"),
+        flush_cache=opt_field(body, "flush_cache", "bool", True),
+        weight_version=opt_field(body, "weight_version", "str")))
+    return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+
+@router.post("/destroy_weights_update_group")
+@admin_route
+async def destroy_weights_update_group(request: Request) -> JSONResponse:
+    body = await read_json(request, allow_empty=True)
+    fn = _method(request, "destroy_weights_update_group")
+    result = fn(opt_field(body, "group_name", "str", "weight_update_group"))
+    return JSONResponse(result, status_code=200 if result["success"] else 400)
+
+
+def _required(body: dict, name: str, kind: type):
+    value = body.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise APIError(f"'{name}' is required and must be a {kind.__name__}", name)
+    return value
+
+
 @router.post("/pause_generation")
 @admin_route
 async def pause_generation(request: Request) -> JSONResponse:

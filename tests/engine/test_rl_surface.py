@@ -127,6 +127,50 @@ def test_update_from_tensor_matches_engine_on_b(eng, ckpt_b, ref_a, ref_b):
     assert eng.get_weight_version() == "2"  # "a" has no number: "1", then "2"
 
 
+def test_update_from_distributed_matches_engine_on_b(eng, ckpt_b, ref_a, ref_b):
+    """A trainer's ``WeightSender`` offers checkpoint A, then B (device to device,
+    ``jax.experimental.transfer``); the engine pulls each by names, dtypes and shapes (the
+    Python call, then HTTP) and serves exactly what an engine started on it serves; a refit
+    with an unknown name is refused naming it and leaves the weights serving."""
+    from fastapi.testclient import TestClient
+
+    from sglang_tpu_backend.checkpoint_io import read_checkpoint
+    from sglang_tpu_backend.entrypoints.http_server import create_app
+    from sglang_tpu_backend.managers.weight_group import WeightSender
+    from sglang_tpu_backend.tiny_model import default_model_path
+
+    tensors_a, tensors_b = read_checkpoint(default_model_path()), read_checkpoint(ckpt_b)
+    sender = WeightSender(world_size=2)
+    host, port = sender.address
+    assert eng.init_weights_update_group(host, port, 1, 2)["success"]
+    assert not eng.init_weights_update_group(host, port, 1, 2)["success"]  # the name exists
+    refused = eng.init_weights_update_group(host, port, 1, 2, group_name="g2", backend="nccl")
+    assert not refused["success"] and "backend 'nccl'" in refused["message"]
+
+    res = eng.update_weights_from_distributed(**sender.send(list(tensors_a.items())),
+                                              weight_version="dist-a")
+    assert res["success"] and res["transfer_gb_per_s"] > 0, res
+    assert res["transfer_gb"] == pytest.approx(sum(t.nbytes for t in tensors_a.values()) / 1e9)
+    _assert_close(_fresh(eng), ref_a)
+
+    client = TestClient(create_app(eng))
+    body = {**sender.send(list(tensors_b.items())), "weight_version": "dist-b"}
+    r = client.post("/update_weights_from_distributed", json=body)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    _assert_close(_fresh(eng), ref_b)
+    assert eng.get_weight_version() == "dist-b"
+
+    bad = "model.language_model.layers.0.nope.weight"
+    res = eng.update_weights_from_distributed(**sender.send([(bad, np.ones(4, np.float32))]))
+    assert not res["success"] and "layers.0.nope.weight" in res["message"], res
+    _assert_close(_fresh(eng), ref_b, tol=0)
+    r = client.post("/update_weights_from_distributed", json={"names": ["x"], "dtypes": []})
+    assert r.status_code == 400 and "shapes" in r.text
+    assert client.post("/destroy_weights_update_group", json={}).json()["success"]
+    res = eng.update_weights_from_distributed(["x"], ["float32"], [[1]])
+    assert not res["success"] and "no such group" in res["message"]
+
+
 def test_http_update_from_tensor_bad_payloads(eng):
     from fastapi.testclient import TestClient
 
