@@ -431,7 +431,8 @@ class ModelRunner:
             out["drafts"] = self.draft(step.fbs, step.mtp, out["tokens"],
                                        np.ones(len(out["tokens"]), np.int32), batch.chunks)
         for x in jax.tree.leaves((out, self._stats)):  # the copy back starts as the step ends
-            x.copy_to_host_async()
+            if isinstance(x, jax.Array):  # (a multi-host step's stats are host arrays)
+                x.copy_to_host_async()
         return LaunchedStep(batch, out, step.rows, step.sample_idx, self._stats)
 
     def complete(self, step: LaunchedStep) -> list[ChunkResult]:
