@@ -177,14 +177,16 @@ class Engine:
             tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
             deterministic=det, expert_location=location,
             eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
-            else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params)
+            else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params,
+            routed_experts=args.enable_return_routed_experts)
         self.requests = RequestBuilder(
             self.tokenizer, vocab_size=cfg.vocab_size, context_length=args.context_length,
             kv_capacity_tokens=self.num_pages_per_rank * args.page_size
             - args.speculative_num_drafts, page_size=args.page_size,  # (k pages past the end)
             max_top_logprobs_num=self.runner.max_top_logprobs_num, eos_ids=self.eos_ids,
             grammar_backend=GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids)),
-            random_seed=args.random_seed, per_rank=dp > 1)
+            random_seed=args.random_seed, per_rank=dp > 1,
+            routed_experts=args.enable_return_routed_experts)
         self.metrics = EngineMetrics(args.served_model_name, role=role, dp_size=dp,
                                      num_moe_layers=cfg.num_hidden_layers,
                                      step_phases=PHASES + BETWEEN_STEPS)

@@ -69,6 +69,7 @@ class Req:
         logprob_start_len: int = 0,
         top_logprobs_num: int = 0,
         return_text_in_logprobs: bool = False,
+        return_routed_experts: bool = False,
         stream: bool = False,
         grammar: Any = None,
         decode: Callable[[list[int]], str] | None = None,
@@ -88,6 +89,8 @@ class Req:
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
         self.return_text_in_logprobs = return_text_in_logprobs
+        self.return_routed_experts = return_routed_experts
+        self.routed_rows: list = []  # routed expert ids per position so far (routed_experts.py)
         self.stream = stream
         self.grammar = grammar
         self.output_ids: list[int] = []
@@ -354,3 +357,7 @@ class ChunkResult:
     num_accepted: int = 0
     # NEXTN: the k drafts the MTP layers propose after this chunk's sampled token(s).
     drafts: list[int] | None = None
+    # ``return_routed_experts``: routed expert ids i32[n, M, K] of the request's positions
+    # routed_start .. (``model_executor/routed_experts.py``).
+    routed_experts: Any = None
+    routed_start: int = 0
