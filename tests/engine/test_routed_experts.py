@@ -98,6 +98,17 @@ def test_only_requests_that_ask_get_them_and_offline_engine(routed_engine):
            out["meta_info"]["routed_experts"])
 
 
+def test_prefill_decode_handover_is_refused(routed_engine):
+    """The PD handover does not carry the ids (yet): the prefill side refuses, naming the field."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
+
+    obj = GenerateReqInput(input_ids=[5, 6, 7], sampling_params=dict(SAMPLING),
+                           return_routed_experts=True)
+    with pytest.raises(InvalidRequestError, match="handover") as err:
+        asyncio.run(routed_engine.prefill_for_handover(obj))
+    assert err.value.field == "return_routed_experts"
+
+
 def test_dp4_ep4_with_redundant_experts_match_the_router(dp_results, routed_engine):
     """--dp-size 4 --ep-size 4 --ep-num-redundant-experts 4 (physical slots != logical ids):
     every request's ids equal the router's top-k recomputed on one device, also on a prefix hit."""
