@@ -98,6 +98,47 @@ def test_only_requests_that_ask_get_them_and_offline_engine(routed_engine):
            out["meta_info"]["routed_experts"])
 
 
+def test_streamed_request_retracted_midway(routed_engine):
+    """A streamed request retracted mid-generation (``pause_generation("retract")``, then
+    re-prefilled with its outputs so far): the final chunk's ids are the router top-k of its
+    prompt + outputs (the re-prefill's rows replace the first ones); earlier chunks carry none."""
+    import time
+
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    eng, prompt = routed_engine, _prompts((30,), seed=4)[0]
+    sp = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+
+    async def run():
+        outs: list = []
+
+        async def consume():
+            obj = GenerateReqInput(input_ids=prompt, sampling_params=sp, stream=True,
+                                   return_routed_experts=True)
+            async for o in eng.generate_request(obj):
+                outs.append(o)
+
+        task = asyncio.ensure_future(consume())
+        deadline = time.monotonic() + 60
+        while len(outs) < 5:
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.01)
+        res = await asyncio.to_thread(eng.pause_generation, "retract")
+        assert res["num_retracted"] == 1
+        eng.continue_generation()
+        await asyncio.wait_for(task, 60)
+        return outs
+
+    eng.fault_injector = lambda phase: time.sleep(0.02) if phase == "schedule" else None
+    try:
+        outs = asyncio.run(run())
+    finally:
+        eng.fault_injector = None
+    assert all("routed_experts" not in o["meta_info"] for o in outs[:-1])
+    assert len(outs[-1]["output_ids"]) == 30
+    _check(eng, prompt, outs[-1]["output_ids"], outs[-1]["meta_info"]["routed_experts"])
+
+
 def test_prefill_decode_handover_is_refused(routed_engine):
     """The PD handover does not carry the ids (yet): the prefill side refuses, naming the field."""
     from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
