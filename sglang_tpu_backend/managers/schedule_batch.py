@@ -68,8 +68,7 @@ class Req:
         return_logprob: bool = False,
         logprob_start_len: int = 0,
         top_logprobs_num: int = 0,
-        return_text_in_logprobs: bool = False,
-        return_routed_experts: bool = False,
+        return_text_in_logprobs: bool = False, return_routed_experts: bool = False,
         stream: bool = False,
         grammar: Any = None,
         decode: Callable[[list[int]], str] | None = None,
@@ -82,8 +81,7 @@ class Req:
         self.prompt_ids = list(prompt_ids)
         self.sampling = sampling
         self.max_new_tokens = max_new_tokens
-        self.seed = seed
-        self.eos_ids = eos_ids
+        self.seed, self.eos_ids = seed, eos_ids
         self.context_length = context_length
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
@@ -91,8 +89,7 @@ class Req:
         self.return_text_in_logprobs = return_text_in_logprobs
         self.return_routed_experts = return_routed_experts
         self.routed_rows: list = []  # routed expert ids per position so far (routed_experts.py)
-        self.stream = stream
-        self.grammar = grammar
+        self.stream, self.grammar = stream, grammar
         self.output_ids: list[int] = []
         # Tokens sampled by launched steps whose values are not back yet (overlap scheduling:
         # the next step is launched before the previous one's tokens reach the host). They

@@ -47,14 +47,13 @@ from sglang_tpu_backend.model_executor.backends import SingleDeviceBackend, make
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.nextn_step import MtpInputs, NextnDrafts
-from sglang_tpu_backend.model_executor.routed_experts import RoutedExpertsStore
+from sglang_tpu_backend.model_executor.routed_experts import routed_store
 from sglang_tpu_backend.model_executor.sampler_state import (SamplerState, sampler_variant,
                                                              sampling_inputs, uses_penalties)
 from sglang_tpu_backend.model_executor.step_buckets import StepBuckets
 from sglang_tpu_backend.model_executor.verify_step import (
     VerifyInputs, concat_verify_inputs, sampling_view, verify_chunk_result, verify_inputs)
 from sglang_tpu_backend.model_executor.weight_update import param_spec
-from sglang_tpu_backend.models.qwen3_5_moe import ROUTED
 from sglang_tpu_backend.sampling import sampler
 from sglang_tpu_backend.speculative.nextn import chain_wanted
 from sglang_tpu_backend.sharded_loader import LoadReport, WeightSource
@@ -129,7 +128,6 @@ class ModelRunner:
         eplb_rebalance_num_iterations: int | None = None,
         num_drafts: int = 0,
         mtp_params: Any = None,
-        routed_experts: bool = False,
     ):
         """``params``: host params, or a ``sharded_loader.WeightSource`` the backend loads
         straight into its shardings (``load_report`` says what this process read).
@@ -142,14 +140,11 @@ class ModelRunner:
         (``expert_balancer.py``). ``num_drafts``: k drafts per verify step (speculative
         decoding; 0: off); ``num_grammar_cut_drafts`` counts the drafts cut because a
         request's grammar rejects them. ``mtp_params`` (NEXTN, ``models/mtp.py``): the
-        steps also draft the next verify step's k drafts with the MTP layers.
-        ``routed_experts`` (``--enable-return-routed-experts``): every step also returns its
-        rows' routed expert ids, kept per KV location (``routed_experts.py``)."""
+        steps also draft the next verify step's k drafts with the MTP layers. ``router_stats``
+        ``ROUTED``: also the routed expert ids per token (``routed_experts.py``)."""
         self.cfg = cfg
-        self.last_router_stats = None
-        self._stats = None
-        self.page_size = page_size
-        self.vocab_size = cfg.vocab_size
+        self.last_router_stats = self._stats = None
+        self.page_size, self.vocab_size = page_size, cfg.vocab_size
         self.max_top_logprobs_num = min(max_top_logprobs_num, cfg.vocab_size)
         self.num_drafts = num_drafts
         self.num_grammar_cut_drafts = 0
@@ -159,13 +154,8 @@ class ModelRunner:
         self.req_buckets, self.token_buckets = self.buckets.req_buckets, self.buckets.token_buckets
         self.num_state_slots = num_state_slots  # per rank
         self.backend = make_backend(cfg, dp_size=dp_size, tp_size=tp_size, impl=impl,
-                                    with_stats=ROUTED if routed_experts else router_stats,
-                                    batch_invariant=deterministic)
-        if routed_experts and num_drafts:
-            raise ValueError("--enable-return-routed-experts is not supported with speculative "
-                             "decoding")
-        self.routed = RoutedExpertsStore(cfg, self.backend.num_ranks, num_pages, page_size
-                                         ) if routed_experts else None
+                                    with_stats=router_stats, batch_invariant=deterministic)
+        self.routed = routed_store(router_stats, num_drafts, cfg, dp_size, num_pages, page_size)
         if num_drafts and not self.backend.verify_steps:
             raise ValueError(f"speculative decoding is not supported with "
                              f"{type(self.backend).__name__}")

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from sglang_tpu_backend.metrics.router_stats import ROUTED
+
 
 def num_moe_layers(cfg: Any) -> int:
     """M: the MoE layers of the model (every layer for Qwen3.5-MoE)."""
@@ -68,6 +70,17 @@ class RoutedExpertsStore:
         first = 0 if c.start == c.req.cached_tokens else c.start
         end = c.start + c.num_tokens
         return first, self.buffer[c.dp_rank, self._locs(c.pages, first, end - first)]
+
+
+def routed_store(router_stats: Any, num_drafts: int, *sizes) -> RoutedExpertsStore | None:
+    """The runner's store when ``router_stats`` is ``qwen3_5_moe.ROUTED`` (else None);
+    ``sizes``: :class:`RoutedExpertsStore`'s (cfg, num_ranks, num_pages, page_size)."""
+    if router_stats != ROUTED:
+        return None
+    if num_drafts:
+        raise ValueError("--enable-return-routed-experts is not supported with speculative "
+                         "decoding")
+    return RoutedExpertsStore(*sizes)
 
 
 def append_rows(req: Any, first: int, rows: np.ndarray) -> None:

@@ -54,15 +54,11 @@ from sglang_tpu_backend.models.layers import (
     rope_cos_sin,
     swiglu_mlp,
 )
-from sglang_tpu_backend.metrics.router_stats import NUM_STATS, router_stats, slot_counts
+from sglang_tpu_backend.metrics.router_stats import NUM_STATS, ROUTED, router_stats, slot_counts
 from sglang_tpu_backend.models.moe import ep_routed_experts, physical_ids, routed_experts
 from sglang_tpu_backend.parallel.mesh import EPContext, TPContext
 
 Params = dict[str, Any]
-
-# ``with_stats`` value that also returns the routed expert ids (``--enable-return-routed-experts``);
-# truthy, so every ``if with_stats`` path computes the router stats as well.
-ROUTED = "routed"
 
 
 @jax.tree_util.register_dataclass
@@ -383,7 +379,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
         x, kv_pages, kv_scales, conv_state, rec_state = carry
         group_params, g = xs
         i_attn = i_lin = 0
-        stats, verify, routed = [], [], []
+        stats, verify = [], []
         for j, (p, kind) in enumerate(zip(group_params, kinds)):
             h = rms_norm(x, p["input_layernorm"], cfg.rms_norm_eps)
             if kind == FULL_ATTENTION:
@@ -408,15 +404,11 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
                             with_stats, num_slots)
             if with_stats:
                 out, st = out
-                stats.append(st[:2])
-                if len(st) == 3:  # a MoE layer's routed ids (ROUTED)
-                    routed.append(st[2])
+                stats.append(st)
             x = x + out
         verify = (tuple(jnp.stack(v) for v in zip(*verify)) if batch.mode.is_verify()
                   else None)  # each [lin_per_group, R, ...]
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if with_stats else None
-        if routed:  # [moe_per_group, T, K]
-            stacked += (jnp.stack(routed),)
+        stacked = _stack_layer_stats(stats) if with_stats else None
         return (x, kv_pages, kv_scales, conv_state, rec_state), (stacked, verify)
 
     num_groups = cfg.num_hidden_layers // period
@@ -432,6 +424,15 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
     if verify is not None:  # [groups, lin_per_group, ...] -> [Lyr, ...] (g * lin_per_group + i)
         verify = tuple(v.reshape(-1, *v.shape[2:]) for v in verify)
     return x, ModelCache(kv_pages, conv_state, rec_state, kv_scales), stats, verify
+
+
+def _stack_layer_stats(stats: list[tuple]) -> tuple:
+    """One scan group's per-layer router stats, stacked: (health [period, 3], counts
+    [period, P]) and with ``ROUTED`` the MoE layers' ids [moe_per_group, T, K] (a MoE layer's
+    stats have them as a third entry, a dense layer's do not)."""
+    stacked = tuple(jnp.stack([st[i] for st in stats]) for i in range(2))
+    routed = [st[2] for st in stats if len(st) == 3]
+    return stacked + ((jnp.stack(routed),) if routed else ())
 
 
 def _routed_rows(routed):
