@@ -265,9 +265,11 @@ class ModelRunner:
         variant = variant or sampler_variant(batch.chunks)
         per_rank: list[list[ScheduledChunk]] = [[] for _ in range(self.dp_size)]
         where, offsets = [], []  # (rank, index within the rank), token offset of each chunk
+        rank_tokens = [0] * self.dp_size
         for c in batch.chunks:
             where.append((c.dp_rank, len(per_rank[c.dp_rank])))
-            offsets.append(sum(x.num_tokens for x in per_rank[c.dp_rank]))
+            offsets.append(rank_tokens[c.dp_rank])
+            rank_tokens[c.dp_rank] += c.num_tokens
             per_rank[c.dp_rank].append(c)
         mode, T, R, L = self.shapes_for(
             batch.kind, max(sum(c.num_tokens for c in cs) for cs in per_rank),
@@ -299,7 +301,7 @@ class ModelRunner:
             sample_idx=[k * R + j for k, j in where],
             K=self.max_top_logprobs_num if want_lp else 0, spec=spec,
             mtp=[self.nextn.inputs(cs, T, R) for cs in per_rank] if self.nextn else None,
-            token_rows=[k * T + o for (k, _), o in zip(where, offsets)])
+            token_rows=[k * T + o for (k, _), o in zip(where, offsets)] if self.routed else None)
 
     def _rank_batch(self, chunks: list[ScheduledChunk], mode: ForwardMode, T: int, R: int, L: int
                     ) -> tuple[ForwardBatch, list[np.ndarray], np.ndarray | None]:
