@@ -53,6 +53,7 @@ from sglang_tpu_backend.managers.scheduler_loop import BETWEEN_STEPS, PHASES, Sc
 from sglang_tpu_backend.managers.engine_status import EngineStatus
 from sglang_tpu_backend.managers.weight_updater import WeightUpdater
 from sglang_tpu_backend.metrics import EngineMetrics
+from sglang_tpu_backend.metrics.router_stats import ROUTED
 from sglang_tpu_backend.mem_budget import size_serving_args
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 from sglang_tpu_backend.model_executor.step_buckets import (
@@ -162,7 +163,7 @@ class Engine:
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.scheduler = Scheduler.from_args(args, **(
             deterministic_limits(args) if args.enable_deterministic_inference else {}))
-        det = args.enable_deterministic_inference
+        det, routed = args.enable_deterministic_inference, args.enable_return_routed_experts
         location = None
         if args.uses_expert_location:
             from sglang_tpu_backend.model_executor.expert_balancer import initial_location
@@ -177,7 +178,7 @@ class Engine:
             kv_dtype=args.kv_storage_dtype(jax.default_backend()),
             impl=args.kernel_impl, max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp,
             tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
-            deterministic=det, expert_location=location,
+            deterministic=det, expert_location=location, router_stats=ROUTED if routed else True,
             eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
             else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params)
         self.requests = RequestBuilder(
@@ -186,7 +187,7 @@ class Engine:
             - args.speculative_num_drafts, page_size=args.page_size,  # (k pages past the end)
             max_top_logprobs_num=self.runner.max_top_logprobs_num, eos_ids=self.eos_ids,
             grammar_backend=GrammarBackend(self.tokenizer, cfg.vocab_size, sorted(self.eos_ids)),
-            random_seed=args.random_seed, per_rank=dp > 1)
+            random_seed=args.random_seed, per_rank=dp > 1, routed_experts=routed)
         self.metrics = EngineMetrics(args.served_model_name, role=role, dp_size=dp,
                                      num_moe_layers=cfg.num_hidden_layers,
                                      step_phases=PHASES + BETWEEN_STEPS)

@@ -154,6 +154,8 @@ class ServerArgs:
     mem_fraction_static: float | None = None  # None: pools sized by max_total_tokens
     device_memory_bytes: int | None = None  # None: the device's bytes_limit
     enable_deterministic_inference: bool = False
+    # RL routing replay: requests may ask for their routed expert ids (``return_routed_experts``)
+    enable_return_routed_experts: bool = False
     reasoning_parser: str | None = None  # chat: split <think> reasoning into reasoning_content
     tool_call_parser: str | None = None  # chat: parse tool calls into tool_calls
     # EPLB (parallel/eplb.py): redundant expert slots, the start-up placement, rebalancing.
@@ -232,6 +234,9 @@ class ServerArgs:
                 f"{self.dp_size} ranks: it must be at least {self.dp_size}")
         self._validate_multihost()
         self._validate_speculative()
+        if self.enable_return_routed_experts and (self.nnodes > 1 or self.speculative_algorithm):
+            raise ValueError("--enable-return-routed-experts is not supported with --nnodes > 1 "
+                             "or --speculative-algorithm")
         if (self.enable_deterministic_inference
                 and self.chunked_prefill_size < DETERMINISTIC_MIN_CHUNK):
             raise ValueError(
@@ -511,6 +516,10 @@ def _add_serving_flags(a, d) -> None:
       help="batch-invariant outputs: a request's tokens are the same alone or in any batch "
            "(fixed step shapes, no mixed prefill+decode steps, aligned prefill chunks, "
            "prefix cache off)")
+    a("--enable-return-routed-experts", action="store_true",
+      default=d.enable_return_routed_experts,
+      help="requests may set return_routed_experts: meta_info['routed_experts'] then holds "
+           "the routed expert ids per token (base64 int32 [tokens, moe_layers, top_k])")
     a("--reasoning-parser", type=str, default=d.reasoning_parser, choices=REASONING_PARSERS,
       help="chat completions: <think> reasoning -> message.reasoning_content")
     a("--tool-call-parser", type=str, default=d.tool_call_parser, choices=TOOL_CALL_PARSERS,

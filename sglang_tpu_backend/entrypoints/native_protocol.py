@@ -97,6 +97,7 @@ def parse_generate(body: dict, seed_rng: random.Random) -> ParsedGenerate:
     start_len = _per_prompt(body, "logprob_start_len", "int", -1, num)
     top_num = _per_prompt(body, "top_logprobs_num", "int", 0, num)
     text_in_lp = opt_field(body, "return_text_in_logprobs", "bool", False)
+    routed = _per_prompt(body, "return_routed_experts", "bool", False, num)
     stream = opt_field(body, "stream", "bool", False)
     for v in start_len:
         if v < -1:
@@ -141,6 +142,7 @@ def parse_generate(body: dict, seed_rng: random.Random) -> ParsedGenerate:
                 logprob_start_len=start_len[i],
                 top_logprobs_num=top_num[i],
                 return_text_in_logprobs=text_in_lp,
+                return_routed_experts=routed[i],
                 stream=stream,
                 rid=rid if n == 1 else f"{rid}-{j}",
             ))

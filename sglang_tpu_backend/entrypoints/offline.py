@@ -40,7 +40,8 @@ SHUTDOWN_TIMEOUT_S = 30.0
 def generate_body(prompt=None, sampling_params=None, input_ids=None, *, return_logprob=False,
                   logprob_start_len=None, top_logprobs_num=None, return_text_in_logprobs=False,
                   stream=False, rid=None, image_data=None, lora_path=None,
-                  custom_logit_processor=None, return_hidden_states=False) -> dict[str, Any]:
+                  custom_logit_processor=None, return_hidden_states=False,
+                  return_routed_experts=None) -> dict[str, Any]:
     """SGLang ``Engine.generate`` arguments -> the native ``/generate`` body (None: unset).
     Features this backend lacks (images, LoRA, custom logit processors, hidden states) raise
     InvalidRequestError when used."""
@@ -55,7 +56,8 @@ def generate_body(prompt=None, sampling_params=None, input_ids=None, *, return_l
     body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params,
             "return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
             "top_logprobs_num": top_logprobs_num,
-            "return_text_in_logprobs": return_text_in_logprobs, "stream": stream, "rid": rid}
+            "return_text_in_logprobs": return_text_in_logprobs, "stream": stream, "rid": rid,
+            "return_routed_experts": return_routed_experts}
     return {k: v for k, v in body.items() if v is not None}
 
 
@@ -131,7 +133,8 @@ class OfflineEngine:
                  input_ids: list[int] | list[list[int]] | None = None,
                  **kwargs) -> dict | list[dict] | Iterator[dict]:
         """SGLang's ``Engine.generate`` (sync). ``kwargs``: return_logprob, logprob_start_len,
-        top_logprobs_num, return_text_in_logprobs, stream, rid (each a value or, for a batch,
+        top_logprobs_num, return_text_in_logprobs, return_routed_experts, stream, rid (each a
+        value or, for a batch,
         a list per prompt where SGLang allows it). Returns a dict, a list of dicts, or with
         ``stream=True`` an iterator of chunks (closing it early aborts the requests)."""
         body = generate_body(prompt, sampling_params, input_ids, **kwargs)

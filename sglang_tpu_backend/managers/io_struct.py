@@ -45,5 +45,6 @@ class GenerateReqInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False  # meta_info["routed_experts"] (--enable-return-routed-experts)
     stream: bool = False
     rid: str | None = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from sglang_tpu_backend.model_executor.routed_experts import encode, request_rows
+
 
 class OutputSnapshot:
     """One delivery of a request's output, taken under the engine lock in O(1): the text (a
@@ -90,6 +92,10 @@ class OutputBuilder:
         }
         if req.finished:
             meta["e2e_latency"] = time.monotonic() - req.arrival_time
+            if req.return_routed_experts:  # SGLang: in the final output only
+                rows = request_rows(req)
+                if rows is not None:
+                    meta["routed_experts"] = encode(rows)
         if self.speculative:
             n = req.spec_verify_ct
             meta["spec_verify_ct"] = n

@@ -39,18 +39,20 @@ class RequestBuilder:
       grammar_backend: compiles regex / JSON-schema constraints.
       random_seed: seeds the per-request seeds of requests that give none.
       per_rank: the capacity is per DP rank (named in the error).
+      routed_experts: requests may set ``return_routed_experts``
+        (``--enable-return-routed-experts``).
     """
 
     def __init__(self, tokenizer: Any, *, vocab_size: int, context_length: int,
                  kv_capacity_tokens: int, page_size: int, max_top_logprobs_num: int,
                  eos_ids: frozenset[int], grammar_backend: Any, random_seed: int,
-                 per_rank: bool = False):
+                 per_rank: bool = False, routed_experts: bool = False):
         self.tokenizer = tokenizer
         self.vocab_size, self.context_length = vocab_size, context_length
         self.kv_capacity_tokens, self.page_size = kv_capacity_tokens, page_size
         self.max_top_logprobs_num = max_top_logprobs_num
         self.eos_ids, self.grammar_backend = eos_ids, grammar_backend
-        self.per_rank = per_rank
+        self.per_rank, self.routed_experts = per_rank, routed_experts
         self._rng = random.Random(random_seed)
         self._decode_ids = ids_decoder(tokenizer)
 
@@ -85,6 +87,7 @@ class RequestBuilder:
         if not 0 <= n_top <= self.max_top_logprobs_num:
             raise InvalidRequestError("top_logprobs_num", f"top_logprobs_num must be in "
                                       f"[0, {self.max_top_logprobs_num}], got {n_top}")
+        self._check_routed(obj, export_after_prefill)
         grammar = None
         if sp.regex is not None or sp.json_schema is not None:
             grammar = self.grammar_backend.compile(regex=sp.regex, json_schema=sp.json_schema)
@@ -95,11 +98,22 @@ class RequestBuilder:
             rid, ids, sp, max_new_tokens=max_new, seed=seed, eos_ids=self.eos_ids,
             context_length=ctx, return_logprob=bool(obj.return_logprob), logprob_start_len=start,
             top_logprobs_num=n_top, return_text_in_logprobs=bool(obj.return_text_in_logprobs),
+            return_routed_experts=bool(obj.return_routed_experts),
             stream=bool(obj.stream), grammar=grammar,
             decode=lambda tok_ids: decode_ids(tok_ids, skip),
             export_after_prefill=export_after_prefill,
             request=dataclasses.replace(obj, rid=rid) if export_after_prefill else None,
         )
+
+    def _check_routed(self, obj: GenerateReqInput, handover: bool) -> None:
+        if not obj.return_routed_experts:
+            return
+        if not self.routed_experts:
+            raise InvalidRequestError("return_routed_experts", "return_routed_experts needs a "
+                                      "server started with --enable-return-routed-experts")
+        if handover:
+            raise InvalidRequestError("return_routed_experts", "return_routed_experts is not "
+                                      "supported through the prefill-decode handover")
 
     def build_from_handover(self, h: RequestHandover) -> Req:
         """The decode side's ``Req`` for a handover: validated like a new request, then

@@ -68,7 +68,7 @@ class Req:
         return_logprob: bool = False,
         logprob_start_len: int = 0,
         top_logprobs_num: int = 0,
-        return_text_in_logprobs: bool = False,
+        return_text_in_logprobs: bool = False, return_routed_experts: bool = False,
         stream: bool = False,
         grammar: Any = None,
         decode: Callable[[list[int]], str] | None = None,
@@ -81,15 +81,15 @@ class Req:
         self.prompt_ids = list(prompt_ids)
         self.sampling = sampling
         self.max_new_tokens = max_new_tokens
-        self.seed = seed
-        self.eos_ids = eos_ids
+        self.seed, self.eos_ids = seed, eos_ids
         self.context_length = context_length
         self.return_logprob = return_logprob
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
         self.return_text_in_logprobs = return_text_in_logprobs
-        self.stream = stream
-        self.grammar = grammar
+        self.return_routed_experts = return_routed_experts
+        self.routed_rows: list = []  # routed expert ids per position so far (routed_experts.py)
+        self.stream, self.grammar = stream, grammar
         self.output_ids: list[int] = []
         # Tokens sampled by launched steps whose values are not back yet (overlap scheduling:
         # the next step is launched before the previous one's tokens reach the host). They
@@ -354,3 +354,7 @@ class ChunkResult:
     num_accepted: int = 0
     # NEXTN: the k drafts the MTP layers propose after this chunk's sampled token(s).
     drafts: list[int] | None = None
+    # ``return_routed_experts``: routed expert ids i32[n, M, K] of the request's positions
+    # routed_start .. (``model_executor/routed_experts.py``).
+    routed_experts: Any = None
+    routed_start: int = 0

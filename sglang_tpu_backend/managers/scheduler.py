@@ -52,6 +52,7 @@ from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
+from sglang_tpu_backend.model_executor.routed_experts import append_rows
 from sglang_tpu_backend.speculative.drafter import Drafter
 
 logger = logging.getLogger(__name__)
@@ -485,6 +486,8 @@ class Scheduler:
                 continue
             if not chunk.is_verify:  # (no on_launch)
                 req.num_computed = max(req.num_computed, chunk.start + chunk.num_tokens)
+            if res.routed_experts is not None:
+                append_rows(req, res.routed_start, res.routed_experts)
             if res.input_logprobs:
                 req.input_logprobs.extend(res.input_logprobs)
                 req.input_top_logprobs.extend(res.input_top_logprobs or [[] for _ in res.input_logprobs])

@@ -22,6 +22,10 @@ import jax
 import jax.numpy as jnp
 
 NUM_STATS = 3  # (load max/mean, entropy, top-1 probability)
+# The step's ``with_stats`` value that also returns the routed LOGICAL expert ids per token
+# (``--enable-return-routed-experts``; ``qwen3_5_moe.forward``, ``model_executor/routed_experts.py``);
+# truthy, so every ``if with_stats`` path computes the router stats as well.
+ROUTED = "routed"
 
 
 def router_stats(router_logits, top_i, num_valid):

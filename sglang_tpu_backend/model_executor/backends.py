@@ -56,8 +56,10 @@ class StepBackend(abc.ABC):
     dp = None  # the DPForward whose rank layout the caches follow (None: one pool)
     tp = None  # the TPForward whose head layout the caches follow (None: whole heads)
 
-    def __init__(self, cfg: ModelConfig, *, impl: str, with_stats: bool, batch_invariant: bool):
-        """``with_stats``: steps also return the routers' health (``metrics/router_stats.py``).
+    def __init__(self, cfg: ModelConfig, *, impl: str, with_stats: bool | str,
+                 batch_invariant: bool):
+        """``with_stats``: steps also return the routers' health (``metrics/router_stats.py``);
+        ``qwen3_5_moe.ROUTED``: and the routed expert ids (``--enable-return-routed-experts``).
         ``batch_invariant``: see ``qwen3_5_moe.forward``."""
         self.cfg, self.impl = cfg, impl
         self.with_stats, self.batch_invariant = with_stats, batch_invariant
@@ -398,6 +400,8 @@ class MultiHostDPBackend(DPBackend):
     def init_cache(self, *, num_pages: int, num_state_slots: int, **rest):
         from sglang_tpu_backend.parallel import multihost
 
+        if self.with_stats == qwen3_5_moe.ROUTED:
+            raise ValueError("--enable-return-routed-experts is not supported with --nnodes > 1")
         multihost.broadcast_ints([num_pages, num_state_slots, int(self.with_stats)], 3)
         return super().init_cache(num_pages=num_pages, num_state_slots=num_state_slots, **rest)
 
@@ -459,7 +463,7 @@ class MultiHostDPBackend(DPBackend):
 
 
 def make_backend(cfg: ModelConfig, *, dp_size: int = 1, tp_size: int = 1, impl: str = "auto",
-                 with_stats: bool = True, batch_invariant: bool = False) -> StepBackend:
+                 with_stats: bool | str = True, batch_invariant: bool = False) -> StepBackend:
     """The backend of a runner: TP when ``tp_size`` > 1, one device when ``dp_size`` == 1,
     else DP (over several processes when this one is part of a multi-process group)."""
     kw = dict(impl=impl, with_stats=with_stats, batch_invariant=batch_invariant)

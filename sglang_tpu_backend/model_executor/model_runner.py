@@ -47,6 +47,7 @@ from sglang_tpu_backend.model_executor.backends import SingleDeviceBackend, make
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.nextn_step import MtpInputs, NextnDrafts
+from sglang_tpu_backend.model_executor.routed_experts import routed_store
 from sglang_tpu_backend.model_executor.sampler_state import (SamplerState, sampler_variant,
                                                              unpack_batch_jit,
                                                              sampling_inputs, uses_penalties)
@@ -80,6 +81,7 @@ class StepInputs:
     K: int
     spec: VerifyInputs | None = None
     mtp: list[MtpInputs] | None = None
+    token_rows: list[int] | None = None  # each chunk's first token row (global, [D*T])
 
 
 @dataclasses.dataclass
@@ -91,6 +93,7 @@ class LaunchedStep:
     rows: list  # each chunk's logits rows
     sample_idx: Any  # each chunk's sampling row
     stats: Any  # router stats (device or host array) or None
+    token_rows: list[int] | None = None  # each chunk's first token row (global)
 
 
 class ModelRunner:
@@ -138,12 +141,11 @@ class ModelRunner:
         (``expert_balancer.py``). ``num_drafts``: k drafts per verify step (speculative
         decoding; 0: off); ``num_grammar_cut_drafts`` counts the drafts cut because a
         request's grammar rejects them. ``mtp_params`` (NEXTN, ``models/mtp.py``): the
-        steps also draft the next verify step's k drafts with the MTP layers."""
+        steps also draft the next verify step's k drafts with the MTP layers. ``router_stats``
+        ``ROUTED``: also the routed expert ids per token (``routed_experts.py``)."""
         self.cfg = cfg
-        self.last_router_stats = None
-        self._stats = None
-        self.page_size = page_size
-        self.vocab_size = cfg.vocab_size
+        self.last_router_stats = self._stats = None
+        self.page_size, self.vocab_size = page_size, cfg.vocab_size
         self.max_top_logprobs_num = min(max_top_logprobs_num, cfg.vocab_size)
         self.num_drafts = num_drafts
         self.num_grammar_cut_drafts = 0
@@ -154,6 +156,7 @@ class ModelRunner:
         self.num_state_slots = num_state_slots  # per rank
         self.backend = make_backend(cfg, dp_size=dp_size, tp_size=tp_size, impl=impl,
                                     with_stats=router_stats, batch_invariant=deterministic)
+        self.routed = routed_store(router_stats, num_drafts, cfg, dp_size, num_pages, page_size)
         if num_drafts and not self.backend.verify_steps:
             raise ValueError(f"speculative decoding is not supported with "
                              f"{type(self.backend).__name__}")
@@ -262,9 +265,12 @@ class ModelRunner:
         (default: the chunks' ``sampler_variant``) says whether to build a bitmask and bias."""
         variant = variant or sampler_variant(batch.chunks)
         per_rank: list[list[ScheduledChunk]] = [[] for _ in range(self.dp_size)]
-        where = []  # (rank, index within the rank) of each chunk
+        where, offsets = [], []  # (rank, index within the rank), token offset of each chunk
+        rank_tokens = [0] * self.dp_size
         for c in batch.chunks:
             where.append((c.dp_rank, len(per_rank[c.dp_rank])))
+            offsets.append(rank_tokens[c.dp_rank])
+            rank_tokens[c.dp_rank] += c.num_tokens
             per_rank[c.dp_rank].append(c)
         mode, T, R, L = self.shapes_for(
             batch.kind, max(sum(c.num_tokens for c in cs) for cs in per_rank),
@@ -295,7 +301,8 @@ class ModelRunner:
             fbs=fbs, from_slot=_in_flight_rows(from_slots), inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
             sample_idx=[k * R + j for k, j in where],
             K=self.max_top_logprobs_num if want_lp else 0, spec=spec,
-            mtp=[self.nextn.inputs(cs, T, R) for cs in per_rank] if self.nextn else None)
+            mtp=[self.nextn.inputs(cs, T, R) for cs in per_rank] if self.nextn else None,
+            token_rows=[k * T + o for (k, _), o in zip(where, offsets)] if self.routed else None)
 
     def _rank_batch(self, chunks: list[ScheduledChunk], mode: ForwardMode, T: int, R: int, L: int
                     ) -> tuple[ForwardBatch, list[np.ndarray], np.ndarray | None]:
@@ -433,19 +440,24 @@ class ModelRunner:
         for x in jax.tree.leaves((out, self._stats)):  # the copy back starts as the step ends
             if isinstance(x, jax.Array):  # (a multi-host step's stats are host arrays)
                 x.copy_to_host_async()
-        return LaunchedStep(batch, out, step.rows, step.sample_idx, self._stats)
+        return LaunchedStep(batch, out, step.rows, step.sample_idx, self._stats, step.token_rows)
 
     def complete(self, step: LaunchedStep) -> list[ChunkResult]:
         """Wait for a launched step's outputs (one device-to-host transfer) and split them
         per chunk."""
         out, stats = jax.device_get((step.out, step.stats))
         if stats is not None:  # f32[D*layers, 3] and f32[layers, P]: a few KiB
-            health, slot_counts = stats
+            health, slot_counts, *routed = stats  # (+ routed ids i32[D*T, M, K])
             self.last_router_stats = np.asarray(health).reshape(self.dp_size, -1, 3)
             if self.balancer is not None:
                 self.balancer.record(slot_counts)
         results = [verify_chunk_result(out, i, c) if c.is_verify else _chunk_result(out, i, c, r)
                    for i, c, r in zip(step.sample_idx, step.batch.chunks, step.rows)]
+        if self.routed is not None and stats is not None:
+            self.routed.record(np.asarray(routed[0]), step.batch.chunks, step.token_rows)
+            for c, res in zip(step.batch.chunks, results):
+                if c.req.return_routed_experts and not c.is_verify:
+                    res.routed_start, res.routed_experts = self.routed.chunk_rows(c)
         if "drafts" in out:
             for i, c, res in zip(step.sample_idx, step.batch.chunks, results):
                 res.drafts = out["drafts"][i].tolist() if c.sample else None

@@ -54,7 +54,7 @@ from sglang_tpu_backend.models.layers import (
     rope_cos_sin,
     swiglu_mlp,
 )
-from sglang_tpu_backend.metrics.router_stats import NUM_STATS, router_stats, slot_counts
+from sglang_tpu_backend.metrics.router_stats import NUM_STATS, ROUTED, router_stats, slot_counts
 from sglang_tpu_backend.models.moe import ep_routed_experts, physical_ids, routed_experts
 from sglang_tpu_backend.parallel.mesh import EPContext, TPContext
 
@@ -275,7 +275,8 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
     ``num_valid`` (i32[], real token rows): rows past it are padding and are routed to no
     expert (their routed output is 0; :func:`route_tokens`). ``with_stats``: also return the
     router's health summary f32[3] and the real rows per physical slot f32[P] (E without
-    EPLB) (``metrics/router_stats.py``; needs ``num_valid``). ``p["expert_location"]``
+    EPLB) (``metrics/router_stats.py``; needs ``num_valid``); ``with_stats == ROUTED`` adds
+    the routed LOGICAL expert ids i32[T, K] (before EPLB's slot mapping). ``p["expert_location"]``
     (EPLB): routed ids go to physical slots (``models/moe.py``).
     """
     with jax.named_scope("routed_experts"):  # a name the compiled roofline attributes by
@@ -304,6 +305,8 @@ def moe_block(p: Params, x, cfg: ModelConfig, impl, ep: EPContext | None = None,
         return routed + shared_out
     stats = (router_stats(router_logits, top_i, num_valid),
              slot_counts(slot_i, num_valid, num_slots))
+    if with_stats == ROUTED:  # + the LOGICAL top-k ids i32[T, K] (padding rows: num_experts)
+        stats += (top_i,)
     return routed + shared_out, stats
 
 
@@ -405,7 +408,7 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
             x = x + out
         verify = (tuple(jnp.stack(v) for v in zip(*verify)) if batch.mode.is_verify()
                   else None)  # each [lin_per_group, R, ...]
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if with_stats else None
+        stacked = _stack_layer_stats(stats) if with_stats else None
         return (x, kv_pages, kv_scales, conv_state, rec_state), (stacked, verify)
 
     num_groups = cfg.num_hidden_layers // period
@@ -414,13 +417,29 @@ def forward_hidden(params: Params, cache: ModelCache, batch: ForwardBatch, cfg: 
     x, kv_pages, kv_scales, conv_state, rec_state = carry
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     if with_stats:  # [groups, period, n] -> [layers, n] (layer g * period + j)
-        health, counts = (s.reshape(cfg.num_hidden_layers, -1) for s in stats)
+        health, counts = (s.reshape(cfg.num_hidden_layers, -1) for s in stats[:2])
         if ep is not None:  # every rank's rows: what each EP rank's slots receive
             counts = jax.lax.psum(counts, ep.axes)
-        stats = (health, counts)
+        stats = (health, counts) + ((_routed_rows(stats[2]),) if len(stats) == 3 else ())
     if verify is not None:  # [groups, lin_per_group, ...] -> [Lyr, ...] (g * lin_per_group + i)
         verify = tuple(v.reshape(-1, *v.shape[2:]) for v in verify)
     return x, ModelCache(kv_pages, conv_state, rec_state, kv_scales), stats, verify
+
+
+def _stack_layer_stats(stats: list[tuple]) -> tuple:
+    """One scan group's per-layer router stats, stacked: (health [period, 3], counts
+    [period, P]) and with ``ROUTED`` the MoE layers' ids [moe_per_group, T, K] (a MoE layer's
+    stats have them as a third entry, a dense layer's do not)."""
+    stacked = tuple(jnp.stack([st[i] for st in stats]) for i in range(2))
+    routed = [st[2] for st in stats if len(st) == 3]
+    return stacked + ((jnp.stack(routed),) if routed else ())
+
+
+def _routed_rows(routed):
+    """The scan's routed ids [groups, moe_per_group, T, K] -> [T, num_moe_layers, K]: MoE
+    layer m = g * moe_per_group + i, the MoE layers in depth order."""
+    G, M, T, K = routed.shape
+    return jnp.transpose(routed.reshape(G * M, T, K), (1, 0, 2))
 
 
 def forward(
@@ -435,7 +454,9 @@ def forward(
     ``ep`` is set only by the data-parallel step (``parallel/dp_forward.py``), which runs this
     function per device under ``shard_map``; ``tp`` likewise by the tensor-parallel step
     (``parallel/tp_forward.py``). ``with_stats``: also return the router stats (health
-    f32[num_layers, 3], rows per physical expert slot f32[num_layers, P]) as a third output.
+    f32[num_layers, 3], rows per physical expert slot f32[num_layers, P]) as a third output;
+    ``with_stats == ROUTED`` (``--enable-return-routed-experts``) adds to them each row's
+    routed LOGICAL expert ids i32[T, num_moe_layers, K] (padding rows: ``num_experts``).
     ``with_hidden``: also return every row's hidden state [T, H] after the final norm as the
     last output (what the MTP drafter reads, ``model_executor/nextn_step.py``).
     ``batch_invariant``:

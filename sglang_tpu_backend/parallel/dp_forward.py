@@ -89,7 +89,8 @@ class DPForward:
                  ep: EPContext = EPContext(), with_stats: bool = False,
                  batch_invariant: bool = False):
         """``with_stats``: the step also returns each rank's router health f32[D*layers, 3] and
-        the real rows per physical expert slot of all ranks f32[layers, P].
+        the real rows per physical expert slot of all ranks f32[layers, P]; ``ROUTED``
+        (``qwen3_5_moe``) adds every rank's routed logical expert ids i32[D*T, moe_layers, K].
         ``batch_invariant``: see ``qwen3_5_moe.forward``."""
         if cfg.num_experts % mesh.size:
             raise ValueError(f"--ep-size {mesh.size} must divide num_experts {cfg.num_experts}")
@@ -175,7 +176,8 @@ class DPForward:
                                   with_hidden=with_hidden)
         out_specs = (rank_spec(self.ep, 0), self.cache_specs())
         if self.with_stats:  # (health per rank, rows per expert slot summed over the ranks)
-            out_specs += ((rank_spec(self.ep, 0), REPLICATED),)
+            routed = (rank_spec(self.ep, 0),) if self.with_stats == qwen3_5_moe.ROUTED else ()
+            out_specs += ((rank_spec(self.ep, 0), REPLICATED) + routed,)  # routed [D*T, M, K]
         if with_hidden:
             out_specs += (rank_spec(self.ep, 0),)
         step = jax.shard_map(

@@ -195,3 +195,16 @@ def test_flush_cache(live_server):
     live_server.wait_pools_empty()
     r = requests.post(live_server.url + "/flush_cache", timeout=30)
     assert r.status_code == 200 and r.json()["success"] is True
+
+
+def test_return_routed_experts_needs_the_server_flag(live_server):
+    """``return_routed_experts`` on a server without --enable-return-routed-experts: 400 naming
+    the field; a malformed value too."""
+    r = gen(live_server, {"text": "hi", "sampling_params": {"max_new_tokens": 2},
+                          "return_routed_experts": True})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "return_routed_experts"
+    assert "--enable-return-routed-experts" in err["message"]
+    bad = gen(live_server, {"text": "hi", "return_routed_experts": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_routed_experts"
