@@ -38,24 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_backend import roofline
-from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.models.param_shapes import param_shapes
-from sglang_tpu_backend.tiny_model import tiny_config_dict
 
-from bench_vs_transformers import CONFIGS, LAYERS  # benchmarks/ is the script's path
+from bench_vs_transformers import make_config  # benchmarks/ is the script's path
 
 PAGE = 16
-
-
-def make_config(name: str):
-    """The model config ``bench_vs_transformers.py`` compares with transformers on."""
-    d = tiny_config_dict(vocab_size=1216, eos_token_id=2)
-    d["text_config"].update(CONFIGS[name],
-                            layer_types=LAYERS(CONFIGS[name]["num_hidden_layers"]))
-    return model_config_from_dict(d)
 
 
 def random_params(cfg, seed: int = 0):

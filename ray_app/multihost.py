@@ -6,7 +6,7 @@ the hosts of one slice), the replica itself in bundle 0. Its ``EngineServer`` st
 ``NodeFollower`` actor in each other bundle (``start_followers``), each asking for the same
 ``{"TPU": chips}`` (+ accelerator type), and hands them a coordinator address (the leader's
 IP and a free port). Then the leader's Engine (``--nnodes H --node-rank 0``) and every
-follower's ``multihost.run_follower`` (``--node-rank k``) join one jax.distributed group and
+follower's ``parallel.node.run_follower`` (``--node-rank k``) join one jax.distributed group and
 form one mesh: the leader schedules and samples, the followers run its steps.
 
 Failure: a follower that stops (killed, its host gone) ends its ``run`` call; the replica's
@@ -75,7 +75,7 @@ class NodeFollower:
 
     def run(self) -> int:
         """Join the leader's group and run its steps until it stops; the steps run."""
-        from sglang_tpu_backend.parallel.multihost import run_follower
+        from sglang_tpu_backend.parallel.node import run_follower
 
         logging.basicConfig(level=self.args.log_level.upper())
         return run_follower(self.args)

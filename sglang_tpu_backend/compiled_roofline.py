@@ -1,6 +1,6 @@
 """A roofline of a compiled program: every op of its HLO charged at the hardware's peaks.
 
-``program_cost(hlo_text, ...)`` walks every computation reachable from ENTRY of a compiled
+``compiled_timeline.program_cost(hlo_text, ...)`` walks every computation reachable from ENTRY of a compiled
 (post-optimisation) XLA:TPU program and charges each instruction, per device:
 
 - fusions and XLA ops: the HBM bytes of their operands and results (a fused slice,
@@ -70,7 +70,7 @@ import dataclasses
 import math
 import re
 
-from sglang_tpu_backend.hlo_text import Computation, Instruction, parse_module
+from sglang_tpu_backend.hlo_text import Computation, Instruction
 from sglang_tpu_backend.roofline import HARDWARE, Hardware
 
 ICI_BANDWIDTH = 1200e9 / 2  # B/s into one TPU7x chip (1,200 GB/s bidirectional)
@@ -173,16 +173,6 @@ class ProgramCost:
         for c in self.kinds.values():
             out.add(c)
         return out
-
-
-def program_cost(hlo: str, device: Device = TPU7X) -> ProgramCost:
-    """Charge every op of compiled HLO text (see the module docstring)."""
-    comps, entry = parse_module(hlo)
-    kinds = {k: Charge() for k in KINDS}
-    _Walk(comps, device, kinds).computation(comps[entry], 1.0)
-    from sglang_tpu_backend.compiled_timeline import Timeline
-
-    return ProgramCost(kinds, Timeline(comps, device).seconds(comps[entry]))
 
 
 def kind_of(instr: Instruction) -> str:

@@ -1,4 +1,5 @@
-"""The overlap-aware step time of a compiled program (``ProgramCost.overlap_seconds``).
+"""The overlap-aware step time of a compiled program (``ProgramCost.overlap_seconds``), and
+``program_cost``, a compiled program's charges and both step times.
 
 The rules are in ``compiled_roofline.py``'s docstring: each computation is walked in its
 schedule order on a timeline; ops run one after another on the TensorCore, except the
@@ -10,8 +11,17 @@ max(transfer, compute inside it).
 from __future__ import annotations
 
 from sglang_tpu_backend.compiled_roofline import (
-    COLLECTIVES, KINDS, ZERO_COST, Charge, Device, ProgramCost, _target, _Walk, trip_count)
-from sglang_tpu_backend.hlo_text import Computation, Instruction
+    COLLECTIVES, KINDS, TPU7X, ZERO_COST, Charge, Device, ProgramCost, _target, _Walk, trip_count)
+from sglang_tpu_backend.hlo_text import Computation, Instruction, parse_module
+
+def program_cost(hlo: str, device: Device = TPU7X) -> ProgramCost:
+    """Charge every op of compiled HLO text (``compiled_roofline.py``'s docstring), with the
+    serial and the overlap-aware step time. Here, above both the charges and the timeline."""
+    comps, entry = parse_module(hlo)
+    kinds = {k: Charge() for k in KINDS}
+    _Walk(comps, device, kinds).computation(comps[entry], 1.0)
+    return ProgramCost(kinds, Timeline(comps, device).seconds(comps[entry]))
+
 
 ASYNC_COLLECTIVE_STARTS = frozenset({
     "all-gather-start", "all-reduce-start", "collective-permute-start"})

@@ -22,7 +22,7 @@ leaving it early aborts the request and frees its pages and slot at once. The of
 (``generate`` like ``sglang.Engine``) wraps an Engine: ``entrypoints/offline.py``.
 
 With ``--nnodes N`` the DP ranks span N processes: this engine is node 0's (it joins the
-process group first), the other nodes run ``parallel.multihost.run_follower``.
+process group first), the other nodes run ``parallel.node.run_follower``.
 """
 
 from __future__ import annotations
@@ -138,12 +138,12 @@ class Engine:
                             f"(got {sorted(kwargs)})")
         args = server_args if server_args is not None else ServerArgs(**kwargs)
         if args.nnodes > 1:  # before anything touches a JAX device
-            from sglang_tpu_backend.parallel import multihost
+            from sglang_tpu_backend.parallel import node
 
             if args.node_rank != 0:
                 raise ValueError("--node-rank > 0 follows node 0's engine: run "
-                                 "launch_server (or multihost.run_follower), not Engine")
-            multihost.join(args)
+                                 "launch_server (or node.run_follower), not Engine")
+            node.join(args)
         args = with_default_model(args)
         self.tokenizer = load_tokenizer(args.tokenizer_path)
         self.model_config = cfg = load_model_config(args.model_path)

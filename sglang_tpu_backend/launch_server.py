@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.node_rank > 0:  # a follower node: runs node 0's steps, serves no HTTP
-        from sglang_tpu_backend.parallel.multihost import run_follower
+        from sglang_tpu_backend.parallel.node import run_follower
 
         run_follower(args)
         return

@@ -121,7 +121,7 @@ def bucket_efficiency(name: str, hlo: str, cfg: ModelConfig, *, tokens: int, seq
                       state_dtype: str = "bf16", kv_dtype: str = "bf16") -> BucketEfficiency:
     """Charge compiled HLO text of one DP step (``tokens`` rows, ``seqs`` requests per rank,
     one logits row per request) and set it beside the roofline's ideal for that batch."""
-    from sglang_tpu_backend.compiled_roofline import program_cost
+    from sglang_tpu_backend.compiled_timeline import program_cost
 
     ideal = ideal_by_kind(cfg, tokens=tokens, seqs=seqs, kv_len=kv_len, devices=devices,
                           decode=name == "decode", logits_rows=seqs, expert_dtype=expert_dtype,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import json
 import logging
 import os
@@ -39,14 +38,16 @@ from sglang_tpu_backend.entrypoints.engine_protocol import EngineAPI, missing_me
 from sglang_tpu_backend.entrypoints.fanout import ClientDisconnected, Fanout, run_until_disconnect
 from sglang_tpu_backend.entrypoints.native_protocol import (
     LogprobAccumulator, StreamState, new_rid, parse_generate)
-from sglang_tpu_backend.entrypoints.request_fields import MAX_JSON_DEPTH, APIError, json_depth, opt_field
+from sglang_tpu_backend.entrypoints.request_fields import APIError, opt_field
+from sglang_tpu_backend.entrypoints.rl_routes import router as rl_router
+from sglang_tpu_backend.entrypoints.route_plumbing import (
+    _arg, _call, _engine, read_json, verify_api_key)
 from sglang_tpu_backend.managers.io_struct import (
     GenerateReqInput, InvalidRequestError, ServiceUnavailableError)
 from sglang_tpu_backend.profiler import confine_output_dir
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # /health_generate's bound on its one-token request (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT);
 # unset: --watchdog-timeout. Meanwhile the engine's health is polled every HEALTH_POLL_S, so a
@@ -55,56 +56,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 HEALTH_CHECK_TIMEOUT_S: float | None = (float(os.environ["SGLANG_HEALTH_CHECK_TIMEOUT"])
                                         if os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT") else None)
 HEALTH_POLL_S = 0.5
-
-
-# Plumbing -------------------------------------------------------------------------------
-def _engine(request: Request) -> EngineAPI:
-    return request.app.state.engine
-
-
-async def _call(value: Any) -> Any:
-    """An Engine API result, awaited when it is an awaitable (a remote engine's call)."""
-    return await value if inspect.isawaitable(value) else value
-
-
-def _arg(engine, name: str, default: Any = None) -> Any:
-    return getattr(getattr(engine, "args", None), name, default)
-
-
-async def verify_api_key(request: Request) -> None:
-    """Router dependency: the key the route's access level asks for (``auth.py``)."""
-    authorize(request, _engine(request).args)
-
-
-async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
-    """The request body as a JSON object, refusing bodies over the configured size (413);
-    ``allow_empty``: no body at all is ``{}``."""
-    limit = _arg(_engine(request), "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(f"Request body of {declared} bytes exceeds the limit of {limit} bytes", "body", 413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(f"Request body exceeds the limit of {limit} bytes", "body", 413)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        if allow_empty:
-            return {}
-        raise APIError("Request body is empty; expected a JSON object", "body")
-    if json_depth(raw) > MAX_JSON_DEPTH:
-        raise APIError(f"JSON body nested deeper than {MAX_JSON_DEPTH} levels", "body")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(f"Malformed JSON body: {e}", "body") from e
-    except RecursionError as e:  # backstop: json_depth should have refused it
-        raise APIError("JSON body nested too deeply", "body") from e
-    if not isinstance(body, dict):
-        raise APIError("Request body must be a JSON object", "body")
-    return body
 
 
 def _fanout(request: Request, reqs: list[GenerateReqInput]) -> Fanout:
@@ -448,9 +399,7 @@ def install(app: FastAPI, engine) -> None:
     app.state.seed_rng = random.Random(_arg(engine, "random_seed", 0))
     app.state.inflight = set()  # rids of requests being served, for abort_all
     app.include_router(router)
-    from sglang_tpu_backend.entrypoints.rl_routes import router as rl_router
-
-    app.include_router(rl_router)  # SGLang's RL surface (its own module: it imports this one)
+    app.include_router(rl_router)  # SGLang's RL surface (rl_routes.py)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):

@@ -130,7 +130,7 @@ class Scheduler:
             prefix = PrefixCache([RadixCache(p.page_pool, SnapshotPool(num_snapshots))
                                   for p in pools])
         if args.speculative_algorithm is not None:
-            from sglang_tpu_backend.speculative.drafter import make_drafter
+            from sglang_tpu_backend.speculative.registry import make_drafter
 
             limits = dict(drafter=make_drafter(
                 args.speculative_algorithm,

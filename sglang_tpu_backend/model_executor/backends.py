@@ -383,7 +383,7 @@ class DPBackend(StepBackend):
 
 class MultiHostDPBackend(DPBackend):
     """DPBackend of the leader (process 0) of several processes; the followers run
-    ``multihost.run_follower``, which makes the matching collectives in the same order:
+    ``parallel/node.run_follower``, which makes the matching collectives in the same order:
     ``init_cache`` (its sizes broadcast first), ``load_params`` (the param shapes checked
     for agreement first; each process reads its devices' share), every step, and ``close``."""
 

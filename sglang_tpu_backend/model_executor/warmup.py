@@ -1,12 +1,14 @@
 """Warm-up: compile every program a runner can serve with before the first request.
 
-Every step bucket (``step_buckets``) of the forward, each with every sampler variant
-(``sampling.sampler.VARIANTS``) and top-logprob count (0, max_top_logprobs_num), the penalty
-row program and the GDN snapshot copies. A TARGET_VERIFY bucket (speculative decoding) warms
-the verify forward once, the verify sampler (every variant and top-logprob count, on scratch
-penalty state) and the commit. Under NEXTN each bucket also warms its MTP pass and chain
-(``nextn_step.py``) on the forward's hidden states. Same jitted functions, same
-argument shapes and placements as serving, so serving reuses every program compiled here.
+``runner`` is the ``ModelRunner`` (``model_runner.py``, which calls this module; not imported
+here, so the two do not import each other). Every step bucket (``step_buckets``) of the
+forward, each with every sampler variant (``sampling.sampler.VARIANTS``) and top-logprob count
+(0, max_top_logprobs_num), the penalty row program and the GDN snapshot copies. A TARGET_VERIFY
+bucket (speculative decoding) warms the verify forward once, the verify sampler (every variant
+and top-logprob count, on scratch penalty state) and the commit. Under NEXTN each bucket also
+warms its MTP pass and chain (``nextn_step.py``) on the forward's hidden states. Same jitted
+functions, same argument shapes and placements as serving, so serving reuses every program
+compiled here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +28,6 @@ from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, Forwar
 from sglang_tpu_backend.model_executor.sampler_state import dummy_sampling_inputs
 from sglang_tpu_backend.model_executor.verify_step import dummy_verify_inputs
 
-if TYPE_CHECKING:
-    from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 PARALLEL_COMPILE = os.environ.get("STB_PARALLEL_COMPILE", "1") == "1"  # precompile_forwards
@@ -43,7 +43,7 @@ def dummy_batch(kind: ForwardMode, T: int, R: int, L: int, pages_per_seq: int) -
     )
 
 
-def precompile_forwards(runner: "ModelRunner", shapes) -> int:
+def precompile_forwards(runner: Any, shapes) -> int:
     """Compile the forward of every non-verify bucket at once, one thread each, into the
     persistent compilation cache; the warm-up's own calls then load them from it. Lowering
     (tracing) holds the GIL and runs here one bucket after another; XLA's compiles release it
@@ -67,7 +67,7 @@ def precompile_forwards(runner: "ModelRunner", shapes) -> int:
     return len(lowered)
 
 
-def warm_up(runner: "ModelRunner", progress: bool = True) -> float:
+def warm_up(runner: Any, progress: bool = True) -> float:
     """Compile every forward and sampler program of ``runner``; returns seconds taken.
 
     The forward programs compile one after another on this thread (each runs on the real

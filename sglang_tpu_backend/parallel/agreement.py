@@ -3,11 +3,11 @@ step-shaping arguments, or the followers' steps silently differ from the leader'
 shapes hang a collective; other weights or dtypes give other logits).
 
 Two checks, each a collective every process makes at the same point:
-  "server arguments" at join (``multihost.join``): the model's config (every field of the
+  "server arguments" at join (``node.join``): the model's config (every field of the
       parsed ``ModelConfig``, not its path: nodes may hold the checkpoint at different paths)
       and the ``ServerArgs`` fields that shape the steps and the caches (``SHARED_ARGS``).
   "parameters" before loading (the leader's ``MultiHostDPBackend.load_params``, the
-      follower's ``run_follower``): name, shape and dtype of every param to load.
+      follower's ``node.run_follower``): name, shape and dtype of every param to load.
 
 Each process hashes its items (sha256 of their canonical JSON) and all processes gather the
 digests. If they all agree, that is all. Otherwise the processes gather each other's items,

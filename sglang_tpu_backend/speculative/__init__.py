@@ -1,10 +1,11 @@
 """Speculative decoding: drafts proposed on the host, verified by the target model in one
 TARGET_VERIFY step (``model_executor/verify.py``).
 
-  drafter.py  the ``Drafter`` protocol the scheduler asks for drafts, ``make_drafter``
-              (``--speculative-algorithm``), ``DraftGuard`` (the per-request back-off of
-              both drafters while their drafts keep being rejected) and ``CallbackDrafter``
-              (drafts from a function: tests, experiments).
+  drafter.py  the ``Drafter`` protocol the scheduler asks for drafts, ``DraftGuard`` (the
+              per-request back-off of both drafters while their drafts keep being
+              rejected) and ``CallbackDrafter`` (drafts from a function: tests, experiments).
+  registry.py ``make_drafter``: the drafter of ``--speculative-algorithm`` (above the
+              drafters, so that none imports another).
   ngram.py    NGRAM: drafts copied from the request's own prompt + output after the longest
               earlier occurrence of its current suffix (no draft model).
   nextn.py    NEXTN / EAGLE: the drafts the model's MTP layers proposed on the device after

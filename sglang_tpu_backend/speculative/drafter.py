@@ -103,16 +103,3 @@ class CallbackDrafter:
 
     def propose(self, reqs: Sequence[Req], k: int) -> list[list[int]]:
         return [list(self.fn(req, k))[:k] for req in reqs]
-
-
-def make_drafter(algorithm: str, *, min_window: int, max_window: int) -> Drafter:
-    """The drafter of ``--speculative-algorithm`` (validated by ``ServerArgs``)."""
-    if algorithm == "NGRAM":
-        from sglang_tpu_backend.speculative.ngram import NgramDrafter
-
-        return NgramDrafter(min_window, max_window)
-    if algorithm in ("NEXTN", "EAGLE"):
-        from sglang_tpu_backend.speculative.nextn import NextnDrafter
-
-        return NextnDrafter()
-    raise ValueError(f"no drafter for --speculative-algorithm {algorithm}")

@@ -10,7 +10,7 @@ requests (different lengths, one longer than a prefill chunk, one with penalties
 of them again extended (prefix-cache hits), round-trips request state through the handover's
 install and export on a rank of each node, and writes outputs and the weight bytes it read
 as JSON; node 0 also tries a weight update (refused with --nnodes > 1) and then shuts
-down, which stops the follower. A follower (rank > 0) runs ``multihost.run_follower`` and
+down, which stops the follower. A follower (rank > 0) runs ``parallel.node.run_follower`` and
 writes the number of steps it ran and the weight bytes it read. ``PAGE_SIZE`` overrides that flag on this node (the
 mismatch test: every node must then refuse to start).
 """
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> None:
         flags = dict(ARGS, page_size=int(argv[4])) if len(argv) > 4 else ARGS
         args = ServerArgs(**flags, nnodes=nnodes, node_rank=rank, dist_init_addr=coord)
     if args.node_rank > 0:
-        from sglang_tpu_backend.parallel.multihost import run_follower
+        from sglang_tpu_backend.parallel.node import run_follower
 
         from sglang_tpu_backend.checkpoint_io import BYTES_READ
 

@@ -82,6 +82,7 @@ def _imports(tree: ast.AST, module: str = "", path: pathlib.Path | None = None):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)  # (a submodule or a name)
         elif isinstance(node, ast.ImportFrom) and node.level > 0:
             base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
             if node.module:
@@ -121,6 +122,64 @@ def test_imports_point_downward():
             if _layer(name) > own:
                 upward.append(f"{module} (layer {own}) imports {name} (layer {_layer(name)})")
     assert not upward, "\n".join(upward)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each project module -> the project modules it imports (any level of the file, function
+    bodies included; ``from pkg import sub`` counts as ``pkg.sub``), itself and the package
+    root's lazy export left out."""
+    modules = dict(_modules())
+
+    def resolve(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for module, path in modules.items():
+        deps = {resolve(n) for n in _imports(ast.parse(path.read_text()), module, path)
+                if n.split(".")[0] in PACKAGES}
+        graph[module] = deps - {module, "sglang_tpu_backend", ""}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or through others: what both need moves
+    down a layer, what composes them lives above them (a registry above its drafters)."""
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    circles = _circles(_import_graph())
+    assert not circles, "\n".join(" <-> ".join(c) for c in circles)
 
 
 def test_files_and_functions_stay_readable():

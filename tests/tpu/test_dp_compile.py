@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sglang_tpu_backend.compiled_roofline import program_cost
+from sglang_tpu_backend.compiled_timeline import program_cost
 from sglang_tpu_backend.compiled_timeline import sources
 from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.hlo_text import parse_module
