@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_backend.config import model_config_from_dict
-from sglang_tpu_backend.kernels import gmm
+from sglang_tpu_backend.kernels import gmm_xla  # (XLA_TILE_ROWS: the XLA path's tile floor)
 from sglang_tpu_backend.models.moe import routed_experts
 from sglang_tpu_backend.models.qwen3_5_moe import moe_block, route_tokens
 from sglang_tpu_backend.tiny_model import tiny_config_dict
@@ -81,14 +81,14 @@ def bench_layer(name: str, rows: int, tms: list[int], reps: int, dtype) -> None:
         line = f"  {what:15s} reference {ref * 1e3:9.2f} ms"
         want = make("reference")(x, top_i, top_w)
         for tm in tms:
-            gmm.XLA_TILE_ROWS = tm
+            gmm_xla.XLA_TILE_ROWS = tm
             f = make("xla")
             got = f(x, top_i, top_w)
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
             t = median_seconds(lambda: f(x, top_i, top_w), reps)
             line += f" | xla tm={tm} {t * 1e3:8.2f} ms ({ref / t:6.1f}x, max|diff| {err:.1e})"
         print(line)
-    gmm.XLA_TILE_ROWS = tms[0]
+    gmm_xla.XLA_TILE_ROWS = tms[0]
 
 
 def bench_decode_step(num_requests: int, reps: int, dtype: str) -> None:
@@ -125,7 +125,7 @@ def bench_decode_step(num_requests: int, reps: int, dtype: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=64, help="decode rows (tokens)")
-    ap.add_argument("--tm", type=int, nargs="+", default=[gmm.XLA_TILE_ROWS],
+    ap.add_argument("--tm", type=int, nargs="+", default=[gmm_xla.XLA_TILE_ROWS],
                     help="XLA-path tile rows to time (the first is kept for the model step)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))

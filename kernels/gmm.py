@@ -24,6 +24,9 @@ so tiles past the last group still write zeros; with ``skip_tail`` they get no v
 of other groups are masked to zero in the lhs tile. One fp32 accumulator per M tile lives
 in VMEM across its visits.
 
+Files: this one holds the contract, the reference, the Pallas kernel and the API;
+``gmm_quant.py`` the FP8 quantisation of weights and activations; ``gmm_xla.py`` the XLA path.
+
 XLA path (``impl="xla"``, what ``"auto"`` picks off-TPU): the same visit idea in plain XLA.
 The sorted rows are cut into tiles (``xla_tile_rows``) that each belong to one group; a loop
 over the tiles in use multiplies each tile's rows by its group's weights, sliced out of the
@@ -48,11 +51,21 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import dispatch
 from .cost import Cost
+from .gmm_quant import (FP8_DTYPE, FP8_MAX, LHS_QUANT_BLOCK, WEIGHT_BLOCK,
+                        dequantize_fp8_blockwise, quantize_fp8_blockwise, quantize_lhs_reference,
+                        quantize_rows)
+from .gmm_xla import (XLA_MAX_TILE_ROWS, XLA_TILE_ROWS, dot_t, xla_gmm_impl, xla_tile_plan,
+                      xla_tile_rows)
 
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-WEIGHT_BLOCK = 128  # rhs_scale block (K and N)
-LHS_QUANT_BLOCK = 512  # activation quantisation sub-channel width along K
+# The grouped matmul's API, its FP8 helpers (gmm_quant.py) and XLA path (gmm_xla.py) included.
+__all__ = [
+    "GmmBlockSizes", "default_block_sizes", "gmm", "gmm_swiglu", "ref_gmm", "ref_gmm_swiglu",
+    "gmm_cost", "gmm_swiglu_cost", "make_group_metadata", "FP8_DTYPE", "FP8_MAX", "WEIGHT_BLOCK",
+    "LHS_QUANT_BLOCK", "quantize_fp8_blockwise", "dequantize_fp8_blockwise",
+    "quantize_lhs_reference", "xla_gmm_impl", "xla_tile_plan", "xla_tile_rows", "XLA_TILE_ROWS",
+    "XLA_MAX_TILE_ROWS",
+]
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,64 +103,6 @@ def default_block_sizes(m: int, k: int, n: int, *, quantize_lhs: bool = False) -
 # --------------------------------------------------------------------------- reference
 
 
-def quantize_fp8_blockwise(w, block: int = WEIGHT_BLOCK):
-    """Block-wise e4m3 quantisation of expert weights (blocks over the last two axes).
-
-    Args:
-      w: float[G, N, K] (any [G, rows, cols]).
-      block: square block size (128 in the checkpoints).
-    Returns:
-      (w_fp8 float8_e4m3fn[G, N, K], scale f32[G, ceil(N/block), ceil(K/block)]) with
-      ``w ~= w_fp8 * scale[:, n // block, k // block]``; scale = block amax / 448 (1 for an
-      all-zero block), values rounded as ``w * (1 / scale)``.
-    """
-    if w.ndim != 3:
-        raise ValueError(f"w must be [G, N, K], got shape {w.shape}")
-    g, n, k = w.shape
-    nb, kb = -(-n // block), -(-k // block)
-    w32 = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, nb * block - n), (0, kb * block - k)))
-    blocks = w32.reshape(g, nb, block, kb, block)  # f32[G, Nb, b, Kb, b]
-    amax = jnp.max(jnp.abs(blocks), axis=(2, 4))  # f32[G, Nb, Kb]
-    scale = _fp8_scale(amax)
-    inv = (1.0 / scale)[:, :, None, :, None]
-    q = jnp.clip(blocks * inv, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    q = q.reshape(g, nb * block, kb * block)[:, :n, :k]
-    return q, scale
-
-
-def dequantize_fp8_blockwise(w_fp8, scale, block: int = WEIGHT_BLOCK):
-    """f32[G, N, K] = w_fp8 * scale expanded over block x block tiles."""
-    _, n, k = w_fp8.shape
-    s = jnp.repeat(jnp.repeat(scale, block, axis=1), block, axis=2)[:, :n, :k]
-    return w_fp8.astype(jnp.float32) * s
-
-
-def _fp8_scale(amax):
-    """amax / 448 as ``amax * f32(1/448)`` (1 where amax == 0).
-
-    Quantisation multiplies by ``1 / scale`` rather than dividing: XLA rewrites a division by
-    a broadcast into that anyway, and spelling it out makes the e4m3 rounding reproducible
-    bit for bit (numpy simulation, reference and kernel agree on ties).
-    """
-    return jnp.where(amax > 0, amax * jnp.float32(1.0 / FP8_MAX), 1.0).astype(jnp.float32)
-
-
-def _quantize_rows(x32):
-    """Per-row e4m3 quantisation of x32 f32[..., C] over its last axis -> (q f32, scale f32[..., 1])."""
-    scale = _fp8_scale(jnp.max(jnp.abs(x32), axis=-1, keepdims=True))
-    q = jnp.clip(x32 * (1.0 / scale), -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).astype(jnp.float32)
-    return q, scale
-
-
-def quantize_lhs_reference(lhs):
-    """lhs quantised per row per 512-wide K sub-channel and dequantised: f32[M, K]."""
-    m, k = lhs.shape
-    kq = -(-k // LHS_QUANT_BLOCK)
-    x = jnp.pad(lhs.astype(jnp.float32), ((0, 0), (0, kq * LHS_QUANT_BLOCK - k)))
-    q, s = _quantize_rows(x.reshape(m, kq, LHS_QUANT_BLOCK))  # f32[M, Kq, 512], f32[M, Kq, 1]
-    return (q * s).reshape(m, kq * LHS_QUANT_BLOCK)[:, :k]
-
-
 def _ref_dense_inputs(lhs, rhs, rhs_scale, quantize_lhs):
     x = quantize_lhs_reference(lhs) if quantize_lhs else lhs.astype(jnp.float32)
     if rhs_scale is not None:
@@ -157,11 +112,6 @@ def _ref_dense_inputs(lhs, rhs, rhs_scale, quantize_lhs):
     return x, w  # f32[M, K], f32[G, N, K]
 
 
-def _dot_t(x, w, **kwargs):
-    """x [M, K] times w [N, K] transposed -> [M, N]: contracts both operands' last axes."""
-    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), **kwargs)
-
-
 def _ref_grouped(x, w, group_sizes):
     """f32[M, N]: rows of group g times w[g].T; rows past the groups are zero."""
     m = x.shape[0]
@@ -169,7 +119,7 @@ def _ref_grouped(x, w, group_sizes):
     row_group = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")  # i32[M]
     out = jnp.zeros((m, w.shape[1]), jnp.float32)
     for g in range(w.shape[0]):  # one masked dense matmul per group (reference only)
-        y = _dot_t(x, w[g], precision=jax.lax.Precision.HIGHEST)
+        y = dot_t(x, w[g], precision=jax.lax.Precision.HIGHEST)
         out = out + jnp.where((row_group == g)[:, None], y, 0.0)
     return out
 
@@ -188,124 +138,6 @@ def ref_gmm_swiglu(lhs, rhs, group_sizes, *, rhs_scale=None, quantize_lhs=False,
     h = _ref_grouped(x, w, group_sizes)  # f32[M, 2N]
     n = rhs.shape[1] // 2
     return (jax.nn.silu(h[:, :n]) * h[:, n:]).astype(out_dtype or lhs.dtype)
-
-
-# --------------------------------------------------------------------------- XLA (off-TPU)
-
-# Rows per tile of the XLA path (the floor: larger M grows it, see ``xla_tile_rows``). Each
-# tile copies its group's [N, K] weights out of the stack (XLA:CPU materialises a dynamic
-# slice before a dot; the copy lands in cache, where the dot reads it) and multiplies all its
-# rows, padding included. At decode sizes XLA:CPU's dot costs more with more rows even with
-# the weights in cache, so tiles should be no larger than the groups they hold: decode has
-# ~M/G rows per expert (8 at 64 rows x top-8 over 64 experts, 4 at 32), prefill wants few
-# tiles per group. benchmarks/bench_cpu_moe.py sweeps it (--tm).
-XLA_TILE_ROWS = 8
-XLA_MAX_TILE_ROWS = 128
-
-
-def xla_tile_rows(num_rows: int, num_groups: int, floor: int | None = None) -> int:
-    """Tile rows for M rows over G groups: the power of two >= M/G (the mean group), clamped
-    to [``XLA_TILE_ROWS``, ``XLA_MAX_TILE_ROWS``]."""
-    floor = floor or XLA_TILE_ROWS
-    mean = -(-num_rows // max(num_groups, 1))
-    return max(floor, min(XLA_MAX_TILE_ROWS, 1 << max(mean - 1, 0).bit_length()))
-
-
-def xla_tile_plan(group_sizes, num_rows: int, tm: int = XLA_TILE_ROWS):
-    """Split the sorted rows into tiles of ``tm`` rows that each belong to one group.
-
-    Args:
-      group_sizes: i32[G]; groups past ``num_rows`` rows are cut there.
-      num_rows: M.
-      tm: rows per tile.
-    Returns:
-      (tile_group i32[S], tile_rows i32[S, tm], row_slot i32[M]) with the static tile count
-      S = min(ceil(M/tm) + G, (M + min(G, M) * (tm - 1)) // tm), an upper bound of
-      sum_g ceil(size_g / tm). Tile s holds rows ``tile_rows[s]`` of group ``tile_group[s]``;
-      slots past the group's end and unused tiles hold row index M (out of range). Row r sits
-      at flat slot ``row_slot[r]`` (tile * tm + offset) of the tiles, or -1 outside the groups.
-    """
-    num_groups = group_sizes.shape[0]
-    num_tiles = max(1, min(-(-num_rows // tm) + num_groups,
-                           (num_rows + min(num_groups, num_rows) * (tm - 1)) // tm))
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), num_rows)  # i32[G]
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])  # i32[G]
-    count = (ends - starts + tm - 1) // tm  # i32[G] tiles per group
-    tiles_end = jnp.cumsum(count)  # i32[G]
-    s = jnp.arange(num_tiles, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tiles_end, s, side="right"), num_groups - 1)
-    group = group.astype(jnp.int32)  # unused tiles (s >= total) land on the last group
-    first_row = starts[group] + (s - (tiles_end[group] - count[group])) * tm  # i32[S]
-    rows = first_row[:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]  # i32[S, tm]
-    used = (s < tiles_end[-1])[:, None] & (rows < ends[group][:, None])
-    rows = jnp.where(used, rows, num_rows)
-
-    r = jnp.arange(num_rows, dtype=jnp.int32)
-    g_of_r = jnp.minimum(jnp.searchsorted(ends, r, side="right"), num_groups - 1)  # i32[M]
-    local = r - starts[g_of_r]
-    slot = (tiles_end[g_of_r] - count[g_of_r] + local // tm) * tm + local % tm
-    row_slot = jnp.where(r < ends[-1], slot, -1).astype(jnp.int32)
-    return group, rows, row_slot
-
-
-def _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm):
-    """f32[M, N]: the tiled grouped matmul (``silu(gate) * up`` per tile for SwiGLU).
-
-    x [M, K] (f32, or bf16 when lhs and weights are bf16); rhs [Lyr, G, N', K] (N' = 2N for
-    SwiGLU) and rhs_scale f32[Lyr, G, Nb', Kb] or None, read at ``layer``. A loop over the
-    tiles the groups use (a traced trip count: sum_g ceil(size_g / tm)) gathers each tile's
-    rows [tm, K], slices its group's weights [N', K] out of the stack in their stored dtype
-    (FP8 dequantised to f32 after the slice, so only the weights the tiles use are
-    converted) and multiplies with fp32 accumulation; each row then picks its tile slot back.
-    One pass over a group's weights per tile: about ``M * K * N`` FLOPs and
-    (tiles x K x N) weight reads, and no [tiles, K, N] gathered copy in memory. Products of
-    bf16 values are exact in fp32, so bf16 operands give the reference's fp32 math.
-    """
-    m, k = x.shape
-    tile_group, tile_rows, row_slot = xla_tile_plan(group_sizes, m, tm)
-    num_tiles, width = tile_group.shape[0], rhs.shape[2]
-    n = width // 2 if swiglu else width
-    used = jnp.sum((jnp.minimum(group_sizes, m) + tm - 1) // tm)  # tiles holding rows
-
-    def tile(s, out):
-        g = tile_group[s]
-        w = jax.lax.dynamic_slice(rhs, (layer, g, 0, 0), (1, 1, width, k))[0, 0]  # [N', K]
-        if rhs_scale is not None:
-            sc = jax.lax.dynamic_slice(rhs_scale, (layer, g, 0, 0),
-                                       (1, 1, *rhs_scale.shape[2:]))[0, 0]  # f32[Nb', Kb]
-            sc = jnp.repeat(jnp.repeat(sc, WEIGHT_BLOCK, axis=0), WEIGHT_BLOCK, axis=1)
-            w = w.astype(jnp.float32) * sc[:width, :k]  # as dequantize_fp8_blockwise
-        w = w.astype(x.dtype)  # no-op unless f32 activations meet bf16 weights
-        xt = jnp.take(x, tile_rows[s], axis=0, mode="fill", fill_value=0)  # [tm, K]
-        y = _dot_t(xt, w, preferred_element_type=jnp.float32,
-                   precision=jax.lax.Precision.HIGHEST)  # f32[tm, N']
-        if swiglu:
-            y = jax.nn.silu(y[:, :n]) * y[:, n:]
-        return jax.lax.dynamic_update_slice(out, y, (s * tm, 0))
-
-    y = jax.lax.fori_loop(0, used, tile, jnp.zeros((num_tiles * tm, n), jnp.float32))
-    return jnp.where((row_slot >= 0)[:, None], y[jnp.maximum(row_slot, 0)], 0.0)
-
-
-def xla_gmm_impl(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype, swiglu,
-                 tm: int | None = None):
-    """The XLA path of :func:`gmm` / :func:`gmm_swiglu` with stacked ``rhs`` [Lyr, G, N, K].
-
-    Same fp32 math as the reference (activations quantised the same way with
-    ``quantize_lhs``), but only each row's own group is computed: about ``M * K * N`` FLOPs
-    plus (tiles x K x N) weight reads instead of the reference's ``G * M * K * N``.
-    """
-    m = lhs.shape[0]
-    n = rhs.shape[2] // 2 if swiglu else rhs.shape[2]
-    if m == 0:
-        return jnp.zeros((0, n), out_dtype)
-    tm = tm or xla_tile_rows(m, rhs.shape[1])  # read at trace time: a benchmark sweeps it
-    if quantize_lhs or rhs_scale is not None:
-        x = quantize_lhs_reference(lhs) if quantize_lhs else lhs.astype(jnp.float32)
-    else:  # bf16 x bf16 stays bf16 (exact products, fp32 sums); anything else in fp32
-        both_bf16 = lhs.dtype == rhs.dtype == jnp.bfloat16
-        x = lhs if both_bf16 else lhs.astype(jnp.float32)
-    return _xla_grouped(x, rhs, rhs_scale, layer, group_sizes, swiglu, tm).astype(out_dtype)
 
 
 # --------------------------------------------------------------------------- validation
@@ -449,13 +281,13 @@ def _gmm_kernel(
         x = lhs_ref[...]
         row_scale = None
         if quantize:  # this tile is exactly one 512-wide sub-channel (or all of K)
-            x, row_scale = _quantize_rows(x.astype(jnp.float32))
+            x, row_scale = quantize_rows(x.astype(jnp.float32))
         x = jnp.where(in_group, x, 0).astype(compute_dtype)  # [tm, tk]
         precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
         out_block0 = n * (tn // WEIGHT_BLOCK)
         for r, (rhs_ref, acc) in enumerate(zip(rhs_refs, acc_refs)):
             w = load_rhs(rhs_ref, out_block0 + r * up_block)  # [tn, tk]
-            y = _dot_t(x, w, preferred_element_type=jnp.float32, precision=precision)
+            y = dot_t(x, w, preferred_element_type=jnp.float32, precision=precision)
             acc[...] += y * row_scale if quantize else y
 
     @pl.when(k == num_k - 1)
