@@ -8,18 +8,14 @@ FLOPs, HBM bytes, link bytes and time beside the roofline's ideal, and the progr
 (ideal / charged). No TPU needed (libtpu compile-only):
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_compiled_roofline.py [--layers 4] [--json]
-        [--combine off,2,4,tok2,tok4] [--steps decode,prefill]
+        [--steps decode,prefill]
 
 ``--layers N`` compiles the first N layers (N / 4 trips of the layer scan; 4 is one trip and
 has no per-trip slicing of the stacked weights, which the full program pays).
-``--combine``: the MoE combines to compile side by side: ``off`` (the synchronous
-reduce-scatter kernel after all expert matmuls, the default) and M (``EPContext(
-num_microbatches=M, overlap_combine=True)``: M expert groups, each group's reduce-scatter in
-flight during the next group's matmuls) and tokM (``EPContext(num_microbatches=M,
-overlap_combine=True, overlap_split="tokens")``: M chunks of each rank's tokens, each chunk's
-reduce-scatter of its own rows in flight during the next chunk's matmuls). Each program prints its serial step time (every op
-one after another) and its overlap-aware one (async windows charged max(transfer, compute
-inside): ``compiled_roofline.py``), and ``--json`` adds both per combine.
+Each program prints its serial step time (every op one after another) and its overlap-aware
+one (async windows charged max(transfer, compute inside): ``compiled_roofline.py``), and
+``--json`` adds both. (The overlapped MoE combines this benchmark once compiled side by side
+lost at every shape and are gone: README.)
 """
 
 from __future__ import annotations
@@ -48,9 +44,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default: all 60")
     ap.add_argument("--prefill-tokens", type=int, default=1024, help="per DP rank")
     ap.add_argument("--json", action="store_true", help="also print the efficiencies as JSON")
-    ap.add_argument("--combine", default="off",
-                    help="comma-separated: off, overlapped expert-group counts M (2, 4) "
-                         "and/or token micro-batch counts tokM (tok2, tok4)")
     ap.add_argument("--steps", default="decode,prefill", help="comma-separated steps")
     ap.add_argument("--hlo-dir", default=None, help="also write each program's HLO text here")
     a = ap.parse_args()
@@ -59,39 +52,27 @@ def main() -> None:
         cfg = dataclasses.replace(cfg, num_hidden_layers=a.layers,
                                   layer_types=cfg.layer_types[:a.layers])
     mesh = make_mesh(D, topology_devices("tpu7x:2x2x1"))
-    combines = [c.strip() for c in a.combine.split(",")]
     result, steps = {}, {}
     for name, mode, T in (("decode", ForwardMode.DECODE, R),
                           ("prefill", ForwardMode.EXTEND, a.prefill_tokens)):
         if name not in a.steps.split(","):
             continue
         spec = StepSpec(mode, T, R, R, PAGES, R * PAGES, PAGE, R)
-        for combine in combines:
-            overlap, tokens = combine != "off", combine.startswith("tok")
-            start = time.perf_counter()
-            report = compile_dp_step(cfg, spec, mesh, fp8_experts=True, state_dtype=jnp.bfloat16,
-                                     num_microbatches=int(combine.removeprefix("tok"))
-                                     if overlap else 2, overlap_combine=overlap,
-                                     overlap_split="tokens" if tokens else "experts")
-            compile_s = time.perf_counter() - start
-            if a.hlo_dir:
-                Path(a.hlo_dir).mkdir(parents=True, exist_ok=True)
-                Path(a.hlo_dir, f"{name}_{combine}.hlo.txt").write_text(report.hlo)
-            b = bucket_efficiency(name, report.hlo, cfg, tokens=T, seqs=R, kv_len=PAGES * PAGE,
-                                  devices=D, device=TPU7X)
-            label = ("combine off" if not overlap else
-                     f"combine overlapped, {combine[3:]} token micro-batches" if tokens else
-                     f"combine overlapped, M = {combine}")
-            serial, overlapped = b.charged.total.seconds, b.charged.overlap_seconds
-            print(f"397B DP8 x EP8 {name}, {T} tokens per rank, {cfg.num_hidden_layers} layers, "
-                  f"{label} (compile {compile_s:.0f} s, walk "
-                  f"{time.perf_counter() - start - compile_s:.0f} s), per device:\n"
-                  + format_efficiency(b), flush=True)
-            if not overlap:
-                result[name] = round(b.efficiency, 4)
-            steps.setdefault(name, {})[combine] = {
-                "serial_ms": round(serial * 1e3, 3), "overlap_ms": round(overlapped * 1e3, 3),
-                "compile_s": round(compile_s, 1)}
+        start = time.perf_counter()
+        report = compile_dp_step(cfg, spec, mesh, fp8_experts=True, state_dtype=jnp.bfloat16)
+        compile_s = time.perf_counter() - start
+        if a.hlo_dir:
+            Path(a.hlo_dir).mkdir(parents=True, exist_ok=True)
+            Path(a.hlo_dir, f"{name}.hlo.txt").write_text(report.hlo)
+        b = bucket_efficiency(name, report.hlo, cfg, tokens=T, seqs=R, kv_len=PAGES * PAGE,
+                              devices=D, device=TPU7X)
+        serial, overlapped = b.charged.total.seconds, b.charged.overlap_seconds
+        print(f"397B DP8 x EP8 {name}, {T} tokens per rank, {cfg.num_hidden_layers} layers "
+              f"(compile {compile_s:.0f} s, walk {time.perf_counter() - start - compile_s:.0f} "
+              f"s), per device:\n" + format_efficiency(b), flush=True)
+        result[name] = round(b.efficiency, 4)
+        steps[name] = {"serial_ms": round(serial * 1e3, 3),
+                       "overlap_ms": round(overlapped * 1e3, 3), "compile_s": round(compile_s, 1)}
     if a.json:
         print(json.dumps({"program_efficiency": result, "step_ms": steps}))
 

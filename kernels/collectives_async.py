@@ -5,8 +5,10 @@ chip) and returns at once; :func:`reduce_scatter_ici_start` waits for them, redu
 the remote DMAs of stage 2 (partial sums to my die on the other chips, over ICI) and returns
 at once; :func:`reduce_scatter_done` waits for those and reduces again. Whatever the program
 runs on the TensorCore between start and ici_start overlaps the die-to-die transfer, and
-what it runs between ici_start and done overlaps the ICI transfer (in ``models/moe.py`` the
-later expert groups' matmuls). Same result and the same summation order as
+what it runs between ici_start and done overlaps the ICI transfer. (The MoE combine that
+overlapped them with the next expert group's or token chunk's matmuls measured slower than
+the synchronous kernel at every 397B shape and was removed; these kernels stay, tested, for a
+schedule that wins: README, "Overlap of the combine with the expert matmuls".) Same result and the same summation order as
 ``collectives.hierarchical_reduce_scatter`` with one micro-batch; call all three inside
 ``shard_map`` over the ("chip", "die") mesh. ``reduce_scatter_done`` given the stage-1 future
 runs ici_start itself (the two-kernel form: start ... ici_start + done).

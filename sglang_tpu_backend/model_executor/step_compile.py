@@ -90,12 +90,9 @@ def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
                     fp8_experts: bool = False, kv_dtype: Any = jnp.bfloat16,
                     state_dtype: Any = jnp.float32, impl: str = "pallas",
                     num_microbatches: int = 2, compiler_options: dict | None = None,
-                    redundant_experts: int = 0, overlap_combine: bool = False,
-                    overlap_split: str = "experts") -> CompileReport:
+                    redundant_experts: int = 0) -> CompileReport:
     """Compile the DP x EP step (``parallel/dp_forward.py``) over every device of ``mesh``.
     ``redundant_experts``: EPLB's extra physical expert slots per MoE layer (and their maps).
-    ``overlap_combine``: the MoE combine overlapped with the expert matmuls, its micro-batches
-    expert groups or token chunks (``overlap_split``; ``EPContext``).
 
     ``spec`` is per DP rank (bucket, pages and slots of one rank); the global arrays are the
     ranks' concatenation, placed as DPForward places them. Memory figures are per device. A
@@ -105,9 +102,7 @@ def compile_dp_step(cfg: ModelConfig, spec: StepSpec, mesh: Mesh, *, dtype: Any 
     from sglang_tpu_backend.parallel.dp_forward import DPForward
     from sglang_tpu_backend.parallel.mesh import EPContext
 
-    dp = DPForward(cfg, mesh, impl=impl, ep=EPContext(num_microbatches=num_microbatches,
-                                                      overlap_combine=overlap_combine,
-                                                      overlap_split=overlap_split))
+    dp = DPForward(cfg, mesh, impl=impl, ep=EPContext(num_microbatches=num_microbatches))
     D = dp.dp_size
     slots = cfg.num_experts + redundant_experts if redundant_experts else None
     shapes = param_shapes(cfg, dtype, fp8_experts=fp8_experts, num_physical_experts=slots)

@@ -25,26 +25,15 @@ class EPContext:
 
     chip_axis, die_axis: mesh axis names; the EP ranks are every (chip, die) device.
     num_microbatches: micro-batches of the hierarchical reduce-scatter (1..4).
-    overlap_combine: compute the routed experts in ``num_microbatches`` groups of the local
-      experts and overlap each group's reduce-scatter with the next group's expert matmuls
-      (``models/moe.py``); each weight is read once, but every group reduce-scatters all rows.
-    overlap_split: what ``overlap_combine`` cuts into ``num_microbatches`` micro-batches:
-      "experts" (above) or "tokens": this rank's T rows in M chunks of T/M, each chunk's MoE
-      (all-gather, routed experts, reduce-scatter of only its D*T/M rows) independent, chunk
-      m's reduce-scatter in flight during chunk m + 1's expert matmuls; the reduce-scatter
-      bytes are one step's, but every chunk reads the local expert weights again.
+
+    (The MoE combine overlapped with the expert matmuls, by expert groups or token chunks, was
+    measured slower than this synchronous combine at every 397B shape and is gone: README,
+    "Overlap of the combine with the expert matmuls".)
     """
 
     chip_axis: str = CHIP_AXIS
     die_axis: str = DIE_AXIS
     num_microbatches: int = 2
-    overlap_combine: bool = False
-    overlap_split: str = "experts"
-
-    def __post_init__(self):
-        if self.overlap_split not in ("experts", "tokens"):
-            raise ValueError(f"overlap_split must be 'experts' or 'tokens', "
-                             f"got {self.overlap_split!r}")
 
     @property
     def axes(self) -> tuple[str, str]:

@@ -16,7 +16,6 @@ own order; float addition is not associative, so the last bits may differ -> rto
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -79,8 +78,6 @@ ASYNC_CASES = [
     ("bf16", "bfloat16", 16, "int"),
     ("f32rand", "float32", 8, "rand"),
 ]
-# The expert-parallel MoE layer: tokens per device, experts (2 per device), width, top-k.
-MOE_TOKENS, MOE_EXPERTS, MOE_INTER, MOE_TOPK = 8, 32, 32, 2  # 4 experts per device
 
 
 # ------------------------------------------------------------------------------------------
@@ -176,7 +173,6 @@ def _worker(out_dir: str) -> None:
     info["race_detector_ran"] = ipc.races is not None
 
     _async_worker(run, arrays, to_numpy)
-    _moe_worker(mesh, spec, arrays)
 
     # --- ValueErrors (raised at trace time, inside shard_map) ----------------------------
     errors = {}
@@ -273,7 +269,7 @@ def _async_worker(run, arrays, to_numpy) -> None:
     def pair(a, impl):
         return ca.reduce_scatter_done(ca.reduce_scatter_start(a, impl=impl), impl=impl)
 
-    def triple(a, impl):  # start -> ici_start -> done, the overlapped combine's calls
+    def triple(a, impl):  # start -> ici_start -> done, the three phases split
         fut = ca.reduce_scatter_ici_start(ca.reduce_scatter_start(a, impl=impl), impl=impl)
         return ca.reduce_scatter_done(fut, impl=impl)
 
@@ -308,61 +304,6 @@ def _async_worker(run, arrays, to_numpy) -> None:
     arrays["async_race_detector_ran"] = np.asarray(ipc.races is not None)
     arrays["async_races_found"] = np.asarray(bool(ipc.races is not None
                                                   and ipc.races.races_found))
-
-
-def _moe_worker(mesh, spec, arrays) -> None:
-    """The expert-parallel MoE layer (models/moe.py), float32: synchronous combine and the
-    micro-batched combine overlapped with the expert matmuls, for M = 2 and 4. Without
-    shard_map's varying-axes checks, as parallel/dp_forward.py runs it."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from sglang_tpu_backend.models import moe
-    from sglang_tpu_backend.parallel.mesh import EPContext
-
-    rng = np.random.RandomState(3)
-    t, h, inter, k = MOE_TOKENS, HIDDEN, MOE_INTER, MOE_TOPK
-    experts = {  # the checkpoint's [out, in] layout, as the model stores them
-        "gate_up": (rng.standard_normal((MOE_EXPERTS, 2 * inter, h)) / h**0.5).astype(np.float32),
-        "down": (rng.standard_normal((MOE_EXPERTS, h, inter)) / inter**0.5).astype(np.float32),
-    }
-    x = rng.standard_normal((NUM_DEVICES * t, h)).astype(np.float32)
-    top_i = rng.randint(0, MOE_EXPERTS + 1, size=(NUM_DEVICES * t, k)).astype(np.int32)
-    top_w = rng.uniform(0, 1, size=(NUM_DEVICES * t, k)).astype(np.float32)
-    expert_spec = {"gate_up": P(("chip", "die")), "down": P(("chip", "die"))}
-    args = [jax.device_put(experts, {n: NamedSharding(mesh, s) for n, s in expert_spec.items()})]
-    args += [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, top_i, top_w)]
-    # Kernels' lax references only: on 8 interpreted CPU devices the routing and GMM kernels
-    # hang in the interpreter's buffer allocation (synchronous combine included).
-    for impl in ("reference",):
-        for label, ep in [("sync", EPContext(num_microbatches=2)),
-                          ("overlap2", EPContext(num_microbatches=2, overlap_combine=True)),
-                          ("overlap4", EPContext(num_microbatches=4, overlap_combine=True)),
-                          ("tok2", EPContext(num_microbatches=2, overlap_combine=True,
-                                             overlap_split="tokens")),
-                          ("tok4", EPContext(num_microbatches=4, overlap_combine=True,
-                                             overlap_split="tokens"))]:
-            body = functools.partial(moe.ep_routed_experts, impl=impl, ep=ep)
-            f = jax.jit(_shard_map(lambda e, a, i, w, body=body: body(e, a, i, w), mesh,
-                                   (expert_spec, spec, spec, spec), spec, check_vma=False))
-            arrays[f"moe_{impl}_{label}"] = np.asarray(f(*args))
-            if label != "sync":
-                jaxpr = str(jax.make_jaxpr(f)(*args))
-                arrays[f"moe_{impl}_{label}_barriers"] = np.asarray(
-                    jaxpr.count("optimization_barrier"))
-        # The layer scan's form: every layer's experts stacked [L, E, ...], read at ``layer``.
-        stacked_spec = {n: P(None, ("chip", "die")) for n in expert_spec}
-        stacked = {n: np.stack([-w, w]) for n, w in experts.items()}  # layer 1 = the experts
-        stacked = jax.device_put(stacked, {n: NamedSharding(mesh, s)
-                                           for n, s in stacked_spec.items()})
-        for label, split in (("overlap2", "experts"), ("tok2", "tokens")):
-            body = functools.partial(moe.ep_routed_experts, impl=impl, layer=1,
-                                     ep=EPContext(num_microbatches=2, overlap_combine=True,
-                                                  overlap_split=split))
-            f = jax.jit(_shard_map(lambda e, a, i, w, body=body: body(e, a, i, w), mesh,
-                                   (stacked_spec, spec, spec, spec), spec, check_vma=False))
-            arrays[f"moe_{impl}_{label}_stacked"] = np.asarray(f(stacked, *args[1:]))
 
 
 # ------------------------------------------------------------------------------------------
@@ -469,40 +410,6 @@ def test_async_reduce_scatter_kernel_has_no_races(results):
     assert not bool(arrays["async_races_found"])
     np.testing.assert_array_equal(arrays["async_race_got"],
                                   _naive_reduce_scatter(arrays["async_race_x"]))
-
-
-@pytest.mark.parametrize("label", ["overlap2", "overlap4", "overlap2_stacked"])
-def test_moe_overlapped_combine_equals_synchronous(results, label):
-    arrays, _ = results
-    impl = "reference"
-    sync, got = arrays[f"moe_{impl}_sync"], arrays[f"moe_{impl}_{label}"]
-    assert got.shape == sync.shape == (NUM_DEVICES * MOE_TOKENS, HIDDEN)
-    assert np.abs(sync).max() > 0.1  # routed rows reach every rank
-    # Each expert group's partial sums are reduce-scattered on their own and added after:
-    # the same terms as the synchronous combine, summed in another order.
-    np.testing.assert_allclose(got, sync, rtol=1e-5, atol=1e-6)
-    assert not np.array_equal(got, np.zeros_like(got))
-    # Per group after the first: start(m-1) -> gate_up(m) -> ici_start(m-1) -> down(m) ->
-    # done(m-1): 4 barriers.
-    m = 2 if label.startswith("overlap2") else 4
-    assert int(arrays[f"moe_{impl}_overlap{m}_barriers"]) == 4 * (m - 1)
-
-
-@pytest.mark.parametrize("label", ["tok2", "tok4", "tok2_stacked"])
-def test_moe_token_split_combine_equals_synchronous(results, label):
-    """Token micro-batches (``overlap_split="tokens"``): each chunk of every rank's rows is
-    all-gathered, computed and reduce-scattered on its own; every output row is the same sum
-    of the same terms as in the synchronous combine."""
-    arrays, _ = results
-    impl = "reference"
-    sync, got = arrays[f"moe_{impl}_sync"], arrays[f"moe_{impl}_{label}"]
-    assert got.shape == sync.shape == (NUM_DEVICES * MOE_TOKENS, HIDDEN)
-    assert np.abs(sync).max() > 0.1
-    np.testing.assert_array_equal(got, sync)
-    # Per chunk after the first: start(m-1) -> gate_up(m) -> ici_start(m-1) -> down(m) ->
-    # done(m-1): 4 barriers.
-    m = int(label[3])
-    assert int(arrays[f"moe_{impl}_tok{m}_barriers"]) == 4 * (m - 1)
 
 
 ERROR_KEYS = [
