@@ -203,20 +203,13 @@ class SingleDeviceBackend(StepBackend):
         return jax.device_put((counts, prompt_mask, last_tokens), self.device)
 
     def forward(self, params, cache, batches, from_slot=None, last_tokens=None):
-        from sglang_tpu_backend.model_executor.sampler_state import resolve_input_ids
-
+        if from_slot is not None:
+            raise ValueError("in-flight input ids are resolved as the batch is placed "
+                             "(ModelRunner.place_batch), not here")
         (fb,) = batches
-        fb = resolve_input_ids(fb, from_slot, last_tokens)
         return self._split(self.forward_fn(params, cache, fb, cfg=self.cfg, impl=self.impl,
                                            with_stats=self.with_stats,
                                            batch_invariant=self.batch_invariant))
-
-    def lower_forward(self, params, cache, fb):
-        """The forward of ``fb``'s bucket lowered as ``forward`` would run it (device arrays,
-        input ids already resolved), for compiling ahead of the call (``warmup.py``)."""
-        return self.forward_fn.lower(params, cache, fb, cfg=self.cfg, impl=self.impl,
-                                     with_stats=self.with_stats,
-                                     batch_invariant=self.batch_invariant)
 
     def verify(self, params, cache, batches):
         from sglang_tpu_backend.model_executor.verify import forward_verify_jit

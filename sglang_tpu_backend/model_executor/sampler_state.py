@@ -6,7 +6,7 @@ row ``r * num_state_slots + s``):
   prompt_mask  bool[S, V]  the tokens of the prompt (repetition penalty)
   last_tokens  i32[S]      the token each slot's request sampled last (overlap scheduling: a
                            decode launched before that token reaches the host reads its input
-                           here, ``resolve_input_ids``)
+                           here: ``unpack_batch_jit`` resolves its input id as the step's batch is unpacked)
 The sampler compiles per R, per static top-logprob count (0 or max_top_logprobs_num) and per
 ``sampling.sampler.VARIANTS`` entry (greedy / plain draws / full: filters, penalties or a
 grammar bitmask); ``sampler_variant`` picks a step's variant from what its rows ask for.
@@ -46,13 +46,12 @@ def _record_tokens(last_tokens, slot, tokens, valid):
     return last_tokens.at[where].set(tokens.astype(last_tokens.dtype), mode="drop")
 
 
-_resolve_input_ids_jit = jax.jit(_resolve_input_ids)
 _record_tokens_jit = jax.jit(_record_tokens, donate_argnums=(0,))
 
 
 def _unpack_batch(buf, last_tokens, layout: host_inputs.PackLayout) -> ForwardBatch:
     """The (ForwardBatch, from_slot) packed in ``buf`` (``host_inputs``), its input ids
-    resolved from ``last_tokens`` (``resolve_input_ids``): one program."""
+    resolved from ``last_tokens`` (``_resolve_input_ids``): one program."""
     fb, from_slot = host_inputs.unpack_tree(buf, layout)
     return dataclasses.replace(fb, input_ids=_resolve_input_ids(fb.input_ids, from_slot,
                                                                 last_tokens))
@@ -78,16 +77,6 @@ def _sample_packed(logits, counts, prompt_mask, last_tokens, buf, *, layout, num
 _sample_packed_jit = jax.jit(_sample_packed,
                              static_argnames=("layout", "num_top_logprobs", "variant"),
                              donate_argnames=("counts", "last_tokens"))
-
-
-def resolve_input_ids(fb: ForwardBatch, from_slot: np.ndarray | None, last_tokens: jax.Array
-                      ) -> ForwardBatch:
-    """``fb`` with its input ids read on the device: row t takes ``last_tokens[from_slot[t]]``
-    where ``from_slot`` i32[T] is >= 0 (None: no row does)."""
-    if from_slot is None:  # (one device: ``unpack_batch_jit`` resolved them)
-        return fb
-    return dataclasses.replace(fb, input_ids=_resolve_input_ids_jit(fb.input_ids, from_slot,
-                                                                    last_tokens))
 
 
 def sampler_variant(chunks: Sequence[ScheduledChunk]) -> sampler.SamplerVariant:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,7 +29,6 @@ from sglang_tpu_backend.model_executor.verify_step import dummy_verify_inputs
 
 
 logger = logging.getLogger(__name__)
-PARALLEL_COMPILE = os.environ.get("STB_PARALLEL_COMPILE", "1") == "1"  # precompile_forwards
 
 
 def dummy_batch(kind: ForwardMode, T: int, R: int, L: int, pages_per_seq: int) -> ForwardBatch:
@@ -41,30 +39,6 @@ def dummy_batch(kind: ForwardMode, T: int, R: int, L: int, pages_per_seq: int) -
         page_table=np.zeros((R, pages_per_seq), np.int32), state_slots=np.zeros(R, np.int32),
         num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(L, np.int32), mode=kind,
     )
-
-
-def precompile_forwards(runner: Any, shapes) -> int:
-    """Compile the forward of every non-verify bucket at once, one thread each, into the
-    persistent compilation cache; the warm-up's own calls then load them from it. Lowering
-    (tracing) holds the GIL and runs here one bucket after another; XLA's compiles release it
-    and run side by side, as many as the host has cores. One device, the persistent cache on
-    and no NEXTN only (else nothing: the warm-up compiles one program after another). Returns
-    how many were compiled."""
-    from sglang_tpu_backend.model_executor.backends import SingleDeviceBackend
-
-    if (not isinstance(runner.backend, SingleDeviceBackend) or runner.nextn is not None
-            or not jax.config.jax_compilation_cache_dir):
-        return 0
-    lowered = []
-    for kind, T, R, L in shapes:
-        if kind.is_verify():
-            continue
-        (fb,), _ = runner.place_batch([dummy_batch(kind, T, R, L, runner.pages_per_seq)], None)
-        lowered.append(runner.backend.lower_forward(runner.params, runner.cache, fb))
-    workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))  # (compile memory)
-    with ThreadPoolExecutor(workers, thread_name_prefix="warmup-compile") as pool:
-        list(pool.map(lambda low: low.compile(), lowered))
-    return len(lowered)
 
 
 def warm_up(runner: Any, progress: bool = True) -> float:
@@ -79,8 +53,6 @@ def warm_up(runner: Any, progress: bool = True) -> float:
 
     shapes = runner.all_shapes()
     t0 = time.perf_counter()
-    if PARALLEL_COMPILE:
-        precompile_forwards(runner, shapes)
     D, state = runner.dp_size, runner.sampler
     scratch = [jnp.copy(state.counts), jnp.copy(state.last_tokens)]
 
