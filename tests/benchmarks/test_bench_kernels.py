@@ -1,0 +1,92 @@
+"""benchmarks/bench_kernels.py on the smoke preset (kernels in interpret mode on the CPU): a few
+cases of each kind, the JSON and markdown outputs, one cost checked by hand, and a peer that
+raises recorded as an error instead of ending the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ONLY = ["attention/decode-4x64-bf16", "gmm/down-bf16-decode", "gdn/decode-4-f32",
+        "routing/reduce-decode", "collectives/packed"]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_kernels",
+                                                  REPO / "benchmarks" / "bench_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_kernels"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_smoke_run_rows_costs_json_and_failing_peer(tmp_path, monkeypatch, capsys):
+    bench = load_bench()
+    real_routing_case = bench.routing_case
+
+    def with_failing_peer(*a, **k):  # inject a peer that raises when it is called
+        setup = real_routing_case(*a, **k)
+
+        def boom(*args):
+            raise RuntimeError("injected peer failure\nsecond line")
+
+        setup.peers.append(bench.Impl("boom", boom, setup.ours.make_args))
+        return setup
+
+    monkeypatch.setattr(bench, "routing_case", with_failing_peer)
+    out_json, out_md = tmp_path / "k.json", tmp_path / "k.md"
+    argv = ["--preset", "smoke", "--interpret", "--warmup", "1", "--iters", "2",
+            "--json-out", str(out_json), "--markdown-out", str(out_md)]
+    for s in ONLY:
+        argv += ["--only", s]
+    result = bench.main(argv)
+
+    data = json.loads(out_json.read_text())
+    for field in ("device_kind", "jax_version", "preset", "timestamp", "rows", "impl"):
+        assert field in data
+    assert data["preset"] == "smoke"
+    rows = {r["name"]: r for r in data["rows"]}
+    assert len(rows) == len(ONLY) == len(result["rows"])
+    for name, r in rows.items():
+        if name.startswith("collectives/"):
+            assert "skipped" in r
+            continue
+        assert r["ours"]["time_ms"] > 0 and r["ours"]["min_ms"] > 0, r
+        assert r["bytes"] > 0 and r["flops"] > 0, r
+        assert r["peers"], r
+        ok = [pe for pe in r["peers"] if "error" not in pe]
+        assert ok and all(pe["time_ms"] > 0 and "max_abs_diff_vs_peer" in pe for pe in ok), r
+
+    # Hand-checked cost: 4 decode requests at context 64; Hq 4, Hkv 2, D 128, page 16, bf16.
+    # q in + o out 2*4*4*128*2 = 8,192; K and V rows 4*64 tokens * 4 heads * 128 * 2 = 262,144;
+    # metadata i32: kv_lens 4 + page table 4*4 + cu_q_lens 5 + num_seqs 1 = 26 -> 104 bytes.
+    # flops: 4 * Hq * D * keys = 4 * 4 * 128 * (4 * 64) = 524,288.
+    attn = rows["attention/decode-4x64-bf16"]
+    assert attn["bytes"] == 8192 + 262144 + 104
+    assert attn["flops"] == 4 * 4 * 128 * 4 * 64
+    assert any(pe["name"] == "ours-xla" and pe["max_abs_diff_vs_peer"] < 0.05
+               for pe in attn["peers"])
+
+    # The injected peer is an error row; the other peer of that case still ran.
+    red = rows["routing/reduce-decode"]
+    boom = [pe for pe in red["peers"] if pe["name"] == "boom"]
+    assert boom and boom[0]["error"] == "RuntimeError: injected peer failure"
+    assert any(pe["name"] == "xla-reference" and pe["time_ms"] > 0 for pe in red["peers"])
+
+    md = out_md.read_text()
+    assert "| case |" in md and "attention/decode-4x64-bf16" in md
+    printed = capsys.readouterr().out
+    assert "speed-up" in printed and "gmm/down-bf16-decode-gathered" in printed
+
+
+def test_list_names_every_kind():
+    bench = load_bench()
+    names = bench.main(["--preset", "397b", "--list"])["cases"]
+    for part in ("attention/decode-64x2048-bf16", "attention/decode-64x8192-fp8",
+                 "attention/kv-write", "gmm/gate_up-fp8-prefill-packed",
+                 "gmm/down-bf16-prefill-gathered", "gdn/decode-64-bf16-state",
+                 "gdn/prefill-4x1024", "routing/gather-prefill", "collectives/"):
+        assert any(part in n for n in names), part
