@@ -364,15 +364,27 @@ def kv_write_case(p: Preset, impl: str, blocks: dict) -> Setup:
 # ---- GMM
 
 
-def moe_layout(p: Preset, tokens: int, seed: int):
-    """Group sizes of the local experts of EP rank 0 from a seeded top-k draw over all experts
-    (skewed logits, so the groups are uneven): (group_sizes i32[E_local], local rows)."""
+def moe_draw(p: Preset, tokens: int, seed: int):
+    """A seeded top-k draw of ``tokens`` gathered tokens over all experts (mildly skewed
+    logits, so the groups are uneven), seen from the EP rank whose local row count is closest
+    to the balanced tokens * K / devices. Returns route_metadata's (token_idx i32[T*K],
+    group_sizes i32[E_local], rows i32[T, K]) for that rank and its local row count."""
     k1, k2 = jax.random.split(_key(seed))
-    bias = 1.5 * jax.random.normal(k1, (p.experts,))
-    logits = jax.random.normal(k2, (tokens, p.experts)) + bias
-    top = jax.lax.top_k(logits, p.top_k)[1]
-    _, sizes, _ = routing.route_metadata(top.astype(jnp.int32), p.local_experts)
-    return sizes, int(jnp.sum(sizes))
+    bias = 0.5 * jax.random.normal(k1, (p.experts,))
+    top = jax.lax.top_k(jax.random.normal(k2, (tokens, p.experts)) + bias, p.top_k)[1]
+    top = top.astype(jnp.int32)
+    target = tokens * p.top_k / p.devices
+    counts = [int(jnp.sum((top >= r * p.local_experts) & (top < (r + 1) * p.local_experts)))
+              for r in range(p.devices)]
+    rank = min(range(p.devices), key=lambda r: abs(counts[r] - target))
+    meta = routing.route_metadata(top, p.local_experts, expert_offset=rank * p.local_experts)
+    return meta, counts[rank]
+
+
+def moe_layout(p: Preset, tokens: int, seed: int):
+    """(group_sizes i32[E_local], local rows) of :func:`moe_draw`."""
+    (_, sizes, _), local = moe_draw(p, tokens, seed)
+    return sizes, local
 
 
 def _gmm_weights(p: Preset, swiglu: bool, fp8: bool, seed: int):
@@ -431,8 +443,9 @@ def gmm_case(p: Preset, swiglu: bool, fp8: bool, phase: str, layout: str, impl: 
         y = jax.lax.ragged_dot_general(x, dense(w, s), sizes, dn, preferred_element_type=BF16)
         return _swiglu(y) if swiglu else y
 
-    peers = [Impl("jax-megablox" + ("+swiglu" if swiglu else ""), megablox, args),
-             Impl("xla-ragged_dot" + ("+swiglu" if swiglu else ""), ragged, args),
+    tag = ("(dequant)" if fp8 else "") + ("+swiglu" if swiglu else "")
+    peers = [Impl("jax-megablox" + tag, megablox, args),
+             Impl("xla-ragged_dot" + tag, ragged, args),
              Impl("ours-xla", ours("xla"), args)]
     cost = (gmm.gmm_swiglu_cost if swiglu else gmm.gmm_cost)(
         local, k_in, n_out, p.local_experts, rhs_itemsize=1 if fp8 else 2)
@@ -505,11 +518,7 @@ def routing_case(p: Preset, op: str, phase: str, impl: str, blocks: dict) -> Set
     """The EP step's data movers at its row counts: ``gather`` of the local rows of all ranks'
     T*K assignments (num_rows = local), ``reduce`` of those rows back to the T tokens."""
     tokens = p.moe_decode_tokens if phase == "decode" else p.moe_prefill_tokens
-    k1, k2 = jax.random.split(_key(31 if phase == "decode" else 32))
-    bias = 1.5 * jax.random.normal(k1, (p.experts,))
-    top = jax.lax.top_k(jax.random.normal(k2, (tokens, p.experts)) + bias, p.top_k)[1]
-    token_idx, sizes, rows = routing.route_metadata(top.astype(jnp.int32), p.local_experts)
-    local = int(jnp.sum(sizes))
+    (token_idx, _, rows), local = moe_draw(p, tokens, 7 if phase == "decode" else 8)
     m, h = tokens * p.top_k, p.hidden
     over = _block(blocks, "routing")
     bs = routing.RoutingBlockSizes(**over) if over else None
@@ -788,9 +797,14 @@ def parse_args(argv=None):
 
 
 def hardware(measure_cpu: bool):
+    """Peaks for the roofline columns: the TPU generation's, or None (n/a) where unknown."""
     dev = jax.devices()[0]
     if dev.platform == "tpu":
-        return roofline.hardware_for(dev.device_kind)
+        try:
+            return roofline.hardware_for(dev.device_kind)
+        except ValueError as e:
+            print(f"roofline n/a: {e}", file=sys.stderr)
+            return None
     return roofline.measure_cpu() if measure_cpu else None
 
 
