@@ -154,6 +154,7 @@ class Impl:
     make_args: Callable[[], tuple]
     donate: dict[int, int] = dataclasses.field(default_factory=dict)
     out: Callable = lambda o: o
+    note: str | None = None  # how the peer differs from ours (recorded in the JSON)
 
 
 @dataclasses.dataclass
@@ -202,13 +203,15 @@ class AttnBatch:
 def attention_cost(p: Preset, batch: AttnBatch, kv_itemsize: int, scales: bool):
     """Bytes = q in + o out (bf16) + every request's K and V rows read once (kv_len rows of
     2*Hkv heads x D, + a f32 scale per row with an FP8 cache) + metadata (i32: kv_lens,
-    page table, cu_q_lens, num_seqs); FLOPs = 4 Hq D x (keys each query sees, causal)."""
+    page table, cu_q_lens, num_seqs, layer); FLOPs = 4 Hq D x (keys each query sees, causal).
+    Equal to ``ragged_paged_attention_cost`` (an upper bound from shapes) for decode rows
+    whose contexts fill their page-table rows; exact (causal, ragged) otherwise."""
     tokens = sum(batch.q_lens)
     row = p.head_dim * kv_itemsize + (4 if scales else 0)
     pages = max(-(-k // p.page) for k in batch.kv_lens)
     r = len(batch.q_lens)
     nbytes = (2 * tokens * p.q_heads * p.head_dim * 2 + sum(batch.kv_lens) * 2 * p.kv_heads * row
-              + 4 * (r * (pages + 2) + 2))
+              + 4 * (r * (pages + 2) + 3))
     seen = sum(sum(k - q + i + 1 for i in range(q)) for q, k in zip(batch.q_lens, batch.kv_lens))
     return nbytes, 4 * p.q_heads * p.head_dim * seen
 
@@ -279,20 +282,22 @@ def attention_case(p: Preset, batch: AttnBatch, kv_dtype, impl: str, blocks: dic
         q, kv, _ = arrays()
         return (q, jnp.transpose(kv[0], (0, 2, 1, 3)), *meta)
 
-    peers = [Impl("jax-rpa", bundled_rpa, rpa_args)]
+    peers = [Impl("jax-rpa", bundled_rpa, rpa_args, note=(
+        "FP8 pages with one scale per tensor (1.0): the rows' own scales are ours only, so "
+        "the outputs differ by them" if fp8 else None))]
     if all(x == 1 for x in batch.q_lens):  # bundled paged_attention: decode only
-        peers.append(_paged_attention_peer(p, arrays, meta, interp, blocks))
+        peers.append(_paged_attention_peer(p, arrays, meta, interp, blocks, fp8))
     peers.append(Impl("ours-xla", ours("xla"), args))
     nbytes, flops = attention_cost(p, batch, jnp.dtype(kv_dtype).itemsize, fp8)
     pages = meta[1].size
     shapes = (f"q [{tokens}, {p.q_heads}, {p.head_dim}], kv [1, {pages}, {2 * p.kv_heads}, "
               f"{p.page}, {p.head_dim}] {jnp.dtype(kv_dtype).name}, {len(batch.q_lens)} requests")
     return Setup(Impl("ours", ours(impl), args), peers, nbytes, flops,
-                 "2*T*Hq*D*2 + sum(kv_len)*2*Hkv*(D*kv_bytes [+4]) + 4*(R*(P+2)+2); "
+                 "2*T*Hq*D*2 + sum(kv_len)*2*Hkv*(D*kv_bytes [+4]) + 4*(R*(P+2)+3); "
                  "flops 4*Hq*D*sum(causal keys)", shapes)
 
 
-def _paged_attention_peer(p, arrays, meta, interp, blocks):
+def _paged_attention_peer(p, arrays, meta, interp, blocks, scales_fp8: bool):
     """Bundled paged_attention: q [B, Hq, D] (pre-scaled: it has no sm_scale), k / v pages
     [Hkv, N, S, D]; FP8 pages go in as its QuantizedTensor with scales * 127.5 (it
     dequantises as x * s / 127.5)."""
@@ -321,7 +326,9 @@ def _paged_attention_peer(p, arrays, meta, interp, blocks):
                              pages_per_compute_block=ppb)
         return o.astype(q.dtype)
 
-    return Impl("jax-paged_attention", fn, make)
+    return Impl("jax-paged_attention", fn, make, note="q scaled by D^-0.5 in the jit" + (
+        "; FP8 pages as its QuantizedTensor, scales broadcast to [Hkv, N, S, D] f32" if
+        scales_fp8 else ""))
 
 
 def _maybe_interpret(interp: bool, fn, *args, **kw):
@@ -354,7 +361,7 @@ def kv_write_case(p: Preset, impl: str, blocks: dict) -> Setup:
         return rpa.write_new_kv(kv, k, v, *m)
 
     window = rpa.write_window_rows(BF16, p.page)
-    nbytes = 2 * r * 2 * p.kv_heads * p.head_dim * 2 + 4 * (r * (pps + 2) + 2)
+    nbytes = 2 * r * 2 * p.kv_heads * p.head_dim * 2 + 4 * (r * (pps + 2) + 3)
     return Setup(Impl("ours", ours, make, {0: 0}), [Impl("xla-scatter", xla, make, {0: 0})],
                  nbytes, 0, "new K,V in (R*2*Hkv*D*2) + the same rows written + metadata "
                  f"(the kernel moves whole {window}-row windows: read + write)",
@@ -444,8 +451,9 @@ def gmm_case(p: Preset, swiglu: bool, fp8: bool, phase: str, layout: str, impl: 
         return _swiglu(y) if swiglu else y
 
     tag = ("(dequant)" if fp8 else "") + ("+swiglu" if swiglu else "")
-    peers = [Impl("jax-megablox" + tag, megablox, args),
-             Impl("xla-ragged_dot" + tag, ragged, args),
+    note = "dequantises the FP8 weights to bf16 inside the jit" if fp8 else None
+    peers = [Impl("jax-megablox" + tag, megablox, args, note=note),
+             Impl("xla-ragged_dot" + tag, ragged, args, note=note),
              Impl("ours-xla", ours("xla"), args)]
     cost = (gmm.gmm_swiglu_cost if swiglu else gmm.gmm_cost)(
         local, k_in, n_out, p.local_experts, rhs_itemsize=1 if fp8 else 2)
@@ -561,14 +569,15 @@ def cases(p: Preset) -> list[Case]:
     mixed = AttnBatch((1,) * p.mixed_decode + (p.prefill_new,),
                       (c2,) * p.mixed_decode + (p.prefill_cached + p.prefill_new,))
     fp8 = jnp.float8_e4m3fn
+    attn = lambda batch, dtype: (  # noqa: E731
+        lambda p, i, b: attention_case(p, batch, dtype, i, b))
     out = [
-        Case(f"attention/decode-{d}x{c2}-bf16", lambda p, i, b: attention_case(p, dec(c2), BF16, i, b)),
-        Case(f"attention/decode-{d}x{c8}-bf16", lambda p, i, b: attention_case(p, dec(c8), BF16, i, b)),
-        Case(f"attention/decode-{d}x{c8}-fp8", lambda p, i, b: attention_case(p, dec(c8), fp8, i, b)),
+        Case(f"attention/decode-{d}x{c2}-bf16", attn(dec(c2), BF16)),
+        Case(f"attention/decode-{d}x{c8}-bf16", attn(dec(c8), BF16)),
+        Case(f"attention/decode-{d}x{c8}-fp8", attn(dec(c8), fp8)),
         Case(f"attention/prefill-{p.prefill_reqs}x{p.prefill_new}on{p.prefill_cached}-bf16",
-             lambda p, i, b: attention_case(p, pre, BF16, i, b)),
-        Case(f"attention/mixed-{p.mixed_decode}dec+1x{p.prefill_new}-bf16",
-             lambda p, i, b: attention_case(p, mixed, BF16, i, b)),
+             attn(pre, BF16)),
+        Case(f"attention/mixed-{p.mixed_decode}dec+1x{p.prefill_new}-bf16", attn(mixed, BF16)),
         Case(f"attention/kv-write-{d}x{c2}", kv_write_case),
     ]
     for w in ("bf16", "fp8"):
@@ -667,6 +676,8 @@ def run_case(case: Case, p: Preset, impl: str, args, hw) -> dict:
 
 def _run_peer(peer: Impl, s: Setup, row: dict, ours_out, args, hw) -> dict:
     out: dict[str, Any] = {"name": peer.name}
+    if peer.note:
+        out["note"] = peer.note
     try:
         ms, mn, peer_out = time_call(peer, args.warmup, args.iters)
     except Exception as e:
@@ -693,7 +704,7 @@ def _fmt(x, spec):
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
     """One line per (case, peer): name, ours ms, GB/s, TFLOP/s, % roofline, peer, peer ms,
-    peer % roofline, speed-up (peer_ms / ours_ms), max |ours - peer|."""
+    peer % roofline, speed-up (peer_ms / ours_ms), max abs diff (ours vs peer)."""
     lines = []
     for r in rows:
         if "skipped" in r or "error" in r:
@@ -706,7 +717,8 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
         else:
             frac = o.get("fraction_of_roofline")
             ours = [_fmt(o["time_ms"], ".3f"), _fmt(o["gb_per_s"], ".4g"),
-                    _fmt(o["tflop_per_s"], ".4g"), _fmt(None if frac is None else 100 * frac, ".1f")]
+                    _fmt(o["tflop_per_s"], ".4g"),
+                    _fmt(None if frac is None else 100 * frac, ".1f")]
         for pe in r["peers"] or [{"name": ""}]:
             if "error" in pe:
                 peer = [pe["name"], "error: " + pe["error"][:50], "", "", ""]
@@ -720,7 +732,7 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
 
 
 HEADER = ["case", "ours ms", "GB/s", "TFLOP/s", "% roof", "peer", "peer ms", "peer % roof",
-          "speed-up", "max|diff|"]
+          "speed-up", "max abs diff"]
 
 
 def print_table(rows: list[dict]) -> None:

@@ -62,11 +62,15 @@ def test_smoke_run_rows_costs_json_and_failing_peer(tmp_path, monkeypatch, capsy
 
     # Hand-checked cost: 4 decode requests at context 64; Hq 4, Hkv 2, D 128, page 16, bf16.
     # q in + o out 2*4*4*128*2 = 8,192; K and V rows 4*64 tokens * 4 heads * 128 * 2 = 262,144;
-    # metadata i32: kv_lens 4 + page table 4*4 + cu_q_lens 5 + num_seqs 1 = 26 -> 104 bytes.
+    # metadata i32: kv_lens 4 + page table 4*4 + cu_q_lens 5 + num_seqs 1 + layer 1 = 27 -> 108.
     # flops: 4 * Hq * D * keys = 4 * 4 * 128 * (4 * 64) = 524,288.
     attn = rows["attention/decode-4x64-bf16"]
-    assert attn["bytes"] == 8192 + 262144 + 104
+    assert attn["bytes"] == 8192 + 262144 + 108
     assert attn["flops"] == 4 * 4 * 128 * 4 * 64
+    # ... which is the kernel's own cost model at these shapes (full pages, one token each)
+    from sglang_tpu_backend.kernels.ragged_paged_attention import ragged_paged_attention_cost
+    helper = ragged_paged_attention_cost((4, 4, 128), (1, 16, 4, 16, 128), (4, 4))
+    assert (attn["bytes"], attn["flops"]) == (helper.bytes_accessed, helper.flops)
     assert any(pe["name"] == "ours-xla" and pe["max_abs_diff_vs_peer"] < 0.05
                for pe in attn["peers"])
 
