@@ -15,8 +15,9 @@ Without a TPU, ``--compile-only v5e:2x2`` lowers and compiles each of our cases 
 topology with libtpu (``kernels/tpu_compile.py``) and prints OK or the error, the
 memory_analysis() and the Mosaic kernels' VMEM; nothing runs.
 
-Each case is timed by :func:`time_call`: one jitted call on fixed inputs, ``--warmup`` calls,
-then ``--iters`` calls each followed by ``block_until_ready``; median and min in ms. Inputs
+Each case is timed by :func:`time_call`: one jitted call on fixed inputs, ``--warmup`` calls
+(the first compiles), then ``--iters`` calls each followed by ``block_until_ready``; median
+and min in ms (an implementation that would take over ``--budget-s`` gets fewer calls). Inputs
 that a kernel updates in place (the K/V write's cache, GDN's states) are donated and the
 output fed back as the next input, so no call copies them.
 
@@ -608,31 +609,37 @@ def cases(p: Preset) -> list[Case]:
 # ----------------------------------------------------------------------------- timing
 
 
-def time_call(impl: Impl, warmup: int, iters: int):
-    """(median ms, min ms, compared output of the first call) of ``impl`` on fixed inputs."""
+def time_call(impl: Impl, warmup: int, iters: int, budget_s: float = float("inf")):
+    """(median ms, min ms, timed calls, compared output of the first call) of ``impl`` on
+    fixed inputs. The first call compiles; when a warm call shows that the remaining warm-ups
+    and ``iters`` calls would take more than ``budget_s``, the warm-ups stop and the timed
+    calls are cut to fit (at least one), so a very slow peer cannot eat the chip's time."""
     f = jax.jit(impl.fn, donate_argnums=tuple(impl.donate))
     args = list(impl.make_args())
     first = None
 
-    def call():
+    def call() -> float:
         nonlocal first
+        t0 = time.perf_counter()
         out = f(*args)
         jax.block_until_ready(out)
+        ms = (time.perf_counter() - t0) * 1e3
         for a, o in impl.donate.items():  # a single output replaces its one donated input
             args[a] = out[o] if isinstance(out, (tuple, list)) else out
         if first is None:
             first = np.asarray(impl.out(out).astype(jnp.float32))
-        return out
+        return ms
 
-    for _ in range(max(warmup, 1)):
-        call()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e3)
+    call()  # compiles
+    for i in range(1, warmup):
+        ms = call()
+        if ms * (warmup - 1 - i + iters) > 1e3 * budget_s:
+            break
+    times = [call()]
+    n = iters if times[0] * iters <= 1e3 * budget_s else max(1, int(1e3 * budget_s // times[0]))
+    times += [call() for _ in range(n - 1)]
     del args
-    return statistics.median(times), min(times), first
+    return statistics.median(times), min(times), len(times), first
 
 
 def _first_line(e: BaseException) -> str:
@@ -662,10 +669,10 @@ def run_case(case: Case, p: Preset, impl: str, args, hw) -> dict:
     row.update(shapes=s.shapes, formula=s.formula, bytes=int(s.bytes), flops=int(s.flops))
     ours_out = None
     try:
-        ms, mn, ours_out = time_call(s.ours, args.warmup, args.iters)
+        ms, mn, n, ours_out = time_call(s.ours, args.warmup, args.iters, args.budget_s)
         gbps, tf, roof, frac = _rates(s.bytes, s.flops, ms, hw)
-        row["ours"] = dict(impl=impl, time_ms=ms, min_ms=mn, gb_per_s=gbps, tflop_per_s=tf,
-                           roofline_ms=roof, fraction_of_roofline=frac)
+        row["ours"] = dict(impl=impl, time_ms=ms, min_ms=mn, iters=n, gb_per_s=gbps,
+                           tflop_per_s=tf, roofline_ms=roof, fraction_of_roofline=frac)
     except Exception as e:
         row["ours"] = dict(impl=impl, error=_first_line(e))
     row["peers"] = [_run_peer(peer, s, row, ours_out, args, hw) for peer in s.peers]
@@ -679,12 +686,12 @@ def _run_peer(peer: Impl, s: Setup, row: dict, ours_out, args, hw) -> dict:
     if peer.note:
         out["note"] = peer.note
     try:
-        ms, mn, peer_out = time_call(peer, args.warmup, args.iters)
+        ms, mn, n, peer_out = time_call(peer, args.warmup, args.iters, args.budget_s)
     except Exception as e:
         out["error"] = _first_line(e)
         return out
     _, _, _, frac = _rates(s.bytes, s.flops, ms, hw)
-    out.update(time_ms=ms, min_ms=mn, fraction_of_roofline=frac)
+    out.update(time_ms=ms, min_ms=mn, iters=n, fraction_of_roofline=frac)
     ours_ms = row.get("ours", {}).get("time_ms")
     if ours_ms:
         out["speedup"] = ms / ours_ms
@@ -793,6 +800,9 @@ def parse_args(argv=None):
                     help='our kernels with impl="interpret", bundled ones in interpret mode')
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=30.0,
+                    help="seconds of timed calls per implementation; a slower one gets fewer "
+                         "calls (its JSON 'iters' says how many)")
     ap.add_argument("--block-sizes", type=json.loads, default={},
                     help='JSON per kernel: {"attention": {"kv_pages_per_block": 4}, "gmm": '
                          '{"tm": 256}, "gdn": {"k_heads_per_block": 2}, "routing": {...}, '
