@@ -850,16 +850,22 @@ def main(argv=None) -> dict:
         meta.update(impl=impl, warmup=args.warmup, iters=args.iters,
                     hardware=None if hw is None else dataclasses.asdict(hw))
         rows = []
-        for case in selected:
+        for case in selected:  # saved after every case: a run cut short keeps what it timed
             print(f"... {case.name}", file=sys.stderr, flush=True)
             rows.append(run_case(case, p, impl, args, hw))
+            result = dict(meta, rows=rows)
+            _save(result, args)
         result = dict(meta, rows=rows)
         print_table(rows)
-        if args.markdown_out:
-            Path(args.markdown_out).write_text(markdown(rows, meta))
+    _save(result, args)
+    return result
+
+
+def _save(result: dict, args) -> None:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1, default=str))
-    return result
+    if args.markdown_out and "rows" in result:
+        Path(args.markdown_out).write_text(markdown(result["rows"], result))
 
 
 if __name__ == "__main__":
