@@ -470,10 +470,11 @@ class RemoteEngine:
                                          abort_all_requests: bool = False) -> dict:
         """The engine's update from checkpoint-named arrays (``{name: numpy array}`` or
         pairs) on every engine replica (``_update_every_replica``). The arrays go into Ray's
-        object store once (``ray.put``) and every replica reads that copy; outside a Ray
-        worker (tests over in-process replicas) the dict itself is passed."""
+        object store once (``ray.put``, off the event loop) and every replica reads that copy
+        (``EngineServer.update_weights_from_tensor``); outside a Ray worker (tests over
+        in-process replicas) the dict itself is passed."""
         named = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        payload = ray.put(named) if ray.is_initialized() else named
+        payload = await asyncio.to_thread(ray.put, named) if ray.is_initialized() else named
         return await self._update_every_replica(
             "update_weights_from_tensor", payload, load_format=load_format,
             flush_cache=flush_cache, weight_version=weight_version,
