@@ -17,7 +17,9 @@ tokens of before; release -> generate is a 503 naming the release -> resume -> t
 tokens; an update from tensors (``lm_head`` rows reversed) changes the greedy output, both
 replicas report its weight version (asked through the broadcast from here), and a bad tensor
 name is a 400 naming it with the update's weights kept; an update from disk (the checkpoint
-again) reaches both replicas and brings the first greedy tokens back.
+again) reaches both replicas and brings the first greedy tokens back. The disaggregated app (1
+prefill + 1 decode replica): an in-place pause holds a request until continue; an update from
+tensors reaches both replicas and gives the colocated app's greedy tokens under that update.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ ENV = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
 ARGS = dict(dtype="float32", page_size="16", max_running_requests="4", chunked_prefill_size="64",
             context_length="256", skip_warmup="true", random_seed="0", log_level="warning",
             engine_replicas="2", num_cpus="0.5")
+# Disaggregated: one prefill and one decode replica (one CPU device each).
+PD_ARGS = {**{k: v for k, v in ARGS.items() if k != "engine_replicas"}, "mode": "disaggregated"}
 PROMPT = [5, 17, 300, 42, 9, 8, 7]
 BAD_NAME = "model.language_model.layers.0.nope.weight"
 
@@ -202,7 +206,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def url():
+def base_url():
     from ray_app import app
 
     temp_dir = tempfile.mkdtemp(prefix="ray_rl_", dir="/tmp")
@@ -212,8 +216,9 @@ def url():
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app(dict(ARGS)), name="rl", route_prefix="/rl")
-        yield f"http://127.0.0.1:{port}/rl"
+        serve.run(app(dict(ARGS)), name="rl", route_prefix="/rl", blocking=False)
+        serve.run(app(PD_ARGS), name="rlpd", route_prefix="/rlpd")
+        yield f"http://127.0.0.1:{port}"
     finally:
         try:
             serve.shutdown()
@@ -238,18 +243,28 @@ def _post(url: str, route: str, body: dict | None = None) -> requests.Response:
     return requests.post(f"{url}/{route}", json=body or {}, timeout=300)
 
 
-def _replica_versions() -> dict[str, str]:
-    """Each engine replica's weight version, asked through the broadcast from here."""
-    handle = serve.get_deployment_handle("EngineServer", "rl")
+def _replica_versions(app: str = "rl", deployment: str = "EngineServer") -> dict[str, str]:
+    """Each replica's weight version, asked through the broadcast from here."""
+    handle = serve.get_deployment_handle(deployment, app)
     answers = handle.broadcast("on_replica", "get_weight_version").results(timeout_s=60)
     return {a["replica"]: a["result"] for a in answers}
 
 
-def test_rl_routes_over_two_replicas(url):
+def _reversed_lm_head() -> dict:
     from sglang_tpu_backend.checkpoint_io import read_checkpoint
     from sglang_tpu_backend.entrypoints.rl_routes import encode_named_tensors
     from sglang_tpu_backend.tiny_model import default_model_path
 
+    lm_head = read_checkpoint(default_model_path())["lm_head.weight"]
+    return {"serialized_named_tensors": encode_named_tensors({"lm_head.weight": lm_head[::-1]}),
+            "weight_version": "rl-1"}
+
+
+def test_rl_routes_over_two_replicas(base_url):
+    from sglang_tpu_backend.entrypoints.rl_routes import encode_named_tensors
+    from sglang_tpu_backend.tiny_model import default_model_path
+
+    url = base_url + "/rl"
     before = _greedy(url)
     assert _greedy(url) == before  # whichever replica serves it
 
@@ -278,10 +293,7 @@ def test_rl_routes_over_two_replicas(url):
     assert _greedy(url) == before
 
     # Weights from tensors: lm_head's rows reversed, on both replicas.
-    lm_head = read_checkpoint(default_model_path())["lm_head.weight"]
-    r = _post(url, "update_weights_from_tensor", {
-        "serialized_named_tensors": encode_named_tensors({"lm_head.weight": lm_head[::-1]}),
-        "weight_version": "rl-1"})
+    r = _post(url, "update_weights_from_tensor", _reversed_lm_head())
     assert r.status_code == 200 and r.json()["success"], r.text
     assert "on all 2 engine replicas" in r.json()["message"]
     after = _greedy(url)
@@ -305,3 +317,32 @@ def test_rl_routes_over_two_replicas(url):
     assert r.status_code == 200 and r.json()["success"], r.text
     assert set(_replica_versions().values()) == {"disk-1"}
     assert _greedy(url) == before
+
+
+def test_rl_routes_reach_prefill_and_decode(base_url):
+    """Disaggregated: pause / continue and an update from tensors reach the prefill and the
+    decode replica; the updated app's greedy tokens are the colocated app's under the same
+    update (``test_rl_routes_over_two_replicas`` computes them: the update again there)."""
+    url = base_url + "/rlpd"
+    before = _greedy(url)
+    r = _post(url, "pause_generation", {"mode": "in_place"})
+    assert r.status_code == 200 and r.json()["mode"] == "in_place", r.text
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=_generate(url)))
+    t.start()
+    time.sleep(1.5)
+    assert t.is_alive(), "a request ran while generation was paused"
+    assert _post(url, "continue_generation").status_code == 200
+    t.join(120)
+    assert result["r"].status_code == 200 and result["r"].json()["output_ids"] == before
+
+    r = _post(url, "update_weights_from_tensor", _reversed_lm_head())
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert "on all 2 engine replicas" in r.json()["message"]
+    assert _replica_versions("rlpd", "PrefillServer").popitem()[1] == "rl-1"
+    assert _replica_versions("rlpd", "DecodeServer").popitem()[1] == "rl-1"
+    after = _greedy(url)
+    assert after != before
+    colo = base_url + "/rl"
+    assert _post(colo, "update_weights_from_tensor", _reversed_lm_head()).status_code == 200
+    assert _greedy(colo) == after
