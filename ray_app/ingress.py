@@ -18,8 +18,9 @@ ingress does not serve, and SGLang's RL calls (pause / continue generation, rele
 memory occupation, weight updates from tensors or from disk, the weight version: answers
 aggregated over the replicas, failures named by replica; the calls that stop or change
 replicas are refused up front when a replica might be missed). The weights update group
-calls stay unsupported (501 with the reason: ``unsupported_calls``). ``abort_request`` of a request it serves cancels its in-flight
-replica call (Serve cancels the replica task, the engine aborts it).
+calls stay unsupported (501 with the reason: ``unsupported_calls``). ``abort_request`` of a
+request it serves cancels its in-flight replica call (Serve cancels the replica task, the
+engine aborts it).
 ``/metrics`` merges every engine replica's metrics (``ray_app/metrics_hub.py``; families by
 name, samples labelled ``replica``).
 """
