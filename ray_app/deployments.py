@@ -5,7 +5,9 @@ Methods the ingress calls through its deployment handles:
   role: prompt + first token, state handed over through the transport), ``decode(ticket)``
   (streaming, decode role), and the engine's info / stats / cache / abort calls.
 ``on_replica(method, ...)`` runs one of ``BROADCAST_METHODS`` (health, abort, cache flush,
-profiling, the expert distribution record) for the ingress's ``DeploymentHandle.broadcast``, which reaches every running replica
+profiling, the expert distribution record, SGLang's RL calls: pause / continue generation,
+release / resume memory, weights from tensors, the weight version) for the ingress's
+``DeploymentHandle.broadcast``, which reaches every running replica
 but returns their answers unlabelled: each answer carries this replica's id.
 Every replica pushes its metrics (labelled ``replica``) to the application's metrics hub
 (``ray_app/metrics_hub.py``), which the ingress's ``/metrics`` reads.
@@ -35,7 +37,10 @@ from sglang_tpu_backend.server_args import ServerArgs
 log = logging.getLogger(__name__)
 BROADCAST_METHODS = ("health_error", "abort_request", "flush_cache", "start_profile", "stop_profile",
                      "start_expert_distribution_record", "stop_expert_distribution_record",
-                     "dump_expert_distribution_record")
+                     "dump_expert_distribution_record", "pause_generation", "continue_generation",
+                     "release_memory_occupation", "resume_memory_occupation",
+                     "update_weights_from_tensor", "update_weights_from_disk",
+                     "get_weight_version")
 
 
 @serve.deployment
@@ -140,6 +145,35 @@ class EngineServer:
 
     async def health_generate(self) -> bool:
         return await self.engine.health_generate()
+
+    # RL calls (broadcast by the ingress to every replica) ----------------------------------
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self.engine.pause_generation(mode)
+
+    def continue_generation(self) -> dict:
+        return self.engine.continue_generation()
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self.engine.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self.engine.resume_memory_occupation(tags)
+
+    def update_weights_from_tensor(self, named_tensors, load_format: str | None = None,
+                                   flush_cache: bool = True, weight_version: str | None = None,
+                                   abort_all_requests: bool = False) -> dict:
+        """``named_tensors``: ``{hf_name: numpy array}``, or a Ray ``ObjectRef`` of one (the
+        ingress puts the arrays into the object store once; every replica reads that copy)."""
+        import ray
+
+        if isinstance(named_tensors, ray.ObjectRef):
+            named_tensors = ray.get(named_tensors)
+        return self.engine.update_weights_from_tensor(
+            named_tensors, load_format=load_format, flush_cache=flush_cache,
+            weight_version=weight_version, abort_all_requests=abort_all_requests)
+
+    def get_weight_version(self) -> str:
+        return self.engine.get_weight_version()
 
     def on_replica(self, method: str, *args, **kwargs) -> dict[str, Any]:
         """``method`` (one of ``BROADCAST_METHODS``) here, labelled with this replica's id:

@@ -13,9 +13,14 @@ A handle call reaches one replica; what concerns every replica is broadcast to a
 replicas of every engine deployment (``DeploymentHandle.broadcast`` to
 ``EngineServer.on_replica``, answers labelled by replica): ``health_error`` (``/health`` is
 503 naming the deployment that has no running replica or a replica that is unhealthy or
-silent), cache flushes and profiles (failures named by replica), and aborts of requests this
-ingress does not serve. ``abort_request`` of a request it serves cancels its in-flight
-replica call (Serve cancels the replica task, the engine aborts it).
+silent), cache flushes and profiles (failures named by replica), aborts of requests this
+ingress does not serve, and SGLang's RL calls (pause / continue generation, release / resume
+memory occupation, weight updates from tensors or from disk, the weight version: answers
+aggregated over the replicas, failures named by replica; the calls that stop or change
+replicas are refused up front when a replica might be missed). The weights update group
+calls stay unsupported (501 with the reason: ``unsupported_calls``). ``abort_request`` of a
+request it serves cancels its in-flight replica call (Serve cancels the replica task, the
+engine aborts it).
 ``/metrics`` merges every engine replica's metrics (``ray_app/metrics_hub.py``; families by
 name, samples labelled ``replica``).
 """
@@ -151,8 +156,8 @@ class RemoteEngine:
                 raise  # this task itself is being cancelled
             yield abort_output(obj.rid, "Aborted by the client or the server", flight.last)
         except RAY_TASK_ERROR as e:
-            if isinstance(e.cause, InvalidRequestError):
-                raise e.cause from None
+            if isinstance(e.cause, (InvalidRequestError, ServiceUnavailableError)):
+                raise e.cause from None  # a 400, or a 503 (e.g. the engine's memory is released)
             if not isinstance(e.cause, HANDOVER_LOST):
                 raise
             log.warning("request %s: handover lost: %s", obj.rid, e.cause)
@@ -310,17 +315,20 @@ class RemoteEngine:
                 else ReplicaReply(name, error=f"a replica failed: {_first_line(a)}") for a in answers]
 
     @staticmethod
-    def _raise_failures(action: str, replies: list[ReplicaReply], ignore_refusals: bool = False) -> None:
+    def _raise_failures(action: str, replies: list[ReplicaReply], ignore_refusals: bool = False,
+                        note: str = "") -> None:
         """Raise when replicas failed ``action`` (ServiceUnavailableError, a 503) or refused it
-        (the engine's InvalidRequestError, a 400, unless ``ignore_refusals``), naming them."""
+        (the engine's InvalidRequestError, a 400, unless ``ignore_refusals``), naming them;
+        ``note`` (what became of the other replicas) ends the message."""
         failed = [r for r in replies if r.error is not None and r.field is None]
         refused = [r for r in replies if r.error is not None and r.field is not None]
+        tail = f" ({note})" if note and len(failed) + len(refused) < len(replies) else ""
         if failed:
             raise ServiceUnavailableError(f"{action} failed on {len(failed)} of {len(replies)} "
-                                          f"replicas: {'; '.join(map(str, failed + refused))}")
+                                          f"replicas: {'; '.join(map(str, failed + refused))}{tail}")
         if refused and not ignore_refusals:
             raise InvalidRequestError(refused[0].field, f"{action} refused by {len(refused)} of "
-                                      f"{len(replies)} replicas: {'; '.join(map(str, refused))}")
+                                      f"{len(replies)} replicas: {'; '.join(map(str, refused))}{tail}")
 
     # One replica per deployment ------------------------------------------------------------
     async def get_model_info(self) -> dict:
@@ -372,27 +380,170 @@ class RemoteEngine:
         loads = await self._on_every_deployment("get_load")
         return [dict(entry, role=role) for role, load in zip(self.roles, loads) for entry in load]
 
-    def _replica_counts(self) -> dict[str, int]:
-        """Running or starting replicas of each engine deployment of this application."""
+    # SGLang's RL calls: every replica of every engine deployment -------------------------
+    # The distributed weight-group calls stay unsupported here (the routes answer 501 with
+    # this reason): a group pairs the trainer with ONE engine process.
+    unsupported_calls = dict.fromkeys(
+        ("init_weights_update_group", "update_weights_from_distributed",
+         "destroy_weights_update_group"),
+        "a weights update group joins one engine process to the trainer, and a Ray Serve "
+        "application runs several behind one address; refit its replicas with "
+        "/update_weights_from_tensor or /update_weights_from_disk (every replica), or use "
+        "ray_app.rollout.RolloutGroup for trainer refits under Ray")
+
+    def _replica_states(self) -> dict[str, dict[str, int]]:
+        """``{deployment: {replica state: count}}`` of this application's engine deployments
+        (Serve's controller; states such as ``RUNNING``, ``STARTING``, ``STOPPING``)."""
         app = serve.status().applications[self.engines[0].app_name]
-        return {h.deployment_name: sum(app.deployments[h.deployment_name].replica_states.values())
+        return {h.deployment_name: {str(getattr(state, "value", state)): n for state, n in
+                                    app.deployments[h.deployment_name].replica_states.items()}
                 for h in self.engines}
 
-    async def update_weights_from_disk(self, model_path: str, **kwargs) -> dict:
-        """The weight update on every engine deployment (prefill and decode alike). A handle
-        reaches one replica, so a deployment with several replicas is refused up front
-        rather than left half updated."""
-        counts = await asyncio.to_thread(self._replica_counts)
-        many = {d: n for d, n in counts.items() if n != 1}
-        if many:
+    async def _unreachable(self) -> str | None:
+        """Why a broadcast now might miss an engine replica, or None when it reaches all: a
+        replica not running (starting, stopping, recovering: a broadcast reaches running
+        replicas only), or fewer running replicas answering a probe (``get_weight_version``)
+        than Serve counts (the ingress's view of the replicas lags a change)."""
+        states = await asyncio.to_thread(self._replica_states)
+        other = {d: {k: n for k, n in st.items() if k != "RUNNING" and n}
+                 for d, st in states.items()}
+        other = {d: st for d, st in other.items() if st}
+        if other:
+            return f"replicas are not all running ({other})"
+        replies = await self._broadcast("get_weight_version")
+        failed = [str(r) for r in replies if r.error is not None]
+        if failed:
+            return f"replicas did not answer: {'; '.join(failed)}"
+        for d, st in states.items():
+            answered = sum(r.deployment == d for r in replies)
+            if answered != st.get("RUNNING", 0):
+                return (f"{d}: {answered} of its {st.get('RUNNING', 0)} running replicas are "
+                        "reachable now (retry once the deployment is stable)")
+        return None
+
+    @staticmethod
+    def _update_answer(action: str, replies: list[ReplicaReply]) -> dict:
+        """SGLang's ``{"success", "message", "num_paused_requests"}`` over every replica's
+        answer: success only when each replica succeeded; the message names the replicas that
+        failed or refused (and how many serve the update), else says every replica does."""
+        ok = [r for r in replies if r.error is None and r.result.get("success")]
+        bad = [r if r.error is not None else ReplicaReply(r.deployment, r.replica,
+                                                          error=r.result.get("message"))
+               for r in replies if r not in ok]
+        paused = sum(r.result.get("num_paused_requests", 0) for r in ok)
+        if not bad:
+            return {"success": True, "num_paused_requests": paused, "message":
+                    f"{ok[-1].result['message']} (on all {len(ok)} engine replicas)"}
+        where = "; ".join(map(str, bad))
+        updated = ", ".join(f"{r.deployment} replica {r.replica}" for r in ok)
+        kept = ("nothing was changed" if not ok else
+                f"{len(ok)} replica(s) serve the new weights ({updated}): send the update again")
+        return {"success": False, "num_paused_requests": paused,
+                "message": f"{action} failed on {len(bad)} of {len(replies)} replicas: {where}; {kept}"}
+
+    async def _update_every_replica(self, action: str, *args, **kwargs) -> dict:
+        """``action`` (a weight update) on every replica of every engine deployment, prefill
+        and decode alike, through the broadcast. Refused up front, nothing changed, when the
+        broadcast might miss a replica (``_unreachable``). A refusal that concerns the
+        update itself (a bad name or shape, an unreadable checkpoint) is every replica's
+        alike, so nothing changes anywhere; a replica failing on its own (out of memory, gone)
+        leaves the others on the new weights: the answer says so, with ``success`` false,
+        and sending the update again brings every replica to it. A replica Serve starts later
+        (a replacement, a scale-up) serves the application's configured checkpoint."""
+        why = await self._unreachable()
+        if why is not None:
             return {"success": False, "num_paused_requests": 0, "message":
-                    f"weight updates under Ray need exactly one replica per engine deployment "
-                    f"(replicas: {many}); nothing was changed"}
-        results = await self._on_every_deployment("update_weights_from_disk", model_path, **kwargs)
-        failed = [f"{role}: {r['message']}" for role, r in zip(self.roles, results) if not r["success"]]
-        return {"success": not failed,
-                "message": "; ".join(failed) if failed else results[-1]["message"],
-                "num_paused_requests": sum(r.get("num_paused_requests", 0) for r in results)}
+                    f"{action} needs every engine replica reachable: {why}; nothing was changed"}
+        return self._update_answer(action, await self._broadcast(action, *args, **kwargs))
+
+    async def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                       abort_all_requests: bool = False,
+                                       weight_version: str | None = None) -> dict:
+        """The engine's weight update from a checkpoint directory (readable on every replica's
+        node) on every engine replica (``_update_every_replica``)."""
+        return await self._update_every_replica(
+            "update_weights_from_disk", model_path, load_format=load_format,
+            abort_all_requests=abort_all_requests, weight_version=weight_version)
+
+    async def update_weights_from_tensor(self, named_tensors, load_format: str | None = None,
+                                         flush_cache: bool = True,
+                                         weight_version: str | None = None,
+                                         abort_all_requests: bool = False) -> dict:
+        """The engine's update from checkpoint-named arrays (``{name: numpy array}`` or
+        pairs) on every engine replica (``_update_every_replica``). The arrays go into Ray's
+        object store once (``ray.put``, off the event loop) and every replica reads that copy
+        (``EngineServer.update_weights_from_tensor``); outside a Ray worker (tests over
+        in-process replicas) the dict itself is passed."""
+        named = dict(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        payload = await asyncio.to_thread(ray.put, named) if ray.is_initialized() else named
+        return await self._update_every_replica(
+            "update_weights_from_tensor", payload, load_format=load_format,
+            flush_cache=flush_cache, weight_version=weight_version,
+            abort_all_requests=abort_all_requests)
+
+    async def get_weight_version(self) -> str:
+        """The weight version every engine replica serves; ServiceUnavailableError (503) naming
+        each replica's version when they differ (an update failed on some) or one fails."""
+        replies = await self._broadcast("get_weight_version")
+        self._raise_failures("get_weight_version", replies)
+        versions = {r.result for r in replies}
+        if len(versions) != 1:
+            raise ServiceUnavailableError("the engine replicas serve different weight versions: "
+                                          + "; ".join(map(str, replies)))
+        return versions.pop()
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        """Pause every engine replica (``managers/rl_control.py``) once each has no step in
+        flight: ``{"success", "mode", "num_aborted", "num_retracted"}``, the counts summed
+        over the replicas. Refused up front (503, nothing paused) when the broadcast might
+        miss a replica; a bad ``mode`` is refused by every replica alike (400, nothing
+        paused). A replica failing: 503 naming it; the others stay paused
+        (``continue_generation`` resumes them)."""
+        why = await self._unreachable()
+        if why is not None:
+            raise ServiceUnavailableError(f"pause_generation needs every engine replica "
+                                          f"reachable: {why}; nothing was paused")
+        replies = await self._broadcast("pause_generation", mode)
+        self._raise_failures("pause_generation", replies, note=(
+            "the other replicas are paused: continue_generation resumes them"))
+        return {"success": True, "mode": mode,
+                "num_aborted": sum(r.result["num_aborted"] for r in replies),
+                "num_retracted": sum(r.result["num_retracted"] for r in replies)}
+
+    async def continue_generation(self) -> dict:
+        """Resume every running engine replica: ``{"success"}``; 503 naming a replica that
+        failed (the others run again). A replica that starts later starts unpaused."""
+        replies = await self._broadcast("continue_generation")
+        self._raise_failures("continue_generation", replies)
+        return {"success": True}
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Release ``tags`` (None: all) on every engine replica: ``{"success", "tags" (released
+        now, the union over the replicas), "freed_bytes" (summed)}``. Refused up front (503)
+        when the broadcast might miss a replica. When a replica refuses (400: requests still
+        run there) or fails (503), the release is undone on every replica (a resume of the
+        same tags), so no replica stays asleep, and the error names the replica."""
+        why = await self._unreachable()
+        if why is not None:
+            raise ServiceUnavailableError(f"release_memory_occupation needs every engine replica "
+                                          f"reachable: {why}; nothing was released")
+        replies = await self._broadcast("release_memory_occupation", tags)
+        if any(r.error is not None for r in replies):
+            undo = await self._broadcast("resume_memory_occupation", tags)
+            undone = all(r.error is None for r in undo)
+            self._raise_failures("release_memory_occupation", replies, note=(
+                "the replicas that released resumed again" if undone else
+                "resuming the others failed on " + "; ".join(str(r) for r in undo if r.error)))
+        return {"success": True, "freed_bytes": sum(r.result["freed_bytes"] for r in replies),
+                "tags": sorted({t for r in replies for t in r.result["tags"]})}
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Resume ``tags`` (None: all) on every running engine replica: ``{"success", "tags"
+        (still released somewhere)}``; 400 / 503 naming a replica that refused or failed (the
+        others resumed)."""
+        replies = await self._broadcast("resume_memory_occupation", tags)
+        self._raise_failures("resume_memory_occupation", replies)
+        return {"success": True, "tags": sorted({t for r in replies for t in r.result["tags"]})}
 
 
 @serve.deployment

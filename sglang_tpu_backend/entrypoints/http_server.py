@@ -274,8 +274,13 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
 @router.get("/get_weight_version")
 @router.get("/weight_version")
 async def get_weight_version(request: Request) -> dict:
-    """``{"weight_version"}``: the label of the weights serving now (also in /get_model_info)."""
-    info = await _call(_engine(request).get_model_info())
+    """``{"weight_version"}``: the label of the weights serving now (also in /get_model_info);
+    the engine's ``get_weight_version`` when it has one (the Ray app: every replica's, 503
+    when they differ)."""
+    engine = _engine(request)
+    if getattr(engine, "get_weight_version", None) is not None:
+        return {"weight_version": await _call(engine.get_weight_version())}
+    info = await _call(engine.get_model_info())
     return {"weight_version": info.get("weight_version", "default")}
 
 

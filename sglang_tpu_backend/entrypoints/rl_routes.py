@@ -16,7 +16,9 @@ tensors (nothing changed). A payload that does not decode answers 400 naming the
 body limit is ``--max-request-body-bytes``: send large models in several calls (the prefix
 cache flushed only on the last, ``flush_cache: false`` before) or raise the limit.
 
-An engine without these calls (a Ray app's remote engine) answers 501.
+Under the Ray Serve app the calls reach every replica of every engine deployment
+(``ray_app/ingress.RemoteEngine``). An engine without a call answers 501, with the reason the
+engine gives in ``unsupported_calls`` (the Ray app: the weights update group calls).
 """
 
 from __future__ import annotations
@@ -69,9 +71,14 @@ def decode_named_tensors(payload: Any) -> dict[str, np.ndarray]:
 
 
 def _method(request: Request, name: str) -> Callable:
-    fn = getattr(_engine(request), name, None)
+    """The engine's call ``name``; 501 when it has none, with the engine's reason (its
+    ``unsupported_calls`` mapping, when it has one)."""
+    engine = _engine(request)
+    fn = getattr(engine, name, None)
     if fn is None:
-        raise APIError(f"{name} is not supported by this engine", None, 501)
+        why = getattr(engine, "unsupported_calls", {}).get(name)
+        raise APIError(f"{name} is not supported by this engine" + (f": {why}" if why else ""),
+                       None, 501)
     return fn
 
 

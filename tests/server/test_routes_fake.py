@@ -414,7 +414,7 @@ def test_admin_routes_take_the_admin_key(api_key, admin_key, unlocks, refused):
 
 def test_rl_routes_take_the_admin_key_and_answer_501_without_the_engine_calls():
     """SGLang's RL routes (entrypoints/rl_routes.py) are admin routes; an engine without the
-    calls (this fake, the Ray app's remote engine) answers 501 naming the call."""
+    calls (this fake) answers 501 naming the call."""
     eng = FakeEngine(ServerArgs(context_length=256, api_key="user", admin_api_key="admin"))
     calls = [("POST", "/update_weights_from_tensor", {"serialized_named_tensors": "AAAA"}),
              ("POST", "/pause_generation", {"mode": "retract"}), ("POST", "/continue_generation", None),
