@@ -127,17 +127,21 @@ def default_k_heads_per_block(num_k_heads, num_v_heads, dk, dv):
     return num_k_heads
 
 
-_VMEM_MIN = 16 << 20  # v5e's default scoped VMEM limit
+_VMEM_MIN = 16 << 20  # the smallest default scoped VMEM limit (v5e)
 _VMEM_MAX = 60 << 20  # under TPU7x's 64 MiB per TensorCore (v5e has 128 MiB)
 
 
 def chunk_vmem_limit(geom):
-    """Scoped VMEM limit of the chunk kernel: ~30 f32 [L, max(L, 128)] tiles per value head of
-    the block (its blocks, scratch and the batched delta rule's temporaries; the v5e compile
-    reports at 397B shapes, L=64, D=128: 3.3, 6.5, 13.5, 29.1, 58.8 MiB at kb = 1, 2, 4, 8, 16),
-    with 25% headroom, within [16 MiB, 60 MiB]."""
-    per_head = 30 * geom.L * max(geom.L, _LANES) * 4
-    return int(min(max(1.25 * geom.hb * per_head, _VMEM_MIN), _VMEM_MAX))
+    """Scoped VMEM limit of the chunk kernel, or None for the compiler's default (16 MiB on
+    v5e, 32 MiB on TPU7x) when that suffices.
+
+    Estimate: ~30 f32 [L, max(L, 128)] tiles per value head of the block (its blocks, scratch
+    and the batched delta rule's temporaries; the v5e compile reports at 397B shapes, L=64,
+    D=128: 3.3, 6.5, 13.5, 29.1, 58.8 MiB at kb = 1, 2, 4, 8, 16), with 25% headroom, capped
+    at 60 MiB.
+    """
+    need = 1.25 * geom.hb * 30 * geom.L * max(geom.L, _LANES) * 4
+    return None if need <= _VMEM_MIN else int(min(need, _VMEM_MAX))
 
 
 # ----------------------------------------------------------------------------- kernel helpers
