@@ -76,6 +76,12 @@ class GdnBlockSizes:
     hold all heads. None: the smallest such block -- at 397B shapes (Hk=16, Hv=64, D=128)
     one qk head and 4 value heads (a 256 KiB fp32 state block, q/k segments of 128 lanes, a
     v segment of 512 lanes); all heads when D < 128.
+
+    A fatter block means fewer grid steps of the chunk kernel, which runs the block's heads as
+    batched matmuls; its VMEM grows with the block (compile reports at 397B shapes, L=64, fp32
+    state: 3.3 / 6.5 / 13.5 / 29.1 / 58.8 MiB on v5e and 9.6 / 19.1 / 38.5 MiB on TPU7x at
+    kb = 1 / 2 / 4 / 8 / 16, resp. 4 / 8 / 16), and its scoped limit follows
+    (``gdn_kernels.chunk_vmem_limit``).
     """
 
     k_heads_per_block: int | None = None
@@ -503,7 +509,8 @@ def gated_delta_net_cost(
         L = chunk_size
         n = num_chunk_slots(T, R, L)
         per_chunk = (4 * L * L * Dk  # K K^T, Q K^T
-                     + L * L * L  # forward substitution
+                     + L * L * L  # unit-lower inverse, as a substitution (the Pallas
+                     # kernel's log-depth doubling spends (4 log2 L - 4) L^3 on the MXU)
                      + 2 * L * L * (Dv + Dk)  # u, w
                      + 6 * L * Dk * Dv  # w S, q S, K^T v_new
                      + 2 * L * L * Dv)  # attn v_new

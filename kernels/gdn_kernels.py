@@ -24,8 +24,14 @@ for 32-bit and (16, 128) for bf16, and needs dynamic offsets there to be provabl
     and ``rs.at[layer, slot, pl.ds(j * hb, hb)]`` (Dk, Dv whole). Only the touched slots of
     the touched layer are written; everything else stays bit-identical.
   * Inside the kernels only static slices touch tiled dims (conv taps at static row offsets,
-    per-head lane slices); the last K-1 inputs of a chunk of dynamic length, and row i of the
-    forward substitution, are picked with iota masks instead of dynamic sublane indexing.
+    per-head lane slices); the last K-1 inputs of a chunk of dynamic length, and the blocks of
+    the unit-lower inverse, are picked with iota masks instead of dynamic sublane indexing.
+
+The chunk kernel works on all heads of its block at once: per-head operands are stacked on a
+new leading (untiled) dim, ``[hb, L, D]`` / ``[hb, L, L]``, and multiplied with matmuls batched
+over it (``_bdot*``), so a fatter head block adds work per grid step, not unrolled code. The
+chunk's (I + n)^-1 is formed by log-depth block doubling (:func:`unit_lower_inverse`), not by
+L-1 sequential row substitutions.
 
 Dimension letters as in ``kernels/gdn.py``; nb head blocks of kb qk heads and hb = kb * Hv / Hk
 value heads; cb = 2 * kb * Dk + hb * Dv block channels; P = K-1 rounded up to 8.
@@ -119,6 +125,23 @@ def default_k_heads_per_block(num_k_heads, num_v_heads, dk, dv):
         if block_error(num_k_heads, num_v_heads, dk, dv, kb) is None:
             return kb
     return num_k_heads
+
+
+_VMEM_MIN = 16 << 20  # the smallest default scoped VMEM limit (v5e)
+_VMEM_MAX = 60 << 20  # under TPU7x's 64 MiB per TensorCore (v5e has 128 MiB)
+
+
+def chunk_vmem_limit(geom):
+    """Scoped VMEM limit of the chunk kernel, or None for the compiler's default (16 MiB on
+    v5e, 32 MiB on TPU7x) when that suffices.
+
+    Estimate: ~30 f32 [L, max(L, 128)] tiles per value head of the block (its blocks, scratch
+    and the batched delta rule's temporaries; the v5e compile reports at 397B shapes, L=64,
+    D=128: 3.3, 6.5, 13.5, 29.1, 58.8 MiB at kb = 1, 2, 4, 8, 16), with 25% headroom, capped
+    at 60 MiB.
+    """
+    need = 1.25 * geom.hb * 30 * geom.L * max(geom.L, _LANES) * 4
+    return None if need <= _VMEM_MIN else int(min(need, _VMEM_MAX))
 
 
 # ----------------------------------------------------------------------------- kernel helpers
@@ -285,53 +308,94 @@ def _chunk_gates(a_ref, b_ref, alog_ref, dtb_ref, length):
     return gam, gam.T, beta
 
 
-def _unit_lower_inverse(ns):
-    """(I + n)^-1 of each strictly lower-triangular f32[L, L] in ``ns``, as in the reference:
-    row i of the inverse is ``-n[i] + (-n[i]) @ inv`` once rows < i are final. Row i is picked
-    with an iota mask (no dynamic sublane index); the heads' chains share one loop."""
-    L = ns[0].shape[0]
-    row = lax.broadcasted_iota(jnp.int32, (L, L), 0)
-    col = lax.broadcasted_iota(jnp.int32, (L, L), 1)
-
-    def substitute(i, acc):
-        out = []
-        for a in acc:
-            r = jnp.sum(jnp.where(row == i, a, 0.0), axis=0, keepdims=True)  # [1, L]
-            out.append(jnp.where(row == i, r + _dot(r, a), a))
-        return tuple(out)
-
-    acc = lax.fori_loop(1, L, substitute, tuple(-n for n in ns))
-    return [a + (row == col).astype(F32) for a in acc]
+def _bdot(x, y):  # [h, m, k] @ [h, k, n], batched over the leading (head) dim
+    return lax.dot_general(x, y, (((2,), (1,)), ((0,), (0,))), precision=HI,
+                           preferred_element_type=F32)
 
 
-def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref):
-    """UT/WY chunked delta rule for the block's heads, one chunk.
+def _bdot_nt(x, y):  # [h, m, k] @ [h, n, k]^T
+    return lax.dot_general(x, y, (((2,), (2,)), ((0,), (0,))), precision=HI,
+                           preferred_element_type=F32)
 
-    q, k, v: per head f32[L, Dk|Dv]; gam f32[L, hb], gam_t f32[hb, L], beta f32[L, hb];
-    s_f32 f32[hb, Dk, Dv] state (read and updated); writes o_ref [L, hb * Dv] (head h on
-    lanes h*Dv:(h+1)*Dv: rows already in token order for the wrapper's row gather).
+
+def _bdot_tn(x, y):  # [h, k, m]^T @ [h, k, n]
+    return lax.dot_general(x, y, (((1,), (1,)), ((0,), (0,))), precision=HI,
+                           preferred_element_type=F32)
+
+
+def _stack(xs):
+    """Equal-shaped arrays [a, b] -> [len(xs), a, b] (a new leading, untiled dim)."""
+    return jnp.concatenate([x[None] for x in xs], axis=0)
+
+
+def unit_lower_inverse(n):
+    """(I + n)^-1 of each strictly lower-triangular f32[L, L] of n f32[h, L, L], by doubling.
+
+    With X the inverse's diagonal blocks of size b (X = I for b = 1), each 2b block
+    [[A, 0], [C, B]] of I + n has inverse [[A^-1, 0], [-B^-1 C A^-1, B^-1]], i.e.
+    X <- X - X n_C X with n_C the C blocks of n (masked with iotas; X is block diagonal, so
+    the products land in the C blocks only). ceil(log2 L) doublings, the first one free
+    (X = I - n_C): 2 ceil(log2 L) - 2 dependent [L, L] matmuls (10 at L = 64) instead of L - 1
+    sequential row substitutions. Every intermediate is a part of the exact inverse, so,
+    unlike the equally short product (I - n)(I + n^2)(I + n^4)..., no large powers of n
+    cancel (keys nearly parallel, beta and decay near 1: that product loses every digit;
+    see ``tests/kernels/test_gdn.py``). Plain jnp: runs outside a kernel too.
+    """
+    L = n.shape[-1]
+    row = lax.broadcasted_iota(jnp.int32, (1, L, L), 1)  # masks broadcast over heads
+    col = lax.broadcasted_iota(jnp.int32, (1, L, L), 2)
+
+    def c_blocks(b):  # n in the C blocks of the 2b-blocking
+        return jnp.where((row // (2 * b) == col // (2 * b)) & (row // b != col // b), n, 0.0)
+
+    x = (row == col).astype(F32) - c_blocks(1)
+    b = 2
+    while b < L:
+        x = x - _bdot(x, _bdot(c_blocks(b), x))
+        b *= 2
+    return x
+
+
+def _per_head(x, hb):
+    """f32[L, hb] gate columns -> f32[hb, L, 1] (head h's column as a sublane vector)."""
+    return _stack([x[:, h : h + 1] for h in range(hb)])
+
+
+def _per_value_head(x, rep):
+    """f32[kb, ...] per qk head -> f32[kb * rep, ...] per value head (value head h reads qk
+    head h // rep)."""
+    return _stack([x[h // rep] for h in range(x.shape[0] * rep)])
+
+
+def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref, rep):
+    """UT/WY chunked delta rule for the block's heads, one chunk, batched over heads.
+
+    q, k f32[kb, L, Dk] per qk head; v f32[hb, L, Dv] per value head (hb = kb * rep);
+    gam f32[L, hb], gam_t f32[hb, L], beta f32[L, hb]; s_f32 f32[hb, Dk, Dv] state (read and
+    updated); writes o_ref [L, hb * Dv] (head h on lanes h*Dv:(h+1)*Dv: rows already in
+    token order for the wrapper's row gather). Q K^T and K K^T are formed once per qk head.
     """
     L, hb = gam.shape
-    row = lax.broadcasted_iota(jnp.int32, (L, L), 0)
-    col = lax.broadcasted_iota(jnp.int32, (L, L), 1)
-    heads = []
+    row = lax.broadcasted_iota(jnp.int32, (1, L, L), 1)
+    col = lax.broadcasted_iota(jnp.int32, (1, L, L), 2)
+    gcol, bcol = _per_head(gam, hb), _per_head(beta, hb)  # f32[hb, L, 1]
+    grow = _stack([gam_t[h : h + 1, :] for h in range(hb)])  # f32[hb, 1, L]
+    decay = jnp.exp(jnp.where(row >= col, gcol - grow, -jnp.inf))  # f32[hb, L, L]
+    kk = _per_value_head(_bdot_nt(k, k), rep)  # f32[hb, L, L]
+    qk = _per_value_head(_bdot_nt(q, k), rep)
+    qh, kh = _per_value_head(q, rep), _per_value_head(k, rep)  # f32[hb, L, Dk]
+    n = jnp.where(row > col, bcol * kk * decay, 0.0)  # strictly lower
+    t_inv = unit_lower_inverse(n)
+    s = s_f32[...]  # f32[hb, Dk, Dv]
+    u = _bdot(t_inv, v * bcol)  # [hb, L, Dv]
+    w = _bdot(t_inv, kh * (bcol * jnp.exp(gcol)))  # [hb, L, Dk]
+    v_new = u - _bdot(w, s)
+    o = _bdot(qh * jnp.exp(gcol), s) + _bdot(qk * decay, v_new)  # [hb, L, Dv]
+    g_last = gcol[:, L - 1 :, :]  # [hb, 1, 1]
+    s_f32[...] = s * jnp.exp(g_last) + _bdot_tn(kh * jnp.exp(g_last - gcol), v_new)
+    Dv = o.shape[2]
     for h in range(hb):
-        gcol, bcol = gam[:, h : h + 1], beta[:, h : h + 1]  # [L, 1]
-        decay = jnp.exp(jnp.where(row >= col, gcol - gam_t[h : h + 1, :], -jnp.inf))  # [L, L]
-        kb = k[h] * bcol  # [L, Dk]
-        n = jnp.where(row > col, _dot_nt(kb, k[h]) * decay, 0.0)  # strictly lower [L, L]
-        heads.append((gcol, bcol, decay, kb, n))
-    t_inv = _unit_lower_inverse([hd[4] for hd in heads])
-    for h, ((gcol, bcol, decay, kb, _), ti) in enumerate(zip(heads, t_inv)):
-        s = s_f32[h]  # f32[Dk, Dv]
-        u = _dot(ti, v[h] * bcol)  # [L, Dv]
-        w = _dot(ti, kb * jnp.exp(gcol))  # [L, Dk]
-        v_new = u - _dot(w, s)
-        attn = _dot_nt(q[h], k[h]) * decay  # [L, L]
-        o = _dot(q[h] * jnp.exp(gcol), s) + _dot(attn, v_new)  # [L, Dv]
-        g_last = gcol[L - 1 :, :]  # [1, 1]
-        s_f32[h] = s * jnp.exp(g_last) + _dot_tn(k[h] * jnp.exp(g_last - gcol), v_new)
-        o_ref[:, h * o.shape[1] : (h + 1) * o.shape[1]] = o.astype(o_ref.dtype)
+        o_ref[:, h * Dv : (h + 1) * Dv] = o[h].astype(o_ref.dtype)
 
 
 def _chunk_kernel(
@@ -378,9 +442,10 @@ def _chunk_kernel(
     @pl.when(valid)
     def _():
         y, ctx = _chunk_conv(ext, x_ref, w_ref, length, geom)  # f32[L, cb], f32[K-1, cb]
-        q, k, v = _block_heads(y, geom)
+        qs, ks, vs = _block_heads(y, geom)
+        q, k = (_stack(x[:: geom.rep]) for x in (qs, ks))  # f32[kb, L, Dk]
         gam, gam_t, beta = _chunk_gates(a_ref, b_ref, alog_ref, dtb_ref, length)
-        _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref)
+        _chunk_delta_rule(q, k, _stack(vs), gam, gam_t, beta, s_f32, o_ref, geom.rep)
 
         @pl.when(last)
         def _():
@@ -481,7 +546,9 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
             out_specs=[o_spec, any_spec, any_spec],
             scratch_shapes=scratch + [pltpu.SemaphoreType.DMA((_NUM_SEMS,))]),
         input_output_aliases={n_pre + 6: 1, n_pre + 7: 2},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+            vmem_limit_bytes=None if decode else chunk_vmem_limit(geom)),
         cost_estimate=cost,
         interpret=interpret,
     )(*prefetch, alog, dtb, x_in, a_in, b_in, w, conv_state, rec_state)

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from sglang_tpu_backend.kernels import gdn  # noqa: E402
+from sglang_tpu_backend.kernels import gdn, gdn_kernels  # noqa: E402
 from sglang_tpu_backend.kernels.gdn_common import conv_state_rows  # noqa: E402
 
 # On a TPU (the TPU leg) f32 exp / log1p / rsqrt are not correctly rounded and HIGHEST
@@ -408,6 +408,46 @@ def test_pallas_chunked_matches_reference(dtype, state_dtype, d, k_heads_per_blo
     assert_results_close(got, run(ref_chunked, case, hk, chunk_size=16), tol)
     assert np.all(np.asarray(got[0], np.float32)[sum(lens) :] == 0)
     _assert_slots_untouched(got, case, (0, 4, 7))
+
+
+# ----------------------------------------------------------------------------- unit-lower inverse
+
+
+def _stressed_n(seed, L, heads=4, dk=128, spread=0.05, beta=0.99, g=-1e-3):
+    """f64[heads, L, L] strictly lower ``beta k_i.k_j exp(gam_i - gam_j)`` (the chunk's n) of
+    nearly parallel unit keys with beta and decay near 1: |n| ~ 1 everywhere below the
+    diagonal, the worst case for error growth (n's powers reach binomial sizes, C(63, 31) ~
+    1e18 at L = 64, while the inverse stays O(1))."""
+    rng = np.random.default_rng(seed)
+    k = rng.normal(size=(heads, 1, dk)) + spread * rng.normal(size=(heads, L, dk))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    gam = np.cumsum(np.full((heads, L), g), axis=-1)
+    decay = np.exp(gam[:, :, None] - gam[:, None, :])
+    return np.tril(beta * np.einsum("hid,hjd->hij", k, k) * decay, -1)
+
+
+@pytest.mark.parametrize("L", [64, 48, 16, 8])
+def test_kernel_unit_lower_inverse_under_stress(L):
+    # The kernel's doubling inverse against float64 numpy and the reference's substitution:
+    # measured at L=64 (CPU): max error / max |inverse| 1.9e-7 (substitution 6.4e-7; the
+    # product (I - n)(I + n^2)(I + n^4)... 5e10).
+    n = _stressed_n(L, L)
+    want = np.linalg.inv(np.eye(L) + n)
+
+    def rel_err(fn):
+        got = np.asarray(jax.jit(fn)(jnp.asarray(n, jnp.float32)), np.float64)
+        return np.max(np.abs(got - want)) / np.max(np.abs(want))
+
+    new, old = rel_err(gdn_kernels.unit_lower_inverse), rel_err(gdn._unit_lower_inverse)
+    assert new <= max(4 * old, 2e-6), (new, old)
+    assert new <= 1e-5, new
+
+
+def test_kernel_unit_lower_inverse_matches_reference():
+    rng = np.random.default_rng(13)
+    n = jnp.asarray(np.tril(rng.normal(size=(3, 64, 64)) * 0.1, -1), jnp.float32)
+    assert_close(jax.jit(gdn_kernels.unit_lower_inverse)(n), jax.jit(gdn._unit_lower_inverse)(n),
+                 1e-5, "inverse")
 
 
 # ----------------------------------------------------------------------------- stacked layers
