@@ -180,7 +180,10 @@ class Engine:
             tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
             deterministic=det, expert_location=location, router_stats=ROUTED if routed else True,
             eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
-            else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params)
+            else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params,
+            num_scheduler_steps=args.num_scheduler_steps)
+        # Multi-step decode launches where the runner supports them (else single steps).
+        self.scheduler.num_scheduler_steps = self.runner.num_scheduler_steps
         self.requests = RequestBuilder(
             self.tokenizer, vocab_size=cfg.vocab_size, context_length=args.context_length,
             kv_capacity_tokens=self.num_pages_per_rank * args.page_size

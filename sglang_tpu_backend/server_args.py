@@ -98,6 +98,14 @@ class ServerArgs:
     MTP layer's KV split by heads like the cache); not multi-host. The overlap scheduler is
     off under it (the next step's drafts need this step's tokens).
 
+    Multi-step decoding (vLLM's ``--num-scheduler-steps``; ``model_executor/multistep.py``):
+    ``num_scheduler_steps`` N > 1 runs a DECODE step whose requests are all eligible as N
+    decode steps in one device program (forward -> sampler -> next input, N times), so the
+    host's per-step work is paid once per N tokens. Requests with a grammar, a pending
+    ``min_new_tokens`` ban or routed experts, or fewer than N positions of context left, make
+    their step a single one; tokens past a stop or max_new_tokens are computed and dropped.
+    One device only (DP / TP attention and speculative decoding run single steps).
+
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache
     directory being ``$STB_CACHE_DIR`` or ``~/.cache/sglang_tpu_backend``; ``""`` turns it
@@ -169,6 +177,7 @@ class ServerArgs:
     speculative_num_steps: int | None = None  # chain drafts: num_draft_tokens - 1
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    num_scheduler_steps: int = 1  # decode steps per launch (multi-step decoding; 1: off)
 
     def __post_init__(self):
         self.validate()
@@ -200,6 +209,7 @@ class ServerArgs:
         positive("eplb_rebalance_num_iterations", self.eplb_rebalance_num_iterations)
         self._validate_eplb()
         positive("max_consecutive_step_errors", self.max_consecutive_step_errors)
+        positive("num_scheduler_steps", self.num_scheduler_steps)
         for name in ("watchdog_timeout", "handover_wait_timeout", "weight_update_timeout",
                      "profile_max_seconds"):
             value = getattr(self, name)
@@ -481,6 +491,10 @@ def _add_serving_flags(a, d) -> None:
     a("--disable-overlap-schedule", action="store_true", default=d.disable_overlap_schedule,
       help="complete each step before scheduling the next (default: the host prepares "
            "step i+1 while the device runs step i; needs one device, off with DP / TP)")
+    a("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
+      help="decode steps per device launch (multi-step decoding): a decode batch whose "
+           "requests need no per-token host work (no grammar, min_new_tokens met) runs N "
+           "steps in one program; one device only, not with speculative decoding (default: 1)")
     a("--compilation-cache-dir", type=str, default=d.compilation_cache_dir,
       help="persistent XLA compilation cache (default: <cache dir>/jax-compilation-cache; "
            "'' turns it off)")

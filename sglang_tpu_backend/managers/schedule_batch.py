@@ -327,12 +327,18 @@ class SnapshotSave:
 
 @dataclasses.dataclass
 class ScheduledBatch:
-    """One step: the chunks, and the GDN snapshot copies to do before / after the forward."""
+    """One step: the chunks, and the GDN snapshot copies to do before / after the forward.
+
+    ``num_steps`` N > 1 (``--num-scheduler-steps``, DECODE only): the step runs N decode steps
+    in one device program (``model_executor/multistep.py``); each chunk then samples N tokens
+    (``ChunkResult.run``) and computes the KV of positions ``start .. start + N - 1``.
+    """
 
     chunks: list[ScheduledChunk]
     kind: ForwardMode
     state_loads: list[SnapshotLoad] = dataclasses.field(default_factory=list)
     state_saves: list[SnapshotSave] = dataclasses.field(default_factory=list)
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,9 @@ multi-host replica (its processes' collectives are out of step: fatal, the loop 
 completing a step for longer than ``--watchdog-timeout``. A failed step is not progress.
 
 Overlap scheduling: the loop launches step i+1 before completing step i, so the host builds
-the next step while the device runs the last one.
+the next step while the device runs the last one. A multi-step launch (``--num-scheduler-steps``
+N > 1, ``ScheduledBatch.num_steps``) overlaps the same way: its requests' next input ids are
+the Nth tokens, which the program leaves in the sampler's ``last_tokens``.
 """
 
 from __future__ import annotations
@@ -229,11 +231,13 @@ class SchedulerLoop:
         self.last_step_end = time.monotonic()
 
     def _process(self, batch: ScheduledBatch, results: list) -> list[Req]:
+        before = {id(c.req): len(c.req.output_ids) for c in batch.chunks if c.sample}
         touched = self.scheduler.process_result(batch, results)
         self.stats["num_steps"] += 1
+        # Tokens appended (a run's tokens past a finish are dropped, not generated).
         self.stats["generation_tokens_total"] += sum(
-            len(res.run) if res.run is not None else 1
-            for c, res in zip(batch.chunks, results) if c.sample)
+            len(c.req.output_ids) - before.pop(id(c.req))
+            for c in batch.chunks if id(c.req) in before)
         self.metrics.on_step(batch.chunks, touched)
         if batch.kind.is_verify():
             self.metrics.on_verify(batch.chunks, results)
@@ -283,7 +287,7 @@ class SchedulerLoop:
         for c in batch.chunks:
             req = c.req
             if c.sample and phase != "process_result":  # (process_result took it back already)
-                req.num_inflight = max(0, req.num_inflight - 1)
+                req.num_inflight = max(0, req.num_inflight - batch.num_steps)
             if self.scheduler.abort(req.rid, msg) is None and not req.finished:
                 continue  # not the scheduler's any more (handover export path)
             self.delivery.deliver_final(req)

@@ -25,6 +25,10 @@ NEXTN (``mtp_params`` given; one device, DP ranks or TP): every step also return
 hidden states and dispatches the MTP pass and chain of drafts (``nextn_step.py``) after its
 sampler; each sampling chunk's k drafts come back with its tokens (``ChunkResult.drafts``).
 
+Multi-step decoding (``num_scheduler_steps`` N > 1; one device, no speculative decoding): a
+DECODE batch with ``num_steps`` N runs N decode steps in one program (``multistep.py``);
+each chunk's result is a run of N (token, logprob, top logprobs).
+
 Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
 (``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
 slots and, after the forward, its ``state_saves`` out of them.
@@ -42,7 +46,7 @@ import numpy as np
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledBatch, ScheduledChunk
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
-from sglang_tpu_backend.model_executor import host_inputs, state_transfer, warmup
+from sglang_tpu_backend.model_executor import host_inputs, multistep, state_transfer, warmup
 from sglang_tpu_backend.model_executor.backends import SingleDeviceBackend, make_backend
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -129,6 +133,7 @@ class ModelRunner:
         eplb_rebalance_num_iterations: int | None = None,
         num_drafts: int = 0,
         mtp_params: Any = None,
+        num_scheduler_steps: int = 1,
     ):
         """``params``: host params, or a ``sharded_loader.WeightSource`` the backend loads
         straight into its shardings (``load_report`` says what this process read).
@@ -142,7 +147,10 @@ class ModelRunner:
         decoding; 0: off); ``num_grammar_cut_drafts`` counts the drafts cut because a
         request's grammar rejects them. ``mtp_params`` (NEXTN, ``models/mtp.py``): the
         steps also draft the next verify step's k drafts with the MTP layers. ``router_stats``
-        ``ROUTED``: also the routed expert ids per token (``routed_experts.py``)."""
+        ``ROUTED``: also the routed expert ids per token (``routed_experts.py``).
+        ``num_scheduler_steps``: decode steps per multi-step launch (``multistep.py``);
+        ``self.num_scheduler_steps`` is what this runner serves: 1 where multi-step is not
+        supported (DP / TP backends, speculative decoding)."""
         self.cfg = cfg
         self.last_router_stats = self._stats = None
         self.page_size, self.vocab_size = page_size, cfg.vocab_size
@@ -185,6 +193,13 @@ class ModelRunner:
                                                      max_running_requests)
         self.nextn = None if mtp_params is None else self._init_nextn(
             mtp_params, num_pages, context_length, kv_dtype)
+        self.num_scheduler_steps = num_scheduler_steps if self.multistep_supported else 1
+
+    @property
+    def multistep_supported(self) -> bool:
+        """Multi-step decode launches run here: one device, no speculative decoding."""
+        return (isinstance(self.backend, SingleDeviceBackend) and not self.num_drafts
+                and self.nextn is None)
 
     def _init_nextn(self, mtp_params: Any, num_pages: int, context_length: int,
                     kv_dtype: Any) -> NextnDrafts:
@@ -424,6 +439,8 @@ class ModelRunner:
                 self.cache, [(x.rank, x.snapshot, x.slot) for x in batch.state_loads])
         variant = sampler_variant(batch.chunks)
         step = self.prepare(batch, variant)
+        if batch.num_steps > 1:
+            return self._launch_multistep(batch, step, variant)
         if step.spec is not None:
             out = self.verify(step.fbs, step.spec, step.inp, step.K, variant)
             if step.mtp is not None:
@@ -442,9 +459,42 @@ class ModelRunner:
                 x.copy_to_host_async()
         return LaunchedStep(batch, out, step.rows, step.sample_idx, self._stats, step.token_rows)
 
+    def _launch_multistep(self, batch: ScheduledBatch, step: StepInputs,
+                          variant: sampler.SamplerVariant) -> LaunchedStep:
+        """Dispatch ``batch.num_steps`` decode steps of a DECODE batch as one program
+        (``multistep.multi_decode_jit``); no snapshot copies (decodes plan none), no stats."""
+        if not self.multistep_supported or batch.kind != ForwardMode.DECODE:
+            raise ValueError(f"a {batch.num_steps}-step launch needs a DECODE batch on one "
+                             f"device without speculative decoding")
+        (fb,) = step.fbs
+        widen_page_table(fb, batch.chunks)
+        (fb,), _ = self.place_batch([fb], step.from_slot)
+        inp = self.place_sampling(step.inp)
+        out = self.multi_decode(fb, inp, batch.num_steps, step.K, variant)
+        for x in jax.tree.leaves(out):
+            x.copy_to_host_async()
+        self._stats = None
+        return LaunchedStep(batch, out, step.rows, step.sample_idx, None)
+
+    def multi_decode(self, fb: ForwardBatch, inp: host_inputs.Packed, num_steps: int, K: int,
+                     variant: sampler.SamplerVariant) -> dict[str, jax.Array]:
+        """The multi-step program on a placed DECODE batch and packed sampling inputs
+        (cache, penalty counts and last tokens donated and replaced); its stacked outputs."""
+        state = self.sampler
+        out, self.cache, state.counts, state.last_tokens = multistep.multi_decode_jit(
+            self.params, self.cache, fb, state.counts, state.prompt_mask, state.last_tokens,
+            inp.buf, layout=inp.layout, num_steps=num_steps, num_top_logprobs=K,
+            variant=variant, cfg=self.cfg, impl=self.backend.impl,
+            batch_invariant=self.backend.batch_invariant)
+        return out
+
     def complete(self, step: LaunchedStep) -> list[ChunkResult]:
         """Wait for a launched step's outputs (one device-to-host transfer) and split them
         per chunk."""
+        if step.batch.num_steps > 1:
+            out = jax.device_get(step.out)
+            return [_multistep_chunk_result(out, i, c)
+                    for i, c in zip(step.sample_idx, step.batch.chunks)]
         out, stats = jax.device_get((step.out, step.stats))
         if stats is not None:  # f32[D*layers, 3] and f32[layers, P]: a few KiB
             health, slot_counts, *routed = stats  # (+ routed ids i32[D*T, M, K])
@@ -547,6 +597,28 @@ def _in_flight_rows(from_slots: list[np.ndarray | None]) -> np.ndarray | None:
     if any(f is not None for f in from_slots):
         raise ValueError("in-flight decode inputs need one device (no DP / TP)")
     return None
+
+
+def widen_page_table(fb: ForwardBatch, chunks: list[ScheduledChunk]) -> None:
+    """Multi-step: request row j of numpy ``fb`` gets every page chunk j holds (the scheduler
+    gave it pages for the step's N positions), not only those of its first position."""
+    P = fb.page_table.shape[1]
+    for j, c in enumerate(chunks):
+        pages = c.pages[:P]
+        fb.page_table[j, :len(pages)] = pages
+
+
+def _multistep_chunk_result(out: dict, i: int, c: ScheduledChunk) -> ChunkResult:
+    """A multi-step decode chunk's result from the stacked host outputs (``multistep``):
+    ``run`` = its N (token, logprob, top logprobs) in order; ``i`` its sampling row."""
+    n_top = c.req.top_logprobs_num
+    tops = out.get("top_ids") is not None and n_top
+    run = []
+    for n in range(out["tokens"].shape[0]):
+        top = (list(zip(out["top_logprobs"][n, i, :n_top].tolist(),
+                        out["top_ids"][n, i, :n_top].tolist())) if tops else None)
+        run.append((int(out["tokens"][n, i]), float(out["logprobs"][n, i]), top))
+    return ChunkResult(next_token=run[0][0], logprob=run[0][1], top_logprobs=run[0][2], run=run)
 
 
 def _chunk_result(out: dict, i: int, c: ScheduledChunk, r: np.ndarray) -> ChunkResult:

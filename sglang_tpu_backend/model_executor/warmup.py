@@ -6,7 +6,9 @@ forward, each with every sampler variant (``sampling.sampler.VARIANTS``) and top
 (0, max_top_logprobs_num), the penalty row program and the GDN snapshot copies. A TARGET_VERIFY
 bucket (speculative decoding) warms the verify forward once, the verify sampler (every variant
 and top-logprob count, on scratch penalty state) and the commit. Under NEXTN each bucket also
-warms its MTP pass and chain (``nextn_step.py``) on the forward's hidden states. Same jitted
+warms its MTP pass and chain (``nextn_step.py``) on the forward's hidden states. With
+multi-step decoding (``runner.num_scheduler_steps`` N > 1) each DECODE bucket also warms the
+N-step program (``multistep.py``) per sampler variant and top-logprob count. Same jitted
 functions, same argument shapes and placements as serving, so serving reuses every program
 compiled here.
 """
@@ -39,6 +41,19 @@ def dummy_batch(kind: ForwardMode, T: int, R: int, L: int, pages_per_seq: int) -
         page_table=np.zeros((R, pages_per_seq), np.int32), state_slots=np.zeros(R, np.int32),
         num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(L, np.int32), mode=kind,
     )
+
+
+def warm_multistep(runner: Any, T: int, R: int, L: int) -> None:
+    """Compile the multi-step program of DECODE bucket (T, R, L) for every sampler variant
+    and top-logprob count, on an all-padding batch (writes no page, slot or penalty row),
+    placed as serving places its batches."""
+    for variant in runner.sampler_variants():
+        for K in (0, runner.max_top_logprobs_num):
+            fb = dummy_batch(ForwardMode.DECODE, T, R, L, runner.pages_per_seq)
+            (fb,), _ = runner.place_batch([fb], None)
+            inp = runner.place_sampling(dummy_sampling_inputs(R, L, runner.vocab_size, variant))
+            runner.multi_decode(fb, inp, runner.num_scheduler_steps, K, variant)
+    jax.block_until_ready(runner.cache)
 
 
 def warm_up(runner: Any, progress: bool = True) -> float:
@@ -92,6 +107,8 @@ def warm_up(runner: Any, progress: bool = True) -> float:
                 continue
             logits = runner.forward(fbs)
             pending.append(pool.submit(warm_sampler, logits, R, L))
+            if kind == ForwardMode.DECODE and runner.num_scheduler_steps > 1:
+                warm_multistep(runner, T, R, L)
             if runner.nextn is not None:  # (the backend places the sampled tokens)
                 runner.nextn.warm_up(runner.params, fbs, runner.last_hidden,
                                      np.zeros(D * R, np.int32), np.ones(D * R, np.int32))

@@ -1,0 +1,87 @@
+"""Multi-step decoding (``--num-scheduler-steps N``): N decode steps in one device program.
+
+The host's per-step work (schedule, batch build, dispatch, result split, delivery) costs
+milliseconds; a small decode step's device time is well under that. Running N decode
+steps per launch pays the host work once per N tokens of every request.
+
+One program (``multi_decode_jit``, one device only) runs a ``lax.scan`` of N iterations of:
+forward of the DECODE batch -> the sampler (penalty counts and ``last_tokens`` updated as a
+single step updates them) -> each request's sampled token becomes its next input id, and its
+position and KV length advance by one. Sampling is keyed per (request seed, output index)
+(``SamplingInputs.step``), and the scan advances ``step`` by one per iteration, so greedy
+and seeded tokens equal those of N single steps.
+
+The scheduler (``Scheduler._multistep_ok``) sends such a step only when every chunk is a
+decode whose request is eligible (no grammar, no pending ``min_new_tokens`` ban, no routed
+experts, N more positions within the context) and has pages for N more tokens. Tokens past
+a request's finish (EOS, stop ids / strings, max_new_tokens) are computed and dropped on the
+host (``Scheduler._append_tokens``); their KV sits in the request's own pages, freed with
+them. Router stats are not returned for these steps (as for verify steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from sglang_tpu_backend.model_executor import host_inputs
+from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
+from sglang_tpu_backend.model_executor.sampler_state import _record_tokens
+from sglang_tpu_backend.models import qwen3_5_moe
+from sglang_tpu_backend.sampling import sampler
+
+# Sampler outputs of prompt rows: a decode step has none worth returning.
+_ROW_KEYS = ("row_logprobs", "row_top_logprobs", "row_top_ids")
+
+
+def advance_batch(fb: ForwardBatch, tokens: jax.Array, valid: jax.Array) -> ForwardBatch:
+    """The DECODE batch of the next step: request r's input id := ``tokens[r]`` (i32[R], at
+    its token row ``cu_q_lens[r]``, rows with ``valid[r]`` only), positions of the real token
+    rows and KV lengths of the real requests + 1. Padding rows stay as they are."""
+    T, R = fb.input_ids.shape[0], fb.kv_lens.shape[0]
+    rows = jnp.where(valid, fb.cu_q_lens[:R], T)
+    input_ids = fb.input_ids.at[rows].set(tokens.astype(fb.input_ids.dtype), mode="drop")
+    real_tokens = jnp.arange(T) < fb.cu_q_lens[fb.num_seqs[0]]
+    real_reqs = jnp.arange(R) < fb.num_seqs[0]
+    return dataclasses.replace(
+        fb, input_ids=input_ids, positions=fb.positions + real_tokens.astype(jnp.int32),
+        kv_lens=fb.kv_lens + real_reqs.astype(jnp.int32))
+
+
+def multi_decode(params, cache, fb: ForwardBatch, counts, prompt_mask, last_tokens, buf, *,
+                 layout: host_inputs.PackLayout, num_steps: int, num_top_logprobs: int,
+                 variant: sampler.SamplerVariant, cfg, impl: str, batch_invariant: bool):
+    """``num_steps`` (N) decode steps of ``fb`` (device ForwardBatch, input ids resolved) with
+    the SamplingInputs packed in ``buf`` (``host_inputs``).
+
+    Returns (out, cache, counts, last_tokens): ``out`` the sampler's outputs stacked per
+    iteration (``tokens`` i32[N, R], ``logprobs`` f32[N, R]; with K > 0 ``top_logprobs``
+    f32[N, R, K] and ``top_ids`` i32[N, R, K]); ``last_tokens`` holds each request's Nth
+    token (what an overlapped next step reads)."""
+    inp = host_inputs.unpack_tree(buf, layout)
+
+    def body(carry, _):
+        cache, counts, last_tokens, fb, step = carry
+        logits, cache = qwen3_5_moe.forward(params, cache, fb, cfg, impl,
+                                            batch_invariant=batch_invariant)
+        out = sampler.sample(logits, counts, prompt_mask, dataclasses.replace(inp, step=step),
+                             num_top_logprobs=num_top_logprobs, variant=variant)
+        counts = out.pop("counts")
+        for k in _ROW_KEYS:
+            out.pop(k, None)
+        last_tokens = _record_tokens(last_tokens, inp.slot, out["tokens"], inp.valid)
+        fb = advance_batch(fb, out["tokens"], inp.valid)
+        return (cache, counts, last_tokens, fb, step + 1), out
+
+    (cache, counts, last_tokens, _, _), out = jax.lax.scan(
+        body, (cache, counts, last_tokens, fb, inp.step), None, length=num_steps)
+    return out, cache, counts, last_tokens
+
+
+multi_decode_jit = jax.jit(
+    multi_decode,
+    static_argnames=("layout", "num_steps", "num_top_logprobs", "variant", "cfg", "impl",
+                     "batch_invariant"),
+    donate_argnames=("cache", "counts", "last_tokens"))
