@@ -104,7 +104,9 @@ class ServerArgs:
     host's per-step work is paid once per N tokens. Requests with a grammar, a pending
     ``min_new_tokens`` ban or routed experts, or fewer than N positions of context left, make
     their step a single one; tokens past a stop or max_new_tokens are computed and dropped.
-    One device only (DP / TP attention and speculative decoding run single steps).
+    One device only: DP / TP attention, speculative decoding, ``--enable-return-routed-experts``,
+    ``--enable-eplb`` and deterministic inference run single steps. Multi-step launches
+    return no router stats (the MoE health gauges then come from the other steps).
 
     Compilation cache: XLA executables of the step programs are kept under
     ``compilation_cache_dir`` (``None`` -> ``<cache dir>/jax-compilation-cache``, the cache

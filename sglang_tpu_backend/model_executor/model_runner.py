@@ -150,7 +150,7 @@ class ModelRunner:
         ``ROUTED``: also the routed expert ids per token (``routed_experts.py``).
         ``num_scheduler_steps``: decode steps per multi-step launch (``multistep.py``);
         ``self.num_scheduler_steps`` is what this runner serves: 1 where multi-step is not
-        supported (DP / TP backends, speculative decoding)."""
+        supported (``multistep_supported``)."""
         self.cfg = cfg
         self.last_router_stats = self._stats = None
         self.page_size, self.vocab_size = page_size, cfg.vocab_size
@@ -197,9 +197,14 @@ class ModelRunner:
 
     @property
     def multistep_supported(self) -> bool:
-        """Multi-step decode launches run here: one device, no speculative decoding."""
+        """Multi-step decode launches run here: one device, no speculative decoding, no
+        routed-expert store (it records every step's routed ids), no EPLB rebalancing (it
+        needs every step's expert loads) and no deterministic mode (a request's tokens
+        would depend on whether a batch mate made its step a single one)."""
+        rebalances = self.balancer is not None and self.balancer.rebalance_every is not None
         return (isinstance(self.backend, SingleDeviceBackend) and not self.num_drafts
-                and self.nextn is None)
+                and self.nextn is None and self.routed is None and not rebalances
+                and not self.backend.batch_invariant)
 
     def _init_nextn(self, mtp_params: Any, num_pages: int, context_length: int,
                     kv_dtype: Any) -> NextnDrafts:

@@ -128,8 +128,6 @@ def test_mixed_traffic_equals_single_steps(clean_engine, clean_ms):
         restore()
     for g, w in zip(got, want):
         _same(g, w)
-    assert any(b.num_steps == N and any(c.req.sampling.temperature > 0 for c in b.chunks)
-               for b in launched)
     for b in launched:  # a grammar or a pending min_new_tokens ban: single steps
         if any(c.req.grammar is not None
                or c.req.num_sampled < c.req.sampling.min_new_tokens for c in b.chunks):
@@ -155,7 +153,8 @@ def test_grammar_request_falls_back(clean_engine, clean_ms):
 
 
 def test_logprobs_per_step(clean_engine, clean_ms):
-    """Logprobs and top logprobs of every output token come back from a multi-step launch."""
+    """Logprobs and top logprobs of every output token come back from a multi-step launch;
+    seeded draws equal the single steps' (sampling is keyed per (seed, output index))."""
     def objs():
         return [GenerateReqInput(input_ids=[9 + i, 8, 7], return_logprob=True,
                                  top_logprobs_num=3 * (i % 2),
@@ -164,10 +163,17 @@ def test_logprobs_per_step(clean_engine, clean_ms):
                 for i in range(4)]
 
     want = _run(clean_engine, objs())
-    got = _run(clean_ms, objs())
+    launched, restore = _record_launches(clean_ms)
+    try:
+        got = _run(clean_ms, objs())
+    finally:
+        restore()
     for g, w in zip(got, want):
         _same(g, w)
         assert len(g["meta_info"]["output_token_logprobs"]) == 11
+    # Seeded draws ran in multi-step launches (and still equal the single steps' draws).
+    assert any(b.num_steps == N and any(c.req.sampling.temperature > 0 for c in b.chunks)
+               for b in launched)
 
 
 def test_num_scheduler_steps_must_be_positive():
@@ -204,3 +210,15 @@ def test_no_compilation_after_warmup():
         assert any(b.num_steps == N for b in launched)
         assert counter.lowerings == 0, f"{counter.lowerings} programs lowered after warm-up"
         assert wait_pools_empty(eng)["kv_pages_used"] == 0
+
+
+@pytest.mark.parametrize("flag", ["enable_deterministic_inference",
+                                  "enable_return_routed_experts"])
+def test_unsupported_layouts_run_single_steps(flag):
+    """Deterministic inference (batch invariance) and the routed-expert store (every step's
+    routed ids) keep single steps: the scheduler is told N = 1."""
+    for eng in serving(dict(ENGINE_ARGS, max_running_requests=8, num_scheduler_steps=N,
+                            **{flag: True})):
+        assert eng.runner.num_scheduler_steps == 1 == eng.scheduler.num_scheduler_steps
+        out = _run(eng, _greedy([5], [6], ignore_eos=True))[0]
+        assert len(out["output_ids"]) == 6
