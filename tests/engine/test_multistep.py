@@ -222,3 +222,48 @@ def test_unsupported_layouts_run_single_steps(flag):
         assert eng.runner.num_scheduler_steps == 1 == eng.scheduler.num_scheduler_steps
         out = _run(eng, _greedy([5], [6], ignore_eos=True))[0]
         assert len(out["output_ids"]) == 6
+
+
+def test_streaming_sees_several_tokens_per_step(clean_engine, clean_ms):
+    """A streamed request gets one output per launch, N tokens more each (cumulative, each
+    a prefix of the final one, logprobs included); the final equals N = 1's."""
+    kw = dict(input_ids=[5, 9, 17, 33, 65], return_logprob=True, top_logprobs_num=2,
+              sampling_params={"max_new_tokens": 14, "temperature": 0.8, "seed": 7,
+                               "ignore_eos": True})
+
+    async def collect(eng):
+        return [o async for o in eng.generate_request(GenerateReqInput(stream=True, **kw))]
+
+    import asyncio
+
+    chunks = asyncio.run(collect(clean_ms))
+    want = _run(clean_engine, [GenerateReqInput(**kw)])[0]
+    _same(chunks[-1], want)
+    lens = [len(c["output_ids"]) for c in chunks]
+    assert any(b - a == N for a, b in zip(lens, lens[1:])), lens
+    last = chunks[-1]["meta_info"]
+    for c in chunks:
+        n = len(c["output_ids"])
+        assert c["output_ids"] == chunks[-1]["output_ids"][:n]
+        assert c["meta_info"]["output_token_logprobs"] == last["output_token_logprobs"][:n]
+
+
+def test_advance_batch_moves_real_rows_only():
+    """The next iteration's DECODE batch: sampled tokens become the real rows' input ids,
+    their positions and KV lengths + 1; padding rows (and an invalid row's id) unchanged."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
+    from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
+    from sglang_tpu_backend.model_executor.multistep import advance_batch
+
+    fb, _ = build_forward_batch([SeqChunk([5], 20, [1, 2], 0), SeqChunk([6], 33, [3, 4, 5], 1)],
+                                page_size=16, mode=ForwardMode.DECODE, num_tokens=4,
+                                num_seqs=4, pages_per_seq=4, num_logits=4)
+    import jax
+
+    nxt = advance_batch(jax.tree.map(jnp.asarray, fb), jnp.array([70, 71, 72, 73]), jnp.array([True, False, False, False]))
+    np.testing.assert_array_equal(nxt.input_ids, [70, 6, 0, 0])
+    np.testing.assert_array_equal(nxt.positions, [21, 34, 0, 0])
+    np.testing.assert_array_equal(nxt.kv_lens, [22, 35, 0, 0])
