@@ -3,7 +3,7 @@
 Compiles the Qwen3.5-397B DP x EP step for one Ironwood host (tpu7x:2x2x1, 8 TensorCores, FP8
 experts, bf16 GDN state, 64 requests per DP rank at 9K-token contexts, page 256) as a decode
 step (64 tokens per rank) and a prefill step (1,024 tokens per rank over the same requests),
-walks each program's HLO (``compiled_roofline.py``) and prints, per layer kind, the charged
+walks each program's HLO (``planning/compiled_roofline.py``) and prints, per layer kind, the charged
 FLOPs, HBM bytes, link bytes and time beside the roofline's ideal, and the program efficiency
 (ideal / charged). No TPU needed (libtpu compile-only):
 
@@ -13,7 +13,7 @@ FLOPs, HBM bytes, link bytes and time beside the roofline's ideal, and the progr
 ``--layers N`` compiles the first N layers (N / 4 trips of the layer scan; 4 is one trip and
 has no per-trip slicing of the stacked weights, which the full program pays).
 Each program prints its serial step time (every op one after another) and its overlap-aware
-one (async windows charged max(transfer, compute inside): ``compiled_roofline.py``), and
+one (async windows charged max(transfer, compute inside): ``planning/compiled_timeline.py``), and
 ``--json`` adds both. (The overlapped MoE combines this benchmark once compiled side by side
 lost at every shape and are gone: README.)
 """
@@ -28,13 +28,13 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from sglang_tpu_backend.compiled_roofline import TPU7X
+from sglang_tpu_backend.planning.compiled_roofline import TPU7X
 from sglang_tpu_backend.kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh
-from sglang_tpu_backend.program_roofline import bucket_efficiency, format_efficiency
-from sglang_tpu_backend.roofline import CONFIG_397B, load_config
+from sglang_tpu_backend.planning.program_roofline import bucket_efficiency, format_efficiency
+from sglang_tpu_backend.planning.roofline import CONFIG_397B, load_config
 
 D, R, PAGE, PAGES = 8, 64, 256, 9216 // 256
 

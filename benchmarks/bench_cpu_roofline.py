@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sglang_tpu_backend import roofline
+from sglang_tpu_backend.planning import roofline
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 from sglang_tpu_backend.models import qwen3_5_moe

@@ -79,9 +79,9 @@ def _random(shape: tuple[int, ...], dtype: str, rng: np.random.Generator) -> np.
 
 def write_checkpoint(out: Path, layers: int, experts: int) -> tuple[int, int]:
     """The synthetic checkpoint in ``out``; returns (total tensor bytes, largest layer's)."""
-    from sglang_tpu_backend.checkpoint_io import FP8_BLOCK, write_safetensors
+    from sglang_tpu_backend.model_loader.checkpoint_io import FP8_BLOCK, write_safetensors
     from sglang_tpu_backend.config import model_config_from_dict
-    from sglang_tpu_backend.loader import expected_shapes
+    from sglang_tpu_backend.model_loader.loader import expected_shapes
 
     config = bench_config(layers, experts)
     cfg = model_config_from_dict(config)
@@ -147,7 +147,7 @@ def run_raw(ckpt: Path) -> dict:
 def run_fresh(ckpt: Path) -> dict:
     """Raw reads into fresh memory: each file read start to end straight into its own new
     huge-page-advised buffer (``host_load.host_empty``), as the load reads into its buffers."""
-    from sglang_tpu_backend.host_load import host_empty
+    from sglang_tpu_backend.model_loader.host_load import host_empty
 
     t0, n, keep = time.perf_counter(), 0, []
     for path in sorted(ckpt.glob("*.safetensors")):
@@ -163,7 +163,7 @@ def run_fresh(ckpt: Path) -> dict:
 def run_touch(ckpt: Path) -> dict:
     """No reads: fresh huge-page-advised memory of the checkpoint's size faulted in
     (``MADV_POPULATE_WRITE``, the load's ``Populator``), the cost of the memory alone."""
-    from sglang_tpu_backend.host_load import Populator, host_empty
+    from sglang_tpu_backend.model_loader.host_load import Populator, host_empty
 
     n = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     t0 = time.perf_counter()
@@ -180,7 +180,7 @@ def run_load(ckpt: Path, devices: int) -> dict:
     from sglang_tpu_backend.parallel.dp_forward import DPForward
     from sglang_tpu_backend.parallel.mesh import make_mesh
     from sglang_tpu_backend.models.param_shapes import num_param_bytes, param_shapes
-    from sglang_tpu_backend.sharded_loader import load_sharded
+    from sglang_tpu_backend.model_loader.sharded_loader import load_sharded
 
     cfg = load_model_config(ckpt)
     dp = DPForward(cfg, make_mesh(devices))

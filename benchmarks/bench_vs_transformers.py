@@ -167,7 +167,7 @@ def make_config(name: str):
     """The model config of ``CONFIGS[name]`` (what this benchmark and ``bench_cpu_roofline.py``
     run), on the tiny model's vocabulary."""
     from sglang_tpu_backend.config import model_config_from_dict
-    from sglang_tpu_backend.tiny_model import tiny_config_dict
+    from sglang_tpu_backend.model_loader.tiny_model import tiny_config_dict
 
     d = tiny_config_dict(vocab_size=1216, eos_token_id=2)
     d["text_config"].update(CONFIGS[name], layer_types=LAYERS(CONFIGS[name]["num_hidden_layers"]))
@@ -176,7 +176,7 @@ def make_config(name: str):
 
 def workload_ceiling(config: str, input_len: int, output_len: int, batch: int) -> float:
     """Output tok/s ceiling of the benchmark's workload on this machine (fp32, measured peaks)."""
-    from sglang_tpu_backend import roofline
+    from sglang_tpu_backend.planning import roofline
 
     hw = roofline.measure_cpu()
     c = roofline.ceiling(make_config(config), hw, input_len=input_len, output_len=output_len,

@@ -52,8 +52,8 @@ class Trainer:
         import jax
         import jax.numpy as jnp
 
-        from sglang_tpu_backend.loader import load_model
-        from sglang_tpu_backend.tiny_model import default_model_path
+        from sglang_tpu_backend.model_loader.loader import load_model
+        from sglang_tpu_backend.model_loader.tiny_model import default_model_path
         from sglang_tpu_backend.tokenizer import load_tokenizer
 
         path = default_model_path()

@@ -127,7 +127,7 @@ class RemoteEngine:
         """``affinity_tokens``: how many leading prompt tokens key a request's replica (prefix
         cache affinity, ``ray_app/routing.py``); 0: none."""
         from sglang_tpu_backend.tokenizer import load_tokenizer
-        from sglang_tpu_backend.tiny_model import default_model_path
+        from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
         self.args, self.affinity_tokens = args, affinity_tokens
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path or default_model_path())

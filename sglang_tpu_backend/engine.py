@@ -54,12 +54,12 @@ from sglang_tpu_backend.managers.engine_status import EngineStatus
 from sglang_tpu_backend.managers.weight_updater import WeightUpdater
 from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.metrics.router_stats import ROUTED
-from sglang_tpu_backend.mem_budget import size_serving_args
+from sglang_tpu_backend.planning.mem_budget import size_serving_args
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 from sglang_tpu_backend.model_executor.step_buckets import (
     deterministic_prefill_reqs, deterministic_prefill_rows)
 from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
-from sglang_tpu_backend.tiny_model import with_default_model
+from sglang_tpu_backend.model_loader.tiny_model import with_default_model
 
 logger = logging.getLogger(__name__)
 ABORTED_BY_CLIENT = "Aborted by the client or the server"
@@ -100,7 +100,7 @@ def _mtp_params(args: ServerArgs, cfg, role: str):
                          "mtp_num_hidden_layers 0")
     if args.load_format == "dummy":
         raise ValueError(f"{flag} reads the checkpoint's MTP weights: not with --load-format dummy")
-    from sglang_tpu_backend.loader import load_mtp_params
+    from sglang_tpu_backend.model_loader.loader import load_mtp_params
 
     mtp = load_mtp_params(args.model_path, cfg, dtype=DTYPES[args.dtype])
     if mtp is None:
@@ -130,7 +130,7 @@ class Engine:
     def __init__(self, server_args: ServerArgs | None = None, *, start_loop: bool = True,
                  role: str = "colocated", **kwargs):
         from sglang_tpu_backend.config import load_model_config, resolve_dtype
-        from sglang_tpu_backend.sharded_loader import WeightSource
+        from sglang_tpu_backend.model_loader.sharded_loader import WeightSource
         from sglang_tpu_backend.tokenizer import load_tokenizer
 
         if server_args is not None and kwargs:
@@ -225,7 +225,7 @@ class Engine:
         if args.compilation_cache_dir == "":
             return
         from sglang_tpu_backend.model_executor.compile_cache import enable_persistent_cache
-        from sglang_tpu_backend.tiny_model import cache_root
+        from sglang_tpu_backend.model_loader.tiny_model import cache_root
 
         enable_persistent_cache(args.compilation_cache_dir or cache_root() / "jax-compilation-cache")
 
@@ -470,7 +470,7 @@ class Engine:
         return self.runner.balancer
 
     def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
-        """Start a ``jax.profiler`` trace (``profiler.py``); returns its directory."""
+        """Start a ``jax.profiler`` trace (``managers/profiler.py``); returns its directory."""
         return self.loop.profiler.start(output_dir, num_steps, self.stats["num_steps"])
 
     def stop_profile(self) -> str:

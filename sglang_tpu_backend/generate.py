@@ -45,11 +45,11 @@ def generate(
     impl: str = "auto",
 ) -> tuple[str, list[int]]:
     """Generate a continuation of ``prompt``; returns (text, output token ids)."""
-    from sglang_tpu_backend.loader import load_model
+    from sglang_tpu_backend.model_loader.loader import load_model
     from sglang_tpu_backend.tokenizer import load_tokenizer
 
     if model_path is None:
-        from sglang_tpu_backend.tiny_model import default_model_path
+        from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
         model_path = str(default_model_path())
     cfg, params = load_model(model_path, dtype=DTYPES[dtype])

@@ -68,7 +68,7 @@ class ServerArgs:
     Memory sizing (SGLang's ``--mem-fraction-static F``): weights plus every static pool take
     at most ``F`` of each device's memory, and the KV page pool gets what the weights, the GDN
     state slots and snapshots, the penalty state and the step activations leave
-    (``mem_budget.py``). Device memory is the device's ``bytes_limit``, or
+    (``planning/mem_budget.py``). Device memory is the device's ``bytes_limit``, or
     ``device_memory_bytes`` where the device reports none (CPU) or to override it. A given
     ``max_total_tokens`` caps the result.
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from sglang_tpu_backend.checkpoint_io import CheckpointError
+from sglang_tpu_backend.model_loader.checkpoint_io import CheckpointError
 
 # tokenizer_config.json keys passed through to the tokenizer's constructor.
 _PASSTHROUGH = (

@@ -4,7 +4,8 @@
 
 Writes ``tokenizer.json`` into ``out_dir`` (default: ``tiny-qwen3.5-moe/`` beside this file).
 ``tokenizer_config.json`` and ``config.json`` there are hand-written; rerun
-``python -m sglang_tpu_backend.tiny_model --write-config`` after changing the vocabulary size.
+``python -m sglang_tpu_backend.model_loader.tiny_model --write-config`` after changing the
+vocabulary size.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from sglang_tpu_backend.entrypoints.route_plumbing import (
     _arg, _call, _engine, read_json, verify_api_key)
 from sglang_tpu_backend.managers.io_struct import (
     GenerateReqInput, InvalidRequestError, ServiceUnavailableError)
-from sglang_tpu_backend.profiler import confine_output_dir
+from sglang_tpu_backend.managers.profiler import confine_output_dir
 
 log = logging.getLogger(__name__)
 

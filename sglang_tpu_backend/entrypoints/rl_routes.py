@@ -32,7 +32,8 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from sglang_tpu_backend.checkpoint_io import CheckpointError, read_safetensors_bytes, safetensors_bytes
+from sglang_tpu_backend.model_loader.checkpoint_io import (
+    CheckpointError, read_safetensors_bytes, safetensors_bytes)
 from sglang_tpu_backend.entrypoints.auth import admin_route
 from sglang_tpu_backend.entrypoints.route_plumbing import _call, _engine, read_json, verify_api_key
 from sglang_tpu_backend.entrypoints.request_fields import APIError, opt_field

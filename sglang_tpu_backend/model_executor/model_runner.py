@@ -61,7 +61,7 @@ from sglang_tpu_backend.model_executor.verify_step import (
 from sglang_tpu_backend.model_executor.weight_update import param_spec
 from sglang_tpu_backend.sampling import sampler
 from sglang_tpu_backend.speculative.nextn import chain_wanted
-from sglang_tpu_backend.sharded_loader import LoadReport, WeightSource
+from sglang_tpu_backend.model_loader.sharded_loader import LoadReport, WeightSource
 
 
 @dataclasses.dataclass

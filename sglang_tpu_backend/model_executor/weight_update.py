@@ -62,7 +62,7 @@ def load_host_params(model_path: str, cfg: ModelConfig, spec: Any, *, dtype: Any
     """Read ``model_path`` into a params tree on the host, in ``dtype``, and check its config
     against ``cfg`` and every leaf's shape and dtype against ``spec`` (``param_spec`` of the
     serving params before placement). Raises WeightUpdateError naming the problem."""
-    from sglang_tpu_backend.loader import CheckpointError, load_params
+    from sglang_tpu_backend.model_loader.loader import CheckpointError, load_params
 
     if not Path(model_path).is_dir():
         raise WeightUpdateError(f"model_path {model_path} is not a directory")
@@ -81,7 +81,7 @@ def load_host_mtp_params(model_path: str, cfg: ModelConfig, spec: Any, *, dtype:
     """NEXTN: ``model_path``'s MTP params (``mtp.*``) on the host in ``dtype``, each leaf
     checked against ``spec`` (``param_spec`` of the serving MTP params); the config was
     checked by ``load_host_params``. Raises WeightUpdateError when it has none or they differ."""
-    from sglang_tpu_backend.loader import CheckpointError, load_mtp_params
+    from sglang_tpu_backend.model_loader.loader import CheckpointError, load_mtp_params
 
     try:
         with jax.default_device(_host_device()):

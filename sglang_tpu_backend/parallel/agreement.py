@@ -46,7 +46,7 @@ def server_arg_items(args: Any) -> dict[str, str]:
 
     model_path = args.model_path
     if model_path is None:
-        from sglang_tpu_backend.tiny_model import default_model_path
+        from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
         model_path = default_model_path()
     cfg = dataclasses.asdict(load_model_config(model_path))

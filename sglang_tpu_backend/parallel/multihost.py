@@ -2,8 +2,8 @@
 
 Several processes (one per TPU host; CPU processes in the tests) form one JAX mesh and run the
 same ``DPForward`` step on it. Every process calls :func:`initialize` before touching JAX,
-loads its devices' share of the same parameters (``sharded_loader.py``: replicated weights
-whole, routed experts only its own), and builds the same ``DPForward`` over the global mesh
+loads its devices' share of the same parameters (``model_loader/sharded_loader.py``:
+replicated weights whole, routed experts only its own), and builds the same ``DPForward`` over the global mesh
 (``make_mesh(dp_size)`` over ``jax.devices()``, which lists every process's devices).
 
 Step protocol (leader = process 0; every call below is a collective all processes make):

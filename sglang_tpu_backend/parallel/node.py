@@ -22,8 +22,8 @@ from sglang_tpu_backend.parallel.dp_forward import DPForward
 from sglang_tpu_backend.parallel.mesh import make_mesh
 from sglang_tpu_backend.parallel.multihost import (FollowerOps, broadcast_ints, follower_loop,
                                                    initialize, shutdown)
-from sglang_tpu_backend.sharded_loader import WeightSource
-from sglang_tpu_backend.tiny_model import with_default_model
+from sglang_tpu_backend.model_loader.sharded_loader import WeightSource
+from sglang_tpu_backend.model_loader.tiny_model import with_default_model
 
 logger = logging.getLogger(__name__)
 

@@ -70,7 +70,7 @@ def test_engine_starts_serves_and_shuts_down():
 def _cpu_teacher_forced(model_path, sequences: list[list[int]], prompt_lens: list[int]):
     """For each sequence, the CPU reference's logits f32[n_generated, V] at the positions that
     predict its generated tokens (one prefill of the whole sequence on the CPU device)."""
-    from sglang_tpu_backend.loader import load_model
+    from sglang_tpu_backend.model_loader.loader import load_model
     from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
     from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 
@@ -146,7 +146,7 @@ def f32_matmuls():
 
 @pytest.mark.parametrize("arch", ["default", "second"])
 def test_greedy_f32_tokens_equal_the_cpus(arch, tmp_path, f32_matmuls):
-    from sglang_tpu_backend.tiny_model import SECOND_ARCHITECTURE, write_architecture
+    from sglang_tpu_backend.model_loader.tiny_model import SECOND_ARCHITECTURE, write_architecture
 
     path = None if arch == "default" else write_architecture(tmp_path / "m", SECOND_ARCHITECTURE)
     report = _parity(path, arch)

@@ -7,7 +7,7 @@ pytestmark = pytest.mark.chip
 
 
 def test_this_hardware_is_the_chips_generation():
-    from sglang_tpu_backend import roofline
+    from sglang_tpu_backend.planning import roofline
 
     kind = jax.devices()[0].device_kind
     hw = roofline.this_hardware()

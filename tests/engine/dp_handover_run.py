@@ -138,8 +138,8 @@ def main(out_path: str) -> None:
 def update_weights(engine, path: Path) -> dict:
     """Update ``engine`` to weights of another seed: the answer, and whether its placed MTP
     params then equal that checkpoint's ``mtp.*``."""
-    from sglang_tpu_backend.loader import load_mtp_params
-    from sglang_tpu_backend.tiny_model import write_random_model
+    from sglang_tpu_backend.model_loader.loader import load_mtp_params
+    from sglang_tpu_backend.model_loader.tiny_model import write_random_model
 
     answer = engine.update_weights_from_disk(str(write_random_model(path, seed=1)))
     want = load_mtp_params(path, engine.model_config, dtype=np.float32)

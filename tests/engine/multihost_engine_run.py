@@ -89,7 +89,7 @@ def transfer_round_trip(runner) -> dict:
 def checkpoint_bytes(path: str) -> dict:
     """Tensor bytes of a checkpoint the engine loads (all but the MTP layer's ``mtp.*``, which
     only speculative decoding with NEXTN reads), and those of the routed experts."""
-    from sglang_tpu_backend.checkpoint_io import index_checkpoint
+    from sglang_tpu_backend.model_loader.checkpoint_io import index_checkpoint
 
     entries = [e for e in index_checkpoint(path).values() if not e.name.startswith("mtp.")]
     return {"total": sum(e.end - e.begin for e in entries),
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
     if args.node_rank > 0:
         from sglang_tpu_backend.parallel.node import run_follower
 
-        from sglang_tpu_backend.checkpoint_io import BYTES_READ
+        from sglang_tpu_backend.model_loader.checkpoint_io import BYTES_READ
 
         steps = run_follower(args)
         result = {"steps": steps, "bytes_read": BYTES_READ.bytes}

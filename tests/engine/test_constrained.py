@@ -21,7 +21,7 @@ def collect(engine, obj):
 
 @pytest.fixture(scope="module")
 def backend():
-    from sglang_tpu_backend.tiny_model import ASSET_DIR
+    from sglang_tpu_backend.model_loader.tiny_model import ASSET_DIR
     from sglang_tpu_backend.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ASSET_DIR)

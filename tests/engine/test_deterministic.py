@@ -113,8 +113,8 @@ def test_48_concurrent_requests_equal_their_runs_alone(det_engine):
 @pytest.fixture(scope="module")
 def tiny_bf16():
     from sglang_tpu_backend.config import load_model_config
-    from sglang_tpu_backend.loader import load_params
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.loader import load_params
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     import jax.numpy as jnp
 

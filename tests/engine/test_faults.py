@@ -184,7 +184,7 @@ def test_handover_export_and_install_faults_keep_the_loop(clean_engine, monkeypa
 
 
 def test_weight_swap_fault_keeps_the_loop(clean_engine, monkeypatch):
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     eng = clean_engine
     errors_before, version = eng.stats["num_errors"], eng.weight_version

@@ -38,7 +38,7 @@ def _assert_close(got, want, tol=1e-5):
 
 @pytest.fixture(scope="module")
 def ckpt_b(tmp_path_factory):
-    from sglang_tpu_backend.tiny_model import write_random_model
+    from sglang_tpu_backend.model_loader.tiny_model import write_random_model
 
     return write_random_model(tmp_path_factory.mktemp("weights") / "b", seed=1)
 
@@ -81,11 +81,11 @@ def _fresh(engine):
 def test_update_from_tensor_matches_engine_on_b(eng, ckpt_b, ref_a, ref_b):
     from fastapi.testclient import TestClient
 
-    from sglang_tpu_backend.checkpoint_io import read_checkpoint
+    from sglang_tpu_backend.model_loader.checkpoint_io import read_checkpoint
     from sglang_tpu_backend.entrypoints.http_server import create_app
     from sglang_tpu_backend.entrypoints.rl_routes import encode_named_tensors
     from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     assert ref_a != ref_b
     tensors_a, tensors_b = read_checkpoint(default_model_path()), read_checkpoint(ckpt_b)
@@ -134,10 +134,10 @@ def test_update_from_distributed_matches_engine_on_b(eng, ckpt_b, ref_a, ref_b):
     with an unknown name is refused naming it and leaves the weights serving."""
     from fastapi.testclient import TestClient
 
-    from sglang_tpu_backend.checkpoint_io import read_checkpoint
+    from sglang_tpu_backend.model_loader.checkpoint_io import read_checkpoint
     from sglang_tpu_backend.entrypoints.http_server import create_app
     from sglang_tpu_backend.managers.weight_group import WeightSender
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     tensors_a, tensors_b = read_checkpoint(default_model_path()), read_checkpoint(ckpt_b)
     sender = WeightSender(world_size=2)
@@ -200,11 +200,11 @@ def test_fp8_and_per_expert_tensors_build_what_the_loader_reads(ckpt_b, tmp_path
 
     import jax.numpy as jnp
 
-    from sglang_tpu_backend.checkpoint_io import (
+    from sglang_tpu_backend.model_loader.checkpoint_io import (
         quantize_checkpoint_fp8, read_checkpoint, write_checkpoint)
-    from sglang_tpu_backend.loader import load_model
+    from sglang_tpu_backend.model_loader.loader import load_model
     from sglang_tpu_backend.model_executor.tensor_update import build_params
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     cfg, serving = load_model(default_model_path(), dtype=jnp.float32)
     serving = jax.device_put(serving, jax.devices()[0])
@@ -354,7 +354,7 @@ def test_pause_retract_midstream_completes_as_uninterrupted(eng):
 def test_pause_in_place_and_abort(eng, ckpt_b):
     from fastapi.testclient import TestClient
 
-    from sglang_tpu_backend.checkpoint_io import read_checkpoint
+    from sglang_tpu_backend.model_loader.checkpoint_io import read_checkpoint
     from sglang_tpu_backend.entrypoints.http_server import create_app
 
     client = TestClient(create_app(eng))

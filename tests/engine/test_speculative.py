@@ -926,8 +926,8 @@ def test_nextn_weight_update_reloads_the_mtp_layers(clean_nextn_engine, tmp_path
     restored after."""
     import jax
 
-    from sglang_tpu_backend.loader import load_mtp_params
-    from sglang_tpu_backend.tiny_model import default_model_path, write_random_model
+    from sglang_tpu_backend.model_loader.loader import load_mtp_params
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path, write_random_model
 
     eng = clean_nextn_engine
     runner, version = eng.runner, eng.weight_version
@@ -966,7 +966,7 @@ def test_nextn_weight_update_reloads_the_mtp_layers(clean_nextn_engine, tmp_path
 
 def no_mtp_model(tmp_path) -> dict:
     """Args of a model directory whose config lists no MTP layer (only its config is read)."""
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     cfg = json.loads((default_model_path() / "config.json").read_text())
     for c in (cfg, cfg.get("text_config", {})):

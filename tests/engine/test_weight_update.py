@@ -26,7 +26,7 @@ from tests.engine.engine_runs import tokens_and_logprobs as _tokens_and_logprobs
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from sglang_tpu_backend.tiny_model import default_model_path, write_random_model
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path, write_random_model
 
     def wider(config, tensors):
         config["text_config"]["hidden_size"] *= 2

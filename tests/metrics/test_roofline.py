@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from sglang_tpu_backend.models.param_shapes import mtp_param_shapes, num_param_bytes
-from sglang_tpu_backend.roofline import (
+from sglang_tpu_backend.planning.roofline import (
     CONFIG_397B, HARDWARE, ceiling, expert_coverage, load_config, main, model_sizes,
     mtp_step_terms, step_terms, verify_step_terms)
 
@@ -131,7 +131,7 @@ def test_each_tpu_generation_has_its_peaks():
     """The backend knows its TPU from JAX's device_kind and plans with that generation's
     peaks: a v5e ("TPU v5 lite") at 819 GB/s and 197 bf16 TFLOP/s, with no fp8 MXU (FP8
     weights run at the bf16 peak), Ironwood with its fp8 peak; an unknown kind is named."""
-    from sglang_tpu_backend import roofline
+    from sglang_tpu_backend.planning import roofline
 
     v5e = roofline.hardware_for("TPU v5 lite")
     assert (v5e.name, v5e.hbm_bandwidth, v5e.bf16_flops) == ("v5e", 819e9, 197e12)

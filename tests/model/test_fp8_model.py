@@ -6,13 +6,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from sglang_tpu_backend.checkpoint_io import quantize_checkpoint_fp8, write_checkpoint
+from sglang_tpu_backend.model_loader.checkpoint_io import quantize_checkpoint_fp8, write_checkpoint
 from sglang_tpu_backend.config import model_config_from_dict
-from sglang_tpu_backend.loader import load_model
+from sglang_tpu_backend.model_loader.loader import load_model
 from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
-from sglang_tpu_backend.tiny_model import random_checkpoint_tensors
+from sglang_tpu_backend.model_loader.tiny_model import random_checkpoint_tensors
 
 # Expert width 128 so gate|up can stay FP8 blockwise (128x128 scale blocks).
 CONFIG = {

@@ -10,19 +10,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from sglang_tpu_backend.checkpoint_io import (
+from sglang_tpu_backend.model_loader.checkpoint_io import (
     FP8_BLOCK,
     dequantized_reference,
     fused_to_per_expert,
     nested_to_flat,
     quantize_checkpoint_fp8,
-    write_checkpoint,
-)
+    write_checkpoint,)
 from sglang_tpu_backend.config import model_config_from_dict
-from sglang_tpu_backend.loader import CheckpointError, load_model, load_mtp_params
+from sglang_tpu_backend.model_loader.loader import CheckpointError, load_model, load_mtp_params
 from sglang_tpu_backend.models.param_shapes import mtp_param_shapes, param_shapes
 from sglang_tpu_backend.models.qwen3_5_moe import layer_params
-from sglang_tpu_backend.tiny_model import random_checkpoint_tensors
+from sglang_tpu_backend.model_loader.tiny_model import random_checkpoint_tensors
 
 P = "model.language_model."
 
@@ -135,7 +134,7 @@ def test_keep_fp8_experts_keeps_values_and_scales_as_stored(tmp_path):
 def test_keep_fp8_experts_falls_back_when_width_not_blockable(tmp_path, caplog):
     config = nested_config(moe_intermediate_size=64)
     path = write_checkpoint(tmp_path / "fp8", quantize_checkpoint_fp8(tensors_for(config)), config)
-    with caplog.at_level(logging.INFO, logger="sglang_tpu_backend.loader"):
+    with caplog.at_level(logging.INFO, logger="sglang_tpu_backend.model_loader.loader"):
         _, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True, backend="tpu")
     _, deq = load_model(path, dtype=jnp.float32)
     assert_trees_equal(kept, deq)
@@ -146,7 +145,7 @@ def test_keep_fp8_experts_dequantised_once_off_tpu(tmp_path, caplog):
     """Off-TPU FP8 experts are dequantised at load (no scales) exactly as without the flag."""
     config = nested_config()
     path = write_checkpoint(tmp_path / "fp8", quantize_checkpoint_fp8(tensors_for(config)), config)
-    with caplog.at_level(logging.INFO, logger="sglang_tpu_backend.loader"):
+    with caplog.at_level(logging.INFO, logger="sglang_tpu_backend.model_loader.loader"):
         cfg, kept = load_model(path, dtype=jnp.float32, keep_fp8_experts=True, backend="cpu")
     _, deq = load_model(path, dtype=jnp.float32)
     assert_trees_equal(kept, deq)
@@ -162,7 +161,7 @@ def test_nested_and_flat_configs_load_the_same(tmp_path, caplog):
     flat_tensors, flat_config = nested_to_flat(tensors, config)
     assert flat_config["model_type"] == "qwen3_5_moe_text" and "text_config" not in flat_config
     assert "model.embed_tokens.weight" in flat_tensors
-    with caplog.at_level(logging.INFO, logger="sglang_tpu_backend.loader"):
+    with caplog.at_level(logging.INFO, logger="sglang_tpu_backend.model_loader.loader"):
         cfg_a, a = load_model(write_checkpoint(tmp_path / "nested", tensors, config), dtype=jnp.float32)
     assert "skipped 2 vision/MTP tensors" in caplog.text
     cfg_b, b = load_model(write_checkpoint(tmp_path / "flat", flat_tensors, flat_config), dtype=jnp.float32)
@@ -239,7 +238,7 @@ def test_unknown_tensors_are_warned_about(tmp_path, caplog):
     config = nested_config()
     tensors = tensors_for(config)
     tensors[P + "layers.0.linear_attn.conv1d.bias"] = np.zeros((256,), np.float32)
-    with caplog.at_level(logging.WARNING, logger="sglang_tpu_backend.loader"):
+    with caplog.at_level(logging.WARNING, logger="sglang_tpu_backend.model_loader.loader"):
         load_model(write_checkpoint(tmp_path / "c", tensors, config), dtype=jnp.float32)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "layers.0.linear_attn.conv1d.bias" in warnings[0].getMessage()
@@ -361,7 +360,8 @@ def test_qwen3_next_fused_projections_split_like_transformers(tmp_path):
 # Sharded loading and dummy weights (one device here; the DP / multi-process engines in
 # tests/engine/test_dp_engine.py and test_multihost_engine.py read per device and process).
 def test_read_rows_reads_only_those_rows(tmp_path):
-    from sglang_tpu_backend.checkpoint_io import BYTES_READ, index_checkpoint, read_rows
+    from sglang_tpu_backend.model_loader.checkpoint_io import (
+        BYTES_READ, index_checkpoint, read_rows)
 
     config = nested_config()
     tensors = tensors_for(config)
@@ -382,8 +382,8 @@ def test_sharded_load_equals_whole_load_and_reads_every_byte_once(tmp_path, keep
     params, and the host one's arrays are its buffers (no copy)."""
     from jax.sharding import SingleDeviceSharding
 
-    from sglang_tpu_backend.checkpoint_io import index_checkpoint
-    from sglang_tpu_backend.sharded_loader import load_sharded
+    from sglang_tpu_backend.model_loader.checkpoint_io import index_checkpoint
+    from sglang_tpu_backend.model_loader.sharded_loader import load_sharded
 
     config = nested_config()
     path = write_checkpoint(tmp_path / "fp8", quantize_checkpoint_fp8(tensors_for(config, seed=3)),
@@ -407,8 +407,8 @@ def test_bf16_host_load_reads_into_place_and_transposes_by_blocks(tmp_path):
     transposed ones through a scratch buffer) and gives what the device path gives."""
     from jax.sharding import SingleDeviceSharding
 
-    from sglang_tpu_backend import host_load
-    from sglang_tpu_backend.sharded_loader import load_sharded
+    from sglang_tpu_backend.model_loader import host_load
+    from sglang_tpu_backend.model_loader.sharded_loader import load_sharded
 
     src = np.arange(3 * 200 * 70, dtype=np.uint16).view(ml_dtypes.bfloat16).reshape(3, 200, 70)
     dst = np.empty((3, 70, 200), src.dtype)
@@ -437,7 +437,7 @@ def test_bf16_host_load_reads_into_place_and_transposes_by_blocks(tmp_path):
 def test_dummy_params_are_the_seeds_and_shaped_like_the_config():
     from jax.sharding import SingleDeviceSharding
 
-    from sglang_tpu_backend.sharded_loader import dummy_params
+    from sglang_tpu_backend.model_loader.sharded_loader import dummy_params
 
     cfg = model_config_from_dict(nested_config())
     shapes = param_shapes(cfg, jnp.float32, fp8_experts=True)  # every kind of leaf, FP8 too
@@ -466,7 +466,7 @@ def test_dummy_weights_at_397b_shapes_without_materialising_them():
     from jax.sharding import SingleDeviceSharding
 
     from sglang_tpu_backend.models.param_shapes import num_param_bytes
-    from sglang_tpu_backend.sharded_loader import dummy_init
+    from sglang_tpu_backend.model_loader.sharded_loader import dummy_init
 
     config = json.loads((Path(__file__).resolve().parents[2] / "sglang_tpu_backend" / "assets"
                          / "configs" / "qwen3.5-397b-a17b.json").read_text())
@@ -486,8 +486,8 @@ def test_host_filler_raises_an_error_of_any_worker_task_not_only_the_last():
     """A transpose or copy that failed on the worker fails the load, even when later tasks
     succeeded (a finish that waited only for the last task would hand out a half-filled
     buffer)."""
-    from sglang_tpu_backend import host_load
-    from sglang_tpu_backend.sharded_loader import LoadReport
+    from sglang_tpu_backend.model_loader import host_load
+    from sglang_tpu_backend.model_loader.sharded_loader import LoadReport
 
     filler = host_load.HostFiller(LoadReport(), num_experts=1)
     dst = np.zeros((3, 2), np.float32)
@@ -504,7 +504,7 @@ def test_is_cpu_reads_layout_formats():
     from jax.experimental.layout import Format, Layout
     from jax.sharding import SingleDeviceSharding
 
-    from sglang_tpu_backend import host_load
+    from sglang_tpu_backend.model_loader import host_load
 
     cpu = SingleDeviceSharding(jax.devices("cpu")[0])
     tree = {"w": Format(Layout(major_to_minor=(0, 1)), cpu), "b": cpu}

@@ -14,10 +14,10 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 from sglang_tpu_backend.config import load_model_config  # noqa: E402
-from sglang_tpu_backend.mem_budget import device_memory_bytes, size_pools  # noqa: E402
-from sglang_tpu_backend.plan import step_activation_bytes  # noqa: E402
+from sglang_tpu_backend.planning.mem_budget import device_memory_bytes, size_pools  # noqa: E402
+from sglang_tpu_backend.planning.plan import step_activation_bytes  # noqa: E402
 from sglang_tpu_backend.server_args import ServerArgs  # noqa: E402
-from sglang_tpu_backend.tiny_model import default_model_path  # noqa: E402
+from sglang_tpu_backend.model_loader.tiny_model import default_model_path  # noqa: E402
 
 ARGS = dict(dtype="float32", page_size=16, max_running_requests=4, chunked_prefill_size=64,
             context_length=128, skip_warmup=True)
@@ -26,7 +26,7 @@ ARGS = dict(dtype="float32", page_size=16, max_running_requests=4, chunked_prefi
 @pytest.fixture(scope="module")
 def measured():
     """cfg, and byte counts from real arrays: loaded f32 weights, one KV page, one GDN slot."""
-    from sglang_tpu_backend.loader import load_params
+    from sglang_tpu_backend.model_loader.loader import load_params
     from sglang_tpu_backend.models.qwen3_5_moe import init_cache
 
     path = default_model_path()
@@ -59,7 +59,7 @@ def test_pages_follow_the_formula(measured):
 
 def test_nextn_counts_the_mtp_weights_and_pages(measured):
     """With NEXTN the weights include the loaded MTP params and a page the MTP layer's KV."""
-    from sglang_tpu_backend.loader import load_mtp_params
+    from sglang_tpu_backend.model_loader.loader import load_mtp_params
     from sglang_tpu_backend.models.mtp import init_mtp_cache
 
     cfg, weights, page, _ = measured
@@ -87,7 +87,7 @@ def test_running_requests_shrink_to_fit_then_error(measured, caplog):
     cfg, weights, page, slot = measured
     # Room for 2 running requests (and 2 snapshots) with 2 pages, not for 4 with 4 pages.
     D = weights + static_bytes(cfg, slot, 2, 2) + 2 * page
-    with caplog.at_level(logging.WARNING, logger="sglang_tpu_backend.mem_budget"):
+    with caplog.at_level(logging.WARNING, logger="sglang_tpu_backend.planning.mem_budget"):
         got = size_pools(cfg, ServerArgs(**ARGS, mem_fraction_static=1.0), D)
     assert got.max_running_requests_per_rank == 2 and got.num_pages_per_rank == 2
     assert "reduced 4 -> 2" in caplog.text

@@ -1,4 +1,4 @@
-"""Per-device memory planner (sglang_tpu_backend.plan) on the shipped Qwen3.5-397B config.
+"""Per-device memory planner (sglang_tpu_backend.planning.plan) on the shipped Qwen3.5-397B config.
 
 Expected sizes are written out from the config's numbers (H 4096, V 248320, 60 layers = 45
 GDN + 15 attention, N 32 / G 2 heads of 256, Hk 16 / Hv 64 GDN heads of 128, K 4 taps,
@@ -14,7 +14,7 @@ import json
 import pytest
 
 from sglang_tpu_backend.config import model_config_from_dict
-from sglang_tpu_backend.plan import DEFAULT_CONFIG, main, plan
+from sglang_tpu_backend.planning.plan import DEFAULT_CONFIG, main, plan
 
 CFG = model_config_from_dict(json.loads(DEFAULT_CONFIG.read_text()))
 COMMON = dict(context_length=9216, page_size=256, expert_dtype="fp8", kv_dtype="bf16",

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_backend import tiny_model
+from sglang_tpu_backend.model_loader import tiny_model
 from sglang_tpu_backend.assets.build_tiny_tokenizer import build_tokenizer
 from sglang_tpu_backend.config import load_model_config
-from sglang_tpu_backend.loader import load_model
+from sglang_tpu_backend.model_loader.loader import load_model
 from sglang_tpu_backend.models.qwen3_5_moe import layer_params
-from sglang_tpu_backend.tiny_model import ASSET_DIR, default_model_path, tiny_config_dict
+from sglang_tpu_backend.model_loader.tiny_model import (
+    ASSET_DIR, default_model_path, tiny_config_dict)
 from sglang_tpu_backend.tokenizer import ids_decoder, load_tokenizer
 
 
@@ -33,7 +34,7 @@ def test_generation_is_deterministic(model_dir, tmp_path):
     # Our writer's files read back identically through the safetensors library itself.
     from safetensors.numpy import load_file
 
-    from sglang_tpu_backend.checkpoint_io import read_checkpoint
+    from sglang_tpu_backend.model_loader.checkpoint_io import read_checkpoint
 
     ours, theirs = read_checkpoint(model_dir), load_file(model_dir / "model.safetensors")
     assert ours.keys() == theirs.keys()
@@ -154,7 +155,7 @@ def test_generated_checkpoint_fits_transformers_model_exactly(model_dir):
     torch = pytest.importorskip("torch")
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
-    from sglang_tpu_backend.checkpoint_io import read_checkpoint
+    from sglang_tpu_backend.model_loader.checkpoint_io import read_checkpoint
 
     text = json.loads((model_dir / "config.json").read_text())["text_config"]
     model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{k: v for k, v in text.items() if k != "model_type"}))
@@ -169,7 +170,7 @@ def test_generated_checkpoint_fits_transformers_model_exactly(model_dir):
 
 def test_default_model_has_one_mtp_layer(model_dir):
     """The MTP params load beside the main ones (the embedding and head are shared)."""
-    from sglang_tpu_backend.loader import load_mtp_params
+    from sglang_tpu_backend.model_loader.loader import load_mtp_params
     from sglang_tpu_backend.models.param_shapes import mtp_param_shapes
 
     cfg = load_model_config(model_dir)

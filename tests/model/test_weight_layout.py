@@ -21,8 +21,8 @@ from sglang_tpu_backend.model_executor.weight_layout import (
     weight_formats,
 )
 from sglang_tpu_backend.models.param_shapes import param_shapes
-from sglang_tpu_backend.tiny_model import ASSET_DIR
-from sglang_tpu_backend import plan
+from sglang_tpu_backend.model_loader.tiny_model import ASSET_DIR
+from sglang_tpu_backend.planning import plan
 
 # jax's layout API (Format, Layout) moves between versions: both jax legs.
 pytestmark = pytest.mark.jax_versions

@@ -108,7 +108,7 @@ def test_initial_location_from_a_load_file(tmp_path):
     from sglang_tpu_backend.config import load_model_config
     from sglang_tpu_backend.model_executor.expert_balancer import initial_location
     from sglang_tpu_backend.model_executor.expert_location import moe_layers
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     cfg = load_model_config(default_model_path())
     path = tmp_path / "loads.json"
@@ -126,11 +126,11 @@ def test_expert_move_on_device_matches_a_fresh_placement():
     """Params moved from one placement to another on the device equal the host params
     placed for the new one, leaf for leaf, with the same shardings (one device here; the
     8-device move under the DP step's shardings runs in ``dp_ep_run.py``)."""
-    from sglang_tpu_backend.loader import load_model
+    from sglang_tpu_backend.model_loader.loader import load_model
     from sglang_tpu_backend.model_executor.expert_balancer import ExpertBalancer
     from sglang_tpu_backend.model_executor.expert_location import (ExpertMover, apply_location,
                                                                    params_location)
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     cfg, params = load_model(default_model_path(), dtype=jnp.float32)
     old = eplb.ExpertLocation.trivial(8, 16, 24)

@@ -120,7 +120,7 @@ def test_initialize_rejects_bad_arguments(args, match):
 def test_agreement_items_name_what_differs():
     from sglang_tpu_backend.parallel import agreement
     from sglang_tpu_backend.server_args import ServerArgs
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     base = dict(model_path=str(default_model_path()), nnodes=2, dist_init_addr="h:1",
                 dp_size=8, ep_size=8, disable_radix_cache=True)

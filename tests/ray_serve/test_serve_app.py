@@ -110,7 +110,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory):
     from ray_app import app
-    from sglang_tpu_backend.tiny_model import write_looping_model
+    from sglang_tpu_backend.model_loader.tiny_model import write_looping_model
 
     LOOPING_MODEL.append(write_looping_model(tmp_path_factory.mktemp("looping")))
 
@@ -442,7 +442,7 @@ def test_handover_metrics(base_url):
 
 def test_load_profile_and_weight_routes_reach_the_replicas(base_url, tmp_path):
     """The routes added to the standalone server work through the Ray ingress too."""
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     _wait_for_one_decode_replica()  # the earlier bursts may have scaled decode up
     load = requests.get(f"{base_url}/pd/get_load", timeout=60).json()

@@ -153,7 +153,7 @@ def test_profile_without_num_steps_stops_after_max_seconds(tmp_path):
     """A trace nobody stops ends by itself after ``max_seconds`` (--profile-max-seconds) and is
     written; a stop afterwards is a 400."""
     from sglang_tpu_backend.managers.io_struct import InvalidRequestError
-    from sglang_tpu_backend.profiler import StepProfiler
+    from sglang_tpu_backend.managers.profiler import StepProfiler
 
     prof = StepProfiler(max_seconds=0.3)
     out = str(tmp_path / "timed")

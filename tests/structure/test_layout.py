@@ -2,8 +2,9 @@
 
 Layers, lowest first; a module may import its own layer and the ones below. Most modules
 take their package's layer; the few leaf modules that lower layers share (errors, step
-inputs, the mesh, per-request state) are named on their own. Function-level imports count, except the package root's one lazy export of the offline
-Engine (``sglang_tpu_backend.Engine``).
+inputs, the mesh, per-request state) are named on their own, and so is every module of
+model_loader/ and planning/, whose modules span layers 0-2. Function-level imports count,
+except the package root's one lazy export of the offline Engine (``sglang_tpu_backend.Engine``).
 """
 
 from __future__ import annotations
@@ -18,33 +19,40 @@ PACKAGES = ("sglang_tpu_backend", "ray_app")
 FOLDERS = {"sglang_tpu_backend": "sglang_tpu_backend", "kernels": "sglang_tpu_backend.kernels",
            "ray_app": "ray_app"}
 KERNELS = "sglang_tpu_backend.kernels"
+# Packages whose modules sit on different layers: each of their modules is named in LAYERS.
+MODEL_LOADER = "sglang_tpu_backend.model_loader"
+PLANNING = "sglang_tpu_backend.planning"
+SPLIT_PACKAGES = (MODEL_LOADER, PLANNING)
 LAYERS = [
     # 0: leaves: the package root (its __version__), kernels, configuration, errors, the
-    #    step's input pytree
-    ("sglang_tpu_backend", KERNELS, "sglang_tpu_backend.config", "sglang_tpu_backend.checkpoint_io",
+    #    step's input pytree, checkpoint file I/O, the HLO text parser
+    ("sglang_tpu_backend", KERNELS, "sglang_tpu_backend.config",
      "sglang_tpu_backend.managers.io_struct", "sglang_tpu_backend.model_executor.forward_mode",
      "sglang_tpu_backend.model_executor.forward_batch", "sglang_tpu_backend.parallel.mesh",
-     "sglang_tpu_backend.metrics.router_stats", "sglang_tpu_backend.hlo_text"),
-    # 1: the model, tokenizer, caches, sampling, drafting, grammars, metrics, per-request state
+     "sglang_tpu_backend.metrics.router_stats",
+     f"{MODEL_LOADER}.checkpoint_io", f"{PLANNING}.hlo_text"),
+    # 1: the model, tokenizer, caches, sampling, drafting, grammars, metrics, per-request state;
+    #    checkpoint reading and checking, the tiny model; the rooflines
     ("sglang_tpu_backend.server_args", "sglang_tpu_backend.models", "sglang_tpu_backend.tokenizer",
-     "sglang_tpu_backend.tiny_model", "sglang_tpu_backend.loader",
-     "sglang_tpu_backend.checkpoint_shapes", "sglang_tpu_backend.mem_cache",
-     "sglang_tpu_backend.sampling", "sglang_tpu_backend.constrained", "sglang_tpu_backend.metrics",
-     "sglang_tpu_backend.profiler", "sglang_tpu_backend.roofline",
-     "sglang_tpu_backend.compiled_roofline", "sglang_tpu_backend.compiled_timeline",
-     "sglang_tpu_backend.program_roofline",
+     "sglang_tpu_backend.mem_cache", "sglang_tpu_backend.sampling",
+     "sglang_tpu_backend.constrained", "sglang_tpu_backend.metrics",
      "sglang_tpu_backend.managers.schedule_batch", "sglang_tpu_backend.managers.handover",
-     "sglang_tpu_backend.speculative"),
+     "sglang_tpu_backend.speculative",
+     f"{MODEL_LOADER}.tiny_model", f"{MODEL_LOADER}.loader", f"{MODEL_LOADER}.checkpoint_shapes",
+     f"{PLANNING}.roofline", f"{PLANNING}.compiled_roofline", f"{PLANNING}.compiled_timeline",
+     f"{PLANNING}.program_roofline"),
     # 2: running the model: one device, DP, TP, multi-host; loading into shardings; planning
-    ("sglang_tpu_backend.model_executor", "sglang_tpu_backend.parallel", "sglang_tpu_backend.plan",
-     "sglang_tpu_backend.mem_budget", "sglang_tpu_backend.generate",
-     "sglang_tpu_backend.sharded_loader", "sglang_tpu_backend.host_load"),
-    # 3: the engine's components (scheduler, loop, outputs, handover, weight updates)
+    ("sglang_tpu_backend.model_executor", "sglang_tpu_backend.parallel",
+     "sglang_tpu_backend.generate", f"{MODEL_LOADER}.sharded_loader", f"{MODEL_LOADER}.host_load",
+     f"{PLANNING}.plan", f"{PLANNING}.mem_budget"),
+    # 3: the engine's components (scheduler, loop, outputs, handover, weight updates, traces)
     ("sglang_tpu_backend.managers",),
     # 4: the engine facade
     ("sglang_tpu_backend.engine",),
-    # 5: HTTP and offline APIs, the server entry point
-    ("sglang_tpu_backend.entrypoints", "sglang_tpu_backend.launch_server"),
+    # 5: HTTP and offline APIs, the command-line entry points (the server, the planner's
+    #    ``python -m sglang_tpu_backend.plan``)
+    ("sglang_tpu_backend.entrypoints", "sglang_tpu_backend.launch_server",
+     "sglang_tpu_backend.plan"),
     # 6: the Ray Serve app
     ("ray_app",),
 ]
@@ -97,6 +105,30 @@ def test_layer_rule_itself():
     assert _layer("sglang_tpu_backend.model_executor.model_runner") == 2
     assert _layer("sglang_tpu_backend") == 0 and _layer(f"{KERNELS}.gdn") == 0
     assert _layer("sglang_tpu_backend.entrypoints.http_server") == 5
+    assert _layer(f"{MODEL_LOADER}.checkpoint_io") == 0 and _layer(f"{PLANNING}.hlo_text") == 0
+    assert _layer(f"{MODEL_LOADER}.loader") == 1 and _layer(f"{PLANNING}.roofline") == 1
+    assert _layer(f"{MODEL_LOADER}.sharded_loader") == 2 and _layer(f"{PLANNING}.plan") == 2
+    assert _layer("sglang_tpu_backend.plan") == 5  # the entry point, not a prefix of planning
+    assert _layer("sglang_tpu_backend.managers.profiler") == 3
+
+
+def test_split_packages_name_each_module_and_export_nothing():
+    """model_loader/ and planning/ span layers, so each module is named in LAYERS (a new one
+    does not silently take the package root's layer 0); their ``__init__`` imports nothing
+    (explicit imports: ``from sglang_tpu_backend.model_loader.loader import ...``)."""
+    named = {name for names in LAYERS for name in names}
+    unnamed, exporting = [], []
+    for module, path in _modules():
+        if not module.startswith(SPLIT_PACKAGES):
+            continue
+        if path.name == "__init__.py":
+            tree = ast.parse(path.read_text())
+            if any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(tree)):
+                exporting.append(module)
+        elif module not in named:
+            unnamed.append(module)
+    assert not unnamed, f"name these in LAYERS: {unnamed}"
+    assert not exporting, f"these package roots import (re-export) something: {exporting}"
 
 
 def test_relative_imports_resolve():

@@ -26,7 +26,7 @@ outputs, charged 169 MB per layer, is gone). The 10% left is activation traffic 
 leaves out: f32 logits, the all-gathered hidden rows, the routed rows between the MoE
 kernels, per-layer activations between fusions.
 
-The compiled roofline (``compiled_roofline.py``) charges every op of a compiled program: a
+The compiled roofline (``planning/compiled_roofline.py``) charges every op of a compiled program: a
 made-up op raises, a loop body is charged once per trip, its FLOPs on the 4-layer slice are
 XLA's, and the program efficiency (the roofline's ideal / the charged cost) of the decode
 step (HBM bytes: the full 60-layer program, shared with ``test_dp_compile.py``, and the slice)
@@ -47,14 +47,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sglang_tpu_backend.compiled_roofline import TPU7X, UnchargedOpError
-from sglang_tpu_backend.compiled_timeline import program_cost
+from sglang_tpu_backend.planning.compiled_roofline import TPU7X, UnchargedOpError
+from sglang_tpu_backend.planning.compiled_timeline import program_cost
 from sglang_tpu_backend.kernels.tpu_compile import NO_VMEM_PREFETCH, topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh
-from sglang_tpu_backend.program_roofline import bucket_efficiency, format_efficiency
-from sglang_tpu_backend.roofline import step_terms, totals
+from sglang_tpu_backend.planning.program_roofline import bucket_efficiency, format_efficiency
+from sglang_tpu_backend.planning.roofline import step_terms, totals
 
 from .test_dp_compile import PAGES, compile_397b, config_397b
 

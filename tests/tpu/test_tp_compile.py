@@ -23,7 +23,7 @@ from sglang_tpu_backend.kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_tp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh
-from sglang_tpu_backend.plan import plan
+from sglang_tpu_backend.planning.plan import plan
 from tests.tpu.test_dp_compile import PAGES, config_397b
 
 TOPOLOGY = "tpu7x:2x2x1"

@@ -24,7 +24,7 @@ from sglang_tpu_backend.model_executor.step_compile import (
     compile_dp_verify_with_mtp,
 )
 from sglang_tpu_backend.parallel.mesh import make_mesh
-from sglang_tpu_backend.plan import plan
+from sglang_tpu_backend.planning.plan import plan
 
 from .test_dp_compile import PAGES, config_397b
 

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from sglang_tpu_backend.checkpoint_io import (
+from sglang_tpu_backend.model_loader.checkpoint_io import (
     FP8_BLOCK,
     CheckpointError,
     TensorEntry,
@@ -37,7 +37,7 @@ from sglang_tpu_backend.checkpoint_io import (
     read_rows,
     read_tensor,
 )
-from sglang_tpu_backend.checkpoint_shapes import (
+from sglang_tpu_backend.model_loader.checkpoint_shapes import (
     F8_CODES,
     MTP_NORMS,
     Shape,

@@ -68,7 +68,8 @@ from sglang_tpu_backend.kernels.gdn_common import conv_state_rows
 from sglang_tpu_backend.models.param_shapes import mtp_param_shapes, num_param_bytes, param_shapes
 
 GiB = 1 << 30
-DEFAULT_CONFIG = Path(__file__).parent / "assets" / "configs" / "qwen3.5-397b-a17b.json"
+DEFAULT_CONFIG = (Path(__file__).resolve().parents[1] / "assets" / "configs"
+                  / "qwen3.5-397b-a17b.json")
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp32": 4}
 DTYPE_FLAGS = {"--expert-dtype": ("fp8", "bf16"), "--dtype": ("bf16",),  # first: the default
                "--kv-dtype": ("bf16", "fp8"), "--state-dtype": ("bf16", "fp32")}
@@ -505,9 +506,9 @@ def print_program_efficiency(cfg: ModelConfig, p: MemoryPlan, a, hlo: dict, out
                              ) -> dict[str, float]:
     """Charge each bucket's compiled HLO (``{name: (hlo, tokens, requests) per rank}``), print
     its per-kind table and return each bucket's efficiency."""
-    from sglang_tpu_backend.compiled_roofline import Device
-    from sglang_tpu_backend.program_roofline import bucket_efficiency, format_efficiency
-    from sglang_tpu_backend.roofline import Hardware
+    from sglang_tpu_backend.planning.compiled_roofline import Device
+    from sglang_tpu_backend.planning.program_roofline import bucket_efficiency, format_efficiency
+    from sglang_tpu_backend.planning.roofline import Hardware
 
     gen = parse_topology(p.topology).generation
     hw = Hardware(p.topology, gen.bf16_flops_per_chip, gen.fp8_flops_per_chip,

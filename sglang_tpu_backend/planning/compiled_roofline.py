@@ -70,8 +70,8 @@ import dataclasses
 import math
 import re
 
-from sglang_tpu_backend.hlo_text import Computation, Instruction
-from sglang_tpu_backend.roofline import HARDWARE, Hardware
+from sglang_tpu_backend.planning.hlo_text import Computation, Instruction
+from sglang_tpu_backend.planning.roofline import HARDWARE, Hardware
 
 ICI_BANDWIDTH = 1200e9 / 2  # B/s into one TPU7x chip (1,200 GB/s bidirectional)
 D2D_BANDWIDTH = 7380e9 / 2  # B/s between a TPU7x chip's two dies (assumed; see docstring)

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.config import cache_storage_dtype
 from sglang_tpu_backend.kernels.ragged_paged_attention import is_quantized
-from sglang_tpu_backend.plan import gdn_slot_bytes, kv_page_bytes, step_activation_bytes, weight_bytes
+from sglang_tpu_backend.planning.plan import (
+    gdn_slot_bytes, kv_page_bytes, step_activation_bytes, weight_bytes)
 from sglang_tpu_backend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

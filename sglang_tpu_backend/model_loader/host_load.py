@@ -32,7 +32,7 @@ import jax
 from jax.experimental.layout import Format
 import numpy as np
 
-from sglang_tpu_backend.checkpoint_io import BYTES_READ
+from sglang_tpu_backend.model_loader.checkpoint_io import BYTES_READ
 
 HUGE_PAGE = 2 << 20
 TRANSPOSE_ROWS = 64  # rows of the source per block of transpose_into (fastest measured: 0.9 GB/s)

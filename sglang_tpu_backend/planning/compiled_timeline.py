@@ -10,9 +10,9 @@ max(transfer, compute inside it).
 
 from __future__ import annotations
 
-from sglang_tpu_backend.compiled_roofline import (
+from sglang_tpu_backend.planning.compiled_roofline import (
     COLLECTIVES, KINDS, TPU7X, ZERO_COST, Charge, Device, ProgramCost, _target, _Walk, trip_count)
-from sglang_tpu_backend.hlo_text import Computation, Instruction, parse_module
+from sglang_tpu_backend.planning.hlo_text import Computation, Instruction, parse_module
 
 def program_cost(hlo: str, device: Device = TPU7X) -> ProgramCost:
     """Charge every op of compiled HLO text (``compiled_roofline.py``'s docstring), with the

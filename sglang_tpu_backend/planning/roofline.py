@@ -1,7 +1,8 @@
 """Roofline: ceilings on serving throughput (tokens/s per chip) from a model config and a
 hardware table; nothing is fitted to measured numbers.
 
-    python -m sglang_tpu_backend.roofline --model-config sglang_tpu_backend/assets/configs/qwen3.5-397b-a17b.json \
+    python -m sglang_tpu_backend.planning.roofline \
+        --model-config sglang_tpu_backend/assets/configs/qwen3.5-397b-a17b.json \
         --hardware tpu7x --input-len 8192 --output-len 1024 --concurrency 64
 
 System: ``num_chips`` chips with ``devices_per_chip`` devices each; every device is one
@@ -61,7 +62,7 @@ from sglang_tpu_backend.kernels.gdn_verify import (gated_delta_net_commit_cost,
                                                   gated_delta_net_verify_cost)
 from sglang_tpu_backend.models.param_shapes import layer_param_shapes
 
-CONFIG_397B = Path(__file__).parent / "assets" / "configs" / "qwen3.5-397b-a17b.json"
+CONFIG_397B = Path(__file__).resolve().parents[1] / "assets" / "configs" / "qwen3.5-397b-a17b.json"
 DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp8": 1, "f32": 4, "float32": 4}
 # Published Ironwood serving results, concurrency 64, one host (4 chips, 8 TensorCores):
 # total (input + output) tokens/s per chip.

@@ -18,10 +18,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_backend.compiled_roofline import KINDS, Charge, Device, ProgramCost
+from sglang_tpu_backend.planning.compiled_roofline import KINDS, Charge, Device, ProgramCost
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.models.param_shapes import layer_param_shapes
-from sglang_tpu_backend.roofline import step_terms
+from sglang_tpu_backend.planning.roofline import step_terms
 
 _MODULE_KINDS = {"self_attn": "attention", "linear_attn": "gdn", "gate": "routed experts",
                  "shared_expert": "shared expert", "shared_expert_gate": "shared expert"}
@@ -121,7 +121,7 @@ def bucket_efficiency(name: str, hlo: str, cfg: ModelConfig, *, tokens: int, seq
                       state_dtype: str = "bf16", kv_dtype: str = "bf16") -> BucketEfficiency:
     """Charge compiled HLO text of one DP step (``tokens`` rows, ``seqs`` requests per rank,
     one logits row per request) and set it beside the roofline's ideal for that batch."""
-    from sglang_tpu_backend.compiled_timeline import program_cost
+    from sglang_tpu_backend.planning.compiled_timeline import program_cost
 
     ideal = ideal_by_kind(cfg, tokens=tokens, seqs=seqs, kv_len=kv_len, devices=devices,
                           decode=name == "decode", logits_rows=seqs, expert_dtype=expert_dtype,
