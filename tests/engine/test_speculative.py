@@ -15,7 +15,9 @@ outputs equal the plain engine's whatever the drafts, sampled ones follow its di
 - penalised / biased greedy requests accept drafts and keep the plain outputs; sampled ones
   accept drafts by rejection sampling and keep the plain distribution and logprobs;
 - grammar requests: drafts checked on a copy of the matcher, cut at the first rejected one;
-- no program lowered while serving after warm-up;
+- no program lowered while serving after warm-up; warm-up itself compiles the verify
+  forward and the commit once per TARGET_VERIFY shape and the verify sampler once per shape,
+  variant and top-logprob count (``verify_warmup_run.py``, a fresh process);
 - with --dp-size 4 (``dp_spec_run.py``, 4 simulated CPU devices): NGRAM, replayed drafts and
   NEXTN give the plain engine's tokens and logprobs (within 1e-5) on 48 concurrent requests,
   every rank served, nothing lowered after warm-up;
@@ -206,6 +208,27 @@ def test_no_lowering_while_serving(clean_spec_engine):
     assert seen, "no verify step ran"
     warm = set(runner.all_shapes())
     assert all(s in warm for s in seen), (seen, warm)
+
+
+def test_warm_up_compiles_each_verify_program_once_per_shape(tmp_path):
+    """The claim "warm-up compiles TARGET_VERIFY six times" checked (issue 38): in a fresh
+    process, warm-up compiles the verify forward once per TARGET_VERIFY shape (two here), the
+    commit once per shape, and the verify sampler once per shape, sampler variant and
+    top-logprob count (these are distinct programs: the variant and the count are static); a
+    second warm-up compiles nothing."""
+    out = tmp_path / "verify_warmup.json"
+    run_on_cpu_devices(Path(__file__).with_name("verify_warmup_run.py"), str(out),
+                       num_devices=1)
+    r = json.loads(out.read_text())
+    shapes = len(r["verify_shapes"])
+    assert shapes == 2 and len({tuple(s) for s in r["verify_shapes"]}) == shapes
+    samplers = shapes * r["variants"] * len(r["top_logprobs"])
+    assert r["compiles"]["jit(forward_verify)"] == shapes, r["compiles"]
+    assert r["compiles"]["jit(commit_accepted)"] == shapes, r["compiles"]
+    assert r["compiles"]["jit(sample_verify_step)"] == samplers, r["compiles"]
+    assert r["cache_entries"] == {"forward_verify": shapes, "sample_verify_step": samplers,
+                                  "commit_accepted": shapes}
+    assert r["second_warmup_lowerings"] == 0
 
 
 def test_ngram_outputs_equal_the_plain_engine(clean_spec_engine, clean_engine):
