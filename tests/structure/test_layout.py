@@ -242,3 +242,20 @@ def test_setup_env_reads_its_flags_in_any_order():
     assert out.returncode == 2 and "unknown flag --bogus" in out.stderr
     text = script.read_text()
     assert '"${2:-}"' not in text and '"${1:-}"' not in text
+
+
+def test_readme_architecture_names_every_package():
+    """README's Architecture section has a line for each package of sglang_tpu_backend/ and
+    each top-level source folder, and names no package that is gone."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Architecture\n", 1)[1].split("\n## ", 1)[0]
+    packages = {p.parent.name for p in (ROOT / "sglang_tpu_backend").glob("*/__init__.py")}
+    folders = {"kernels", "ray_app", "deploy", "monitoring", "benchmarks", "tests"}
+    named = set()
+    for line in section.splitlines():
+        if line.startswith("- `") and "/`" in line.split(":")[0]:
+            named.add(line[3:].split("/`", 1)[0])
+    missing = sorted((packages | folders) - named)
+    assert not missing, f"README's Architecture section lacks a line for {missing}"
+    gone = sorted(named - packages - folders - {"sglang_tpu_backend", "examples"})
+    assert not gone, f"README's Architecture section names folders that do not exist: {gone}"
