@@ -131,6 +131,14 @@ class Charge:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + times * getattr(other, f.name))
 
+    @classmethod
+    def sum(cls, charges) -> "Charge":
+        """A new Charge holding the sum of ``charges``."""
+        out = cls()
+        for c in charges:
+            out.add(c)
+        return out
+
 
 @dataclasses.dataclass(frozen=True)
 class Device:
@@ -169,10 +177,7 @@ class ProgramCost:
 
     @property
     def total(self) -> Charge:
-        out = Charge()
-        for c in self.kinds.values():
-            out.add(c)
-        return out
+        return Charge.sum(self.kinds.values())
 
 
 def kind_of(instr: Instruction) -> str:

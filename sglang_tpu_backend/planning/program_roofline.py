@@ -73,10 +73,7 @@ class BucketEfficiency:
 
     @property
     def ideal_total(self) -> Charge:
-        out = Charge()
-        for c in self.ideal.values():
-            out.add(c)
-        return out
+        return Charge.sum(self.ideal.values())
 
     @property
     def ideal_seconds(self) -> float:
