@@ -28,11 +28,11 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from sglang_tpu_backend.planning.compiled_roofline import TPU7X
 from sglang_tpu_backend.kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh
+from sglang_tpu_backend.planning.compiled_roofline import TPU7X
 from sglang_tpu_backend.planning.program_roofline import bucket_efficiency, format_efficiency
 from sglang_tpu_backend.planning.roofline import CONFIG_397B, load_config
 

@@ -29,9 +29,9 @@ import numpy as np
 
 from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.kernels import gmm_xla  # (XLA_TILE_ROWS: the XLA path's tile floor)
+from sglang_tpu_backend.model_loader.tiny_model import tiny_config_dict
 from sglang_tpu_backend.models.moe import routed_experts
 from sglang_tpu_backend.models.qwen3_5_moe import moe_block, route_tokens
-from sglang_tpu_backend.model_loader.tiny_model import tiny_config_dict
 
 CONFIGS = {  # name: (hidden, experts, top-k, expert width, shared-expert width)
     "tiny": (128, 16, 4, 64, 128),

@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sglang_tpu_backend.planning import roofline
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.models.param_shapes import param_shapes
+from sglang_tpu_backend.planning import roofline
 
 from bench_vs_transformers import make_config  # benchmarks/ is the script's path
 

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_backend.config import load_model_config
-from sglang_tpu_backend.model_loader.loader import load_params
 from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
-from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
+from sglang_tpu_backend.model_loader.loader import load_params
 from sglang_tpu_backend.model_loader.tiny_model import default_model_path
+from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 
 
 def main() -> None:

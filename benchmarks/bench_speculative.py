@@ -47,9 +47,9 @@ import time
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
+from sglang_tpu_backend.model_loader.tiny_model import write_looping_model
 from sglang_tpu_backend.server_args import ServerArgs
 from sglang_tpu_backend.speculative.drafter import CallbackDrafter
-from sglang_tpu_backend.model_loader.tiny_model import write_looping_model
 
 def run(engine: Engine, prompts: list[list[int]], max_new: int) -> dict:
     """Queue every prompt, step to the end: wall seconds, output tokens, accept length, the

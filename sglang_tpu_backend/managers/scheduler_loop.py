@@ -27,9 +27,9 @@ import time
 from typing import Any, Callable, TypeVar
 
 from sglang_tpu_backend.managers.delivery import Delivery
+from sglang_tpu_backend.managers.profiler import StepProfiler
 from sglang_tpu_backend.managers.schedule_batch import Req, ScheduledBatch
 from sglang_tpu_backend.managers.scheduler import Scheduler
-from sglang_tpu_backend.managers.profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 PHASES = ("schedule", "model", "process_result", "deliver")  # a step's phases

@@ -38,8 +38,8 @@ from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.model_executor.state_snapshots import GDNSnapshots
 from sglang_tpu_backend.model_executor.state_transfer import StateTransfer
-from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.model_loader.sharded_loader import LoadReport, WeightSource
+from sglang_tpu_backend.models import qwen3_5_moe
 
 StepOutput = tuple[jax.Array, qwen3_5_moe.ModelCache, Any]  # logits, cache, stats or None
 

@@ -38,13 +38,13 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.model_executor.weight_layout import weight_target as _target
+from sglang_tpu_backend.model_executor.weight_update import WeightUpdateError, placement
 from sglang_tpu_backend.model_loader.checkpoint_io import (
     _NP_TO_ST, FP8_BLOCK, CheckpointError, TensorEntry)
 from sglang_tpu_backend.model_loader.checkpoint_shapes import F8_CODES, cdiv, expected_shapes
-from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_loader.loader import MTP_PREFIXES, CheckpointLeaves, Leaf, _Reader
-from sglang_tpu_backend.model_executor.weight_layout import weight_target as _target
-from sglang_tpu_backend.model_executor.weight_update import WeightUpdateError, placement
 
 PREFIX = "model.language_model."  # names are checked and built under this prefix
 LABEL = "<named tensors>"

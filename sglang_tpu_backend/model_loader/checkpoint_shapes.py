@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sglang_tpu_backend.model_loader.checkpoint_io import FP8_BLOCK, CheckpointError, TensorEntry
 from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig
+from sglang_tpu_backend.model_loader.checkpoint_io import FP8_BLOCK, CheckpointError, TensorEntry
 
 F8_CODES = ("F8_E4M3", "F8_E5M2")  # safetensors dtype codes of FP8 tensors
 Shape = tuple[int, ...]

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig, load_model_config
 from sglang_tpu_backend.model_loader.checkpoint_io import (
     FP8_BLOCK,
     CheckpointError,
@@ -46,7 +47,6 @@ from sglang_tpu_backend.model_loader.checkpoint_shapes import (
     expected_shapes,
     mtp_expected_shapes,
 )
-from sglang_tpu_backend.config import FULL_ATTENTION, ModelConfig, load_model_config
 from sglang_tpu_backend.models.qwen3_5_moe import stack_layers
 
 __all__ = ["CheckpointError", "CheckpointLeaves", "Leaf", "expected_shapes", "load_model",

@@ -48,12 +48,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from tqdm.auto import tqdm
 
+from sglang_tpu_backend.config import ModelConfig
+from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
 from sglang_tpu_backend.model_loader import host_load
 from sglang_tpu_backend.model_loader.checkpoint_io import BYTES_READ
-from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_loader.loader import (
     CheckpointLeaves, Leaf, load_params, resolve_keep_fp8)
-from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
 from sglang_tpu_backend.models.param_shapes import param_shapes
 from sglang_tpu_backend.server_args import LOAD_FORMATS
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from sglang_tpu_backend.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, model_config_from_dict
 from sglang_tpu_backend.model_loader.checkpoint_io import (
     atomic_replace_dir, copy_tokenizer_files, write_safetensors)
-from sglang_tpu_backend.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, model_config_from_dict
 
 ASSET_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen3.5-moe"
 GENERATOR_VERSION = 2  # bump whenever random_checkpoint_tensors changes its output

@@ -17,13 +17,13 @@ import jax
 from sglang_tpu_backend.config import DTYPES, load_model_config, resolve_dtype
 from sglang_tpu_backend.model_executor.state_snapshots import GDNSnapshots
 from sglang_tpu_backend.model_executor.state_transfer import StateTransfer
+from sglang_tpu_backend.model_loader.sharded_loader import WeightSource
+from sglang_tpu_backend.model_loader.tiny_model import with_default_model
 from sglang_tpu_backend.parallel import agreement
 from sglang_tpu_backend.parallel.dp_forward import DPForward
 from sglang_tpu_backend.parallel.mesh import make_mesh
 from sglang_tpu_backend.parallel.multihost import (FollowerOps, broadcast_ints, follower_loop,
                                                    initialize, shutdown)
-from sglang_tpu_backend.model_loader.sharded_loader import WeightSource
-from sglang_tpu_backend.model_loader.tiny_model import with_default_model
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from sglang_tpu_backend.planning.compiled_roofline import KINDS, Charge, Device, ProgramCost
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.models.param_shapes import layer_param_shapes
+from sglang_tpu_backend.planning.compiled_roofline import KINDS, Charge, Device, ProgramCost
 from sglang_tpu_backend.planning.roofline import step_terms
 
 _MODULE_KINDS = {"self_attn": "attention", "linear_attn": "gdn", "gate": "routed experts",

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import jax
 
-from sglang_tpu_backend.model_loader.checkpoint_io import index_checkpoint, quantize_checkpoint_fp8
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput
 from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
-from sglang_tpu_backend.server_args import ServerArgs
+from sglang_tpu_backend.model_loader.checkpoint_io import index_checkpoint, quantize_checkpoint_fp8
 from sglang_tpu_backend.model_loader.tiny_model import default_model_path, write_random_model
+from sglang_tpu_backend.server_args import ServerArgs
 
 ARGS = dict(max_running_requests=32, chunked_prefill_size=32, context_length=128, page_size=16,
             dtype="float32", random_seed=0)

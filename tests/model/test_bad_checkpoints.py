@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_backend.model_loader.checkpoint_io import CheckpointError, write_checkpoint
 from sglang_tpu_backend.config import ConfigError, model_config_from_dict
+from sglang_tpu_backend.model_loader.checkpoint_io import CheckpointError, write_checkpoint
 from sglang_tpu_backend.model_loader.loader import load_model
-from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.model_loader.tiny_model import random_checkpoint_tensors
+from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.tokenizer import load_tokenizer
 
 CONFIG = {

@@ -14,8 +14,8 @@ import pytest  # noqa: E402
 
 from sglang_tpu_backend.config import config_dtype, resolve_dtype  # noqa: E402
 from sglang_tpu_backend.config import cache_storage_dtype  # noqa: E402
-from sglang_tpu_backend.server_args import ServerArgs  # noqa: E402
 from sglang_tpu_backend.model_loader.tiny_model import default_model_path  # noqa: E402
+from sglang_tpu_backend.server_args import ServerArgs  # noqa: E402
 
 
 def checkpoint_saying(tmp_path, dtype: str | None, key: str = "dtype"):

@@ -10,18 +10,19 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from sglang_tpu_backend.config import model_config_from_dict
 from sglang_tpu_backend.model_loader.checkpoint_io import (
     FP8_BLOCK,
     dequantized_reference,
     fused_to_per_expert,
     nested_to_flat,
     quantize_checkpoint_fp8,
-    write_checkpoint,)
-from sglang_tpu_backend.config import model_config_from_dict
+    write_checkpoint,
+)
 from sglang_tpu_backend.model_loader.loader import CheckpointError, load_model, load_mtp_params
+from sglang_tpu_backend.model_loader.tiny_model import random_checkpoint_tensors
 from sglang_tpu_backend.models.param_shapes import mtp_param_shapes, param_shapes
 from sglang_tpu_backend.models.qwen3_5_moe import layer_params
-from sglang_tpu_backend.model_loader.tiny_model import random_checkpoint_tensors
 
 P = "model.language_model."
 

@@ -14,10 +14,10 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 
 from sglang_tpu_backend.config import load_model_config  # noqa: E402
+from sglang_tpu_backend.model_loader.tiny_model import default_model_path  # noqa: E402
 from sglang_tpu_backend.planning.mem_budget import device_memory_bytes, size_pools  # noqa: E402
 from sglang_tpu_backend.planning.plan import step_activation_bytes  # noqa: E402
 from sglang_tpu_backend.server_args import ServerArgs  # noqa: E402
-from sglang_tpu_backend.model_loader.tiny_model import default_model_path  # noqa: E402
 
 ARGS = dict(dtype="float32", page_size=16, max_running_requests=4, chunked_prefill_size=64,
             context_length=128, skip_warmup=True)

@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_backend.model_loader.checkpoint_io import write_checkpoint
 from sglang_tpu_backend.config import model_config_from_dict
-from sglang_tpu_backend.model_loader.loader import load_model, load_mtp_params
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
-from sglang_tpu_backend.models.mtp import draft_chain_jit, init_mtp_cache, mtp_forward_jit
+from sglang_tpu_backend.model_loader.checkpoint_io import write_checkpoint
+from sglang_tpu_backend.model_loader.loader import load_model, load_mtp_params
 from sglang_tpu_backend.model_loader.tiny_model import random_checkpoint_tensors
+from sglang_tpu_backend.models.mtp import draft_chain_jit, init_mtp_cache, mtp_forward_jit
 
 CONFIG = {
     "model_type": "qwen3_5_moe_text", "vocab_size": 256, "hidden_size": 64,

@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sglang_tpu_backend.model_loader.loader import load_model  # noqa: E402
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch  # noqa: E402
+from sglang_tpu_backend.model_loader.loader import load_model  # noqa: E402
 from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache  # noqa: E402
 from tests.model.hf_reference import make_hf_model, save_hf_model  # noqa: E402
 

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_backend.model_loader.loader import load_model
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
-from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
+from sglang_tpu_backend.model_loader.loader import load_model
 from sglang_tpu_backend.model_loader.tiny_model import default_model_path
+from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 
 PAGE = 8
 BUCKETS = dict(num_tokens=64, num_seqs=4, pages_per_seq=8, num_logits=4)

@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_backend.model_loader import tiny_model
 from sglang_tpu_backend.assets.build_tiny_tokenizer import build_tokenizer
 from sglang_tpu_backend.config import load_model_config
+from sglang_tpu_backend.model_loader import tiny_model
 from sglang_tpu_backend.model_loader.loader import load_model
-from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.model_loader.tiny_model import (
     ASSET_DIR, default_model_path, tiny_config_dict)
+from sglang_tpu_backend.models.qwen3_5_moe import layer_params
 from sglang_tpu_backend.tokenizer import ids_decoder, load_tokenizer
 
 

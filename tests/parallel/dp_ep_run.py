@@ -21,16 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sglang_tpu_backend.model_loader.loader import load_model
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.expert_balancer import ExpertBalancer
 from sglang_tpu_backend.model_executor.expert_location import moe_layers, params_location
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
+from sglang_tpu_backend.model_loader.loader import load_model
+from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 from sglang_tpu_backend.parallel.dp_forward import DPForward
 from sglang_tpu_backend.parallel.eplb import ExpertLocation, place_experts
 from sglang_tpu_backend.parallel.mesh import make_mesh
-from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
 PAGE = 8
 PAGES_PER_SEQ = 12  # 96 tokens of context per request

@@ -28,10 +28,10 @@ import numpy as np  # noqa: E402
 from dp_ep_run import alone, generate, init_dp_cache, make_requests  # noqa: E402
 
 from sglang_tpu_backend.model_loader.loader import load_model  # noqa: E402
+from sglang_tpu_backend.model_loader.tiny_model import default_model_path  # noqa: E402
 from sglang_tpu_backend.parallel import multihost as mh  # noqa: E402
 from sglang_tpu_backend.parallel.dp_forward import DPForward  # noqa: E402
 from sglang_tpu_backend.parallel.mesh import make_mesh  # noqa: E402
-from sglang_tpu_backend.model_loader.tiny_model import default_model_path  # noqa: E402
 
 
 def generate_through_protocol(dp, params, cache, cfg):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from sglang_tpu_backend.config import load_model_config
-from sglang_tpu_backend.parallel.tp_forward import conv_channels, heads_of_device, local_config
 from sglang_tpu_backend.model_loader.tiny_model import ASSET_DIR
+from sglang_tpu_backend.parallel.tp_forward import conv_channels, heads_of_device, local_config
 from tests.cpu_devices import run_on_cpu_devices
 
 HERE = Path(__file__).resolve().parent

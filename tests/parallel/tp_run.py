@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sglang_tpu_backend.model_loader.loader import load_model
 from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
+from sglang_tpu_backend.model_loader.loader import load_model
+from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 from sglang_tpu_backend.parallel.mesh import make_mesh
 from sglang_tpu_backend.parallel.tp_forward import TPForward
-from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 from tests.parallel.dp_ep_run import PAGE, PAGES_PER_SEQ, alone
 
 PROMPT_LENS = [37, 9, 22, 3, 41, 17]

@@ -35,12 +35,12 @@ import jax.numpy as jnp
 import pytest
 
 from sglang_tpu_backend.config import model_config_from_dict
-from sglang_tpu_backend.planning.hlo_text import parse_module
 from sglang_tpu_backend.kernels.tpu_compile import topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.models.param_shapes import param_shapes
 from sglang_tpu_backend.parallel.mesh import make_mesh
+from sglang_tpu_backend.planning.hlo_text import parse_module
 from sglang_tpu_backend.planning.plan import plan
 
 CONFIG_397B = (Path(__file__).resolve().parents[2] / "sglang_tpu_backend" / "assets" / "configs"

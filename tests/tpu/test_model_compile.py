@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import pytest
 
 from sglang_tpu_backend.config import ModelConfig, load_model_config, model_config_from_dict
-from sglang_tpu_backend.planning.mem_budget import CPU_CONTEXT_CAP
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_buckets import step_shapes
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_step
-from sglang_tpu_backend.server_args import ServerArgs
 from sglang_tpu_backend.model_loader.tiny_model import ASSET_DIR
+from sglang_tpu_backend.planning.mem_budget import CPU_CONTEXT_CAP
+from sglang_tpu_backend.server_args import ServerArgs
 
 CONFIG_397B = (Path(__file__).resolve().parents[2] / "sglang_tpu_backend" / "assets" / "configs"
                / "qwen3.5-397b-a17b.json")

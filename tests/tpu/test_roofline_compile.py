@@ -47,12 +47,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sglang_tpu_backend.planning.compiled_roofline import TPU7X, UnchargedOpError
-from sglang_tpu_backend.planning.compiled_timeline import program_cost
 from sglang_tpu_backend.kernels.tpu_compile import NO_VMEM_PREFETCH, topology_devices
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_compile import StepSpec, compile_dp_step
 from sglang_tpu_backend.parallel.mesh import make_mesh
+from sglang_tpu_backend.planning.compiled_roofline import TPU7X, UnchargedOpError
+from sglang_tpu_backend.planning.compiled_timeline import program_cost
 from sglang_tpu_backend.planning.program_roofline import bucket_efficiency, format_efficiency
 from sglang_tpu_backend.planning.roofline import step_terms, totals
 
