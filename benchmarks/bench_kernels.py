@@ -59,11 +59,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from sglang_tpu_backend import roofline  # noqa: E402
 from sglang_tpu_backend.config import model_config_from_dict  # noqa: E402
 from sglang_tpu_backend.kernels import dispatch, gdn, gmm, routing  # noqa: E402
 from sglang_tpu_backend.kernels import ragged_paged_attention as rpa  # noqa: E402
 from sglang_tpu_backend.kernels.gdn_common import conv_state_rows  # noqa: E402
+from sglang_tpu_backend.planning import roofline  # noqa: E402
 
 CONFIGS = ROOT / "sglang_tpu_backend" / "assets"
 CONFIG_397B = CONFIGS / "configs" / "qwen3.5-397b-a17b.json"
