@@ -251,9 +251,9 @@ def _replica_versions(app: str = "rl", deployment: str = "EngineServer") -> dict
 
 
 def _reversed_lm_head() -> dict:
-    from sglang_tpu_backend.checkpoint_io import read_checkpoint
     from sglang_tpu_backend.entrypoints.rl_routes import encode_named_tensors
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.checkpoint_io import read_checkpoint
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     lm_head = read_checkpoint(default_model_path())["lm_head.weight"]
     return {"serialized_named_tensors": encode_named_tensors({"lm_head.weight": lm_head[::-1]}),
@@ -262,7 +262,7 @@ def _reversed_lm_head() -> dict:
 
 def test_rl_routes_over_two_replicas(base_url):
     from sglang_tpu_backend.entrypoints.rl_routes import encode_named_tensors
-    from sglang_tpu_backend.tiny_model import default_model_path
+    from sglang_tpu_backend.model_loader.tiny_model import default_model_path
 
     url = base_url + "/rl"
     before = _greedy(url)
