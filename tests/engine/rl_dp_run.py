@@ -1,12 +1,13 @@
-"""The RL surface on --dp-size 2 --ep-size 2 (2 simulated CPU devices; run as a script).
+"""The RL surface on --dp-size 2 --ep-size 2 and --tp-size 4 (4 simulated CPU devices; run
+as a script).
 
 Run by tests/engine/test_rl_surface.py in a subprocess with
-XLA_FLAGS=--xla_force_host_platform_device_count=2. An engine on checkpoint B gives the
+XLA_FLAGS=--xla_force_host_platform_device_count=4. An engine on checkpoint B gives the
 reference; an engine on the tiny model's weights then takes B's tensors in two calls
 (experts split over the devices: each placed with the serving leaf's sharding), is released
 and resumed; writes JSON: the outputs, the programs lowered after the first outputs, the
-bytes freed and the engine's device bytes before. Then a --tp-size 2 engine: released and
-resumed (outputs), and its answer to a tensor refit (refused: not built for TP yet).
+bytes freed and the engine's device bytes before. Then the same refit on a --tp-size 4 engine
+(params re-laid out per head, ``TPForward.tp_params``) against a TP4 engine started on B.
 """
 
 from __future__ import annotations
@@ -52,9 +53,13 @@ def main(out_path: str, ckpt_dir: str) -> None:
     counter = CompileCounter()
     tensors = read_checkpoint(b)
     names = sorted(tensors)
+    before = jax.tree.leaves(eng.runner.params)
     for half in (names[::2], names[1::2]):
         res = eng.update_weights_from_tensor({n: tensors[n] for n in half})
         assert res["success"], res
+    after = jax.tree.leaves(eng.runner.params)
+    result["same_shardings"] = len(before) == len(after) and all(
+        x.sharding == y.sharding for x, y in zip(before, after))
     result["refit"] = serve(eng)
     experts = eng.runner.params["layer_groups"][0]["mlp"]["experts"]["gate_up"]
     result["experts_split"] = len(experts.sharding.device_set) == 2 and not experts.sharding.is_fully_replicated
@@ -66,11 +71,24 @@ def main(out_path: str, ckpt_dir: str) -> None:
     eng.shutdown()
     del eng
 
-    # --tp-size 2: memory release works; tensor refit is refused (params re-laid out per head).
-    tp = Engine(ServerArgs(**{**ARGS, "dp_size": 1, "tp_size": 2}))
+    # --tp-size 4 (kv heads and GDN key channels replicated over the devices): B's tensors in
+    # two calls (the second merges into leaves the first built) give a TP4 engine started on
+    # B's tokens, every leaf placed as the one it replaces; release / resume keep them.
+    tp_args = {**ARGS, "dp_size": 1, "tp_size": 4}
+    ref = Engine(ServerArgs(model_path=str(b), **tp_args))
+    result["tp_b"] = serve(ref)
+    ref.shutdown()
+    del ref
+    tp = Engine(ServerArgs(**tp_args))
     result["tp"] = serve(tp)
-    norm = "model.language_model.norm.weight"
-    result["tp_refit"] = tp.update_weights_from_tensor({norm: tensors[norm]})
+    before = jax.tree.leaves(tp.runner.params)
+    for half in (names[::2], names[1::2]):
+        res = tp.update_weights_from_tensor({n: tensors[n] for n in half})
+        assert res["success"], res
+    after = jax.tree.leaves(tp.runner.params)
+    result["tp_same_shardings"] = len(before) == len(after) and all(
+        x.sharding == y.sharding for x, y in zip(before, after))
+    result["tp_refit"] = serve(tp)
     tp.release_memory_occupation()
     tp.resume_memory_occupation()
     result["tp_resumed"] = serve(tp)
