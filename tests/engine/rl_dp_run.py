@@ -17,6 +17,7 @@ import json
 import sys
 
 import jax
+import numpy as np
 
 from sglang_tpu_backend.checkpoint_io import read_checkpoint
 from sglang_tpu_backend.engine import Engine
@@ -71,12 +72,15 @@ def main(out_path: str, ckpt_dir: str) -> None:
     eng.shutdown()
     del eng
 
-    # --tp-size 4 (kv heads and GDN key channels replicated over the devices): B's tensors in
-    # two calls (the second merges into leaves the first built) give a TP4 engine started on
-    # B's tokens, every leaf placed as the one it replaces; release / resume keep them.
-    tp_args = {**ARGS, "dp_size": 1, "tp_size": 4}
+    # --tp-size 4 with NEXTN (kv heads and GDN key channels replicated over the devices): B's
+    # tensors, mtp.* included, in two calls (the second merges into leaves the first built)
+    # give a TP4 engine started on B's tokens and MTP params, every leaf placed as the one it
+    # replaces; release / resume keep them.
+    tp_args = {**ARGS, "dp_size": 1, "tp_size": 4, "speculative_algorithm": "NEXTN",
+               "speculative_num_steps": 2}
     ref = Engine(ServerArgs(model_path=str(b), **tp_args))
     result["tp_b"] = serve(ref)
+    want_mtp = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(ref.runner.nextn.params))]
     ref.shutdown()
     del ref
     tp = Engine(ServerArgs(**tp_args))
@@ -88,6 +92,9 @@ def main(out_path: str, ckpt_dir: str) -> None:
     after = jax.tree.leaves(tp.runner.params)
     result["tp_same_shardings"] = len(before) == len(after) and all(
         x.sharding == y.sharding for x, y in zip(before, after))
+    got_mtp = jax.tree.leaves(jax.device_get(tp.runner.nextn.params))
+    result["tp_mtp_equal"] = len(got_mtp) == len(want_mtp) and all(
+        np.array_equal(np.asarray(x), y) for x, y in zip(got_mtp, want_mtp))
     result["tp_refit"] = serve(tp)
     tp.release_memory_occupation()
     tp.resume_memory_occupation()
