@@ -5,9 +5,11 @@ Run by tests/engine/test_rl_surface.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=4. An engine on checkpoint B gives the
 reference; an engine on the tiny model's weights then takes B's tensors in two calls
 (experts split over the devices: each placed with the serving leaf's sharding), is released
-and resumed; writes JSON: the outputs, the programs lowered after the first outputs, the
-bytes freed and the engine's device bytes before. Then the same refit on a --tp-size 4 engine
-(params re-laid out per head, ``TPForward.tp_params``) against a TP4 engine started on B.
+and resumed. Then an EPLB engine at --dp-size 2, rebalanced onto another placement, takes
+B's tensors; then the same refit on a --tp-size 4 NEXTN engine (params re-laid out per head,
+``TPForward.tp_params``; MTP params too) against a TP4 NEXTN engine started on B. Writes
+JSON: the outputs, the programs lowered after the first outputs, the bytes freed and the
+engine's device bytes before, whether shardings were kept and the MTP params equal.
 """
 
 from __future__ import annotations
@@ -71,6 +73,25 @@ def main(out_path: str, ckpt_dir: str) -> None:
     result["lowerings"] = counter.lowerings
     eng.shutdown()
     del eng
+
+    # EPLB at --dp-size 2 (24 expert slots, 12 per EP rank), rebalanced onto another placement
+    # first: B's tensors by their logical names land in every slot holding each expert.
+    ep = Engine(ServerArgs(**ARGS, ep_num_redundant_experts=8, enable_eplb=True,
+                           eplb_rebalance_num_iterations=10_000))
+    runner, balancer = ep.runner, ep.runner.balancer
+    start = balancer.location.logical.copy()
+    balancer.window.add(np.random.default_rng(0).gamma(0.3, size=start.shape) * 100)
+    runner.params = balancer.rebalance(runner.params)  # the loop is idle: no step runs
+    result["eplb_moved"] = bool((balancer.location.logical != start).any())
+    before = jax.tree.leaves(runner.params)
+    res = ep.update_weights_from_tensor(tensors)
+    assert res["success"], res
+    after = jax.tree.leaves(runner.params)
+    result["eplb_same_shardings"] = len(before) == len(after) and all(
+        x.sharding == y.sharding for x, y in zip(before, after))
+    result["eplb_refit"] = serve(ep)
+    ep.shutdown()
+    del ep
 
     # --tp-size 4 with NEXTN (kv heads and GDN key channels replicated over the devices): B's
     # tensors, mtp.* included, in two calls (the second merges into leaves the first built)

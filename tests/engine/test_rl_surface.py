@@ -436,7 +436,8 @@ def test_refit_and_sleep_with_dp_ranks_and_split_experts(tmp_path):
     """--dp-size 2 --ep-size 2 (``rl_dp_run.py`` in a subprocess with 4 CPU devices): B's
     tensors in two calls give an engine started on B's tokens, with the experts split over
     the devices and every leaf's sharding kept; release frees the params and KV pages;
-    nothing recompiles. --tp-size 4 with NEXTN: the same refit gives a TP4 NEXTN engine
+    nothing recompiles. The same with EPLB (24 slots over the 2 EP ranks) after a forced
+    rebalance. --tp-size 4 with NEXTN: the same refit gives a TP4 NEXTN engine
     started on B's tokens and MTP params, shardings kept; release / resume keep the outputs."""
     import json
     from pathlib import Path
@@ -453,3 +454,4 @@ def test_refit_and_sleep_with_dp_ranks_and_split_experts(tmp_path):
     assert r["tp"] != r["tp_b"], r
     assert r["tp_refit"] == r["tp_b"] and r["tp_resumed"] == r["tp_b"] and r["tp_same_shardings"]
     assert r["tp_mtp_equal"]
+    assert r["eplb_moved"] and r["eplb_refit"] == r["b"] and r["eplb_same_shardings"]
