@@ -25,6 +25,7 @@ import jax
 from bench_engine import PhaseTimer, serve_once  # benchmarks/ is the script's path
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.entrypoints.offline import OfflineEngine
+from sglang_tpu_backend.model_executor import multistep
 from sglang_tpu_backend.server_args import ServerArgs
 
 
@@ -53,8 +54,9 @@ def measure_once(eng: Engine, off: OfflineEngine, n: int, new_tokens: int) -> di
     timer = PhaseTimer()
     timer.wrap(sched, "schedule", "schedule")
     timer.wrap(runner, "prepare", "build")
-    for method in ("forward", "sample", "multi_decode"):
+    for method in ("forward", "sample"):
         timer.wrap(runner, method, "dispatch")
+    timer.wrap(multistep, "dispatch", "dispatch")  # the multi-step program's dispatch
     timer.wrap(runner, "complete", "wait+d2h")
     timer.wrap(sched, "process_result", "process")
     timer.wrap(eng.loop.delivery, "deliver", "deliver")

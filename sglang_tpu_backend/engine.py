@@ -75,6 +75,17 @@ def deterministic_limits(args: ServerArgs) -> dict:
                 max_logits_rows=deterministic_prefill_rows(running, args.max_tokens_per_step))
 
 
+def _initial_expert_location(args: ServerArgs, cfg) -> Any:
+    """The expert placement an EP / EPLB engine starts from (None: the identity, no table)."""
+    if not args.uses_expert_location:
+        return None
+    from sglang_tpu_backend.model_executor.expert_balancer import initial_location
+
+    return initial_location(cfg, num_redundant=args.ep_num_redundant_experts,
+                            init_expert_location=args.init_expert_location,
+                            num_ranks=args.ep_size)
+
+
 def _overlap_schedule(args: ServerArgs, runner: ModelRunner) -> bool:
     """Whether the loop launches step i+1 before completing step i: unless turned off, when
     decode inputs can be read on the device (one device, no DP / TP) and without
@@ -164,13 +175,7 @@ class Engine:
         self.scheduler = Scheduler.from_args(args, **(
             deterministic_limits(args) if args.enable_deterministic_inference else {}))
         det, routed = args.enable_deterministic_inference, args.enable_return_routed_experts
-        location = None
-        if args.uses_expert_location:
-            from sglang_tpu_backend.model_executor.expert_balancer import initial_location
-
-            location = initial_location(cfg, num_redundant=args.ep_num_redundant_experts,
-                                        init_expert_location=args.init_expert_location,
-                                        num_ranks=args.ep_size)
+        location = _initial_expert_location(args, cfg)
         self.runner = ModelRunner(
             cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
             num_state_slots=running, max_running_requests=running,

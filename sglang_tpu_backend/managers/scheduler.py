@@ -30,12 +30,9 @@ costs every request k+1 rows, so drafts of a few requests do not pay for it. A d
 reserves pages for k+1 positions; after a verify step the request keeps 1 + the accepted
 drafts of them and the pages past its new length go back to the pool.
 
-Multi-step decoding (``num_scheduler_steps`` N > 1): a DECODE step whose requests are all
-eligible (``_multistep_ok``: no grammar, no pending ``min_new_tokens`` ban, no routed
-experts, N more positions within the context) and all got pages for N more tokens runs N
-decode steps in one launch (``ScheduledBatch.num_steps``); otherwise it runs one. Each
-request then has N tokens in flight; ``process_result`` appends them one at a time with the
-usual finish checks, dropping those after the finishing one.
+Multi-step decoding (``multistep_policy.py``): an eligible DECODE batch runs N decode steps
+in one launch (``ScheduledBatch.num_steps``); ``process_result`` appends its N tokens one at a
+time with the usual finish checks, dropping those after the finishing one.
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ import logging
 import time
 from typing import Iterable
 
+from sglang_tpu_backend.managers import multistep_policy
 from sglang_tpu_backend.managers.dp_placement import RankStep, pick_rank, rank_load
 from sglang_tpu_backend.managers.prefix_cache import PrefixCache
 from sglang_tpu_backend.managers.schedule_batch import (
@@ -95,8 +93,7 @@ class Scheduler:
         """``prefill_align``: deterministic mode (see the module docstring); None: off.
         ``max_prefill_chunks``: prefill chunks per step and rank (None: no limit).
         ``drafter`` / ``num_drafts``: speculative decoding (k drafts per verify step).
-        ``num_scheduler_steps``: decode steps per multi-step launch (1: off; the engine sets
-        what its runner supports)."""
+        ``num_scheduler_steps``: decode steps per multi-step launch (1: off)."""
         if (drafter is None) != (num_drafts == 0):
             raise ValueError("speculative decoding needs a drafter and num_drafts > 0")
         self.drafter, self.num_drafts = drafter, num_drafts
@@ -362,32 +359,9 @@ class Scheduler:
         else:
             kind = ForwardMode.MIXED
         self.num_steps_by_kind[kind] += 1
-        num_steps = self._num_steps(chunks) if kind == ForwardMode.DECODE else 1
-        self.num_multistep_launches += num_steps > 1
-        return ScheduledBatch(chunks=chunks, kind=kind, state_loads=self._loads,
-                              state_saves=self._saves, num_steps=num_steps)
-
-    def _multistep_ok(self, req: Req) -> bool:
-        """A decode-ready request may take ``num_scheduler_steps`` N tokens in one launch: its
-        next N tokens need no host work between them (no grammar, no ``min_new_tokens`` ban
-        left, no routed experts) and fit in its context. (Tokens past max_new_tokens or a
-        stop are computed and dropped.)"""
-        N = self.num_scheduler_steps
-        return (N > 1 and req.grammar is None and not req.return_routed_experts
-                and req.num_sampled >= req.sampling.min_new_tokens
-                and req.num_fill + N <= req.context_length)
-
-    def _num_steps(self, chunks: list[ScheduledChunk]) -> int:
-        """Decode steps of a DECODE batch: N when every request is ``_multistep_ok`` and its
-        chunk holds pages for N more positions, else 1."""
-        N = self.num_scheduler_steps
-        if N <= 1:
-            return 1
-        for c in chunks:
-            page_size = self.pools[c.dp_rank].page_pool.page_size
-            if not self._multistep_ok(c.req) or len(c.pages) < pages_for(c.start + N, page_size):
-                return 1
-        return N
+        n = multistep_policy.num_steps(chunks, kind, self.num_scheduler_steps, self.pools)
+        self.num_multistep_launches += n > 1
+        return ScheduledBatch(chunks, kind, self._loads, self._saves, num_steps=n)
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
         """1. Decodes, oldest first; retract the newest requests of the same rank when its
@@ -402,7 +376,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                if self._multistep_ok(req):  # pages for N positions if there are (no retraction)
+                if multistep_policy.multistep_ok(req, self.num_scheduler_steps):  # N positions' pages
                     self._ensure_pages(req, req.num_computed + self.num_scheduler_steps)
                 chunks.append(self._chunk(req, 1))
         return chunks

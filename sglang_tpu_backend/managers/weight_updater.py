@@ -10,14 +10,16 @@ message saying so; ``abort_all_requests`` aborts them at once), and with no step
 the pools idle (or generation paused: ``rl_control.py``) the loop swaps the params (same
 shapes, shardings and layouts: nothing recompiles), flushes the prefix cache (its pages and
 snapshots came from the old weights; a tensor update with ``flush_cache=False`` keeps it),
-sets the weight version (also in every output's meta_info) and releases the held requests onto the new weights. Under NEXTN the
-MTP layers' params are loaded, checked and swapped with them (a checkpoint without ``mtp.*``
-is refused); the MTP KV cache needs no flush: with the pools idle no request holds pages, and
+sets the weight version (also in every output's meta_info) and releases the held requests
+onto the new weights. Under NEXTN the MTP layers' params are loaded, checked and swapped with
+them (a checkpoint without ``mtp.*`` is refused; a tensor update without ``mtp.*`` keeps the
+MTP params); the MTP KV cache needs no flush: with the pools idle no request holds pages, and
 a step reads MTP KV only at positions its own request's steps wrote (``nextn_step.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -117,7 +119,9 @@ class WeightUpdater:
 
     def _update(self, load: Callable[[], tuple[Any, Any]], source: str, abort_all_requests: bool,
                 weight_version: str | None, flush_cache: bool) -> dict:
-        """``load()`` (placed params, placed MTP params or None), then the swap."""
+        """``load()`` (placed params, placed MTP params or None), then the swap. Tensor
+        updates share their untouched leaves with the serving params: the swap is refused
+        when those were replaced meanwhile (an EPLB rebalance moves the experts)."""
         with self._serialize:
             if self.runner.params is None:  # released meanwhile (release_memory_occupation)
                 return weight_update.update_result(
@@ -134,7 +138,8 @@ class WeightUpdater:
             load_s = time.perf_counter() - t0
             swap = weight_update.PendingSwap(
                 placed, weight_update.next_weight_version(self.version, weight_version), source,
-                mtp_params=placed_mtp, flush_cache=flush_cache)
+                mtp_params=placed_mtp, flush_cache=flush_cache,
+                base=self.runner.params if source == "tensors" else None)
             del placed, placed_mtp
             loop = self.loop
             with loop.lock:
@@ -155,35 +160,35 @@ class WeightUpdater:
                 logger.info("weight update: %s", result["message"])
             return result
 
-    def _load_tensors(self, named_tensors: Any, load_format: str | None) -> tuple[Any, None]:
+    def _load_tensors(self, named_tensors: Any, load_format: str | None) -> tuple[Any, Any]:
+        """The serving params (and, under NEXTN, MTP params: None when no ``mtp.*`` tensor is
+        given) with the leaves the tensors touch rebuilt, in the serving layout: TP columns
+        (``TPForward.tp_params``), EPLB physical expert slots (the serving params'
+        ``expert_location``), DP / EP / TP shardings of the leaves they replace."""
         from sglang_tpu_backend.model_executor.tensor_update import build_params
 
         if load_format not in (None, "direct"):
             raise weight_update.WeightUpdateError(
                 f"load_format {load_format!r} is not supported for tensors (None or 'direct': "
                 "named arrays in the checkpoint's layout)")
-        self._check_tensor_updates()
-        runner = self.runner
-        placed, report = build_params(named_tensors, self.model_config, runner.params,
-                                      dtype=DTYPES[self.args.dtype], nextn=runner.nextn is not None)
-        weight_update.check_placed(runner.params, placed)
-        jax.block_until_ready(placed)
-        logger.info("update_weights_from_tensor: %s", report)
-        return placed, None
-
-    def _check_tensor_updates(self) -> None:
-        """WeightUpdateError where named tensors cannot be placed leaf by leaf yet."""
-        runner = self.runner
         if self.args.nnodes > 1:
             raise weight_update.WeightUpdateError("weight updates are not supported with --nnodes > 1")
-        if runner.backend.param_shardings(runner.param_spec) is None:
+        runner, tp = self.runner, self.runner.backend.tp
+        relayout = None if tp is None else functools.partial(_tp_relayout, tp)
+        params = runner.params
+        mtp_params = None if runner.nextn is None else runner.nextn.params
+        placed, placed_mtp, report = build_params(
+            named_tensors, self.model_config, params, dtype=DTYPES[self.args.dtype],
+            mtp_params=mtp_params, relayout=relayout)
+        weight_update.check_placed(params, placed)
+        if placed_mtp is not None:
+            weight_update.check_placed(mtp_params, placed_mtp)
+        jax.block_until_ready((placed, placed_mtp))
+        if runner.params is not params:  # an EPLB rebalance moved the experts meanwhile
             raise weight_update.WeightUpdateError(
-                "update_weights_from_tensor is not supported with --tp-size > 1 yet (its "
-                "params are re-laid out per head); use update_weights_from_disk")
-        if runner.balancer is not None and runner.balancer.stores_physical:
-            raise weight_update.WeightUpdateError(
-                "update_weights_from_tensor is not supported with experts stored per physical "
-                "slot (EPLB, --init-expert-location) yet; use update_weights_from_disk")
+                "the serving params changed while the update was built (an EPLB rebalance); retry")
+        logger.info("update_weights_from_tensor: %s", report)
+        return placed, placed_mtp
 
     def _swap_without_loop(self, swap: weight_update.PendingSwap) -> None:
         try:
@@ -245,6 +250,10 @@ class WeightUpdater:
                 idle = True
             if step_in_flight or not idle:
                 return False
+            if swap.base is not None and swap.base is not self.runner.params:
+                self._cancel(swap, "the serving params changed before the swap (an EPLB "
+                             "rebalance moved the experts); retry the update")
+                return False
             if loop.scheduler.prefix is not None and swap.flush_cache:  # the old weights' KV
                 loop.scheduler.prefix.flush()  # nothing runs: every entry is freed now
         # raises: the old params are still the runner's
@@ -282,3 +291,15 @@ class WeightUpdater:
                     submit()
             loop.wake.notify_all()
             swap.finish(False, message)
+
+
+def _tp_relayout(tp: Any, keys: tuple, x: Any) -> Any:
+    """One leaf at ``keys`` of the params tree in the loader's layout -> the TP layout
+    (``TPForward.tp_params``, which reads only the path's names)."""
+    tree = x
+    for k in reversed(keys):
+        tree = {k: tree}
+    out = tp.tp_params(tree)
+    for k in keys:
+        out = out[k]
+    return out

@@ -25,10 +25,6 @@ NEXTN (``mtp_params`` given; one device, DP ranks or TP): every step also return
 hidden states and dispatches the MTP pass and chain of drafts (``nextn_step.py``) after its
 sampler; each sampling chunk's k drafts come back with its tokens (``ChunkResult.drafts``).
 
-Multi-step decoding (``num_scheduler_steps`` N > 1; one device, no speculative decoding): a
-DECODE batch with ``num_steps`` N runs N decode steps in one program (``multistep.py``);
-each chunk's result is a run of N (token, logprob, top logprobs).
-
 Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
 (``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
 slots and, after the forward, its ``state_saves`` out of them.
@@ -140,23 +136,19 @@ class ModelRunner:
         ``router_stats``: each step also reduces the MoE routers' health (expert load,
         entropy, top-1 probability per layer; ``metrics/router_stats.py``) into
         ``last_router_stats`` f32[dp_size, layers, 3] and records the expert loads
-        (``balancer``). ``deterministic``: see ``step_buckets``. ``expert_location``
+        (``balancer``); ``ROUTED``: also the routed expert ids per token
+        (``routed_experts.py``). ``deterministic``: see ``step_buckets``. ``expert_location``
         (``parallel.eplb.ExpertLocation``, EPLB): routed experts stored per physical slot of
         it; ``eplb_rebalance_num_iterations``: steps between rebalances (None: never)
-        (``expert_balancer.py``). ``num_drafts``: k drafts per verify step (speculative
-        decoding; 0: off); ``num_grammar_cut_drafts`` counts the drafts cut because a
-        request's grammar rejects them. ``mtp_params`` (NEXTN, ``models/mtp.py``): the
-        steps also draft the next verify step's k drafts with the MTP layers. ``router_stats``
-        ``ROUTED``: also the routed expert ids per token (``routed_experts.py``).
-        ``num_scheduler_steps``: decode steps per multi-step launch (``multistep.py``);
-        ``self.num_scheduler_steps`` is what this runner serves: 1 where multi-step is not
-        supported (``multistep_supported``)."""
+        (``expert_balancer.py``). ``num_drafts``: k drafts per verify step (0: off;
+        ``num_grammar_cut_drafts`` counts those a request's grammar cut). ``mtp_params`` (NEXTN, ``models/mtp.py``): the
+        steps also draft the next verify step's k drafts with the MTP layers.
+        ``num_scheduler_steps``: decode steps per multi-step launch (1 where not supported)."""
         self.cfg = cfg
         self.last_router_stats = self._stats = None
         self.page_size, self.vocab_size = page_size, cfg.vocab_size
         self.max_top_logprobs_num = min(max_top_logprobs_num, cfg.vocab_size)
-        self.num_drafts = num_drafts
-        self.num_grammar_cut_drafts = 0
+        self.num_drafts, self.num_grammar_cut_drafts = num_drafts, 0
         self.pages_per_seq = pages_for(context_length + num_drafts, page_size)
         self.buckets = StepBuckets(max_running_requests, max_tokens_per_step, deterministic,
                                    verify_tokens=num_drafts + 1 if num_drafts else None)
@@ -168,8 +160,7 @@ class ModelRunner:
         if num_drafts and not self.backend.verify_steps:
             raise ValueError(f"speculative decoding is not supported with "
                              f"{type(self.backend).__name__}")
-        # Shape / dtype of each param as loaded (before placement): what a weight update's
-        # checkpoint must match (``weight_update.load_host_params``).
+        # Each param's shape / dtype as loaded: what a weight update must match.
         source = params if isinstance(params, WeightSource) else None
         self.param_spec = source.shapes() if source else param_spec(params)
         self.load_report: LoadReport | None = None
@@ -197,14 +188,10 @@ class ModelRunner:
 
     @property
     def multistep_supported(self) -> bool:
-        """Multi-step decode launches run here: one device, no speculative decoding, no
-        routed-expert store (it records every step's routed ids), no EPLB rebalancing (it
-        needs every step's expert loads) and no deterministic mode (a request's tokens
-        would depend on whether a batch mate made its step a single one)."""
+        """Multi-step launches run here (``multistep.py`` says where they do not)."""
         rebalances = self.balancer is not None and self.balancer.rebalance_every is not None
-        return (isinstance(self.backend, SingleDeviceBackend) and not self.num_drafts
-                and self.nextn is None and self.routed is None and not rebalances
-                and not self.backend.batch_invariant)
+        return multistep.supported(isinstance(self.backend, SingleDeviceBackend), self.num_drafts,
+                                   self.nextn, self.routed, rebalances, self.backend.batch_invariant)
 
     def _init_nextn(self, mtp_params: Any, num_pages: int, context_length: int,
                     kv_dtype: Any) -> NextnDrafts:
@@ -467,38 +454,25 @@ class ModelRunner:
     def _launch_multistep(self, batch: ScheduledBatch, step: StepInputs,
                           variant: sampler.SamplerVariant) -> LaunchedStep:
         """Dispatch ``batch.num_steps`` decode steps of a DECODE batch as one program
-        (``multistep.multi_decode_jit``); no snapshot copies (decodes plan none), no stats."""
+        (``multistep.py``); no snapshot copies (decodes plan none), no stats."""
         if not self.multistep_supported or batch.kind != ForwardMode.DECODE:
             raise ValueError(f"a {batch.num_steps}-step launch needs a DECODE batch on one "
                              f"device without speculative decoding")
-        (fb,) = step.fbs
-        widen_page_table(fb, batch.chunks)
-        (fb,), _ = self.place_batch([fb], step.from_slot)
-        inp = self.place_sampling(step.inp)
-        out = self.multi_decode(fb, inp, batch.num_steps, step.K, variant)
+        multistep.widen_page_table(step.fbs[0], batch.chunks)
+        (fb,), _ = self.place_batch(step.fbs, step.from_slot)
+        out = multistep.dispatch(self, fb, self.place_sampling(step.inp), batch.num_steps,
+                                 step.K, variant)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         self._stats = None
         return LaunchedStep(batch, out, step.rows, step.sample_idx, None)
-
-    def multi_decode(self, fb: ForwardBatch, inp: host_inputs.Packed, num_steps: int, K: int,
-                     variant: sampler.SamplerVariant) -> dict[str, jax.Array]:
-        """The multi-step program on a placed DECODE batch and packed sampling inputs
-        (cache, penalty counts and last tokens donated and replaced); its stacked outputs."""
-        state = self.sampler
-        out, self.cache, state.counts, state.last_tokens = multistep.multi_decode_jit(
-            self.params, self.cache, fb, state.counts, state.prompt_mask, state.last_tokens,
-            inp.buf, layout=inp.layout, num_steps=num_steps, num_top_logprobs=K,
-            variant=variant, cfg=self.cfg, impl=self.backend.impl,
-            batch_invariant=self.backend.batch_invariant)
-        return out
 
     def complete(self, step: LaunchedStep) -> list[ChunkResult]:
         """Wait for a launched step's outputs (one device-to-host transfer) and split them
         per chunk."""
         if step.batch.num_steps > 1:
             out = jax.device_get(step.out)
-            return [_multistep_chunk_result(out, i, c)
+            return [multistep.chunk_result(out, i, c)
                     for i, c in zip(step.sample_idx, step.batch.chunks)]
         out, stats = jax.device_get((step.out, step.stats))
         if stats is not None:  # f32[D*layers, 3] and f32[layers, P]: a few KiB
@@ -602,28 +576,6 @@ def _in_flight_rows(from_slots: list[np.ndarray | None]) -> np.ndarray | None:
     if any(f is not None for f in from_slots):
         raise ValueError("in-flight decode inputs need one device (no DP / TP)")
     return None
-
-
-def widen_page_table(fb: ForwardBatch, chunks: list[ScheduledChunk]) -> None:
-    """Multi-step: request row j of numpy ``fb`` gets every page chunk j holds (the scheduler
-    gave it pages for the step's N positions), not only those of its first position."""
-    P = fb.page_table.shape[1]
-    for j, c in enumerate(chunks):
-        pages = c.pages[:P]
-        fb.page_table[j, :len(pages)] = pages
-
-
-def _multistep_chunk_result(out: dict, i: int, c: ScheduledChunk) -> ChunkResult:
-    """A multi-step decode chunk's result from the stacked host outputs (``multistep``):
-    ``run`` = its N (token, logprob, top logprobs) in order; ``i`` its sampling row."""
-    n_top = c.req.top_logprobs_num
-    tops = out.get("top_ids") is not None and n_top
-    run = []
-    for n in range(out["tokens"].shape[0]):
-        top = (list(zip(out["top_logprobs"][n, i, :n_top].tolist(),
-                        out["top_ids"][n, i, :n_top].tolist())) if tops else None)
-        run.append((int(out["tokens"][n, i]), float(out["logprobs"][n, i]), top))
-    return ChunkResult(next_token=run[0][0], logprob=run[0][1], top_logprobs=run[0][2], run=run)
 
 
 def _chunk_result(out: dict, i: int, c: ScheduledChunk, r: np.ndarray) -> ChunkResult:

@@ -17,6 +17,11 @@ experts, N more positions within the context) and has pages for N more tokens. T
 a request's finish (EOS, stop ids / strings, max_new_tokens) are computed and dropped on the
 host (``Scheduler._append_tokens``); their KV sits in the request's own pages, freed with
 them. Router stats are not returned for these steps (as for verify steps).
+
+Where it does not run (``supported``; the runner then serves single steps): DP / TP ranks
+(one device only), speculative decoding, the routed-expert store (it records every step's
+routed ids), EPLB rebalancing (it needs every step's expert loads) and deterministic mode (a
+request's tokens would depend on whether a batch mate made its step a single one).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledChunk
 from sglang_tpu_backend.model_executor import host_inputs
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.model_executor.sampler_state import _record_tokens
@@ -85,3 +91,45 @@ multi_decode_jit = jax.jit(
     static_argnames=("layout", "num_steps", "num_top_logprobs", "variant", "cfg", "impl",
                      "batch_invariant"),
     donate_argnames=("cache", "counts", "last_tokens"))
+
+
+def supported(one_device: bool, num_drafts: int, nextn, routed, rebalances: bool,
+              batch_invariant: bool) -> bool:
+    """Multi-step launches can run on a runner of this kind (module docstring)."""
+    return (one_device and not num_drafts and nextn is None and routed is None
+            and not rebalances and not batch_invariant)
+
+
+def widen_page_table(fb: ForwardBatch, chunks: list[ScheduledChunk]) -> None:
+    """Multi-step: request row j of numpy ``fb`` gets every page chunk j holds (the scheduler
+    gave it pages for the step's N positions), not only those of its first position."""
+    P = fb.page_table.shape[1]
+    for j, c in enumerate(chunks):
+        pages = c.pages[:P]
+        fb.page_table[j, :len(pages)] = pages
+
+
+def chunk_result(out: dict, i: int, c: ScheduledChunk) -> ChunkResult:
+    """A multi-step decode chunk's result from the stacked host outputs (``multistep``):
+    ``run`` = its N (token, logprob, top logprobs) in order; ``i`` its sampling row."""
+    n_top = c.req.top_logprobs_num
+    tops = out.get("top_ids") is not None and n_top
+    run = []
+    for n in range(out["tokens"].shape[0]):
+        top = (list(zip(out["top_logprobs"][n, i, :n_top].tolist(),
+                        out["top_ids"][n, i, :n_top].tolist())) if tops else None)
+        run.append((int(out["tokens"][n, i]), float(out["logprobs"][n, i]), top))
+    return ChunkResult(next_token=run[0][0], logprob=run[0][1], top_logprobs=run[0][2], run=run)
+
+
+def dispatch(runner, fb: ForwardBatch, inp: host_inputs.Packed, num_steps: int, K: int,
+             variant: sampler.SamplerVariant) -> dict[str, jax.Array]:
+    """``multi_decode_jit`` on a ``ModelRunner``'s params, cache and sampler state, for a placed
+    DECODE batch and packed sampling inputs: the runner's cache, penalty counts and last
+    tokens are donated and replaced; returns the stacked outputs (nothing waited for)."""
+    state = runner.sampler
+    out, runner.cache, state.counts, state.last_tokens = multi_decode_jit(
+        runner.params, runner.cache, fb, state.counts, state.prompt_mask, state.last_tokens,
+        inp.buf, layout=inp.layout, num_steps=num_steps, num_top_logprobs=K, variant=variant,
+        cfg=runner.cfg, impl=runner.backend.impl, batch_invariant=runner.backend.batch_invariant)
+    return out

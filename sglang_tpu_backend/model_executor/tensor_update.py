@@ -23,6 +23,14 @@ is taken without a copy when it is already placed as the serving leaf, else resh
 device to device; every other leaf is built on the host and placed with the serving leaf's
 sharding and layout (``weight_layout.weight_target``).
 
+Leaves are built in the loader's layout and put in the serving one before the merge
+(``_Builder._serving_form``): the caller's ``relayout`` (TP: kv-head and GDN channel columns,
+``TPForward.tp_params``), then, where the serving params hold an ``expert_location`` (EPLB),
+the routed experts gathered per physical slot ([E, ...] -> [P, ...]: every slot holding a
+logical expert, replicas included, takes its tensors). Under NEXTN the ``mtp.*`` tensors
+rebuild the MTP params the same way (``CheckpointLeaves.mtp``, as ``update_weights_from_disk``
+loads them).
+
 ``build_params`` validates everything (names, shapes, dtypes, FP8 scale pairs) before it
 builds anything and raises ``WeightUpdateError`` naming the offending tensors; nothing here
 touches the engine.
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 import ml_dtypes
@@ -43,7 +51,8 @@ from sglang_tpu_backend.model_executor.weight_layout import weight_target as _ta
 from sglang_tpu_backend.model_executor.weight_update import WeightUpdateError, placement
 from sglang_tpu_backend.model_loader.checkpoint_io import (
     _NP_TO_ST, FP8_BLOCK, CheckpointError, TensorEntry)
-from sglang_tpu_backend.model_loader.checkpoint_shapes import F8_CODES, cdiv, expected_shapes
+from sglang_tpu_backend.model_loader.checkpoint_shapes import (F8_CODES, cdiv, expected_shapes,
+                                                               mtp_expected_shapes)
 from sglang_tpu_backend.model_loader.loader import MTP_PREFIXES, CheckpointLeaves, Leaf, _Reader
 
 PREFIX = "model.language_model."  # names are checked and built under this prefix
@@ -52,6 +61,7 @@ SKIPPED = ("visual.", "model.visual.")  # vision tower tensors: not served, igno
 FLOAT_DTYPES = tuple(np.dtype(d) for d in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16,
                                            ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2))
 _FUSED = re.compile(rf"{re.escape(PREFIX)}layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_FUSED_ANY = re.compile(r"(.*layers\.\d+\.)mlp\.experts\.(gate_up_proj|down_proj)")
 _EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
 _LAYER = re.compile(rf"{re.escape(PREFIX)}layers\.(\d+)\.")
 
@@ -193,8 +203,9 @@ class _Builder:
     """The touched leaves of one update, built and merged on the host."""
 
     def __init__(self, given: dict[str, Any], entries: dict[str, TensorEntry], cfg: ModelConfig,
-                 params: Any, dtype: Any, keep_fp8: bool):
+                 params: Any, dtype: Any, keep_fp8: bool, relayout: Relayout | None = None):
         self.given, self.cfg, self.params = given, cfg, params
+        self.relayout = relayout
         self.hosts: dict[str, np.ndarray] = {}
 
         def value(n: str) -> np.ndarray:
@@ -220,16 +231,33 @@ class _Builder:
         self.fetched: set[tuple] = set()
         self.whole: dict[tuple, np.ndarray] = {}  # touched top-level leaves
         self.placed: dict[tuple, jax.Array] = {}
-        self.num_zero_copy = 0
+        self.num_zero_copy = self.num_mtp_leaves = 0
 
-    def _merge(self, keys: tuple, m_leaf: Leaf, v_leaf: Leaf, serving: Any, current
-               ) -> np.ndarray | None:
-        """The leaf's new value, ``current()`` (the serving value, read only then) where the
-        mask is 0; None when no given tensor touches it. ``serving``: its shape and dtype."""
-        m = _param_form(m_leaf, self.cfg.num_experts) != 0
+    def _serving_form(self, keys: tuple, x: np.ndarray, slot: int | None) -> np.ndarray:
+        """A leaf in the loader's layout -> the serving one: ``relayout`` (TP columns), then,
+        for a routed-expert leaf of a group whose serving params hold experts per physical
+        slot (EPLB), the logical expert of each slot: x [E, ...] -> [P, ...]. ``slot``: the
+        layer's index in its group's stack (None: not a stacked leaf)."""
+        if self.relayout is not None:
+            x = self.relayout(keys, x)
+        if slot is not None and "experts" in keys:
+            loc = _node(self.params, keys[:2])["mlp"].get("expert_location")
+            if loc is not None:  # logical i32[G, P]: slot p of layer k holds logical[k, p]
+                x = x[np.asarray(jax.device_get(loc["logical"]))[slot]]
+        return x
+
+    def _merge(self, keys: tuple, m_leaf: Leaf, v_leaf: Leaf, serving: Any, current,
+               slot: int | None = None) -> np.ndarray | None:
+        """The leaf's new value in the serving layout (``_serving_form``), ``current()`` (the
+        serving value, read only then) where the mask is 0; None when no given tensor touches
+        it. ``serving``: its shape and dtype."""
+        def form(leaf: Leaf) -> np.ndarray:
+            return self._serving_form(keys, _param_form(leaf, self.cfg.num_experts), slot)
+
+        m = form(m_leaf) != 0
         if not m.any():
             return None
-        v = _param_form(v_leaf, self.cfg.num_experts)
+        v = form(v_leaf)
         if v.shape != tuple(serving.shape) or v.dtype != serving.dtype:
             raise WeightUpdateError(f"the tensors for parameter {keys} build {v.dtype}{list(v.shape)}; "
                                     f"the serving one is {serving.dtype}{list(serving.shape)}")
@@ -253,8 +281,8 @@ class _Builder:
         for path, m_leaf in jax.tree_util.tree_flatten_with_path(self.masks.layer(i))[0]:
             keys = ("layer_groups", group, *_keys(path))
             serving = _node(self.params, keys)
-            new = self._merge(keys, m_leaf, vals[path], jax.ShapeDtypeStruct(serving.shape[1:], serving.dtype),
-                              lambda: self._stack(keys)[k])
+            one = jax.ShapeDtypeStruct(serving.shape[1:], serving.dtype)
+            new = self._merge(keys, m_leaf, vals[path], one, lambda: self._stack(keys)[k], slot=k)
             if new is not None:
                 if keys not in self.stacks:
                     self.stacks[keys], self.filled[keys] = np.empty(serving.shape, serving.dtype), set()
@@ -279,6 +307,23 @@ class _Builder:
             if new is not None:
                 self.whole[(key,)] = new
 
+    def mtp(self, mtp_params: Any) -> Any:
+        """``mtp_params`` (the serving MTP tree, ``models/mtp.py``) with the leaves the given
+        ``mtp.*`` tensors touch rebuilt as ``update_weights_from_disk`` loads them (the
+        loader's ``CheckpointLeaves.mtp``), merged and placed as the serving leaves."""
+        vals = dict(jax.tree_util.tree_flatten_with_path(self.values.mtp())[0])
+        placed = {}
+        for path, m_leaf in jax.tree_util.tree_flatten_with_path(self.masks.mtp())[0]:
+            keys = ("mtp", *_keys(path))
+            serving = _node(mtp_params, keys[1:])
+            new = self._merge(keys, m_leaf, vals[path], serving,
+                              lambda s=serving: np.asarray(jax.device_get(s)))
+            if new is not None:
+                placed[keys[1:]] = jax.device_put(np.ascontiguousarray(new), _target(serving))
+        self.num_mtp_leaves = len(placed)
+        return jax.tree_util.tree_map_with_path(lambda path, x: placed.get(_keys(path), x),
+                                                mtp_params)
+
     def tree(self) -> Any:
         """The serving params with the touched leaves placed as the ones they replace."""
         for keys in list(self.stacks):
@@ -296,29 +341,70 @@ class _Builder:
         return len(self.fetched)
 
 
+def _mtp_tensors(given_raw: dict[str, Any], cfg: ModelConfig
+                 ) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """The given ``mtp.*`` tensors under one prefix (``mtp.`` or ``model.mtp.``) and every MTP
+    name -> its shape (``mtp_expected_shapes``); WeightUpdateError naming unknown or misshapen
+    ones (as ``check_tensors`` does for the rest)."""
+    mtp = {n: a for n, a in given_raw.items() if n.startswith(MTP_PREFIXES)}
+    prefixes = {p for p in MTP_PREFIXES for n in mtp if n.startswith(p)}
+    if len(prefixes) > 1 or not cfg.mtp_num_hidden_layers:
+        raise WeightUpdateError("MTP tensors must all be 'mtp.*' or all 'model.mtp.*', for a "
+                                f"model with MTP layers: {_few(sorted(mtp))}")
+    prefix = prefixes.pop()
+    entries = {n: _entry(n, a.shape, _code(a.dtype)) for n, a in mtp.items()}
+    for n in mtp:  # a layer whose experts come fused is checked in the fused layout
+        if m := _FUSED_ANY.fullmatch(n):
+            entries.setdefault(f"{m.group(1)}mlp.experts.gate_up_proj", _entry(n, (), "F32"))
+    expected = mtp_expected_shapes(cfg, prefix, entries)
+    unknown = sorted(n for n in mtp if n not in expected)
+    if unknown:
+        raise WeightUpdateError(f"{len(unknown)} MTP tensor name(s) this model does not have: "
+                                f"{_few(unknown)}")
+    wrong = [f"{n} is {list(a.shape)}, expected {list(expected[n])}"
+             for n, a in mtp.items() if tuple(a.shape) != expected[n]]
+    if wrong:
+        raise WeightUpdateError(f"{len(wrong)} MTP tensor(s) of wrong shape: {_few(wrong)}")
+    bad = [f"{n} is {np.dtype(a.dtype)}" for n, a in mtp.items() if np.dtype(a.dtype) not in FLOAT_DTYPES]
+    lone = [n for n, e in entries.items() if e.dtype in F8_CODES and n + "_scale_inv" not in mtp]
+    if bad or lone:
+        raise WeightUpdateError(f"MTP tensor(s) of a non-float dtype, or FP8 without their "
+                                f"'_scale_inv' in the same update: {_few(bad + lone)}")
+    return mtp, expected
+
+
+Relayout = Callable[[tuple, np.ndarray], np.ndarray]
+
+
 def build_params(named_tensors: Any, cfg: ModelConfig, params: Any, *, dtype: Any,
-                 nextn: bool = False) -> tuple[Any, dict]:
+                 mtp_params: Any = None, relayout: Relayout | None = None
+                 ) -> tuple[Any, Any, dict]:
     """``params`` (the serving tree) with the leaves ``named_tensors`` touch replaced, placed
-    as the serving leaves; and a report ``{"num_tensors", "num_ignored", "num_leaves",
-    "num_zero_copy", "num_read_back"}`` (leaves placed; taken without a copy; read back from
-    the devices to merge). Raises WeightUpdateError (nothing built) naming what does not fit."""
+    as the serving leaves; the same for ``mtp_params`` (the serving MTP tree under NEXTN, else
+    None: ``mtp.*`` tensors are then ignored), None when no ``mtp.*`` tensor is given; and a
+    report ``{"num_tensors", "num_ignored", "num_leaves", "num_mtp_leaves", "num_zero_copy",
+    "num_read_back"}`` (leaves placed; taken without a copy; read back from the devices to
+    merge). ``relayout(keys, x)``: a leaf x in the loader's layout at ``keys`` of the params
+    tree -> the serving layout's (TP: ``TPForward.tp_params``; None: the same). Routed experts
+    are placed per physical slot where the serving params hold an ``expert_location`` (EPLB:
+    every slot holding a logical expert, replicas included, gets that expert's tensors).
+    Raises WeightUpdateError (nothing built) naming what does not fit."""
     given_raw = named_arrays(named_tensors)
     if not given_raw:
         raise WeightUpdateError("named_tensors is empty")
-    mtp = [n for n in given_raw if n.startswith(MTP_PREFIXES)]
-    if mtp and nextn:
-        raise WeightUpdateError(f"update_weights_from_tensor does not update the MTP layers yet "
-                                f"(update_weights_from_disk does): {_few(mtp)}")
-    ignored = [n for n in given_raw if n.startswith(SKIPPED + MTP_PREFIXES)]
-    original = {canonical_name(n): n for n in given_raw if n not in ignored}
+    mtp, mtp_expected = {}, {}
+    if mtp_params is not None and any(n.startswith(MTP_PREFIXES) for n in given_raw):
+        mtp, mtp_expected = _mtp_tensors(given_raw, cfg)
+    ignored = [n for n in given_raw if n.startswith(SKIPPED + MTP_PREFIXES) and n not in mtp]
+    original = {canonical_name(n): n for n in given_raw if n not in ignored and n not in mtp}
     given = {c: given_raw[n] for c, n in original.items()}
-    if len(given) + len(ignored) != len(given_raw):
+    if len(given) + len(ignored) + len(mtp) != len(given_raw):
         raise WeightUpdateError("named_tensors names one tensor in both the 'model.' and the "
                                 "'model.language_model.' form")
-    expected = check_tensors(given, cfg, original)
+    expected = check_tensors(given, cfg, original) if given else {}
     keep_fp8 = any("gate_up_scale" in _keys(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
-    entries = _reader_entries(given, expected, dtype, keep_fp8)
-    b = _Builder(given, entries, cfg, params, dtype, keep_fp8)
+    entries = _reader_entries({**given, **mtp}, {**expected, **mtp_expected}, dtype, keep_fp8)
+    b = _Builder({**given, **mtp}, entries, cfg, params, dtype, keep_fp8, relayout)
     for i in sorted({int(m.group(1)) for n in given if (m := _LAYER.match(n))}):
         b.layer(i)
     embed = f"{PREFIX}embed_tokens.weight"
@@ -326,7 +412,8 @@ def build_params(named_tensors: Any, cfg: ModelConfig, params: Any, *, dtype: An
            "lm_head": embed if cfg.tie_word_embeddings else "lm_head.weight"}
     if any(n in given for n in top.values()):
         b.top(top)
-    tree = b.tree()
-    return tree, {"num_tensors": len(given), "num_ignored": len(ignored),
-                  "num_leaves": len(b.placed), "num_zero_copy": b.num_zero_copy,
-                  "num_read_back": b.num_read_back}
+    tree = b.tree() if given else params
+    mtp_tree = b.mtp(mtp_params) if mtp else None
+    return tree, mtp_tree, {"num_tensors": len(given) + len(mtp), "num_ignored": len(ignored),
+                            "num_leaves": len(b.placed), "num_mtp_leaves": b.num_mtp_leaves,
+                            "num_zero_copy": b.num_zero_copy, "num_read_back": b.num_read_back}

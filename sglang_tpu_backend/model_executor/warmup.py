@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sglang_tpu_backend.model_executor import multistep
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.sampler_state import dummy_sampling_inputs
 from sglang_tpu_backend.model_executor.verify_step import dummy_verify_inputs
@@ -52,7 +53,7 @@ def warm_multistep(runner: Any, T: int, R: int, L: int) -> None:
             fb = dummy_batch(ForwardMode.DECODE, T, R, L, runner.pages_per_seq)
             (fb,), _ = runner.place_batch([fb], None)
             inp = runner.place_sampling(dummy_sampling_inputs(R, L, runner.vocab_size, variant))
-            runner.multi_decode(fb, inp, runner.num_scheduler_steps, K, variant)
+            multistep.dispatch(runner, fb, inp, runner.num_scheduler_steps, K, variant)
     jax.block_until_ready(runner.cache)
 
 

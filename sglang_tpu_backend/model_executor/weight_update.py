@@ -160,8 +160,9 @@ class PendingSwap:
     """
 
     def __init__(self, params: Any, version: str, model_path: str, mtp_params: Any = None,
-                 flush_cache: bool = True):
+                 flush_cache: bool = True, base: Any = None):
         self.params = params
+        self.base = base  # the serving params ``params`` shares leaves with (tensor updates)
         self.flush_cache = flush_cache  # flush the prefix cache at the swap
         self.mtp_params = mtp_params  # NEXTN: the placed MTP params (else None)
         self.version = version
@@ -172,6 +173,6 @@ class PendingSwap:
 
     def finish(self, success: bool, message: str, num_paused_requests: int = 0) -> None:
         # The engine holds the arrays now (or they are dropped).
-        self.params = self.mtp_params = None
+        self.params = self.mtp_params = self.base = None
         self.result = update_result(success, message, num_paused_requests)
         self.done.set()

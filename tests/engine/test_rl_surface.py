@@ -212,12 +212,12 @@ def test_fp8_and_per_expert_tensors_build_what_the_loader_reads(ckpt_b, tmp_path
     write_checkpoint(tmp_path / "fp8", fp8, json.loads((ckpt_b / "config.json").read_text()))
     _, want = load_model(tmp_path / "fp8", dtype=jnp.float32)
     first = {n: t for n, t in fp8.items() if ".experts.3." in n}
-    half, report = build_params(first, cfg, serving, dtype=np.float32)
+    half, _, report = build_params(first, cfg, serving, dtype=np.float32)
     assert report["num_leaves"] == cfg.layer_period * 2  # gate_up, down of each layer group
     assert report["num_read_back"] == report["num_leaves"]  # one expert of E: merged
-    full, _ = build_params({n: t for n, t in fp8.items() if n not in first}, cfg, half,
+    full, _, _ = build_params({n: t for n, t in fp8.items() if n not in first}, cfg, half,
                            dtype=np.float32)
-    once, report = build_params(fp8, cfg, serving, dtype=np.float32)
+    once, _, report = build_params(fp8, cfg, serving, dtype=np.float32)
     assert report["num_read_back"] == 0  # every leaf whole: nothing read from the devices
     for got, again, ref in zip(jax.tree.leaves(full), jax.tree.leaves(once), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
@@ -433,10 +433,12 @@ def test_offline_engine_calls(eng, tmp_path):
 
 
 def test_refit_and_sleep_with_dp_ranks_and_split_experts(tmp_path):
-    """--dp-size 2 --ep-size 2 (``rl_dp_run.py`` in a subprocess with 2 CPU devices): B's
+    """--dp-size 2 --ep-size 2 (``rl_dp_run.py`` in a subprocess with 4 CPU devices): B's
     tensors in two calls give an engine started on B's tokens, with the experts split over
-    the devices; release frees the params and KV pages; nothing recompiles. --tp-size 2:
-    release / resume keep the outputs; a tensor refit is refused naming the flag."""
+    the devices and every leaf's sharding kept; release frees the params and KV pages;
+    nothing recompiles. The same with EPLB (24 slots over the 2 EP ranks) after a forced
+    rebalance. --tp-size 4 with NEXTN: the same refit gives a TP4 NEXTN engine
+    started on B's tokens and MTP params, shardings kept; release / resume keep the outputs."""
     import json
     from pathlib import Path
 
@@ -444,10 +446,12 @@ def test_refit_and_sleep_with_dp_ranks_and_split_experts(tmp_path):
 
     out = tmp_path / "out.json"
     run_on_cpu_devices(Path(__file__).resolve().parent / "rl_dp_run.py", str(out),
-                       str(tmp_path / "b"), num_devices=2)
+                       str(tmp_path / "b"), num_devices=4)
     r = json.loads(out.read_text())
     assert r["a"] != r["b"] and r["refit"] == r["b"] and r["resumed"] == r["b"]
     assert r["experts_split"] and r["freed_bytes"] >= r["device_bytes"]
-    assert r["lowerings"] == 0
-    assert r["tp_resumed"] == r["tp"]
-    assert not r["tp_refit"]["success"] and "--tp-size" in r["tp_refit"]["message"]
+    assert r["lowerings"] == 0 and r["same_shardings"]
+    assert r["tp"] != r["tp_b"], r
+    assert r["tp_refit"] == r["tp_b"] and r["tp_resumed"] == r["tp_b"] and r["tp_same_shardings"]
+    assert r["tp_mtp_equal"]
+    assert r["eplb_moved"] and r["eplb_refit"] == r["b"] and r["eplb_same_shardings"]
