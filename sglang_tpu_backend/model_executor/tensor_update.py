@@ -126,25 +126,32 @@ def check_tensors(given: dict[str, Any], cfg: ModelConfig, original: dict[str, s
         expected = expected_shapes(cfg, PREFIX, layout)
     except CheckpointError as e:
         raise WeightUpdateError(str(e)) from None
-    name = lambda n: original.get(n, n)  # noqa: E731
+    _check_against(given, entries, expected, "", lambda n: original.get(n, n))
+    return expected
+
+
+def _check_against(given: dict[str, Any], entries: dict[str, TensorEntry],
+                   expected: dict[str, tuple[int, ...]], kind: str, name=lambda n: n) -> None:
+    """WeightUpdateError naming the ``given`` tensors (``kind``: "" or "MTP ") that the model
+    does not have, of a wrong shape or a non-float dtype, or FP8 without their
+    ``_scale_inv`` in the same update (``name``: the name to show for a canonical one)."""
     unknown = sorted(name(n) for n in given if n not in expected)
     if unknown:
-        raise WeightUpdateError(f"{len(unknown)} tensor name(s) this model does not have: "
-                                f"{_few(unknown)}")
+        raise WeightUpdateError(f"{len(unknown)} {kind}tensor name(s) this model does not "
+                                f"have: {_few(unknown)}")
     wrong = [f"{name(n)} is {list(a.shape)}, expected {list(expected[n])}"
              for n, a in given.items() if tuple(a.shape) != expected[n]]
     if wrong:
-        raise WeightUpdateError(f"{len(wrong)} tensor(s) of wrong shape: {_few(wrong)}")
+        raise WeightUpdateError(f"{len(wrong)} {kind}tensor(s) of wrong shape: {_few(wrong)}")
     bad = [f"{name(n)} is {np.dtype(a.dtype)}" for n, a in given.items()
            if np.dtype(a.dtype) not in FLOAT_DTYPES]
     if bad:
-        raise WeightUpdateError(f"{len(bad)} tensor(s) of a non-float dtype: {_few(bad)}")
+        raise WeightUpdateError(f"{len(bad)} {kind}tensor(s) of a non-float dtype: {_few(bad)}")
     lone = [name(n) for n, e in entries.items()
             if e.dtype in F8_CODES and n + "_scale_inv" not in given]
     if lone:
-        raise WeightUpdateError(f"FP8 tensor(s) without their block scales (name + "
+        raise WeightUpdateError(f"{kind}FP8 tensor(s) without their block scales (name + "
                                 f"'_scale_inv') in the same update: {_few(lone)}")
-    return expected
 
 
 class _MemoryReader(_Reader):
@@ -357,19 +364,7 @@ def _mtp_tensors(given_raw: dict[str, Any], cfg: ModelConfig
         if m := _FUSED_ANY.fullmatch(n):
             entries.setdefault(f"{m.group(1)}mlp.experts.gate_up_proj", _entry(n, (), "F32"))
     expected = mtp_expected_shapes(cfg, prefix, entries)
-    unknown = sorted(n for n in mtp if n not in expected)
-    if unknown:
-        raise WeightUpdateError(f"{len(unknown)} MTP tensor name(s) this model does not have: "
-                                f"{_few(unknown)}")
-    wrong = [f"{n} is {list(a.shape)}, expected {list(expected[n])}"
-             for n, a in mtp.items() if tuple(a.shape) != expected[n]]
-    if wrong:
-        raise WeightUpdateError(f"{len(wrong)} MTP tensor(s) of wrong shape: {_few(wrong)}")
-    bad = [f"{n} is {np.dtype(a.dtype)}" for n, a in mtp.items() if np.dtype(a.dtype) not in FLOAT_DTYPES]
-    lone = [n for n, e in entries.items() if e.dtype in F8_CODES and n + "_scale_inv" not in mtp]
-    if bad or lone:
-        raise WeightUpdateError(f"MTP tensor(s) of a non-float dtype, or FP8 without their "
-                                f"'_scale_inv' in the same update: {_few(bad + lone)}")
+    _check_against(mtp, entries, expected, "MTP ")
     return mtp, expected
 
 
