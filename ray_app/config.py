@@ -261,6 +261,12 @@ def _role_args(server: dict[str, Any], per_role: dict[str, dict[str, Any]], mode
                          f"{out['decode'].speculative_algorithm} drafts from the MTP KV cache the "
                          "handover carries; the prefill replicas must run NEXTN too "
                          "(speculative_algorithm unprefixed, or prefill_speculative_algorithm)")
+    routed = {role: out[role].enable_return_routed_experts for role in ("prefill", "decode")}
+    if routed["prefill"] != routed["decode"]:
+        on = "prefill" if routed["prefill"] else "decode"
+        raise ValueError(f"enable_return_routed_experts is on for the {on} replicas only: the "
+                         "prompt's routed experts come from the prefill replica through the "
+                         "handover and the output's from the decode replica (set it unprefixed)")
     return out
 
 

@@ -9,6 +9,9 @@ the cache state computed for the prompt (``model_executor/state_transfer.py`` la
   mtp_kv: [Lm, n, 2*G, page_size, D] (NEXTN prefill replicas only, else None) the MTP KV
         pages at the same page ids, with ``drafts``: the k drafts its MTP chain proposed
         after the first token, which the decode replica verifies in its first step
+  routed_experts: i32[P, M, K] (requests with ``return_routed_experts`` only, else None) the
+        LOGICAL expert ids the router picked for each prompt token in each of the M MoE layers
+        (``model_executor/routed_experts.py``); the decode side appends its own rows
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class RequestHandover:
     cached_tokens: int = 0  # prompt tokens the prefill engine reused from its prefix cache
     mtp_kv: np.ndarray | None = None  # NEXTN: the MTP KV pages (module docstring)
     drafts: list[int] | None = None  # NEXTN: the first verify step's drafts
+    routed_experts: np.ndarray | None = None  # i32[P, M, K] of the prompt (module docstring)
 
     @property
     def nbytes(self) -> int:

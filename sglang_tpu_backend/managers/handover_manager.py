@@ -13,7 +13,10 @@ the end. Under NEXTN both sides run the MTP layers: the handover also carries th
 MTP KV pages and first drafts, installed with its state (its first step verifies them); a
 NEXTN decode replica refuses (aborts) a handover without them. One that waits longer
 than ``--handover-wait-timeout`` ends with finish_reason abort (the prefill replica has
-already freed its copy).
+already freed its copy). A request with ``return_routed_experts`` carries the prompt's routed
+expert ids: the decode side's request starts with them (``Req.resume_from``) and they are
+written into its store at the installed pages (``RoutedExpertsStore.install``), so its final
+``meta_info["routed_experts"]`` is the colocated engine's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 from sglang_tpu_backend.managers.handover import RequestHandover
 from sglang_tpu_backend.managers.schedule_batch import Req
+from sglang_tpu_backend.model_executor.routed_experts import request_rows
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,15 @@ class HandoverManager:
                       "cache (run the prefill replica with --speculative-algorithm NEXTN too)")
             self.loop.delivery.deliver_final(req)
             return
+        store = self.runner.routed
+        if req.return_routed_experts and store is not None and (
+                h.routed_experts.shape[1:] != (store.num_layers, store.top_k)):
+            self.loop.metrics.observe_handover(0.0, 0, ok=False)
+            req.abort(f"the handover's routed experts are [tokens, moe_layers, top_k] = "
+                      f"{list(h.routed_experts.shape)}, this replica's model routes "
+                      f"[{store.num_layers}, {store.top_k}] (another model?)")
+            self.loop.delivery.deliver_final(req)
+            return
         self.pending.append((req, h))
 
     def install_pending(self) -> None:
@@ -99,6 +112,8 @@ class HandoverManager:
                 if self.runner.nextn is not None:
                     self.runner.install_mtp_kv(h.mtp_kv, req.pages, rank=req.dp_rank)
                     req.draft_state = list(h.drafts or [])
+                if self.runner.routed is not None and h.routed_experts is not None:
+                    self.runner.routed.install(h.routed_experts, req.pages, rank=req.dp_rank)
             except Exception as e:
                 logger.exception("handover install failed")
                 self._fail_one(req, f"handover install failed: {type(e).__name__}: {e}")
@@ -182,7 +197,8 @@ class HandoverManager:
             input_top_logprobs=list(req.input_top_logprobs),
             output_logprobs=list(req.output_logprobs),
             output_top_logprobs=list(req.output_top_logprobs), export_time=export_time,
-            cached_tokens=req.cached_tokens)
+            cached_tokens=req.cached_tokens,
+            routed_experts=request_rows(req) if req.return_routed_experts else None)
 
     def fail_exports(self, message: str) -> None:
         """``export_finished`` raised: end every request still waiting for export (lock held)."""

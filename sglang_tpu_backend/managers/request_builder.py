@@ -13,6 +13,8 @@ import random
 import uuid
 from typing import Any
 
+import numpy as np
+
 from sglang_tpu_backend.managers.handover import RequestHandover
 from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
 from sglang_tpu_backend.managers.schedule_batch import Req
@@ -87,7 +89,7 @@ class RequestBuilder:
         if not 0 <= n_top <= self.max_top_logprobs_num:
             raise InvalidRequestError("top_logprobs_num", f"top_logprobs_num must be in "
                                       f"[0, {self.max_top_logprobs_num}], got {n_top}")
-        self._check_routed(obj, export_after_prefill)
+        self._check_routed(obj)
         grammar = None
         if sp.regex is not None or sp.json_schema is not None:
             grammar = self.grammar_backend.compile(regex=sp.regex, json_schema=sp.json_schema)
@@ -105,15 +107,12 @@ class RequestBuilder:
             request=dataclasses.replace(obj, rid=rid) if export_after_prefill else None,
         )
 
-    def _check_routed(self, obj: GenerateReqInput, handover: bool) -> None:
+    def _check_routed(self, obj: GenerateReqInput) -> None:
         if not obj.return_routed_experts:
             return
         if not self.routed_experts:
             raise InvalidRequestError("return_routed_experts", "return_routed_experts needs a "
                                       "server started with --enable-return-routed-experts")
-        if handover:
-            raise InvalidRequestError("return_routed_experts", "return_routed_experts is not "
-                                      "supported through the prefill-decode handover")
 
     def build_from_handover(self, h: RequestHandover) -> Req:
         """The decode side's ``Req`` for a handover: validated like a new request, then
@@ -124,8 +123,25 @@ class RequestBuilder:
         req = self.build(h.request)
         if list(h.prompt_ids) != req.prompt_ids:
             raise InvalidRequestError("input_ids", "handover prompt differs from the request's")
+        self._check_handover_routed(h, req)
         req.resume_from(h)
         return req
+
+    def _check_handover_routed(self, h: RequestHandover, req: Req) -> None:
+        """A request with ``return_routed_experts`` continues from the prompt's ids
+        ``h.routed_experts`` i32[num_computed, M, K] (M, K: checked against this engine's
+        store when the handover is queued, ``HandoverManager.queue_install``)."""
+        if not req.return_routed_experts:
+            return
+        rows = h.routed_experts
+        if rows is None:
+            raise InvalidRequestError("return_routed_experts", "the handover carries no routed "
+                                      "experts (was the prefill replica started with "
+                                      "--enable-return-routed-experts?)")
+        if rows.dtype != np.int32 or rows.ndim != 3 or len(rows) != h.num_computed:
+            raise InvalidRequestError("return_routed_experts", f"handover routed experts "
+                                      f"{rows.dtype}{list(rows.shape)}, expected int32 "
+                                      f"[{h.num_computed}, moe_layers, top_k]")
 
     def _prompt_ids(self, obj: GenerateReqInput) -> tuple[list[int], str]:
         if (obj.text is None) == (obj.input_ids is None):

@@ -139,8 +139,8 @@ class Req:
     def resume_from(self, h: Any) -> None:
         """Decode side of a handover (``managers/handover.RequestHandover``): continue from
         what the prefill side computed (its first token(s), seed, logprobs, the prompt tokens
-        its prefix cache served; the KV and GDN state of ``h.num_computed`` tokens are
-        installed into this request's pages / slot)."""
+        its prefix cache served, the prompt's routed expert ids; the KV and GDN state of
+        ``h.num_computed`` tokens are installed into this request's pages / slot)."""
         self.seed = h.seed
         self.cached_tokens = h.cached_tokens
         self.output_ids = list(h.output_ids)
@@ -149,6 +149,8 @@ class Req:
         self.input_logprobs, self.input_top_logprobs = list(h.input_logprobs), list(h.input_top_logprobs)
         self.output_logprobs = list(h.output_logprobs)
         self.output_top_logprobs = list(h.output_top_logprobs)
+        if self.return_routed_experts and h.routed_experts is not None:
+            self.routed_rows = [h.routed_experts]  # the prompt's ids i32[P, M, K]
         if self.grammar is not None:
             for tok in self.output_ids:
                 self.grammar.accept(tok)

@@ -11,7 +11,10 @@ page that is freed and reused is overwritten by its next forward.
 A request's ids are its positions 0 .. seqlen - 2 (every prompt token, then every output token
 but the last sampled one: the tokens the model forwarded for it), SGLang's ``seqlen - 1``
 rows, sent as ``meta_info["routed_experts"]``: base64 of the int32 array [seqlen - 1, M, K]
-in C order (:func:`encode`).
+in C order (:func:`encode`). Under prefill / decode disaggregation the prefill engine hands the
+prompt's rows i32[P, M, K] over with the request (``RequestHandover.routed_experts``); the
+decode engine starts the request with them, writes them into its store at the installed pages
+(:meth:`RoutedExpertsStore.install`) and appends the output tokens' rows.
 """
 
 from __future__ import annotations
@@ -62,6 +65,13 @@ class RoutedExpertsStore:
                 continue
             self.buffer[c.dp_rank, self._locs(c.pages, c.start, c.num_tokens)] = (
                 routed[row:row + c.num_tokens])
+
+    def install(self, rows: np.ndarray, pages: list[int], rank: int = 0) -> None:
+        """Decode side of a PD handover: store the prompt's ids ``rows`` i32[P, M, K] (from
+        the prefill engine) at positions 0 .. P - 1 of ``pages`` on DP rank ``rank``, as if
+        this engine had computed them: the store then agrees with the request's rows (a chunk
+        starting at the request's ``cached_tokens`` reads its ids from position 0)."""
+        self.buffer[rank, self._locs(pages, 0, len(rows))] = rows
 
     def chunk_rows(self, c: Any) -> tuple[int, np.ndarray]:
         """What a chunk adds to its request's ids: (first position, i32[n, M, K]). A

@@ -2,9 +2,11 @@
 script by tests/engine/test_routed_experts.py, 4 CPU devices).
 
 The engine (f32, flag on) serves concurrent greedy requests (two prompts longer than a
-prefill chunk), then the first prompt again (a prefix-cache hit); writes JSON: per request
-its prompt, output ids, ``meta_info["routed_experts"]`` and cached_tokens. The test compares
-the ids with the router's top-k recomputed on one device.
+prefill chunk), then the first prompt again (a prefix-cache hit), then (cache flushed) every
+prompt through a PD handover within the engine (prefill, state exported, installed on the
+least-loaded DP rank, decoded there); writes JSON: per request its prompt, output ids,
+``meta_info["routed_experts"]`` and cached_tokens. The test compares the ids with the
+router's top-k recomputed on one device.
 """
 
 from __future__ import annotations
@@ -43,10 +45,29 @@ def serve(engine, batch: list[list[int]]) -> list[dict]:
     return asyncio.run(run_all())
 
 
+def serve_handover(engine, batch: list[list[int]]) -> list[dict]:
+    """Each prompt prefilled, handed over and decoded by ``engine`` (DP rank to DP rank)."""
+    async def one(ids):
+        obj = GenerateReqInput(input_ids=ids, sampling_params=dict(SAMPLING),
+                               return_routed_experts=True)
+        _, h = await engine.prefill_for_handover(obj)
+        out = [o async for o in engine.generate_from_handover(h)][-1]
+        return {"prompt": ids, "output_ids": out["output_ids"],
+                "routed": out["meta_info"]["routed_experts"],
+                "cached": out["meta_info"]["cached_tokens"]}
+
+    async def run_all():
+        return await asyncio.gather(*(one(ids) for ids in batch))
+
+    return asyncio.run(run_all())
+
+
 def main(out_path: str) -> None:
     engine = Engine(ServerArgs(**ARGS, dp_size=4, ep_size=4, ep_num_redundant_experts=4))
     try:
         result = {"first": serve(engine, prompts()), "again": serve(engine, prompts()[:1])}
+        engine.flush_cache()
+        result["handover"] = serve_handover(engine, prompts())
     finally:
         engine.shutdown()
     with open(out_path, "w") as f:

@@ -3,7 +3,9 @@
 the router's top-k recomputed layer by layer from the model (``routed_reference.py``): for
 prompt and output tokens, chunked prefills, concurrent requests, prefix-cache hits, after
 warm-up without compiling, with --dp-size 4 --ep-size 4 and EPLB's redundant slots (a
-subprocess on 4 CPU devices); off by default (no key, no other programs, requests refused).
+subprocess on 4 CPU devices, also through a DP rank-to-rank PD handover); through the
+prefill -> decode handover equal to the colocated engine's; off by default (no key, no other
+programs, requests refused).
 """
 
 from __future__ import annotations
@@ -139,15 +141,122 @@ def test_streamed_request_retracted_midway(routed_engine):
     _check(eng, prompt, outs[-1]["output_ids"], outs[-1]["meta_info"]["routed_experts"])
 
 
-def test_prefill_decode_handover_is_refused(routed_engine):
-    """The PD handover does not carry the ids (yet): the prefill side refuses, naming the field."""
+@pytest.fixture(scope="module")
+def routed_decode_engine():
+    """A decode-role engine with the flag (the prefill side is ``routed_engine``)."""
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    eng = Engine(ServerArgs(**ENGINE_ARGS, enable_return_routed_experts=True), role="decode")
+    yield eng
+    eng.shutdown()
+
+
+def _handover(prefill, decode, obj):
+    """prefill -> handover -> decode: (the handover, the final output)."""
+    async def run():
+        first, h = await prefill.prefill_for_handover(obj)
+        assert h is not None, first
+        return h, [o async for o in decode.generate_from_handover(h)][-1]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("sp", [SAMPLING, {"temperature": 0.8, "max_new_tokens": 6,
+                                           "ignore_eos": True, "seed": 11}])
+def test_prefill_decode_handover_equals_colocated(routed_engine, routed_decode_engine, sp):
+    """prefill -> handover -> decode returns the colocated engine's tokens and routed experts
+    (decoded: bit-equal): the handover carries the prompt's rows i32[P, M, K], the decode
+    side appends the output tokens'. Prompts: over the 64-token prefill chunk, one page and
+    a bit, one token. Then the first again: a prefix-cache hit on the prefill side (the
+    cached prefix's rows come from its store)."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+    from sglang_tpu_backend.model_executor.routed_experts import decode
+
+    cfg = routed_engine.model_config
+    M, K = cfg.num_hidden_layers, cfg.num_experts_per_tok
+    prompts = _prompts((90, 23, 1), seed=7)
+    refs = _generate(routed_engine, prompts, sp, return_routed_experts=True)
+    routed_engine.flush_cache()  # the handover's prefill computes the prompt
+    for ids, ref in zip(prompts, refs):
+        obj = GenerateReqInput(input_ids=ids, sampling_params=dict(sp), return_routed_experts=True)
+        h, out = _handover(routed_engine, routed_decode_engine, obj)
+        want = decode(ref["meta_info"]["routed_experts"], M, K)
+        assert h.routed_experts.dtype == np.int32 and h.routed_experts.shape == (len(ids), M, K)
+        np.testing.assert_array_equal(h.routed_experts, want[:len(ids)])
+        assert out["output_ids"] == ref["output_ids"]
+        np.testing.assert_array_equal(decode(out["meta_info"]["routed_experts"], M, K), want)
+    _check(routed_engine, prompts[0], refs[0]["output_ids"], refs[0]["meta_info"]["routed_experts"])
+
+    obj = GenerateReqInput(input_ids=prompts[0], sampling_params=dict(sp), return_routed_experts=True)
+    h, hit = _handover(routed_engine, routed_decode_engine, obj)  # prefill-side prefix hit
+    assert h.cached_tokens >= 64
+    assert hit["meta_info"]["routed_experts"] == refs[0]["meta_info"]["routed_experts"]
+    assert hit["output_ids"] == refs[0]["output_ids"]
+
+
+def test_handover_retracted_on_the_decode_side(routed_engine, routed_decode_engine):
+    """A handed-over request retracted midway on the decode engine (re-prefilled there with
+    its outputs so far: those rows replace the carried ones) still returns the colocated
+    engine's tokens and routed experts."""
+    import time
+
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+
+    dec, prompt = routed_decode_engine, _prompts((30,), seed=9)[0]
+    sp = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    (ref,) = _generate(routed_engine, [prompt], sp, return_routed_experts=True)
+
+    async def run():
+        obj = GenerateReqInput(input_ids=prompt, sampling_params=sp, stream=True,
+                               return_routed_experts=True)
+        _, h = await routed_engine.prefill_for_handover(obj)
+        outs: list = []
+
+        async def consume():
+            async for o in dec.generate_from_handover(h):
+                outs.append(o)
+
+        task = asyncio.ensure_future(consume())
+        deadline = time.monotonic() + 60
+        while len(outs) < 5:
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.01)
+        res = await asyncio.to_thread(dec.pause_generation, "retract")
+        assert res["num_retracted"] == 1
+        dec.continue_generation()
+        await asyncio.wait_for(task, 60)
+        return outs[-1]
+
+    dec.fault_injector = lambda phase: time.sleep(0.02) if phase == "schedule" else None
+    try:
+        out = asyncio.run(run())
+    finally:
+        dec.fault_injector = None
+    assert out["output_ids"] == ref["output_ids"]
+    assert out["meta_info"]["routed_experts"] == ref["meta_info"]["routed_experts"]
+
+
+def test_handover_without_rows_or_flag_is_refused(routed_engine, routed_decode_engine, engine):
+    """The decode side refuses (naming the field) a handover asking for routed experts that
+    carries none, and asking on a decode engine without the flag; the prompt's rows ride in
+    the handover's metadata, not in its cache state (``nbytes``)."""
+    import dataclasses
+
     from sglang_tpu_backend.managers.io_struct import GenerateReqInput, InvalidRequestError
 
-    obj = GenerateReqInput(input_ids=[5, 6, 7], sampling_params=dict(SAMPLING),
+    obj = GenerateReqInput(input_ids=_prompts((20,), seed=8)[0], sampling_params=dict(SAMPLING),
                            return_routed_experts=True)
-    with pytest.raises(InvalidRequestError, match="handover") as err:
-        asyncio.run(routed_engine.prefill_for_handover(obj))
-    assert err.value.field == "return_routed_experts"
+    _, h = asyncio.run(routed_engine.prefill_for_handover(obj))
+    assert h.nbytes == h.kv.nbytes + h.conv.nbytes + h.rec.nbytes
+    for eng, bad in ((routed_decode_engine, dataclasses.replace(h, routed_experts=None)),
+                     (engine, h)):
+        async def run():
+            return [o async for o in eng.generate_from_handover(bad)]
+
+        with pytest.raises(InvalidRequestError) as err:
+            asyncio.run(run())
+        assert err.value.field == "return_routed_experts"
 
 
 def test_dp4_ep4_with_redundant_experts_match_the_router(dp_results, routed_engine):
@@ -157,6 +266,14 @@ def test_dp4_ep4_with_redundant_experts_match_the_router(dp_results, routed_engi
         _check(routed_engine, r["prompt"], r["output_ids"], r["routed"])
     hit = dp_results["again"][0]
     assert hit["cached"] >= 32 and hit["routed"] == dp_results["first"][0]["routed"]
+
+
+def test_dp4_ep4_handover_equals_colocated(dp_results):
+    """The same engine's prompts through a PD handover (prefill, export, install on a DP
+    rank, decode): the same tokens and routed experts (logical ids under EPLB)."""
+    for pd, ref in zip(dp_results["handover"], dp_results["first"], strict=True):
+        assert pd["prompt"] == ref["prompt"] and pd["output_ids"] == ref["output_ids"]
+        assert pd["routed"] == ref["routed"]
 
 
 def test_off_by_default(engine):

@@ -79,6 +79,20 @@ def test_device_transport_carries_the_nextn_mtp_kv_and_drafts():
 
 
 
+def test_device_transport_carries_the_routed_experts_in_the_ticket():
+    """A handover with ``return_routed_experts``: the prompt's routed ids i32[P, M, K] ride in
+    the ticket's metadata (not offered as device state) and arrive equal."""
+    prefill, decode = DeviceTransport(), DeviceTransport()
+    h = _handover(6)
+    h.routed_experts = np.random.default_rng(7).integers(0, 64, (3, 4, 2)).astype(np.int32)
+    ticket = prefill.send(h)
+    assert len(ticket["specs"]) == 3 and ticket["meta"].routed_experts is h.routed_experts
+    got = asyncio.run(decode.receive(ticket))
+    _assert_same(got, h)
+    assert got.routed_experts.dtype == np.int32
+    np.testing.assert_array_equal(got.routed_experts, h.routed_experts)
+
+
 def test_keeper_holds_until_released_or_expired_and_drops_a_late_keep():
     keeper = HandoverKeeper(keep_s=0.2)
     keeper.keep(1, ["a"])
