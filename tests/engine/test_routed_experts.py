@@ -100,6 +100,29 @@ def test_only_requests_that_ask_get_them_and_offline_engine(routed_engine):
            out["meta_info"]["routed_experts"])
 
 
+async def _retracted_after_five(eng, stream) -> list:
+    """Every chunk of ``stream`` (one streamed request on ``eng``), its request retracted
+    (``pause_generation("retract")``, one request) after 5 chunks and then continued."""
+    import time
+
+    outs: list = []
+
+    async def consume():
+        async for o in stream:
+            outs.append(o)
+
+    task = asyncio.ensure_future(consume())
+    deadline = time.monotonic() + 60
+    while len(outs) < 5:
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+    res = await asyncio.to_thread(eng.pause_generation, "retract")
+    assert res["num_retracted"] == 1
+    eng.continue_generation()
+    await asyncio.wait_for(task, 60)
+    return outs
+
+
 def test_streamed_request_retracted_midway(routed_engine):
     """A streamed request retracted mid-generation (``pause_generation("retract")``, then
     re-prefilled with its outputs so far): the final chunk's ids are the router top-k of its
@@ -112,24 +135,9 @@ def test_streamed_request_retracted_midway(routed_engine):
     sp = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
 
     async def run():
-        outs: list = []
-
-        async def consume():
-            obj = GenerateReqInput(input_ids=prompt, sampling_params=sp, stream=True,
-                                   return_routed_experts=True)
-            async for o in eng.generate_request(obj):
-                outs.append(o)
-
-        task = asyncio.ensure_future(consume())
-        deadline = time.monotonic() + 60
-        while len(outs) < 5:
-            assert time.monotonic() < deadline, "timed out"
-            await asyncio.sleep(0.01)
-        res = await asyncio.to_thread(eng.pause_generation, "retract")
-        assert res["num_retracted"] == 1
-        eng.continue_generation()
-        await asyncio.wait_for(task, 60)
-        return outs
+        obj = GenerateReqInput(input_ids=prompt, sampling_params=sp, stream=True,
+                               return_routed_experts=True)
+        return await _retracted_after_five(eng, eng.generate_request(obj))
 
     eng.fault_injector = lambda phase: time.sleep(0.02) if phase == "schedule" else None
     try:
@@ -211,22 +219,7 @@ def test_handover_retracted_on_the_decode_side(routed_engine, routed_decode_engi
         obj = GenerateReqInput(input_ids=prompt, sampling_params=sp, stream=True,
                                return_routed_experts=True)
         _, h = await routed_engine.prefill_for_handover(obj)
-        outs: list = []
-
-        async def consume():
-            async for o in dec.generate_from_handover(h):
-                outs.append(o)
-
-        task = asyncio.ensure_future(consume())
-        deadline = time.monotonic() + 60
-        while len(outs) < 5:
-            assert time.monotonic() < deadline, "timed out"
-            await asyncio.sleep(0.01)
-        res = await asyncio.to_thread(dec.pause_generation, "retract")
-        assert res["num_retracted"] == 1
-        dec.continue_generation()
-        await asyncio.wait_for(task, 60)
-        return outs[-1]
+        return (await _retracted_after_five(dec, dec.generate_from_handover(h)))[-1]
 
     dec.fault_injector = lambda phase: time.sleep(0.02) if phase == "schedule" else None
     try:
