@@ -56,6 +56,7 @@ from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.metrics.router_stats import ROUTED
 from sglang_tpu_backend.planning.mem_budget import size_serving_args
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
+from sglang_tpu_backend.model_executor.parallel_compile import compile_threads
 from sglang_tpu_backend.model_executor.step_buckets import (
     deterministic_prefill_reqs, deterministic_prefill_rows)
 from sglang_tpu_backend.server_args import DETERMINISTIC_MIN_CHUNK, ServerArgs
@@ -220,7 +221,7 @@ class Engine:
         """Compile every step program, and a disaggregated role's handover programs (export on
         a prefill engine, install on a decode engine); returns seconds taken."""
         t0 = time.perf_counter()
-        self.runner.warmup()
+        self.runner.warmup(compile_threads=compile_threads(self.args.warmup_compile_threads))
         if role in ("prefill", "decode") and self.runner.backend.state_transfer:
             self.runner.warm_up_state_transfer(gather=role == "prefill", scatter=role == "decode")
         return time.perf_counter() - t0

@@ -180,6 +180,7 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     num_scheduler_steps: int = 1  # decode steps per launch (multi-step decoding; 1: off)
+    warmup_compile_threads: int | None = None  # warm-up compiles side by side; None: cores - 1
 
     def __post_init__(self):
         self.validate()
@@ -212,6 +213,7 @@ class ServerArgs:
         self._validate_eplb()
         positive("max_consecutive_step_errors", self.max_consecutive_step_errors)
         positive("num_scheduler_steps", self.num_scheduler_steps)
+        positive("warmup_compile_threads", self.warmup_compile_threads, allow_none=True)
         for name in ("watchdog_timeout", "handover_wait_timeout", "weight_update_timeout",
                      "profile_max_seconds"):
             value = getattr(self, name)
@@ -497,6 +499,9 @@ def _add_serving_flags(a, d) -> None:
       help="decode steps per device launch (multi-step decoding): a decode batch whose "
            "requests need no per-token host work (no grammar, min_new_tokens met) runs N "
            "steps in one program; one device only, not with speculative decoding (default: 1)")
+    a("--warmup-compile-threads", type=int, default=d.warmup_compile_threads,
+      help="threads compiling the warm-up's programs side by side (one device; default: "
+           "one per core but one, at most 8; 1: one after another)")
     a("--compilation-cache-dir", type=str, default=d.compilation_cache_dir,
       help="persistent XLA compilation cache (default: <cache dir>/jax-compilation-cache; "
            "'' turns it off)")

@@ -207,9 +207,16 @@ class SingleDeviceBackend(StepBackend):
             raise ValueError("in-flight input ids are resolved as the batch is placed "
                              "(ModelRunner.place_batch), not here")
         (fb,) = batches
-        return self._split(self.forward_fn(params, cache, fb, cfg=self.cfg, impl=self.impl,
-                                           with_stats=self.with_stats,
-                                           batch_invariant=self.batch_invariant))
+        return self._split(self.forward_fn(params, cache, fb, **self._forward_static()))
+
+    def lower_forward(self, params, cache, batches) -> jax.stages.Lowered:
+        """``forward``'s program lowered for these arguments (``parallel_compile``)."""
+        (fb,) = batches
+        return self.forward_fn.lower(params, cache, fb, **self._forward_static())
+
+    def _forward_static(self) -> dict[str, Any]:
+        return dict(cfg=self.cfg, impl=self.impl, with_stats=self.with_stats,
+                    batch_invariant=self.batch_invariant)
 
     def verify(self, params, cache, batches):
         from sglang_tpu_backend.model_executor.verify import forward_verify_jit

@@ -23,15 +23,18 @@ logger = logging.getLogger(__name__)
 _LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _counts = {"lowerings": 0, "backend_compiles": 0}
+_compiled_names: list[str] = []  # the function name of every backend compile, in order
 _counts_lock = threading.Lock()
 _listening = False
 
 
-def _on_duration(name: str, _secs: float, **_kw) -> None:
+def _on_duration(name: str, _secs: float, **kw) -> None:
     key = {_LOWERING_EVENT: "lowerings", _BACKEND_COMPILE_EVENT: "backend_compiles"}.get(name)
     if key is not None:
         with _counts_lock:
             _counts[key] += 1
+            if key == "backend_compiles":
+                _compiled_names.append(str(kw.get("fun_name", "?")))
 
 
 def _listen() -> None:
@@ -51,6 +54,7 @@ class CompileCounter:
         _listen()
         with _counts_lock:
             self._start = dict(_counts)
+            self._first_name = len(_compiled_names)
 
     @property
     def lowerings(self) -> int:
@@ -61,6 +65,12 @@ class CompileCounter:
     def backend_compiles(self) -> int:
         with _counts_lock:
             return _counts["backend_compiles"] - self._start["backend_compiles"]
+
+    @property
+    def compiled_names(self) -> list[str]:
+        """The function name of each backend compile counted (e.g. ``forward``)."""
+        with _counts_lock:
+            return _compiled_names[self._first_name:]
 
 
 def enable_persistent_cache(directory: str | Path) -> Path:

@@ -492,10 +492,10 @@ class ModelRunner:
                 res.drafts = out["drafts"][i].tolist() if c.sample else None
         return results
 
-    def warmup(self, progress: bool = True) -> float:
-        """Compile every program serving can use (``warmup.warm_up``; with EPLB rebalancing
-        also the expert moves, by a move to the serving placement); returns seconds."""
-        seconds = warmup.warm_up(self, progress)
+    def warmup(self, progress: bool = True, compile_threads: int = 1) -> float:
+        """Compile every program serving can use (``warmup.warm_up``, on ``compile_threads``;
+        with EPLB rebalancing also the expert moves); returns seconds."""
+        seconds = warmup.warm_up(self, progress, compile_threads)
         if self.balancer is not None and self.balancer.rebalance_every is not None:
             self.params = jax.block_until_ready(
                 self.balancer.mover.move(self.params, self.balancer.location))

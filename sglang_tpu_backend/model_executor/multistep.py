@@ -128,8 +128,22 @@ def dispatch(runner, fb: ForwardBatch, inp: host_inputs.Packed, num_steps: int, 
     DECODE batch and packed sampling inputs: the runner's cache, penalty counts and last
     tokens are donated and replaced; returns the stacked outputs (nothing waited for)."""
     state = runner.sampler
-    out, runner.cache, state.counts, state.last_tokens = multi_decode_jit(
-        runner.params, runner.cache, fb, state.counts, state.prompt_mask, state.last_tokens,
-        inp.buf, layout=inp.layout, num_steps=num_steps, num_top_logprobs=K, variant=variant,
-        cfg=runner.cfg, impl=runner.backend.impl, batch_invariant=runner.backend.batch_invariant)
+    args, static = _call(runner, fb, inp, num_steps, K, variant)
+    out, runner.cache, state.counts, state.last_tokens = multi_decode_jit(*args, **static)
     return out
+
+
+def lower_dispatch(runner, fb: ForwardBatch, inp: host_inputs.Packed, num_steps: int, K: int,
+                   variant: sampler.SamplerVariant) -> jax.stages.Lowered:
+    """``dispatch``'s program lowered for these arguments (nothing runs; ``parallel_compile``)."""
+    args, static = _call(runner, fb, inp, num_steps, K, variant)
+    return multi_decode_jit.lower(*args, **static)
+
+
+def _call(runner, fb, inp, num_steps, K, variant) -> tuple[tuple, dict]:
+    state = runner.sampler
+    return ((runner.params, runner.cache, fb, state.counts, state.prompt_mask, state.last_tokens,
+             inp.buf),
+            dict(layout=inp.layout, num_steps=num_steps, num_top_logprobs=K, variant=variant,
+                 cfg=runner.cfg, impl=runner.backend.impl,
+                 batch_invariant=runner.backend.batch_invariant))

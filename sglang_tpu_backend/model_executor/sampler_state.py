@@ -216,6 +216,13 @@ class SamplerState:
         counts = out.pop("counts")
         return out, counts, _record_tokens_jit(last_tokens, inp.slot, out["tokens"], inp.valid)
 
+    def lower_sample(self, logits, inp: host_inputs.Packed, K, variant) -> jax.stages.Lowered:
+        """``sample_with``'s packed program lowered on the live counts and last tokens
+        (nothing runs; ``parallel_compile``)."""
+        return _sample_packed_jit.lower(logits, self.counts, self.prompt_mask, self.last_tokens,
+                                        inp.buf, layout=inp.layout, num_top_logprobs=K,
+                                        variant=variant)
+
     def verify_with(self, logits, counts, last_tokens, spec, inp, K, variant):
         """The verify sampler (``rejection.sample_verify_step``) on given penalty counts /
         last tokens (both donated) and ``spec`` (``verify_step.VerifyInputs``): (outputs,

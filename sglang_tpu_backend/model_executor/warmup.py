@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sglang_tpu_backend.model_executor import multistep
+from sglang_tpu_backend.model_executor import multistep, parallel_compile
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.sampler_state import dummy_sampling_inputs
 from sglang_tpu_backend.model_executor.verify_step import dummy_verify_inputs
@@ -57,18 +57,22 @@ def warm_multistep(runner: Any, T: int, R: int, L: int) -> None:
     jax.block_until_ready(runner.cache)
 
 
-def warm_up(runner: Any, progress: bool = True) -> float:
+def warm_up(runner: Any, progress: bool = True, compile_threads: int = 1) -> float:
     """Compile every forward and sampler program of ``runner``; returns seconds taken.
 
-    The forward programs compile one after another on this thread (each runs on the real
-    cache, which it donates); each bucket's sampler programs then compile on a second thread,
-    against scratch copies of the penalty counts and last tokens, while the next forward
-    compiles. The bucket count, not this overlap, is what sets start-up time.
+    With ``compile_threads`` > 1 (one device), ``parallel_compile`` first compiles the
+    forward, sampler and multi-step programs side by side; the runs below then compile only
+    what it does not cover. Otherwise the forward programs compile one after another on this
+    thread (each runs on the real cache, which it donates); each bucket's sampler programs
+    then compile on a second thread, against scratch copies of the penalty counts and last
+    tokens, while the next forward compiles.
     """
     from tqdm import tqdm
 
     shapes = runner.all_shapes()
     t0 = time.perf_counter()
+    if compile_threads > 1 and parallel_compile.supported(runner):
+        parallel_compile.precompile(runner, shapes, compile_threads)
     D, state = runner.dp_size, runner.sampler
     scratch = [jnp.copy(state.counts), jnp.copy(state.last_tokens)]
 
