@@ -22,7 +22,7 @@ import numpy as np
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.kernels import gdn
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
-from sglang_tpu_backend.model_executor.warmup import dummy_batch
+from sglang_tpu_backend.model_executor.forward_batch import dummy_batch
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.server_args import ServerArgs
 

@@ -414,6 +414,7 @@ class ServerArgs:
         """Every field as SGLang's flag (``--dash-name``)."""
         _add_model_and_server_flags(parser.add_argument, ServerArgs)
         _add_serving_flags(parser.add_argument, ServerArgs)
+        _add_expert_and_multihost_flags(parser.add_argument, ServerArgs)
         _add_speculative_flags(parser.add_argument, ServerArgs)
 
     @classmethod
@@ -547,6 +548,9 @@ def _add_serving_flags(a, d) -> None:
       help="chat completions: tool calls -> message.tool_calls (qwen3_coder: Qwen3.5's "
            "XML format; qwen25: JSON in <tool_call> tags)")
 
+
+def _add_expert_and_multihost_flags(a, d) -> None:
+    """EPLB placement and rebalancing; one engine over several hosts."""
     a("--ep-num-redundant-experts", type=int, default=d.ep_num_redundant_experts,
       help="EPLB: extra physical expert slots per MoE layer holding copies of hot experts "
            "(experts + it must be a multiple of --ep-size)")

@@ -18,10 +18,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from sglang_tpu_backend.model_executor.forward_mode import ForwardMode
 
-__all__ = ["ForwardBatch", "ForwardMode"]
+__all__ = ["ForwardBatch", "ForwardMode", "dummy_batch"]
 
 
 @jax.tree_util.register_dataclass
@@ -53,3 +54,13 @@ class ForwardBatch:
     num_seqs: jax.Array
     logits_indices: jax.Array
     mode: ForwardMode = dataclasses.field(default=ForwardMode.MIXED, metadata=dict(static=True))
+
+
+def dummy_batch(kind: ForwardMode, T: int, R: int, L: int, pages_per_seq: int) -> ForwardBatch:
+    """An all-padding batch (num_seqs = 0) of bucket (T, R, L): writes nothing."""
+    return ForwardBatch(
+        input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+        cu_q_lens=np.zeros(R + 1, np.int32), kv_lens=np.zeros(R, np.int32),
+        page_table=np.zeros((R, pages_per_seq), np.int32), state_slots=np.zeros(R, np.int32),
+        num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(L, np.int32), mode=kind,
+    )

@@ -28,7 +28,7 @@ import numpy as np
 
 from sglang_tpu_backend.model_executor import multistep
 from sglang_tpu_backend.model_executor.backends import SingleDeviceBackend
-from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
+from sglang_tpu_backend.model_executor.forward_batch import ForwardMode, dummy_batch
 from sglang_tpu_backend.model_executor.sampler_state import dummy_sampling_inputs
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,6 @@ def supported(runner: Any) -> bool:
 
 
 def _placed_batch(runner: Any, kind: ForwardMode, T: int, R: int, L: int):
-    from sglang_tpu_backend.model_executor.warmup import dummy_batch  # (warmup imports us)
-
     (fb,), _ = runner.place_batch([dummy_batch(kind, T, R, L, runner.pages_per_seq)], None)
     return fb
 

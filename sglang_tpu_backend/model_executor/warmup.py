@@ -26,22 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from sglang_tpu_backend.model_executor import multistep, parallel_compile
-from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sglang_tpu_backend.model_executor.forward_batch import ForwardMode, dummy_batch
 from sglang_tpu_backend.model_executor.sampler_state import dummy_sampling_inputs
 from sglang_tpu_backend.model_executor.verify_step import dummy_verify_inputs
 
 
 logger = logging.getLogger(__name__)
-
-
-def dummy_batch(kind: ForwardMode, T: int, R: int, L: int, pages_per_seq: int) -> ForwardBatch:
-    """An all-padding batch (num_seqs = 0) of bucket (T, R, L): writes nothing."""
-    return ForwardBatch(
-        input_ids=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
-        cu_q_lens=np.zeros(R + 1, np.int32), kv_lens=np.zeros(R, np.int32),
-        page_table=np.zeros((R, pages_per_seq), np.int32), state_slots=np.zeros(R, np.int32),
-        num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(L, np.int32), mode=kind,
-    )
 
 
 def warm_multistep(runner: Any, T: int, R: int, L: int) -> None:
