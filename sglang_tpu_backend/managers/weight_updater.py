@@ -33,6 +33,8 @@ from sglang_tpu_backend.managers.schedule_batch import Req
 from sglang_tpu_backend.model_executor import weight_update
 
 logger = logging.getLogger(__name__)
+_REBALANCED = ("the serving params changed while the update was built (an EPLB rebalance); "
+               "retry")
 
 
 class WeightUpdater:
@@ -177,16 +179,20 @@ class WeightUpdater:
         relayout = None if tp is None else functools.partial(_tp_relayout, tp)
         params = runner.params
         mtp_params = None if runner.nextn is None else runner.nextn.params
-        placed, placed_mtp, report = build_params(
-            named_tensors, self.model_config, params, dtype=DTYPES[self.args.dtype],
-            mtp_params=mtp_params, relayout=relayout)
-        weight_update.check_placed(params, placed)
-        if placed_mtp is not None:
-            weight_update.check_placed(mtp_params, placed_mtp)
-        jax.block_until_ready((placed, placed_mtp))
+        try:
+            placed, placed_mtp, report = build_params(
+                named_tensors, self.model_config, params, dtype=DTYPES[self.args.dtype],
+                mtp_params=mtp_params, relayout=relayout)
+            weight_update.check_placed(params, placed)
+            if placed_mtp is not None:
+                weight_update.check_placed(mtp_params, placed_mtp)
+            jax.block_until_ready((placed, placed_mtp))
+        except Exception:
+            if runner.params is not params:  # a rebalance donated the arrays these compared
+                raise weight_update.WeightUpdateError(_REBALANCED) from None
+            raise
         if runner.params is not params:  # an EPLB rebalance moved the experts meanwhile
-            raise weight_update.WeightUpdateError(
-                "the serving params changed while the update was built (an EPLB rebalance); retry")
+            raise weight_update.WeightUpdateError(_REBALANCED)
         logger.info("update_weights_from_tensor: %s", report)
         return placed, placed_mtp
 

@@ -19,7 +19,10 @@ replicas report its weight version (asked through the broadcast from here), and 
 name is a 400 naming it with the update's weights kept; an update from disk (the checkpoint
 again) reaches both replicas and brings the first greedy tokens back. The disaggregated app (1
 prefill + 1 decode replica): an in-place pause holds a request until continue; an update from
-tensors reaches both replicas and gives the colocated app's greedy tokens under that update.
+tensors reaches both replicas and gives the colocated app's greedy tokens under that update;
+before it, ``return_routed_experts`` (both roles started with the flag) answers the colocated
+in-process engine's tokens and routed-expert rows, and the colocated app (flag off) a 400
+naming the field.
 """
 
 from __future__ import annotations
@@ -46,8 +49,12 @@ ENV = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
 ARGS = dict(dtype="float32", page_size="16", max_running_requests="4", chunked_prefill_size="64",
             context_length="256", skip_warmup="true", random_seed="0", log_level="warning",
             engine_replicas="2", num_cpus="0.5")
-# Disaggregated: one prefill and one decode replica (one CPU device each).
-PD_ARGS = {**{k: v for k, v in ARGS.items() if k != "engine_replicas"}, "mode": "disaggregated"}
+# Disaggregated: one prefill and one decode replica (one CPU device each), both serving
+# routed experts (``--enable-return-routed-experts``, unprefixed: both roles).
+PD_ARGS = {**{k: v for k, v in ARGS.items() if k != "engine_replicas"}, "mode": "disaggregated",
+           "enable_return_routed_experts": "true"}
+# 70 tokens: two 64-token prefill chunks, five KV pages handed over.
+ROUTED_PROMPT = [int(x) for x in np.random.default_rng(70).integers(3, 1000, size=70)]
 PROMPT = [5, 17, 300, 42, 9, 8, 7]
 BAD_NAME = "model.language_model.layers.0.nope.weight"
 
@@ -317,6 +324,62 @@ def test_rl_routes_over_two_replicas(base_url):
     assert r.status_code == 200 and r.json()["success"], r.text
     assert set(_replica_versions().values()) == {"disk-1"}
     assert _greedy(url) == before
+
+
+def _colocated_routed(ids: list[int]) -> tuple[dict, tuple[int, int]]:
+    """The final output for ``ids`` (greedy, 8 tokens, ``return_routed_experts``) of an
+    in-process colocated engine of the /rlpd app's engine arguments, and the model's (MoE
+    layers, top_k)."""
+    from ray_app.config import parse_app_args
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+    from sglang_tpu_backend.model_executor.routed_experts import num_moe_layers
+
+    eng = Engine(parse_app_args({**PD_ARGS, "mode": "colocated"}).server_args)
+    try:
+        obj = GenerateReqInput(input_ids=ids, return_routed_experts=True, sampling_params={
+            "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+
+        async def final():
+            return [o async for o in eng.generate_request(obj)][-1]
+
+        cfg = eng.model_config
+        return asyncio.run(final()), (num_moe_layers(cfg), cfg.num_experts_per_tok)
+    finally:
+        eng.shutdown()
+
+
+def test_routed_experts_over_http_through_prefill_and_decode(base_url):
+    """``return_routed_experts`` on the disaggregated app (runs before the weight updates of
+    ``test_rl_routes_reach_prefill_and_decode``: the checkpoint's weights): the prompt's rows
+    come from the prefill replica through the handover, the output's from the decode replica;
+    ``meta_info["routed_experts"]`` decodes to i32[prompt + output - 1, MoE layers, top_k] and
+    equals a colocated in-process engine's, output tokens too. The colocated /rl app (flag
+    off) answers 400 naming the field; the flag on one role only is refused when the app is
+    built."""
+    from ray_app import app
+    from sglang_tpu_backend.model_executor.routed_experts import decode
+
+    body = {"input_ids": ROUTED_PROMPT, "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    r = _post(base_url + "/rlpd", "generate", body)
+    assert r.status_code == 200, r.text
+    got, (want, (layers, top_k)) = r.json(), _colocated_routed(ROUTED_PROMPT)
+    assert got["output_ids"] == want["output_ids"] and len(got["output_ids"]) == 8
+    rows = decode(got["meta_info"]["routed_experts"], layers, top_k)
+    assert rows.shape == (len(ROUTED_PROMPT) + 8 - 1, layers, top_k)
+    np.testing.assert_array_equal(rows, decode(want["meta_info"]["routed_experts"], layers, top_k))
+
+    refused = _post(base_url + "/rl", "generate", body)
+    assert refused.status_code == 400, refused.text
+    err = refused.json()["error"]
+    assert err["param"] == "return_routed_experts" and "--enable-return-routed-experts" in err["message"]
+    for role in ("prefill", "decode"):
+        one_role = {**{k: v for k, v in PD_ARGS.items() if k != "enable_return_routed_experts"},
+                    f"{role}_enable_return_routed_experts": "true"}
+        with pytest.raises(ValueError, match=f"enable_return_routed_experts is on for the {role} "
+                                             "replicas only"):
+            app(one_role)
 
 
 def test_rl_routes_reach_prefill_and_decode(base_url):
