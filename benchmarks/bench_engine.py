@@ -11,14 +11,15 @@ In one process, in this order:
             compilation cache (a fresh temp dir); then a second child with that cache filled.
   serving   for each request count N: N prompts of 16 tokens, ``--new-tokens`` greedy tokens
             each (ignore_eos), through the running engine (its scheduler loop, overlap on where
-            the engine turns it on), twice; output tok/s of the second (the first may still
-            meet a first-run cost).
+            the engine turns it on), three times; output tok/s of the second (the first may
+            still meet a first-run cost; the third runs under the profiler, which slows the
+            host, and gives the device's busy time only).
   split     during that second run, the loop thread's time per decode step by phase, from
             timers around the engine's own methods: ``schedule`` (scheduler), ``build``
             (numpy step inputs), ``dispatch`` (enqueueing the forward and sampler programs,
             host to device copies of the inputs included), ``wait+d2h`` (``complete``: blocked
             on the device, then the one device-to-host copy of the step's outputs),
-            ``process`` and ``deliver``; and from a ``jax.profiler`` trace of the same run the
+            ``process`` and ``deliver``; and from a ``jax.profiler`` trace of the third run the
             device's busy time per step (the union of its XLA module executions), and the
             device-to-host copy of one step's outputs alone (``d2h``, a ready array fetched).
 
@@ -161,6 +162,9 @@ def serve_once(off: OfflineEngine, n: int, new_tokens: int) -> float:
 
 def measure_serving(eng: Engine, n: int, new_tokens: int, profile: bool,
                     trace_out: str | None = None) -> dict:
+    """Three runs of ``n`` requests: one to fill caches, one timed with the phase timers
+    (tok/s and the split), then, with ``profile``, one under ``jax.profiler`` for the device's
+    busy time alone (the profiler's tracing slows the host, so it times nothing else)."""
     off = OfflineEngine(engine=eng)
     serve_once(off, n, new_tokens)  # first run: compiles nothing (warm-up did), fills caches
     timer = PhaseTimer()
@@ -173,23 +177,41 @@ def measure_serving(eng: Engine, n: int, new_tokens: int, profile: bool,
     timer.wrap(sched, "process_result", "process")
     timer.wrap(eng.loop.delivery, "deliver", "deliver")
     steps0 = eng.loop.stats["num_steps"]
-    trace = tempfile.mkdtemp(prefix="bench_engine-trace-") if profile else None
-    if trace:
-        jax.profiler.start_trace(trace)
     try:
         seconds = serve_once(off, n, new_tokens)
     finally:
-        if trace:
-            jax.profiler.stop_trace()
         timer.restore()
     steps = eng.loop.stats["num_steps"] - steps0
-    busy, execs = device_busy_seconds(trace) if trace else (float("nan"), 0)
-    if trace and trace_out:
+    busy, execs, profiled_s = _device_busy(off, n, new_tokens, trace_out) if profile else (
+        float("nan"), 0, float("nan"))
+    per_step = {k: v / steps * 1e3 for k, v in timer.totals.items()}
+    return {"requests": n, "new_tokens": new_tokens, "seconds": seconds,
+            "tok_per_s": n * new_tokens / seconds, "steps": steps,
+            "step_ms": seconds / steps * 1e3, "phase_ms_per_step": per_step,
+            "host_ms_per_step": sum(v for k, v in per_step.items() if k != "wait+d2h"),
+            "device_busy_ms_per_step": busy / steps * 1e3, "device_executions": execs,
+            "profiled_tok_per_s": n * new_tokens / profiled_s, "d2h_ms": _d2h_ms(n)}
+
+
+def _device_busy(off: OfflineEngine, n: int, new_tokens: int, trace_out: str | None
+                 ) -> tuple[float, int, float]:
+    """(device busy seconds, programs run, wall seconds) of one run under the profiler."""
+    trace = tempfile.mkdtemp(prefix="bench_engine-trace-")
+    jax.profiler.start_trace(trace)
+    try:
+        seconds = serve_once(off, n, new_tokens)
+    finally:
+        jax.profiler.stop_trace()
+    if trace_out:
         import shutil
 
         for f in glob.glob(f"{trace}/**/*.xplane.pb", recursive=True):
             shutil.copy(f, os.path.join(trace_out, f"requests{n}.xplane.pb"))
-    # The device-to-host copy alone: an array of a step's sampled tokens, already computed.
+    return (*device_busy_seconds(trace), seconds)
+
+
+def _d2h_ms(n: int) -> float:
+    """The device-to-host copy alone of a step's sampled tokens, already computed (median ms)."""
     probe = jax.device_put(np.zeros((max(n, 8),), np.int32))
     jax.block_until_ready(probe)
     d2h = []
@@ -199,13 +221,7 @@ def measure_serving(eng: Engine, n: int, new_tokens: int, profile: bool,
         t0 = time.perf_counter()
         jax.device_get(x)
         d2h.append(time.perf_counter() - t0)
-    per_step = {k: v / steps * 1e3 for k, v in timer.totals.items()}
-    return {"requests": n, "new_tokens": new_tokens, "seconds": seconds,
-            "tok_per_s": n * new_tokens / seconds, "steps": steps,
-            "step_ms": seconds / steps * 1e3, "phase_ms_per_step": per_step,
-            "host_ms_per_step": sum(v for k, v in per_step.items() if k != "wait+d2h"),
-            "device_busy_ms_per_step": busy / steps * 1e3, "device_executions": execs,
-            "d2h_ms": statistics.median(d2h) * 1e3}
+    return statistics.median(d2h) * 1e3
 
 
 def main() -> None:
@@ -252,7 +268,8 @@ def main() -> None:
             print(f"{n:4d} requests x {args.new_tokens} tokens: {r['tok_per_s']:9.0f} tok/s, "
                   f"{r['steps']} steps, {r['step_ms']:.3f} ms/step; host {r['host_ms_per_step']:.3f} "
                   f"ms/step, device busy {r['device_busy_ms_per_step']:.3f} ms/step "
-                  f"({r['device_executions']} programs), d2h alone {r['d2h_ms']:.3f} ms")
+                  f"({r['device_executions']} programs), d2h alone {r['d2h_ms']:.3f} ms; "
+                  f"under the profiler {r['profiled_tok_per_s']:.0f} tok/s")
             print(f"     per step (ms): {ph}")
     finally:
         eng.shutdown()
