@@ -7,6 +7,7 @@ program; if a placement, a static argument or a shape disagreed it would compile
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from sglang_tpu_backend.engine import Engine
@@ -33,6 +34,7 @@ def test_warm_up_after_precompile_compiles_no_step_program(runner, monkeypatch):
     one_variant = runner.sampler_variants()[:1]  # fewer programs; both phases see the same
     monkeypatch.setattr(runner, "sampler_variants", lambda: one_variant)
     shapes = runner.all_shapes()
+    jax.clear_caches()  # earlier tests in this process may have compiled these very programs
     counter = CompileCounter()
     n = parallel_compile.precompile(runner, shapes, threads=2)
     # 2 forwards, the multi-step program and 1 sampler (R = L = 8) per top-logprob count
