@@ -112,8 +112,10 @@ class PhaseTimer:
             finally:
                 self.totals[phase] += time.perf_counter() - t0
 
+        own = vars(obj).get(method)  # a module's function or an instance attribute: put back
         setattr(obj, method, timed)
-        self.undo.append(lambda: delattr(obj, method) if method in vars(obj) else None)
+        self.undo.append(lambda: setattr(obj, method, own) if own is not None
+                         else delattr(obj, method))
 
     def restore(self) -> None:
         for u in self.undo:

@@ -69,26 +69,30 @@ def test_engine_starts_serves_and_shuts_down():
 
 def _cpu_teacher_forced(model_path, sequences: list[list[int]], prompt_lens: list[int]):
     """For each sequence, the CPU reference's logits f32[n_generated, V] at the positions that
-    predict its generated tokens (one prefill of the whole sequence on the CPU device)."""
+    predict its generated tokens (one prefill of the whole sequence on the CPU device). Every
+    sequence is padded at its end to one length, so the CPU compiles one program, not one per
+    length: a position's logits depend only on the tokens before it (causal attention, GDN's
+    forward recurrence), so the padding changes none that are read."""
     from sglang_tpu_backend.model_loader.loader import load_model
     from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
     from sglang_tpu_backend.models.qwen3_5_moe import forward_jit, init_cache
 
-    cpu = jax.devices("cpu")[0]
+    cpu, page = jax.devices("cpu")[0], 16
+    length = -(-max(map(len, sequences)) // page) * page
     with jax.default_device(cpu):
         cfg, params = load_model(model_path, dtype=jnp.float32)
         params = jax.device_put(params, cpu)
         out = []
         for seq, n in zip(sequences, prompt_lens):
-            page = 16
-            pages = list(range(-(-len(seq) // page)))
-            cache = init_cache(cfg, num_pages=len(pages), page_size=page, num_state_slots=2,
+            padded = list(seq) + [0] * (length - len(seq))
+            cache = init_cache(cfg, num_pages=length // page, page_size=page, num_state_slots=2,
                                kv_dtype=jnp.float32, state_dtype=jnp.float32)
-            batch, rows = build_forward_batch([SeqChunk(seq, 0, pages, 1, logits="all")],
-                                              page_size=page)
+            batch, rows = build_forward_batch(
+                [SeqChunk(padded, 0, list(range(length // page)), 1, logits="all")],
+                page_size=page)
             batch = jax.device_put(batch, cpu)
             logits, _ = forward_jit(params, cache, batch, cfg, impl="reference")
-            logits = np.asarray(logits)[rows[0]]  # [S, V]
+            logits = np.asarray(logits)[rows[0]]  # [length, V]
             out.append(logits[n - 1:len(seq) - 1])
     return out
 
