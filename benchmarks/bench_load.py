@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -127,10 +128,14 @@ def drop_from_page_cache(ckpt: Path) -> None:
 
 
 def _status_kb(field: str) -> int:
+    """Bytes of a /proc/self/status field; where a sandbox's /proc lacks it (the TPU host has no
+    VmHWM), the peak from getrusage for VmHWM, the current RSS from statm for VmRSS."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise KeyError(field)
+    if field == "VmHWM":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 # Subprocess bodies ----------------------------------------------------------------------
@@ -200,7 +205,8 @@ def _child(kind: str, ckpt: Path, devices: int, platform: str) -> dict:
     # Transparent huge pages for malloc's large blocks (glibc >= 2.35; ignored by older ones):
     # where THP is madvise-only, first touches of fresh 4 KiB pages ran at ~0.35 GB/s on this
     # VM and dominated the load (every leaf lands in fresh host-memory "device" buffers).
-    env = dict(os.environ, JAX_PLATFORMS=platform, PYTHONPATH=str(REPO),
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, JAX_PLATFORMS=platform, PYTHONPATH=path,  # keep where jax lives
                GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
     if platform == "cpu":
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
