@@ -1,7 +1,8 @@
 """The engine end to end on whatever backend runs it: start-up, tok/s and where a step's time goes.
 
     python benchmarks/bench_engine.py [--dtype bfloat16] [--requests 1,64] [--new-tokens 128]
-                                      [--json out.json] [--model-path DIR]
+                                      [--num-scheduler-steps N] [--json out.json]
+                                      [--model-path DIR]
 
 In one process, in this order:
 
@@ -9,6 +10,8 @@ In one process, in this order:
             opens it): imports, opening the backend, and ``Engine(...)`` to ready (weights
             loaded, every serving program compiled by the warm-up) with an empty persistent
             compilation cache (a fresh temp dir); then a second child with that cache filled.
+            Each lists JAX's tracing, lowering and backend-compile seconds by function (summed
+            over the warm-up's threads, so they may add up to more than the wall time).
   serving   for each request count N: N prompts of 16 tokens, ``--new-tokens`` greedy tokens
             each (ignore_eos), through the running engine (its scheduler loop, overlap on where
             the engine turns it on), three times; output tok/s of the second (the first may
@@ -20,8 +23,12 @@ In one process, in this order:
             host to device copies of the inputs included), ``wait+d2h`` (``complete``: blocked
             on the device, then the one device-to-host copy of the step's outputs),
             ``process`` and ``deliver``; and from a ``jax.profiler`` trace of the third run the
-            device's busy time per step (the union of its XLA module executions), and the
-            device-to-host copy of one step's outputs alone (``d2h``, a ready array fetched).
+            device's busy time per step (the union of its XLA module executions) and the
+            ops that fill it (device ms per step by op name), and the device-to-host copy of
+            one step's outputs alone (``d2h``, a ready array fetched).
+
+With ``--num-scheduler-steps N`` > 1 a "step" is a launch: a multi-step decode launch runs N
+tokens per request in one program (``dispatch`` then times that program's dispatch).
 
 A step's wall time is the loop's time between steps; where the host sets the pace, the device
 is idle part of it (``device busy`` < step). Printed as a table; ``--json`` writes every figure.
@@ -48,17 +55,20 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from sglang_tpu_backend.engine import Engine  # noqa: E402
+from sglang_tpu_backend.model_executor import multistep  # noqa: E402
 from sglang_tpu_backend.entrypoints.offline import OfflineEngine  # noqa: E402
 from sglang_tpu_backend.server_args import ServerArgs  # noqa: E402
 
 PROMPT_LEN = 16
+TOP_N = 12  # functions / device ops listed
 
 
 def start(args: argparse.Namespace, cache_dir: str, max_running: int) -> Engine:
     return Engine(ServerArgs(model_path=args.model_path, dtype=args.dtype,
                              max_running_requests=max_running, context_length=args.context_length,
                              chunked_prefill_size=args.chunked_prefill_size,
-                             compilation_cache_dir=cache_dir, random_seed=0))
+                             compilation_cache_dir=cache_dir, random_seed=0,
+                             num_scheduler_steps=args.num_scheduler_steps))
 
 
 def startup_child(args: argparse.Namespace) -> None:
@@ -67,11 +77,17 @@ def startup_child(args: argparse.Namespace) -> None:
     compile_s: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
 
-    def on_duration(event: str, seconds: float, **_) -> None:
+    per_fun: dict[str, dict[str, float]] = collections.defaultdict(
+        lambda: collections.defaultdict(float))
+
+    def on_duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
         if event.startswith("/jax/core/compile/"):
             name = event.rsplit("/", 1)[1].removesuffix("_duration")
             compile_s[name] += seconds
             counts[name] += 1
+            fun = fun_name[4:-1] if fun_name.startswith("jit(") else fun_name  # one row each
+            per_fun[fun][name] += seconds
+            per_fun[fun]["programs"] += name == "backend_compile"
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     t0 = time.perf_counter()
@@ -83,7 +99,8 @@ def startup_child(args: argparse.Namespace) -> None:
     print(json.dumps({"imports_s": t_imports, "backend_s": t_backend, "engine_s": t_engine,
                       "warmup_s": eng.warmup_seconds,
                       "ready_s": time.perf_counter() - T_PROCESS,
-                      "compile_s": dict(compile_s), "compile_counts": dict(counts)}))
+                      "compile_s": dict(compile_s), "compile_counts": dict(counts),
+                      "per_function": {k: dict(v) for k, v in per_fun.items()}}))
     eng.shutdown()
 
 
@@ -122,13 +139,15 @@ class PhaseTimer:
             u()
 
 
-def device_busy_seconds(trace_dir: str) -> tuple[float, int]:
-    """(seconds, executions): the union of XLA module executions on the TPU devices of a
-    ``jax.profiler`` trace, and how many ran; (nan, 0) without a device plane."""
+def device_busy_seconds(trace_dir: str) -> tuple[float, int, dict[str, float]]:
+    """(seconds, executions, ops): the union of XLA module executions on the TPU devices of a
+    ``jax.profiler`` trace, how many ran, and the device seconds of each op name (the "XLA
+    Ops" line: fusions, Pallas custom calls, copies), summed; (nan, 0, {}) without a device
+    plane."""
     from jax.profiler import ProfileData
 
     files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-    spans = []
+    spans, ops = [], collections.defaultdict(float)
     for f in files:
         for plane in ProfileData.from_file(f).planes:
             if not plane.name.startswith("/device:TPU"):
@@ -136,8 +155,11 @@ def device_busy_seconds(trace_dir: str) -> tuple[float, int]:
             for line in plane.lines:
                 if line.name == "XLA Modules":
                     spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+                elif line.name == "XLA Ops":
+                    for e in line.events:
+                        ops[e.name] += e.duration_ns * 1e-9
     if not spans:
-        return float("nan"), 0
+        return float("nan"), 0, {}
     spans.sort()
     busy, end = 0.0, -1.0
     for s, e in spans:
@@ -147,7 +169,7 @@ def device_busy_seconds(trace_dir: str) -> tuple[float, int]:
         elif e > end:
             busy += e - end
             end = e
-    return busy * 1e-9, len(spans)
+    return busy * 1e-9, len(spans), dict(ops)
 
 
 def serve_once(off: OfflineEngine, n: int, new_tokens: int) -> float:
@@ -175,6 +197,7 @@ def measure_serving(eng: Engine, n: int, new_tokens: int, profile: bool,
     timer.wrap(runner, "prepare", "build")
     timer.wrap(runner, "forward", "dispatch")
     timer.wrap(runner, "sample", "dispatch")
+    timer.wrap(multistep, "dispatch", "dispatch")  # a multi-step launch's one program
     timer.wrap(runner, "complete", "wait+d2h")
     timer.wrap(sched, "process_result", "process")
     timer.wrap(eng.loop.delivery, "deliver", "deliver")
@@ -184,20 +207,24 @@ def measure_serving(eng: Engine, n: int, new_tokens: int, profile: bool,
     finally:
         timer.restore()
     steps = eng.loop.stats["num_steps"] - steps0
-    busy, execs, profiled_s = _device_busy(off, n, new_tokens, trace_out) if profile else (
-        float("nan"), 0, float("nan"))
+    busy, execs, ops, profiled_s = _device_busy(off, n, new_tokens, trace_out) if profile else (
+        float("nan"), 0, {}, float("nan"))
+    top_ops = dict(sorted(((k, v / steps * 1e3) for k, v in ops.items()),
+                          key=lambda kv: -kv[1])[:TOP_N])
     per_step = {k: v / steps * 1e3 for k, v in timer.totals.items()}
     return {"requests": n, "new_tokens": new_tokens, "seconds": seconds,
             "tok_per_s": n * new_tokens / seconds, "steps": steps,
             "step_ms": seconds / steps * 1e3, "phase_ms_per_step": per_step,
             "host_ms_per_step": sum(v for k, v in per_step.items() if k != "wait+d2h"),
             "device_busy_ms_per_step": busy / steps * 1e3, "device_executions": execs,
+            "device_ops_ms_per_step": top_ops,
             "profiled_tok_per_s": n * new_tokens / profiled_s, "d2h_ms": _d2h_ms(n)}
 
 
 def _device_busy(off: OfflineEngine, n: int, new_tokens: int, trace_out: str | None
-                 ) -> tuple[float, int, float]:
-    """(device busy seconds, programs run, wall seconds) of one run under the profiler."""
+                 ) -> tuple[float, int, dict[str, float], float]:
+    """(device busy seconds, programs run, device seconds per op, wall seconds) of one run
+    under the profiler."""
     trace = tempfile.mkdtemp(prefix="bench_engine-trace-")
     jax.profiler.start_trace(trace)
     try:
@@ -234,6 +261,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--context-length", type=int, default=512)
     ap.add_argument("--chunked-prefill-size", type=int, default=1024)
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="decode steps per launch (multi-step decoding), as the server flag")
     ap.add_argument("--no-profile", action="store_true", help="skip the jax.profiler trace")
     ap.add_argument("--trace-out", default=None,
                     help="copy each run's profiler trace (xplane.pb) into this directory")
@@ -244,14 +273,15 @@ def main() -> None:
     if args.startup_child:
         return startup_child(args)
     counts = [int(x) for x in args.requests.split(",")]
-    report: dict[str, Any] = {"dtype": args.dtype}
+    report: dict[str, Any] = {"dtype": args.dtype, "num_scheduler_steps": args.num_scheduler_steps}
     cache_dir = tempfile.mkdtemp(prefix="bench_engine-cc-")
     if not args.no_startup:  # before this process opens the backend
         argv = [a for a in sys.argv[1:]]
         report["startup_cold"] = cold = startup(argv, cache_dir)
         report["startup_warm"] = warm = startup(argv, cache_dir)
     report["backend"], report["device_kind"] = jax.default_backend(), jax.devices()[0].device_kind
-    print(f"backend {report['backend']} ({report['device_kind']}), {args.dtype}")
+    print(f"backend {report['backend']} ({report['device_kind']}), {args.dtype}, "
+          f"--num-scheduler-steps {args.num_scheduler_steps}")
     if not args.no_startup:
         for name, r in (("an empty", cold), ("a filled", warm)):
             print(f"start-up, {name} compilation cache: ready {r['ready_s']:.1f} s after the "
@@ -259,6 +289,13 @@ def main() -> None:
                   f"s, Engine {r['engine_s']:.1f} s of which warm-up {r['warmup_s']:.1f} s)")
             print("   jax compile time: " + ", ".join(
                 f"{k} {v:.1f} s ({r['compile_counts'][k]})" for k, v in r["compile_s"].items()))
+            top = sorted(r["per_function"].items(), key=lambda kv: -sum(
+                v for k, v in kv[1].items() if k != "programs"))[:TOP_N]
+            print("   by function (seconds summed over threads: trace / lower / compile, "
+                  "programs): " + "; ".join(
+                      f"{name} {f.get('jaxpr_trace', 0):.1f}/{f.get('jaxpr_to_mlir_module', 0):.1f}"
+                      f"/{f.get('backend_compile', 0):.1f} ({f.get('programs', 0):.0f})"
+                      for name, f in top))
     eng = start(args, cache_dir, max(counts))
     report["serving"] = []
     try:
@@ -268,11 +305,15 @@ def main() -> None:
             report["serving"].append(r)
             ph = "  ".join(f"{k} {v:.3f}" for k, v in r["phase_ms_per_step"].items())
             print(f"{n:4d} requests x {args.new_tokens} tokens: {r['tok_per_s']:9.0f} tok/s, "
-                  f"{r['steps']} steps, {r['step_ms']:.3f} ms/step; host {r['host_ms_per_step']:.3f} "
+                  f"{r['steps']} steps, {r['step_ms']:.3f} ms/step "
+                  f"({r['seconds'] / args.new_tokens * 1e3:.3f} ms/token); host {r['host_ms_per_step']:.3f} "
                   f"ms/step, device busy {r['device_busy_ms_per_step']:.3f} ms/step "
                   f"({r['device_executions']} programs), d2h alone {r['d2h_ms']:.3f} ms; "
                   f"under the profiler {r['profiled_tok_per_s']:.0f} tok/s")
             print(f"     per step (ms): {ph}")
+            if r["device_ops_ms_per_step"]:
+                print("     device per step by op (ms): " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in r["device_ops_ms_per_step"].items()))
     finally:
         eng.shutdown()
     if args.json:
