@@ -1,8 +1,10 @@
 """Which DECODE steps run as multi-step launches (``--num-scheduler-steps`` N > 1).
 
 A decode-ready request may take N tokens in one launch when its next N tokens need no host
-work between them (no grammar, no ``min_new_tokens`` ban left, no routed experts) and fit in
-its context; tokens past max_new_tokens or a stop are computed and dropped on the host. A
+work between them (no grammar, no ``min_new_tokens`` ban left, no routed experts), it asks for
+no top logprobs (the multi-step programs are compiled without them: one program per sampler
+variant and bucket, not two; the chosen tokens' logprobs are always there) and they fit in its
+context; tokens past max_new_tokens or a stop are computed and dropped on the host. A
 DECODE batch runs N steps only when every request may and every chunk holds pages for N
 more positions (the scheduler asks for them without retracting anyone); else it runs one.
 """
@@ -19,6 +21,7 @@ def multistep_ok(req: Req, num_scheduler_steps: int) -> bool:
     """``req`` may take ``num_scheduler_steps`` (N > 1) tokens in one launch."""
     N = num_scheduler_steps
     return (N > 1 and req.grammar is None and not req.return_routed_experts
+            and not (req.return_logprob and req.top_logprobs_num > 0)
             and req.num_sampled >= req.sampling.min_new_tokens
             and req.num_fill + N <= req.context_length)
 

@@ -303,11 +303,12 @@ class ModelRunner:
         if spec is not None:
             inp = dataclasses.replace(inp, bitmask=spec.bitmask)
             self.num_grammar_cut_drafts += spec.num_cut
-        want_lp = any(c.req.return_logprob for c in batch.chunks)
+        want_top = any(c.req.return_logprob and c.req.top_logprobs_num > 0
+                       for c in batch.chunks)  # (every step returns the chosen tokens' logprobs)
         return StepInputs(
             fbs=fbs, from_slot=_in_flight_rows(from_slots), inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
             sample_idx=[k * R + j for k, j in where],
-            K=self.max_top_logprobs_num if want_lp else 0, spec=spec,
+            K=self.max_top_logprobs_num if want_top else 0, spec=spec,
             mtp=[self.nextn.inputs(cs, T, R) for cs in per_rank] if self.nextn else None,
             token_rows=[k * T + o for (k, _), o in zip(where, offsets)] if self.routed else None)
 

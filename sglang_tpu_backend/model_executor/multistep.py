@@ -70,8 +70,11 @@ def multi_decode(params, cache, fb: ForwardBatch, counts, prompt_mask, last_toke
 
     def body(carry, _):
         cache, counts, last_tokens, fb, step = carry
-        logits, cache = qwen3_5_moe.forward(params, cache, fb, cfg, impl,
-                                            batch_invariant=batch_invariant)
+        # The jitted forward, nested: JAX traces it once per bucket and reuses that jaxpr in
+        # every sampler variant's program (the model's trace was most of a program's Python
+        # cost at start-up); XLA inlines it, so the program is the same.
+        logits, cache = qwen3_5_moe.forward_jit(params, cache, fb, cfg=cfg, impl=impl,
+                                                batch_invariant=batch_invariant)
         out = sampler.sample(logits, counts, prompt_mask, dataclasses.replace(inp, step=step),
                              num_top_logprobs=num_top_logprobs, variant=variant)
         counts = out.pop("counts")

@@ -4,7 +4,11 @@ programs compiled ahead of time (``jitted.lower(...).compile()``) in a thread po
 cache and compiles nothing.
 
 XLA compiles outside the GIL, so on a many-core TPU host the programs compile at the same
-time; tracing and lowering are Python and take turns. Each task lowers the same jitted
+time; tracing and lowering are Python, so they run one after another on the calling thread,
+each program's compile handed to the pool as soon as it is lowered. In that order a nested
+jit's trace (the forward inside every multi-step program) is done once and then found in
+JAX's trace cache, where threads lowering side by side would all miss it at once and trace
+it each (and take turns on the GIL anyway). Each task lowers the same jitted
 function with the same argument values (the runner's params, cache and sampler state; batches
 placed as serving places them; committed zero logits standing in for a forward's) and the
 same static arguments as the warm-up's call, so the cache keys agree:
@@ -92,21 +96,22 @@ def tasks(runner: Any, shapes: list) -> list[Task]:
     plain = [s for s in shapes if not s[0].is_verify()]
     out = [forward_task(runner, *s) for s in plain]
     if runner.num_scheduler_steps > 1:
-        out += [multistep_task(runner, T, R, L, v, K) for kind, T, R, L in plain
-                if kind == ForwardMode.DECODE for v in variants for K in counts]
+        out += [multistep_task(runner, T, R, L, v, 0) for kind, T, R, L in plain
+                if kind == ForwardMode.DECODE for v in variants]  # (no top logprobs)
     out += [sampler_task(runner, R, L, v, K) for R, L in sorted({(s[2], s[3]) for s in plain})
             for v in variants for K in counts]
     return out
 
 
 def precompile(runner: Any, shapes: list, threads: int) -> int:
-    """Compile ``tasks(runner, shapes)`` on ``threads`` workers; returns how many programs.
-    A failed compile raises here, before any step runs."""
+    """Lower ``tasks(runner, shapes)`` one by one here and compile them on ``threads``
+    workers; returns how many programs. A failed compile raises here, before any step runs."""
     todo = tasks(runner, shapes)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads, thread_name_prefix="warmup-compile") as pool:
-        for _ in pool.map(lambda task: task().compile(), todo):
-            pass  # each executable lives on in its jit's cache
+        compiling = [pool.submit(task().compile) for task in todo]
+        for f in compiling:
+            f.result()  # each executable lives on in its jit's cache
     logger.info("compiled %d programs on %d threads in %.1f s", len(todo), threads,
                 time.perf_counter() - t0)
     return len(todo)

@@ -152,12 +152,15 @@ def test_grammar_request_falls_back(clean_engine, clean_ms):
     assert grammar and all(b.num_steps == 1 for b in grammar)
 
 
-def test_logprobs_per_step(clean_engine, clean_ms):
-    """Logprobs and top logprobs of every output token come back from a multi-step launch;
-    seeded draws equal the single steps' (sampling is keyed per (seed, output index))."""
+@pytest.mark.parametrize("top", [0, 3])
+def test_logprobs_per_step(clean_engine, clean_ms, top):
+    """Logprobs of every output token come back from a multi-step launch; seeded draws equal
+    the single steps' (sampling is keyed per (seed, output index)). Top logprobs are not in the
+    multi-step programs: a batch asking for them decodes one step at a time, with the same
+    outputs."""
     def objs():
         return [GenerateReqInput(input_ids=[9 + i, 8, 7], return_logprob=True,
-                                 top_logprobs_num=3 * (i % 2),
+                                 top_logprobs_num=top * (i % 2),
                                  sampling_params={"temperature": 0.7 * (i % 2), "seed": i,
                                                   "max_new_tokens": 11, "ignore_eos": True})
                 for i in range(4)]
@@ -171,9 +174,11 @@ def test_logprobs_per_step(clean_engine, clean_ms):
     for g, w in zip(got, want):
         _same(g, w)
         assert len(g["meta_info"]["output_token_logprobs"]) == 11
-    # Seeded draws ran in multi-step launches (and still equal the single steps' draws).
-    assert any(b.num_steps == N and any(c.req.sampling.temperature > 0 for c in b.chunks)
-               for b in launched)
+    sampled = [b for b in launched if any(c.req.sampling.temperature > 0 for c in b.chunks)]
+    if top:  # top logprobs: never a multi-step launch
+        assert sampled and all(b.num_steps == 1 for b in sampled)
+    else:  # seeded draws ran in multi-step launches (and still equal the single steps' draws)
+        assert any(b.num_steps == N for b in sampled)
 
 
 def test_num_scheduler_steps_must_be_positive():
@@ -197,7 +202,7 @@ def test_no_compilation_after_warmup():
     for eng in serving(dict(ENGINE_ARGS, max_running_requests=8, num_scheduler_steps=N)):
         eng.runner.warmup(progress=False)
         objs = _greedy([3, 20, 7], [9, 14, 5], ignore_eos=True) + [GenerateReqInput(
-            input_ids=[4, 5], return_logprob=True, top_logprobs_num=2,
+            input_ids=[4, 5], return_logprob=True,
             sampling_params={"temperature": 0.8, "top_k": 5, "frequency_penalty": 0.3,
                              "max_new_tokens": 10, "seed": 1})]
         counter = CompileCounter()
@@ -227,7 +232,7 @@ def test_unsupported_layouts_run_single_steps(flag):
 def test_streaming_sees_several_tokens_per_step(clean_engine, clean_ms):
     """A streamed request gets one output per launch, N tokens more each (cumulative, each
     a prefix of the final one, logprobs included); the final equals N = 1's."""
-    kw = dict(input_ids=[5, 9, 17, 33, 65], return_logprob=True, top_logprobs_num=2,
+    kw = dict(input_ids=[5, 9, 17, 33, 65], return_logprob=True,
               sampling_params={"max_new_tokens": 14, "temperature": 0.8, "seed": 7,
                                "ignore_eos": True})
 

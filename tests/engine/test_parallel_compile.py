@@ -37,8 +37,9 @@ def test_warm_up_after_precompile_compiles_no_step_program(runner, monkeypatch):
     jax.clear_caches()  # earlier tests in this process may have compiled these very programs
     counter = CompileCounter()
     n = parallel_compile.precompile(runner, shapes, threads=2)
-    # 2 forwards, the multi-step program and 1 sampler (R = L = 8) per top-logprob count
-    assert n == len(shapes) + 2 + 2 == 6
+    # 2 forwards, the multi-step program (no top logprobs) and 1 sampler (R = L = 8) per
+    # top-logprob count
+    assert n == len(shapes) + 1 + 2 == 5
     ahead = counter.compiled_names
     assert sum(name in STEP_PROGRAMS for name in ahead) == n, ahead
     counter = CompileCounter()
