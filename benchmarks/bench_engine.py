@@ -261,8 +261,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--context-length", type=int, default=512)
     ap.add_argument("--chunked-prefill-size", type=int, default=1024)
-    ap.add_argument("--num-scheduler-steps", type=int, default=1,
-                    help="decode steps per launch (multi-step decoding), as the server flag")
+    ap.add_argument("--num-scheduler-steps", type=int, default=None,
+                    help="decode steps per launch (multi-step decoding), as the server flag "
+                         "(default: the engine's, 8 on a TPU and 1 elsewhere)")
     ap.add_argument("--no-profile", action="store_true", help="skip the jax.profiler trace")
     ap.add_argument("--trace-out", default=None,
                     help="copy each run's profiler trace (xplane.pb) into this directory")
@@ -280,6 +281,9 @@ def main() -> None:
         report["startup_cold"] = cold = startup(argv, cache_dir)
         report["startup_warm"] = warm = startup(argv, cache_dir)
     report["backend"], report["device_kind"] = jax.default_backend(), jax.devices()[0].device_kind
+    if args.num_scheduler_steps is None:
+        args.num_scheduler_steps = ServerArgs().scheduler_steps(report["backend"])
+    report["num_scheduler_steps"] = args.num_scheduler_steps
     print(f"backend {report['backend']} ({report['device_kind']}), {args.dtype}, "
           f"--num-scheduler-steps {args.num_scheduler_steps}")
     if not args.no_startup:

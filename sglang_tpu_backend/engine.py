@@ -187,7 +187,7 @@ class Engine:
             deterministic=det, expert_location=location, router_stats=ROUTED if routed else True,
             eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
             else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params,
-            num_scheduler_steps=args.num_scheduler_steps)
+            num_scheduler_steps=args.scheduler_steps(jax.default_backend()))
         # Multi-step decode launches where the runner supports them (else single steps).
         self.scheduler.num_scheduler_steps = self.runner.num_scheduler_steps
         self.requests = RequestBuilder(

@@ -184,7 +184,7 @@ def test_logprobs_per_step(clean_engine, clean_ms, top):
 def test_num_scheduler_steps_must_be_positive():
     import argparse
 
-    from sglang_tpu_backend.server_args import ServerArgs
+    from sglang_tpu_backend.server_args import TPU_SCHEDULER_STEPS, ServerArgs
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
@@ -192,7 +192,10 @@ def test_num_scheduler_steps_must_be_positive():
         with pytest.raises(ValueError, match="--num-scheduler-steps must be a positive integer"):
             ServerArgs.from_cli_args(parser.parse_args(["--num-scheduler-steps", bad]))
     args = ServerArgs.from_cli_args(parser.parse_args(["--num-scheduler-steps", "8"]))
-    assert args.num_scheduler_steps == 8 and ServerArgs().num_scheduler_steps == 1
+    assert args.num_scheduler_steps == 8 and ServerArgs().num_scheduler_steps is None
+    assert ServerArgs().scheduler_steps("tpu") == TPU_SCHEDULER_STEPS > 1
+    assert ServerArgs().scheduler_steps("cpu") == 1 == ServerArgs(
+        num_scheduler_steps=1).scheduler_steps("tpu")
 
 
 def test_no_compilation_after_warmup():
