@@ -48,8 +48,8 @@ from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forw
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.nextn_step import MtpInputs, NextnDrafts
 from sglang_tpu_backend.model_executor.routed_experts import routed_store
-from sglang_tpu_backend.model_executor.sampler_state import (SamplerState, sampler_variant,
-                                                             unpack_batch_jit,
+from sglang_tpu_backend.model_executor.sampler_state import (SamplerState, needs_top_k,
+                                                             sampler_variant, unpack_batch_jit,
                                                              sampling_inputs, uses_penalties)
 from sglang_tpu_backend.model_executor.step_buckets import StepBuckets
 from sglang_tpu_backend.model_executor.verify_step import (
@@ -303,12 +303,10 @@ class ModelRunner:
         if spec is not None:
             inp = dataclasses.replace(inp, bitmask=spec.bitmask)
             self.num_grammar_cut_drafts += spec.num_cut
-        want_top = any(c.req.return_logprob and c.req.top_logprobs_num > 0
-                       for c in batch.chunks)  # (every step returns the chosen tokens' logprobs)
         return StepInputs(
             fbs=fbs, from_slot=_in_flight_rows(from_slots), inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
             sample_idx=[k * R + j for k, j in where],
-            K=self.max_top_logprobs_num if want_top else 0, spec=spec,
+            K=self.max_top_logprobs_num if needs_top_k(batch.chunks) else 0, spec=spec,
             mtp=[self.nextn.inputs(cs, T, R) for cs in per_rank] if self.nextn else None,
             token_rows=[k * T + o for (k, _), o in zip(where, offsets)] if self.routed else None)
 
