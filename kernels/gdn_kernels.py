@@ -4,6 +4,14 @@ Two kernels over a grid (head block j, step i): ``_decode_kernel`` (step = decod
 token per request) and ``_chunk_kernel`` (step = chunk of one request; a request's chunks are
 consecutive steps of the same head block and carry its state in VMEM scratch).
 
+The decode kernel software-pipelines its state DMAs over the rows of a head block
+(``kernels/gdn_decode_pipeline.py``): the state scratch is double buffered (row t in buffer
+slot t % 2), row t+1's fetch is started before row t computes and row t's write-back is left
+in flight until its buffer slot is refilled (or the last row), so a row costs about one DMA
+latency instead of a fetch and a write-back waited back to back. FRESH rows skip the fetch
+(zero state in their buffer slot), padding rows move nothing. Real rows of a step own
+distinct state slots, which is what makes the overlap safe (see that module).
+
 Layouts, and why Mosaic accepts them (it tiles only the last two dims of a buffer, (8, 128)
 for 32-bit and (16, 128) for bf16, and needs dynamic offsets there to be provably aligned):
   * Every dynamic index -- layer, state slot, head block, decode row, chunk -- addresses a
@@ -50,6 +58,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .gdn_common import (F32, FIRST, FRESH, HI, LAST, VALID, chunk_layout, conv_act,
                          decode_rows, gates, l2norm, num_chunk_slots, token_meta)
+from .gdn_decode_pipeline import WRITE_BACK, pipelined_rows
 
 _LANES = 128
 _NUM_SEMS = 4  # DMA semaphores: conv segments (<= 3) + recurrent state block
@@ -231,43 +240,42 @@ def _decode_kernel(
     # Outputs
     o_ref,  # [hb, Dv]
     cs_out, rs_out,
-    # Scratch
-    cs_buf,  # [rows, cb] conv state of the block (in and out; rows K-1.. are padding)
-    s_buf,  # [hb, Dk, Dv] recurrent state block in its dtype (in and out)
-    sems,  # DMA semaphores
+    # Scratch, double buffered: buffer slot t % 2 holds row t's state (gdn_decode_pipeline)
+    cs_buf,  # [2, rows, cb] conv state of the block (in and out; rows K-1.. are padding)
+    s_buf,  # [2, hb, Dk, Dv] recurrent state block in its dtype (in and out)
+    sems,  # DMA semaphores [2 (FETCH, WRITE_BACK), 2 buffer slots, _NUM_SEMS]
     *, geom,
 ):
-    j, t = pl.program_id(0), pl.program_id(1)
-    real = (flags_ref[t] & VALID) != 0
-    fresh = (flags_ref[t] & FRESH) != 0
-    copies = functools.partial(_state_copies, geom, j, layer_ref[0], slot_ref[t])
+    j = pl.program_id(0)
 
-    @pl.when(jnp.logical_not(real))
-    def _():
+    def transfer(row, buf, direction):  # the same descriptors for a copy's start and wait
+        out = direction == WRITE_BACK
+        pairs = _state_copies(geom, j, layer_ref[0], slot_ref[row], cs_out if out else cs_hbm,
+                              rs_out if out else rs_hbm, cs_buf.at[buf], s_buf.at[buf])
+        return [pltpu.make_async_copy(*(pair[::-1] if out else pair), sems.at[direction, buf, i])
+                for i, pair in enumerate(pairs)]
+
+    def padding():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
-    @pl.when(real & fresh)
-    def _():
-        cs_buf[...] = jnp.zeros(cs_buf.shape, cs_buf.dtype)
-        s_buf[...] = jnp.zeros(s_buf.shape, s_buf.dtype)
+    def zero_state(buf):
+        cs_buf[buf] = jnp.zeros(cs_buf.shape[1:], cs_buf.dtype)
+        s_buf[buf] = jnp.zeros(s_buf.shape[1:], s_buf.dtype)
 
-    @pl.when(real & jnp.logical_not(fresh))
-    def _():
-        _dma_all(copies(cs_hbm, rs_hbm, cs_buf, s_buf), sems)
-
-    @pl.when(real)
-    def _():
-        y = _decode_conv(cs_buf, x_ref[...], w_ref)  # f32[1, cb]
+    def compute(buf):
+        cs, st = cs_buf.at[buf], s_buf.at[buf]
+        y = _decode_conv(cs, x_ref[...], w_ref)  # f32[1, cb]
         qs, ks, vs = _block_heads(y, geom)
         g, beta = gates(a_ref[...], b_ref[...], alog_ref[...], dtb_ref[...])  # f32[1, hb]
         outs = []
         for h in range(geom.hb):
-            o, s = _decode_head(s_buf[h].astype(F32), qs[h], ks[h], vs[h], g[:, h : h + 1],
+            o, s = _decode_head(st[h].astype(F32), qs[h], ks[h], vs[h], g[:, h : h + 1],
                                 beta[:, h : h + 1])
-            s_buf[h] = s.astype(s_buf.dtype)
+            st[h] = s.astype(st.dtype)
             outs.append(o)
         o_ref[...] = jnp.concatenate(outs, axis=0).astype(o_ref.dtype)
-        _dma_all([(vmem, hbm) for hbm, vmem in copies(cs_out, rs_out, cs_buf, s_buf)], sems)
+
+    pipelined_rows(flags_ref, transfer, zero_state=zero_state, compute=compute, padding=padding)
 
 
 # ----------------------------------------------------------------------------- chunk kernel
@@ -507,8 +515,9 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
                       for z in (a, b))
         x_spec, ab_spec, o_spec = per_step(1, cb), per_step(1, hb), per_step(hb, Dv)
         o_shape = (nb, T, hb, Dv)
-        scratch = [pltpu.VMEM((conv_state.shape[2], cb), conv_state.dtype),
-                   pltpu.VMEM((hb, geom.Dk, Dv), rec_state.dtype)]
+        scratch = [pltpu.VMEM((2, conv_state.shape[2], cb), conv_state.dtype),
+                   pltpu.VMEM((2, hb, geom.Dk, Dv), rec_state.dtype),
+                   pltpu.SemaphoreType.DMA((2, 2, _NUM_SEMS))]
     else:
         N = num_chunk_slots(T, R, L)
         lay = chunk_layout(cu_q_lens, kv_lens, state_slots, num_seqs, L, N)
@@ -528,7 +537,8 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
         scratch = [pltpu.VMEM((geom.ctx_rows + L, cb), F32),
                    pltpu.VMEM((conv_state.shape[2], cb), conv_state.dtype),
                    pltpu.VMEM((hb, geom.Dk, Dv), F32),
-                   pltpu.VMEM((hb, geom.Dk, Dv), rec_state.dtype)]
+                   pltpu.VMEM((hb, geom.Dk, Dv), rec_state.dtype),
+                   pltpu.SemaphoreType.DMA((_NUM_SEMS,))]
 
     n_pre = len(prefetch)
     o, conv_state, rec_state = pl.pallas_call(
@@ -544,7 +554,7 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
             in_specs=[per_block(1, hb), per_block(1, hb), x_spec, ab_spec, ab_spec,
                       per_block(K, cb), any_spec, any_spec],
             out_specs=[o_spec, any_spec, any_spec],
-            scratch_shapes=scratch + [pltpu.SemaphoreType.DMA((_NUM_SEMS,))]),
+            scratch_shapes=scratch),
         input_output_aliases={n_pre + 6: 1, n_pre + 7: 2},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),

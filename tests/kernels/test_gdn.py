@@ -389,6 +389,72 @@ def test_pallas_decode_matches_reference(dtype, state_dtype, d, k_heads_per_bloc
     _assert_slots_untouched(got, case, (0, 5, 6, 7))  # slots of no real request
 
 
+# The decode kernel's state DMAs are software-pipelined over the rows of a head block (fetch
+# of row t+1 and write-back of row t-1 in flight around row t; kernels/gdn_decode_pipeline.py).
+# 37 rows: F fresh, C continuing (fetched), . padding. The op itself only pads at the end
+# (rows >= num_seqs); the padding rows inside are made by masking the kernel's row flags, so
+# every neighbour pattern of the pipeline occurs: first row fresh, fresh and padding rows
+# between fetches, runs of padding rows, the last rows padding.
+PIPELINE_ROWS = "FC.CCF..CFCC...CFFC.C.FCCCF.CC.FC.F.."
+PIPELINE_PARAMS = {  # interpret-mode DMA semantics the pipeline must be right under
+    "on_wait": dict(),  # a copy moves its data when waited: catches late or missing waits
+    "eager_races": dict(dma_execution_mode="eager", detect_races=True),
+    "two_cores": dict(num_cores_or_threads=2),  # megacore: head blocks split over cores
+}
+
+
+@pytest.mark.parametrize("params", list(PIPELINE_PARAMS))
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_decode_pipeline_many_rows(monkeypatch, params, state_dtype):
+    n = len(PIPELINE_ROWS)
+    real = np.array([c != "." for c in PIPELINE_ROWS])
+    rng = np.random.default_rng(21)
+    slots = rng.permutation(np.arange(1, 48))[:n]  # distinct slots of the real rows
+    pad_rows = np.flatnonzero(~real)
+    slots[pad_rows] = slots[rng.choice(np.flatnonzero(real), len(pad_rows))]  # not written
+    context = [0 if c == "F" else int(rng.integers(1, 9)) for c in PIPELINE_ROWS]
+    # hk=4, Dk=64, kb=2: two lane-aligned head blocks of 2 qk / 4 value heads.
+    case, hk = make_case(20, [1] * n, hk=4, hv=8, dk=64, dv=64, num_slots=48, context=context,
+                         slots=list(slots), state_dtype=state_dtype)
+    case["num_seqs"] = jnp.asarray([n - 2], jnp.int32)  # the last two rows: the op's padding
+    case = _stack_layers(case, 1, 3, seed=22)
+    mask = jnp.asarray(real)
+    decode_rows = gdn_kernels.decode_rows
+    monkeypatch.setattr(gdn_kernels, "decode_rows", lambda *a: (
+        lambda slot, kvl, ok: (slot, kvl, ok & mask))(*decode_rows(*a)))
+    monkeypatch.setattr(gdn.dispatch, "interpret_params",
+                        lambda _: pltpu.InterpretParams(**PIPELINE_PARAMS[params]))
+    fresh_jit = jax.jit(gdn.gated_delta_net,  # (a cached trace would skip the patches)
+                        static_argnames=("num_k_heads", "decode", "impl", "block_sizes"))
+    got = run(fresh_jit, case, hk, decode=True, layer=jnp.int32(1), impl="interpret",
+              block_sizes=gdn.GdnBlockSizes(k_heads_per_block=2))
+    # Dispatching JAX ops while the interpreter's callbacks still run can deadlock: wait.
+    got = jax.block_until_ready(got)
+    if PIPELINE_PARAMS[params].get("detect_races"):  # (private state; checked where present)
+        try:
+            from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+        except ImportError:
+            ipc = None
+        races = getattr(ipc, "races", None)
+        assert not getattr(races, "races_found", False), "the interpreter found a data race"
+
+    idx = np.flatnonzero(real)  # the reference runs the real rows only
+    sub = dict(case, mixed_qkv=case["mixed_qkv"][idx], a=case["a"][idx], b=case["b"][idx],
+               cu_q_lens=jnp.arange(len(idx) + 1, dtype=jnp.int32),
+               kv_lens=case["kv_lens"][idx], state_slots=case["state_slots"][idx],
+               num_seqs=jnp.asarray([len(idx)], jnp.int32))
+    want = run(ref_chunked, sub, hk, decode=True, layer=1)
+    tol = F32_TOL if state_dtype == jnp.float32 else BF16_TOL
+    assert_close(got[0][idx], want[0], tol, "o of real rows")
+    assert np.all(np.asarray(got[0])[~real] == 0), "o of padding rows"
+    assert_close(got[1], want[1], tol, "conv state")
+    assert_close(got[2], want[2], tol, "rec state")
+    untouched = sorted(set(range(48)) - set(slots[idx].tolist()))
+    for layer in (0, 2):  # other layers: every slot
+        _assert_slots_untouched(got, case, range(48), layer)
+    _assert_slots_untouched(got, case, untouched, layer=1)  # incl. the padding rows' slots
+
+
 @pytest.mark.parametrize("dtype,state_dtype,d,k_heads_per_block", [
     (jnp.float32, jnp.float32, 32, None),  # one head block (Dk < 128)
     pytest.param(jnp.float32, jnp.bfloat16, 32, 2, marks=pytest.mark.jax_versions),
