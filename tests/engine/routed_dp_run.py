@@ -30,28 +30,19 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in (40, 7, 19, 1, 33)]
 
 
-def serve(engine, batch: list[list[int]]) -> list[dict]:
-    async def one(ids):
-        obj = GenerateReqInput(input_ids=ids, sampling_params=dict(SAMPLING),
-                               return_routed_experts=True)
-        out = [o async for o in engine.generate_request(obj)][-1]
-        return {"prompt": ids, "output_ids": out["output_ids"],
-                "routed": out["meta_info"]["routed_experts"],
-                "cached": out["meta_info"]["cached_tokens"]}
-
-    async def run_all():
-        return await asyncio.gather(*(one(ids) for ids in batch))
-
-    return asyncio.run(run_all())
-
-
-def serve_handover(engine, batch: list[list[int]]) -> list[dict]:
-    """Each prompt prefilled, handed over and decoded by ``engine`` (DP rank to DP rank)."""
-    async def one(ids):
-        obj = GenerateReqInput(input_ids=ids, sampling_params=dict(SAMPLING),
-                               return_routed_experts=True)
+def serve(engine, batch: list[list[int]], handover: bool = False) -> list[dict]:
+    """Each prompt served with its routed experts; with ``handover`` prefilled, handed over
+    and decoded by ``engine`` (DP rank to DP rank)."""
+    async def stream(obj):
+        if not handover:
+            return engine.generate_request(obj)
         _, h = await engine.prefill_for_handover(obj)
-        out = [o async for o in engine.generate_from_handover(h)][-1]
+        return engine.generate_from_handover(h)
+
+    async def one(ids):
+        obj = GenerateReqInput(input_ids=ids, sampling_params=dict(SAMPLING),
+                               return_routed_experts=True)
+        out = [o async for o in await stream(obj)][-1]
         return {"prompt": ids, "output_ids": out["output_ids"],
                 "routed": out["meta_info"]["routed_experts"],
                 "cached": out["meta_info"]["cached_tokens"]}
@@ -67,7 +58,7 @@ def main(out_path: str) -> None:
     try:
         result = {"first": serve(engine, prompts()), "again": serve(engine, prompts()[:1])}
         engine.flush_cache()
-        result["handover"] = serve_handover(engine, prompts())
+        result["handover"] = serve(engine, prompts(), handover=True)
     finally:
         engine.shutdown()
     with open(out_path, "w") as f:
