@@ -422,8 +422,9 @@ def test_pallas_decode_pipeline_many_rows(monkeypatch, params, state_dtype):
     decode_rows = gdn_kernels.decode_rows
     monkeypatch.setattr(gdn_kernels, "decode_rows", lambda *a: (
         lambda slot, kvl, ok: (slot, kvl, ok & mask))(*decode_rows(*a)))
-    monkeypatch.setattr(gdn.dispatch, "interpret_params",
-                        lambda _: pltpu.InterpretParams(**PIPELINE_PARAMS[params]))
+    monkeypatch.setattr(gdn.dispatch, "interpret_params",  # (on the TPU leg: compiled)
+                        lambda resolved: pltpu.InterpretParams(**PIPELINE_PARAMS[params])
+                        if resolved == "interpret" else False)
     fresh_jit = jax.jit(gdn.gated_delta_net,  # (a cached trace would skip the patches)
                         static_argnames=("num_k_heads", "decode", "impl", "block_sizes"))
     got = run(fresh_jit, case, hk, decode=True, layer=jnp.int32(1), impl="interpret",
