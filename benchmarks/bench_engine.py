@@ -253,6 +253,22 @@ def _d2h_ms(n: int) -> float:
     return statistics.median(d2h) * 1e3
 
 
+def print_startup(name: str, r: dict) -> dict:
+    """Print one start-up child's figures (``name``: which compilation cache); returns ``r``."""
+    print(f"start-up, {name} compilation cache: ready {r['ready_s']:.1f} s after the "
+          f"process started (imports {r['imports_s']:.1f} s, backend {r['backend_s']:.1f} "
+          f"s, Engine {r['engine_s']:.1f} s of which warm-up {r['warmup_s']:.1f} s)")
+    print("   jax compile time: " + ", ".join(
+        f"{k} {v:.1f} s ({r['compile_counts'][k]})" for k, v in r["compile_s"].items()))
+    top = sorted(r["per_function"].items(), key=lambda kv: -sum(
+        v for k, v in kv[1].items() if k != "programs"))[:TOP_N]
+    print("   by function (seconds summed over threads: trace / lower / compile, programs): "
+          + "; ".join(f"{fun} {f.get('jaxpr_trace', 0):.1f}/{f.get('jaxpr_to_mlir_module', 0):.1f}"
+                      f"/{f.get('backend_compile', 0):.1f} ({f.get('programs', 0):.0f})"
+                      for fun, f in top), flush=True)
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default=None)
@@ -276,30 +292,16 @@ def main() -> None:
     counts = [int(x) for x in args.requests.split(",")]
     report: dict[str, Any] = {"dtype": args.dtype, "num_scheduler_steps": args.num_scheduler_steps}
     cache_dir = tempfile.mkdtemp(prefix="bench_engine-cc-")
-    if not args.no_startup:  # before this process opens the backend
+    if not args.no_startup:  # before this process opens the backend (printed as they end)
         argv = [a for a in sys.argv[1:]]
-        report["startup_cold"] = cold = startup(argv, cache_dir)
-        report["startup_warm"] = warm = startup(argv, cache_dir)
+        report["startup_cold"] = print_startup("an empty", startup(argv, cache_dir))
+        report["startup_warm"] = print_startup("a filled", startup(argv, cache_dir))
     report["backend"], report["device_kind"] = jax.default_backend(), jax.devices()[0].device_kind
     if args.num_scheduler_steps is None:
         args.num_scheduler_steps = ServerArgs().scheduler_steps(report["backend"])
     report["num_scheduler_steps"] = args.num_scheduler_steps
     print(f"backend {report['backend']} ({report['device_kind']}), {args.dtype}, "
           f"--num-scheduler-steps {args.num_scheduler_steps}")
-    if not args.no_startup:
-        for name, r in (("an empty", cold), ("a filled", warm)):
-            print(f"start-up, {name} compilation cache: ready {r['ready_s']:.1f} s after the "
-                  f"process started (imports {r['imports_s']:.1f} s, backend {r['backend_s']:.1f} "
-                  f"s, Engine {r['engine_s']:.1f} s of which warm-up {r['warmup_s']:.1f} s)")
-            print("   jax compile time: " + ", ".join(
-                f"{k} {v:.1f} s ({r['compile_counts'][k]})" for k, v in r["compile_s"].items()))
-            top = sorted(r["per_function"].items(), key=lambda kv: -sum(
-                v for k, v in kv[1].items() if k != "programs"))[:TOP_N]
-            print("   by function (seconds summed over threads: trace / lower / compile, "
-                  "programs): " + "; ".join(
-                      f"{name} {f.get('jaxpr_trace', 0):.1f}/{f.get('jaxpr_to_mlir_module', 0):.1f}"
-                      f"/{f.get('backend_compile', 0):.1f} ({f.get('programs', 0):.0f})"
-                      for name, f in top))
     eng = start(args, cache_dir, max(counts))
     report["serving"] = []
     try:
