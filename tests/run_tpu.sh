@@ -6,7 +6,8 @@
 #                                          routing, collectives, package: 206 s on a v5e),
 #                                          attention (ragged paged attention: 257 s), engine (the
 #                                          model on the kernels, the engine's start and
-#                                          generation on the chip), parity (greedy f32 tokens
+#                                          generation, refit, release and resume on the
+#                                          chip), parity (greedy f32 tokens
 #                                          against the CPU's, two architectures); engine and
 #                                          parity together took about 570 s, hence two parts
 #   bash tests/run_tpu.sh kernels -k gdn   pytest arguments after the part are passed on
