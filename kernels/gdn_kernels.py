@@ -213,17 +213,39 @@ def _decode_conv(cs_buf, x, w_ref):
     return y
 
 
-def _decode_head(s, q, k, v, g, beta):
-    """Rearranged delta-rule step of one head (as ``gdn._decode_step``).
+def _column(x):
+    """f32[1, D] -> f32[D, 1] without a relayout: the diagonal of x broadcast down the rows,
+    summed across the lanes (VPU select + XLU lane reduce)."""
+    D = x.shape[-1]
+    rows, cols = (lax.broadcasted_iota(jnp.int32, (D, D), d) for d in (0, 1))
+    return jnp.sum(jnp.where(rows == cols, x, 0.0), axis=1, keepdims=True)
 
-    s f32[Dk, Dv]; q, k f32[1, Dk]; v f32[1, Dv]; g, beta f32[1, 1]. Returns o f32[1, Dv] and
-    the new state: o = q.S_pre + (q.k) d and S_pre + k^T d, with S_pre = exp(g) S and
-    d = beta (v - k.S_pre).
+
+def _decode_heads(y, geom):
+    """``_block_heads`` of one decode row y f32[1, cb], with q and k as columns f32[Dk, 1]
+    (``_column``, once per qk head, shared by its rep value heads); v stays f32[1, Dv]."""
+    q, k, v = _block_heads(y, geom)
+    cols = {h // geom.rep: (_column(q[h]), _column(k[h])) for h in range(0, geom.hb, geom.rep)}
+    return ([cols[h // geom.rep][0] for h in range(geom.hb)],
+            [cols[h // geom.rep][1] for h in range(geom.hb)], v)
+
+
+def _decode_head(s, q_col, k_col, v, g, beta):
+    """Rearranged delta-rule step of one head (as ``gdn._decode_step``), on the VPU.
+
+    s f32[Dk, Dv]; q_col, k_col f32[Dk, 1] (``_decode_heads``); v f32[1, Dv];
+    g, beta f32[1, 1]. Returns o f32[1, Dv] and the new state: o = q.S_pre + (q.k) d and
+    S_pre + k^T d, with S_pre = exp(g) S and d = beta (v - k.S_pre).
+
+    The vector-matrix products are broadcast multiplies reduced over the sublanes, not MXU
+    matmuls: with one row (M = 1) an f32 matmul at HIGHEST precision spends six MXU passes on
+    pushing S in for a single output row, and the VPU does the same sums exactly in f32.
     """
     s = s * jnp.exp(g)
-    d = beta * (v - _dot(k, s))  # [1, Dv]
-    o = _dot(q, s) + jnp.sum(q * k, axis=-1, keepdims=True) * d
-    return o, s + _dot_tn(k, d)
+    d = beta * (v - jnp.sum(k_col * s, axis=0, keepdims=True))  # [1, Dv]
+    qk = jnp.sum(q_col * k_col, axis=0, keepdims=True)  # [1, 1]
+    o = jnp.sum(q_col * s, axis=0, keepdims=True) + qk * d
+    return o, s + k_col * d
 
 
 def _decode_kernel(
@@ -265,7 +287,7 @@ def _decode_kernel(
     def compute(buf):
         cs, st = cs_buf.at[buf], s_buf.at[buf]
         y = _decode_conv(cs, x_ref[...], w_ref)  # f32[1, cb]
-        qs, ks, vs = _block_heads(y, geom)
+        qs, ks, vs = _decode_heads(y, geom)
         g, beta = gates(a_ref[...], b_ref[...], alog_ref[...], dtb_ref[...])  # f32[1, hb]
         outs = []
         for h in range(geom.hb):

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .gdn_common import F32, FRESH, VALID, conv_act, gates
-from .gdn_kernels import (_NUM_SEMS, Geometry, _block_heads, _decode_conv, _decode_head,
+from .gdn_kernels import (_NUM_SEMS, Geometry, _decode_conv, _decode_head, _decode_heads,
                           _dma_all, _head_blocks, _state_copies, _to_blocks)
 
 
@@ -81,16 +81,15 @@ def _verify_kernel(
         hist += [x_ref[p : p + 1, :].astype(cs_buf.dtype).astype(F32) for p in range(n)]
         w = w_ref[...].astype(F32)  # [K, cb]
         g, beta = gates(a_ref[...], b_ref[...], alog_ref[...], dtb_ref[...])  # f32[n, hb]
-        s = [s_buf[h].astype(F32) for h in range(geom.hb)]
         for p in range(n):
             taps = hist[p : p + K - 1] + [x_ref[p : p + 1, :].astype(F32)]
             y = conv_act(taps, [w[i : i + 1] for i in range(K)], w_ref.dtype, x_ref.dtype)
-            qs, ks, vs = _block_heads(y, geom)
+            qs, ks, vs = _decode_heads(y, geom)
             outs = []
             for h in range(geom.hb):
-                o, s_new = _decode_head(s[h], qs[h], ks[h], vs[h], g[p : p + 1, h : h + 1],
-                                        beta[p : p + 1, h : h + 1])
-                s[h] = s_new.astype(s_buf.dtype).astype(F32)  # as stored between decode steps
+                o, s_new = _decode_head(s_buf[h].astype(F32), qs[h], ks[h], vs[h],
+                                        g[p : p + 1, h : h + 1], beta[p : p + 1, h : h + 1])
+                s_buf[h] = s_new.astype(s_buf.dtype)  # stored between positions as by decode
                 outs.append(o)
             o_ref[p] = jnp.concatenate(outs, axis=0).astype(o_ref.dtype)
 
@@ -190,7 +189,7 @@ def _commit_kernel(
         def _():
             x = win_ref[K - 1 + p : K + p, :].astype(x_dtype)  # exact: the input was this dtype
             y = _decode_conv(cs_buf, x, w_ref)  # f32[1, cb]
-            qs, ks, vs = _block_heads(y, geom)
+            qs, ks, vs = _decode_heads(y, geom)
             g, beta = gates(a_ref[p : p + 1, :], b_ref[p : p + 1, :], alog_ref[...],
                             dtb_ref[...])  # f32[1, hb]
             for h in range(geom.hb):
