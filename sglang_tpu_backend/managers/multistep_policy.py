@@ -21,7 +21,7 @@ def multistep_ok(req: Req, num_scheduler_steps: int) -> bool:
     """``req`` may take ``num_scheduler_steps`` (N > 1) tokens in one launch."""
     N = num_scheduler_steps
     return (N > 1 and req.grammar is None and not req.return_routed_experts
-            and not (req.return_logprob and req.top_logprobs_num > 0)
+            and not req.wants_top_logprobs
             and req.num_sampled >= req.sampling.min_new_tokens
             and req.num_fill + N <= req.context_length)
 

@@ -175,6 +175,11 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight
 
     @property
+    def wants_top_logprobs(self) -> bool:
+        """Returns the top logprobs of each sampled token (the sampler then runs with K > 0)."""
+        return self.return_logprob and self.top_logprobs_num > 0
+
+    @property
     def num_sampled(self) -> int:
         """Output tokens sampled so far, in flight included."""
         return len(self.output_ids) + self.num_inflight

@@ -83,7 +83,7 @@ def needs_top_k(chunks: Sequence[ScheduledChunk]) -> bool:
     """A step's sampler must run with K > 0 (``max_top_logprobs_num``): some request asks for
     top logprobs, or for prompt logprobs in this chunk (the sampler's row outputs come with
     K). Every step returns the chosen tokens' logprobs."""
-    return any(c.req.return_logprob and (c.req.top_logprobs_num > 0 or len(
+    return any(c.req.wants_top_logprobs or (c.req.return_logprob and len(
         c.req.input_logprob_rows(c.start, c.num_tokens)) > 0) for c in chunks)
 
 
