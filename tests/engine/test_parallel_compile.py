@@ -89,9 +89,10 @@ def test_warm_up_compiles_one_multistep_program_per_decode_bucket(warm_ms):
 
 
 def test_multistep_mix_equals_single_steps_and_compiles_nothing(warm_ms, clean_engine):
-    """Greedy, temperature and top_p < 1 requests in one batch at N = 8: the tokens (and
-    logprobs) of N = 1, every sampler branch run by a multi-step launch (FULL's while the
-    top_p request runs, then PLAIN's, then GREEDY's), and no program lowered."""
+    """Greedy, temperature and top_p < 1 requests (and one with top_k, a penalty and a logit
+    bias) in one batch at N = 8: the tokens (and logprobs) of N = 1, every sampler branch run
+    by a multi-step launch (FULL's while the top_p and bias requests run, then PLAIN's, then
+    GREEDY's), and no program lowered."""
     from sglang_tpu_backend.managers.io_struct import GenerateReqInput
     from sglang_tpu_backend.model_executor.sampler_state import sampler_variant
     from sglang_tpu_backend.sampling import sampler
@@ -101,7 +102,9 @@ def test_multistep_mix_equals_single_steps_and_compiles_nothing(warm_ms, clean_e
     def objs():
         sps = [{"temperature": 0.9, "top_p": 0.8, "max_new_tokens": 9},
                {"temperature": 0.7, "max_new_tokens": 30},
-               {"temperature": 0, "max_new_tokens": 55}]
+               {"temperature": 0, "max_new_tokens": 55},
+               {"temperature": 0.8, "top_k": 5, "frequency_penalty": 0.3, "max_new_tokens": 12,
+                "logit_bias": {"17": 4.0, "40": -100.0}}]
         return [GenerateReqInput(input_ids=[7 + i, 30 + 5 * i, 11, 2 + i], return_logprob=True,
                                  sampling_params=dict(sp, seed=i, ignore_eos=True))
                 for i, sp in enumerate(sps)]
