@@ -99,9 +99,8 @@ def multi_decode(params, cache, fb: ForwardBatch, counts, prompt_mask, last_toke
 
     def body(carry, _):
         cache, counts, last_tokens, fb, step = carry
-        # The jitted forward, nested: JAX traces it once per bucket and finds that trace in its
-        # cache when another program of the bucket (``parallel_compile``) or a second trace of
-        # this one needs it; XLA inlines it, so the program is the same.
+        # The jitted forward, nested (its trace cached by JAX); XLA inlines it, so the program
+        # is the same as with the forward written out here.
         logits, cache = qwen3_5_moe.forward_jit(params, cache, fb, cfg=cfg, impl=impl,
                                                 batch_invariant=batch_invariant)
         out = sample_branch(branch, logits, counts, prompt_mask,

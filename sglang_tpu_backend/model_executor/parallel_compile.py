@@ -1,7 +1,9 @@
 """Warm-up's compiles side by side: the one-device runner's forward, sampler and multi-step
 programs compiled ahead of time (``jitted.lower(...).compile()``) in a thread pool, before
 ``warmup.warm_up`` runs them one by one; each run then finds its executable in its jit's own
-cache and compiles nothing.
+cache and compiles nothing. One forward per bucket, one multi-step program per DECODE bucket
+(the sampler variants are branches of it: ``multistep.py``), one sampler per (R, L), sampler
+variant and top-logprob count.
 
 XLA compiles outside the GIL, so on a many-core TPU host the programs compile at the same
 time; tracing and lowering are Python, so they run one after another on the calling thread,

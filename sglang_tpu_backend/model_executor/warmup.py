@@ -9,9 +9,9 @@ and top-logprob count, on scratch penalty state) and the commit. Under NEXTN eac
 warms its MTP pass and chain (``nextn_step.py``) on the forward's hidden states. With
 multi-step decoding (``runner.num_scheduler_steps`` N > 1) each DECODE bucket also warms its
 one N-step program (``multistep.py``: every sampler variant a branch of it), without top
-logprobs (requests that ask for them decode one step at a time: ``multistep_policy``). Same jitted
-functions, same argument shapes and placements as serving, so serving reuses every program
-compiled here.
+logprobs (requests that ask for them decode one step at a time: ``multistep_policy``). Same
+jitted functions, same argument shapes and placements as serving, so serving reuses every
+program compiled here.
 """
 
 from __future__ import annotations
