@@ -2,11 +2,12 @@
 
 A decode-ready request may take N tokens in one launch when its next N tokens need no host
 work between them (no grammar, no ``min_new_tokens`` ban left, no routed experts), it asks for
-no top logprobs (the multi-step programs are compiled without them: one program per sampler
-variant and bucket, not two; the chosen tokens' logprobs are always there) and they fit in its
-context; tokens past max_new_tokens or a stop are computed and dropped on the host. A
-DECODE batch runs N steps only when every request may and every chunk holds pages for N
-more positions (the scheduler asks for them without retracting anyone); else it runs one.
+no top logprobs (the multi-step programs are compiled without them: one program per bucket,
+not two, whose branches are the sampler variants; the chosen tokens' logprobs are always
+there) and they fit in its context; tokens past max_new_tokens or a stop are computed and
+dropped on the host. A DECODE batch runs N steps only when every request may and every chunk
+holds pages for N more positions (the scheduler asks for them without retracting anyone);
+else it runs one.
 """
 
 from __future__ import annotations

@@ -429,9 +429,9 @@ class ModelRunner:
             self.cache = self.snapshots.load(
                 self.cache, [(x.rank, x.snapshot, x.slot) for x in batch.state_loads])
         variant = sampler_variant(batch.chunks)
-        step = self.prepare(batch, variant)
         if batch.num_steps > 1:
-            return self._launch_multistep(batch, step, variant)
+            return self._launch_multistep(batch, variant)
+        step = self.prepare(batch, variant)
         if step.spec is not None:
             out = self.verify(step.fbs, step.spec, step.inp, step.K, variant)
             if step.mtp is not None:
@@ -450,17 +450,18 @@ class ModelRunner:
                 x.copy_to_host_async()
         return LaunchedStep(batch, out, step.rows, step.sample_idx, self._stats, step.token_rows)
 
-    def _launch_multistep(self, batch: ScheduledBatch, step: StepInputs,
-                          variant: sampler.SamplerVariant) -> LaunchedStep:
+    def _launch_multistep(self, batch: ScheduledBatch, variant: sampler.SamplerVariant
+                          ) -> LaunchedStep:
         """Dispatch ``batch.num_steps`` decode steps of a DECODE batch as one program
-        (``multistep.py``); no snapshot copies (decodes plan none), no stats."""
+        (``multistep.py``; its sampler runs ``variant``'s branch), no snapshot copies, no stats."""
         if not self.multistep_supported or batch.kind != ForwardMode.DECODE:
             raise ValueError(f"a {batch.num_steps}-step launch needs a DECODE batch on one "
                              f"device without speculative decoding")
+        step = self.prepare(batch, sampler.MULTISTEP_INPUTS)
         multistep.widen_page_table(step.fbs[0], batch.chunks)
         (fb,), _ = self.place_batch(step.fbs, step.from_slot)
-        out = multistep.dispatch(self, fb, self.place_sampling(step.inp), batch.num_steps,
-                                 step.K, variant)
+        out = multistep.dispatch(self, fb, multistep.pack_inputs(self, step.inp, variant),
+                                 batch.num_steps, step.K)
         for x in jax.tree.leaves(out):
             x.copy_to_host_async()
         self._stats = None

@@ -11,6 +11,14 @@ position and KV length advance by one. Sampling is keyed per (request seed, outp
 (``SamplingInputs.step``), and the scan advances ``step`` by one per iteration, so greedy
 and seeded tokens equal those of N single steps.
 
+One program per DECODE bucket serves every sampler variant: the sampler is a ``lax.switch``
+over ``sampler.MULTISTEP_BRANCHES`` (greedy, plain draws, full without the mask stage, which
+no multi-step request needs) on a runtime index packed with the sampling inputs
+(``pack_inputs``: the inputs laid out for every branch, ``sampler.MULTISTEP_INPUTS``, and the
+step's branch, ``sampler.multistep_branch``), so only the step's branch runs on the device and
+its outputs are those of the step's variant. (A program per variant cost warm-up three
+programs per bucket, each lowered on its own.)
+
 The scheduler (``Scheduler._multistep_ok``) sends such a step only when every chunk is a
 decode whose request is eligible (no grammar, no pending ``min_new_tokens`` ban, no routed
 experts, N more positions within the context) and has pages for N more tokens. Tokens past
@@ -30,11 +38,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledChunk
 from sglang_tpu_backend.model_executor import host_inputs
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
-from sglang_tpu_backend.model_executor.sampler_state import _record_tokens
+from sglang_tpu_backend.model_executor.sampler_state import _record_tokens, dummy_sampling_inputs
 from sglang_tpu_backend.models import qwen3_5_moe
 from sglang_tpu_backend.sampling import sampler
 
@@ -56,30 +65,47 @@ def advance_batch(fb: ForwardBatch, tokens: jax.Array, valid: jax.Array) -> Forw
         kv_lens=fb.kv_lens + real_reqs.astype(jnp.int32))
 
 
+def sample_branch(branch, logits, counts, prompt_mask, inp: sampler.SamplingInputs,
+                  num_top_logprobs: int):
+    """``sampler.sample`` with the variant ``sampler.MULTISTEP_BRANCHES[branch]`` (i32[],
+    traced): a ``lax.switch``, so only that branch runs. ``inp`` holds every field the branches
+    read (``sampler.MULTISTEP_INPUTS``); each branch ignores those it does not. Returns
+    ``sample``'s outputs but the prompt rows' (``_ROW_KEYS``); the counts are updated after
+    the switch, one scatter outside the branches."""
+    def run(variant):
+        def one(logits, counts, prompt_mask, inp):
+            out = sampler.sample(logits, counts, prompt_mask, inp,
+                                 num_top_logprobs=num_top_logprobs, variant=variant)
+            return {k: v for k, v in out.items() if k != "counts" and k not in _ROW_KEYS}
+        return one
+
+    out = jax.lax.switch(branch, [run(v) for v in sampler.MULTISTEP_BRANCHES],
+                         logits, counts, prompt_mask, inp)
+    out["counts"] = sampler.count_tokens(counts, inp, out["tokens"])
+    return out
+
+
 def multi_decode(params, cache, fb: ForwardBatch, counts, prompt_mask, last_tokens, buf, *,
                  layout: host_inputs.PackLayout, num_steps: int, num_top_logprobs: int,
-                 variant: sampler.SamplerVariant, cfg, impl: str, batch_invariant: bool):
+                 cfg, impl: str, batch_invariant: bool):
     """``num_steps`` (N) decode steps of ``fb`` (device ForwardBatch, input ids resolved) with
-    the SamplingInputs packed in ``buf`` (``host_inputs``).
+    the SamplingInputs and the sampler branch packed in ``buf`` (``pack_inputs``).
 
     Returns (out, cache, counts, last_tokens): ``out`` the sampler's outputs stacked per
     iteration (``tokens`` i32[N, R], ``logprobs`` f32[N, R]; with K > 0 ``top_logprobs``
     f32[N, R, K] and ``top_ids`` i32[N, R, K]); ``last_tokens`` holds each request's Nth
     token (what an overlapped next step reads)."""
-    inp = host_inputs.unpack_tree(buf, layout)
+    inp, branch = host_inputs.unpack_tree(buf, layout)
 
     def body(carry, _):
         cache, counts, last_tokens, fb, step = carry
-        # The jitted forward, nested: JAX traces it once per bucket and reuses that jaxpr in
-        # every sampler variant's program (the model's trace was most of a program's Python
-        # cost at start-up); XLA inlines it, so the program is the same.
+        # The jitted forward, nested (its trace cached by JAX); XLA inlines it, so the program
+        # is the same as with the forward written out here.
         logits, cache = qwen3_5_moe.forward_jit(params, cache, fb, cfg=cfg, impl=impl,
                                                 batch_invariant=batch_invariant)
-        out = sampler.sample(logits, counts, prompt_mask, dataclasses.replace(inp, step=step),
-                             num_top_logprobs=num_top_logprobs, variant=variant)
+        out = sample_branch(branch, logits, counts, prompt_mask,
+                            dataclasses.replace(inp, step=step), num_top_logprobs)
         counts = out.pop("counts")
-        for k in _ROW_KEYS:
-            out.pop(k, None)
         last_tokens = _record_tokens(last_tokens, inp.slot, out["tokens"], inp.valid)
         fb = advance_batch(fb, out["tokens"], inp.valid)
         return (cache, counts, last_tokens, fb, step + 1), out
@@ -91,7 +117,7 @@ def multi_decode(params, cache, fb: ForwardBatch, counts, prompt_mask, last_toke
 
 multi_decode_jit = jax.jit(
     multi_decode,
-    static_argnames=("layout", "num_steps", "num_top_logprobs", "variant", "cfg", "impl",
+    static_argnames=("layout", "num_steps", "num_top_logprobs", "cfg", "impl",
                      "batch_invariant"),
     donate_argnames=("cache", "counts", "last_tokens"))
 
@@ -125,28 +151,47 @@ def chunk_result(out: dict, i: int, c: ScheduledChunk) -> ChunkResult:
     return ChunkResult(next_token=run[0][0], logprob=run[0][1], top_logprobs=run[0][2], run=run)
 
 
-def dispatch(runner, fb: ForwardBatch, inp: host_inputs.Packed, num_steps: int, K: int,
-             variant: sampler.SamplerVariant) -> dict[str, jax.Array]:
+def pack_inputs(runner, inp: sampler.SamplingInputs, variant: sampler.SamplerVariant
+                ) -> host_inputs.Packed:
+    """The multi-step program's sampling inputs on a ``ModelRunner``'s device in one copy:
+    ``inp`` (numpy, laid out as ``sampler.MULTISTEP_INPUTS``: no bitmask) and the index of
+    ``variant``'s branch (``sampler.multistep_branch``)."""
+    if inp.bitmask is not None or inp.bias_ids is None:
+        raise ValueError("multi-step sampling inputs are laid out as sampler.MULTISTEP_INPUTS")
+    branch = np.int32(sampler.multistep_branch(variant))
+    return host_inputs.packed((inp, branch), runner.backend.device)
+
+
+def dummy_inputs(runner, R: int, L: int) -> host_inputs.Packed:
+    """All-padding multi-step sampling inputs of R rows / L logits rows, packed as serving
+    packs them (warm-up; the greedy branch, though any branch's program holds them all)."""
+    inp = dummy_sampling_inputs(R, L, runner.vocab_size, sampler.MULTISTEP_INPUTS)
+    return pack_inputs(runner, inp, sampler.GREEDY)
+
+
+def dispatch(runner, fb: ForwardBatch, inp: host_inputs.Packed, num_steps: int, K: int
+             ) -> dict[str, jax.Array]:
     """``multi_decode_jit`` on a ``ModelRunner``'s params, cache and sampler state, for a placed
-    DECODE batch and packed sampling inputs: the runner's cache, penalty counts and last
-    tokens are donated and replaced; returns the stacked outputs (nothing waited for)."""
+    DECODE batch and sampling inputs packed by ``pack_inputs``: the runner's cache, penalty
+    counts and last tokens are donated and replaced; returns the stacked outputs (nothing
+    waited for)."""
     state = runner.sampler
-    args, static = _call(runner, fb, inp, num_steps, K, variant)
+    args, static = _call(runner, fb, inp, num_steps, K)
     out, runner.cache, state.counts, state.last_tokens = multi_decode_jit(*args, **static)
     return out
 
 
-def lower_dispatch(runner, fb: ForwardBatch, inp: host_inputs.Packed, num_steps: int, K: int,
-                   variant: sampler.SamplerVariant) -> jax.stages.Lowered:
+def lower_dispatch(runner, fb: ForwardBatch, inp: host_inputs.Packed, num_steps: int, K: int
+                   ) -> jax.stages.Lowered:
     """``dispatch``'s program lowered for these arguments (nothing runs; ``parallel_compile``)."""
-    args, static = _call(runner, fb, inp, num_steps, K, variant)
+    args, static = _call(runner, fb, inp, num_steps, K)
     return multi_decode_jit.lower(*args, **static)
 
 
-def _call(runner, fb, inp, num_steps, K, variant) -> tuple[tuple, dict]:
+def _call(runner, fb, inp, num_steps, K) -> tuple[tuple, dict]:
     state = runner.sampler
     return ((runner.params, runner.cache, fb, state.counts, state.prompt_mask, state.last_tokens,
              inp.buf),
-            dict(layout=inp.layout, num_steps=num_steps, num_top_logprobs=K, variant=variant,
+            dict(layout=inp.layout, num_steps=num_steps, num_top_logprobs=K,
                  cfg=runner.cfg, impl=runner.backend.impl,
                  batch_invariant=runner.backend.batch_invariant))

@@ -1,7 +1,9 @@
 """Warm-up's compiles side by side: the one-device runner's forward, sampler and multi-step
 programs compiled ahead of time (``jitted.lower(...).compile()``) in a thread pool, before
 ``warmup.warm_up`` runs them one by one; each run then finds its executable in its jit's own
-cache and compiles nothing.
+cache and compiles nothing. One forward per bucket, one multi-step program per DECODE bucket
+(the sampler variants are branches of it: ``multistep.py``), one sampler per (R, L), sampler
+variant and top-logprob count.
 
 XLA compiles outside the GIL, so on a many-core TPU host the programs compile at the same
 time; tracing and lowering are Python, so they run one after another on the calling thread,
@@ -79,25 +81,25 @@ def sampler_task(runner: Any, R: int, L: int, variant: Any, K: int) -> Task:
     return lower
 
 
-def multistep_task(runner: Any, T: int, R: int, L: int, variant: Any, K: int) -> Task:
-    """Lowers the N-step decode program of DECODE bucket (T, R, L)."""
+def multistep_task(runner: Any, T: int, R: int, L: int) -> Task:
+    """Lowers the N-step decode program of DECODE bucket (T, R, L): one for every sampler
+    variant (its branches), without top logprobs."""
     def lower():
         fb = _placed_batch(runner, ForwardMode.DECODE, T, R, L)
-        inp = runner.place_sampling(dummy_sampling_inputs(R, L, runner.vocab_size, variant))
-        return multistep.lower_dispatch(runner, fb, inp, runner.num_scheduler_steps, K, variant)
+        return multistep.lower_dispatch(runner, fb, multistep.dummy_inputs(runner, R, L),
+                                        runner.num_scheduler_steps, 0)
     return lower
 
 
 def tasks(runner: Any, shapes: list) -> list[Task]:
     """One task per program the warm-up loop would compile for ``shapes`` (verify shapes
     excepted), forwards first (the longest compiles start first)."""
-    variants = runner.sampler_variants()
-    counts = (0, runner.max_top_logprobs_num)
     plain = [s for s in shapes if not s[0].is_verify()]
     out = [forward_task(runner, *s) for s in plain]
-    if runner.num_scheduler_steps > 1:
-        out += [multistep_task(runner, T, R, L, v, 0) for kind, T, R, L in plain
-                if kind == ForwardMode.DECODE for v in variants]  # (no top logprobs)
+    if runner.num_scheduler_steps > 1:  # one per DECODE bucket
+        out += [multistep_task(runner, T, R, L) for kind, T, R, L in plain
+                if kind == ForwardMode.DECODE]
+    variants, counts = runner.sampler_variants(), (0, runner.max_top_logprobs_num)
     out += [sampler_task(runner, R, L, v, K) for R, L in sorted({(s[2], s[3]) for s in plain})
             for v in variants for K in counts]
     return out

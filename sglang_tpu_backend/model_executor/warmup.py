@@ -7,11 +7,11 @@ forward, each with every sampler variant (``sampling.sampler.VARIANTS``) and top
 bucket (speculative decoding) warms the verify forward once, the verify sampler (every variant
 and top-logprob count, on scratch penalty state) and the commit. Under NEXTN each bucket also
 warms its MTP pass and chain (``nextn_step.py``) on the forward's hidden states. With
-multi-step decoding (``runner.num_scheduler_steps`` N > 1) each DECODE bucket also warms the
-N-step program (``multistep.py``) per sampler variant, without top logprobs (requests that
-ask for them decode one step at a time: ``multistep_policy``). Same jitted
-functions, same argument shapes and placements as serving, so serving reuses every program
-compiled here.
+multi-step decoding (``runner.num_scheduler_steps`` N > 1) each DECODE bucket also warms its
+one N-step program (``multistep.py``: every sampler variant a branch of it), without top
+logprobs (requests that ask for them decode one step at a time: ``multistep_policy``). Same
+jitted functions, same argument shapes and placements as serving, so serving reuses every
+program compiled here.
 """
 
 from __future__ import annotations
@@ -36,14 +36,13 @@ logger = logging.getLogger(__name__)
 
 
 def warm_multistep(runner: Any, T: int, R: int, L: int) -> None:
-    """Compile the multi-step program of DECODE bucket (T, R, L) for every sampler variant
-    (no top logprobs), on an all-padding batch (writes no page, slot or penalty row), placed
-    as serving places its batches."""
-    for variant in runner.sampler_variants():
-        fb = dummy_batch(ForwardMode.DECODE, T, R, L, runner.pages_per_seq)
-        (fb,), _ = runner.place_batch([fb], None)
-        inp = runner.place_sampling(dummy_sampling_inputs(R, L, runner.vocab_size, variant))
-        multistep.dispatch(runner, fb, inp, runner.num_scheduler_steps, 0, variant)
+    """Compile the multi-step program of DECODE bucket (T, R, L) (every sampler variant a
+    branch of it; no top logprobs), on an all-padding batch (writes no page, slot or penalty
+    row), placed as serving places its batches."""
+    (fb,), _ = runner.place_batch([dummy_batch(ForwardMode.DECODE, T, R, L,
+                                               runner.pages_per_seq)], None)
+    multistep.dispatch(runner, fb, multistep.dummy_inputs(runner, R, L),
+                       runner.num_scheduler_steps, 0)
     jax.block_until_ready(runner.cache)
 
 

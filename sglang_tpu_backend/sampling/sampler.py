@@ -16,7 +16,10 @@ all-greedy step takes an argmax), the top-k/top-p/min-p filter (its full-vocabul
 the penalties, the logit bias and the grammar bitmask (then not even built on the host). A stage left out is
 an identity for every row of that step, so each variant's outputs equal the full sampler's
 bit for bit. ``variant_for`` collapses a step's needs into three levels (GREEDY, PLAIN, FULL),
-the compilations warm-up makes.
+the compilations warm-up makes. A multi-step program (``model_executor/multistep.py``) holds
+the three as branches of one program instead (``MULTISTEP_BRANCHES``, picked at run time by
+``multistep_branch``), FULL without its mask stage: no multi-step row has a grammar or a
+``min_new_tokens`` ban.
 """
 
 from __future__ import annotations
@@ -95,6 +98,12 @@ FULL = SamplerVariant()
 PLAIN = SamplerVariant(draw=True, filter=False, penalties=False, mask=False, bias=False)
 GREEDY = SamplerVariant(draw=False, filter=False, penalties=False, mask=False, bias=False)
 VARIANTS = (GREEDY, PLAIN, FULL)  # what serving uses (``variant_for``): warm-up compiles each
+FULL_NO_MASK = SamplerVariant(mask=False)
+# The branches of a multi-step program's sampler (a runtime index, ``multistep_branch``), and
+# the variant whose input layout (``sampler_state.dummy_sampling_inputs``) carries every field
+# they read: penalties, filter parameters and logit-bias entries, no bitmask.
+MULTISTEP_BRANCHES = (GREEDY, PLAIN, FULL_NO_MASK)
+MULTISTEP_INPUTS = FULL_NO_MASK
 
 
 def variant_for(needs: SamplerVariant) -> SamplerVariant:
@@ -104,6 +113,12 @@ def variant_for(needs: SamplerVariant) -> SamplerVariant:
     if needs.filter or needs.penalties or needs.mask or needs.bias:
         return FULL
     return PLAIN if needs.draw else GREEDY
+
+
+def multistep_branch(variant: SamplerVariant) -> int:
+    """The index in ``MULTISTEP_BRANCHES`` of a served variant (``variant_for``) of a step none
+    of whose rows needs the mask: FULL's is FULL_NO_MASK's, which then gives FULL's outputs."""
+    return MULTISTEP_BRANCHES.index(FULL_NO_MASK if variant == FULL else variant)
 
 
 def apply_penalties(logits, counts, prompt_mask, freq, pres, rep):
@@ -228,14 +243,18 @@ def sample(logits, counts, prompt_mask, inp: SamplingInputs, *, num_top_logprobs
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         tokens = jnp.where(inp.temperature <= 0.0, tokens, drawn)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    counts = counts.at[inp.slot, tokens].add(inp.valid.astype(counts.dtype))
-    out = {"tokens": tokens, "logprobs": chosen, "counts": counts}
+    out = {"tokens": tokens, "logprobs": chosen, "counts": count_tokens(counts, inp, tokens)}
     if num_top_logprobs > 0:
         out["top_logprobs"], out["top_ids"] = _top(logprobs, num_top_logprobs)
         raw = jax.nn.log_softmax(logits, axis=-1)  # f32[L, V]
         out["row_logprobs"] = jnp.take_along_axis(raw, inp.target_ids[:, None], axis=-1)[:, 0]
         out["row_top_logprobs"], out["row_top_ids"] = _top(raw, num_top_logprobs)
     return out
+
+
+def count_tokens(counts, inp: SamplingInputs, tokens):
+    """counts i32[S, V] + 1 at (``inp.slot[r]``, ``tokens[r]``) of each valid row r."""
+    return counts.at[inp.slot, tokens].add(inp.valid.astype(counts.dtype))
 
 
 def reset_penalty_rows(counts, prompt_mask, slot, prompt_ids, output_ids):

@@ -3,6 +3,8 @@
 The ahead-of-time compiles must hit the very cache entries the warm-up's runs look up: after
 ``precompile`` the warm-up (one thread, as before) compiles no forward, sampler or multi-step
 program; if a placement, a static argument or a shape disagreed it would compile them again.
+With multi-step decoding the warm-up compiles one N-step program per DECODE bucket, its
+sampler variants branches of it (``multistep.py``), and serving any mix compiles nothing.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import pytest
 
 from sglang_tpu_backend.engine import Engine
 from sglang_tpu_backend.model_executor import parallel_compile, warmup
+from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
 from sglang_tpu_backend.server_args import ServerArgs
 
-from tests.engine.conftest import ENGINE_ARGS
+from tests.engine.conftest import ENGINE_ARGS, serving
 
 STEP_PROGRAMS = ("jit(forward)", "jit(_sample_packed)", "jit(multi_decode)")
 
@@ -55,3 +58,75 @@ def test_compile_threads():
         parallel_compile.compile_threads(0)
     with pytest.raises(ValueError, match="--warmup-compile-threads"):
         ServerArgs(warmup_compile_threads=0)
+
+
+MS_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def warm_ms():
+    """An N = 8 engine (the default 3 DECODE buckets: 8, 32, 64 requests) warmed up on two
+    compile threads (``precompile``, then the loop); yields it and the names of the programs
+    its warm-up compiled."""
+    for eng in serving(dict(ENGINE_ARGS, num_scheduler_steps=MS_STEPS, compilation_cache_dir="")):
+        jax.clear_caches()  # earlier tests in this process may have compiled these very programs
+        counter = CompileCounter()
+        eng.runner.warmup(progress=False, compile_threads=2)
+        yield eng, counter.compiled_names
+
+
+def test_warm_up_compiles_one_multistep_program_per_decode_bucket(warm_ms):
+    """One N-step program per DECODE bucket, not one per bucket and sampler variant."""
+    eng, names = warm_ms
+    shapes = eng.runner.all_shapes()
+    decode = [s for s in shapes if s[0] == ForwardMode.DECODE]
+    assert len(decode) == 3
+    assert names.count("jit(multi_decode)") == len(decode), names
+    # precompile's tasks: the forwards, one multi-step program per DECODE bucket, and the
+    # samplers (3 variants x 2 top-logprob counts per (R, L))
+    samplers = 3 * 2 * len({(R, L) for _, _, R, L in shapes})
+    assert len(parallel_compile.tasks(eng.runner, shapes)) == len(shapes) + len(decode) + samplers
+
+
+def test_multistep_mix_equals_single_steps_and_compiles_nothing(warm_ms, clean_engine):
+    """Greedy, temperature and top_p < 1 requests (and one with top_k, a penalty and a logit
+    bias) in one batch at N = 8: the tokens (and logprobs) of N = 1, every sampler branch run
+    by a multi-step launch (FULL's while the top_p and bias requests run, then PLAIN's, then
+    GREEDY's), and no program lowered."""
+    from sglang_tpu_backend.managers.io_struct import GenerateReqInput
+    from sglang_tpu_backend.model_executor.sampler_state import sampler_variant
+    from sglang_tpu_backend.sampling import sampler
+    from tests.engine.conftest import wait_pools_empty
+    from tests.engine.test_overlap import _run, _same
+
+    def objs():
+        sps = [{"temperature": 0.9, "top_p": 0.8, "max_new_tokens": 9},
+               {"temperature": 0.7, "max_new_tokens": 30},
+               {"temperature": 0, "max_new_tokens": 55},
+               {"temperature": 0.8, "top_k": 5, "frequency_penalty": 0.3, "max_new_tokens": 12,
+                "logit_bias": {"17": 4.0, "40": -100.0}}]
+        return [GenerateReqInput(input_ids=[7 + i, 30 + 5 * i, 11, 2 + i], return_logprob=True,
+                                 sampling_params=dict(sp, seed=i, ignore_eos=True))
+                for i, sp in enumerate(sps)]
+
+    want = _run(clean_engine, objs())
+    eng, _ = warm_ms
+    runner, branches = eng.runner, set()
+    real = runner.launch
+
+    def launch(batch):
+        if batch.num_steps > 1:
+            branches.add(sampler.multistep_branch(sampler_variant(batch.chunks)))
+        return real(batch)
+
+    counter = CompileCounter()
+    runner.launch = launch
+    try:
+        got = _run(eng, objs())
+    finally:
+        runner.launch = real
+    for g, w in zip(got, want):
+        _same(g, w)
+    assert branches == {0, 1, 2}, branches
+    assert counter.lowerings == 0, f"{counter.lowerings} programs lowered after warm-up"
+    assert wait_pools_empty(eng)["kv_pages_used"] == 0
