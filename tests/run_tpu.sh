@@ -11,6 +11,7 @@
 #                                          against the CPU's, two architectures); engine and
 #                                          parity together took about 570 s, hence two parts
 #   bash tests/run_tpu.sh kernels -k gdn   pytest arguments after the part are passed on
+# Passed tests' output is shown (-rP): the parity figures and the RL release bytes land in the log.
 # Every kernel test case written for interpret mode runs compiled by Mosaic and executed on the
 # chip (STB_INTERPRET_ON_CHIP=1, kernels/dispatch.py); tests about the CPU (marker cpu_only)
 # skip, tests that need a chip (marker chip, tests/chip/) run; tests that compare f32 results
@@ -28,7 +29,7 @@ ENGINE=(tests/model/test_model_on_kernels.py tests/chip -k "not test_greedy_f32_
 PARITY=(tests/chip/test_engine_on_chip.py -k test_greedy_f32_tokens_equal_the_cpus)
 part=all
 case "${1:-}" in kernels|attention|engine|parity|all) part=$1; shift;; esac
-run() { "$PY" -m pytest -q -ra -p no:cacheprovider --durations=10 "$@"; }
+run() { "$PY" -m pytest -q -raP -p no:cacheprovider --durations=10 "$@"; }
 case $part in
   kernels) run "${KERNELS[@]}" "$@";;
   attention) run "${ATTENTION[@]}" "$@";;
