@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import dispatch
+from . import block_tables, dispatch
 from . import gdn_kernels
 from .cost import Cost
 from .gdn_common import (F32, HI, VALID, L2NORM_EPS, chunk_layout, conv_act, conv_state_rows,
@@ -479,8 +479,11 @@ def gated_delta_net(
     Lyr, _, Hv, Dk, Dv = rec_state.shape
     K = conv_weight.shape[1]
     kb = block_sizes.k_heads_per_block
-    if kb is None:
-        kb = gdn_kernels.default_k_heads_per_block(num_k_heads, Hv, Dk, Dv)
+    if kb is None:  # the shape's default, or this TPU generation's table pick where legal
+        kb = block_tables.pick(
+            "gdn", GdnBlockSizes(gdn_kernels.default_k_heads_per_block(num_k_heads, Hv, Dk, Dv)),
+            lambda b: gdn_kernels.block_error(num_k_heads, Hv, Dk, Dv, b.k_heads_per_block)
+            is None).k_heads_per_block
     geom = gdn_kernels.Geometry(Hk=num_k_heads, Hv=Hv, Dk=Dk, Dv=Dv, K=K, kb=kb,
                                 L=1 if decode else chunk_size)
     cost = gated_delta_net_cost(T, state_slots.shape[0], num_k_heads, Hv, Dk, Dv,

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import dispatch
+from . import block_tables, dispatch
 from .cost import Cost
 from .gmm_quant import (FP8_DTYPE, FP8_MAX, LHS_QUANT_BLOCK, WEIGHT_BLOCK,
                         dequantize_fp8_blockwise, quantize_fp8_blockwise, quantize_lhs_reference,
@@ -173,6 +173,21 @@ def _validate(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, *, swiglu):
         raise ValueError(f"rhs must be float, got {rhs.dtype}")
     if quantize_lhs and not is_fp8:
         raise ValueError("quantize_lhs=True needs FP8 rhs with rhs_scale")
+
+
+def _table_blocks(m: int, k: int, n: int, quantize_lhs: bool) -> GmmBlockSizes:
+    """default_block_sizes with this TPU generation's table overrides (block_tables.py) where
+    they are legal tiles that need no more padding than the default (tm <= round_up(M, 16);
+    tk, tn divide K, N rounded up to 128)."""
+    def legal(b: GmmBlockSizes) -> bool:
+        try:
+            _validate_blocks(b, k, quantize_lhs)
+        except ValueError:
+            return False
+        return (b.tm <= _round_up(max(m, 1), 16) and _round_up(k, 128) % b.tk == 0
+                and _round_up(n, 128) % b.tn == 0)
+
+    return block_tables.pick("gmm", default_block_sizes(m, k, n, quantize_lhs=quantize_lhs), legal)
 
 
 def _validate_blocks(b: GmmBlockSizes, k: int, quantize_lhs: bool):
@@ -422,7 +437,7 @@ def _gmm_impl(lhs, rhs, group_sizes, rhs_scale, quantize_lhs, out_dtype, impl, b
                 rhs_scale=None if rhs_scale is None else rhs_scale[layer],
                 quantize_lhs=quantize_lhs, out_dtype=out_dtype)
         return out if row_split is None else out.reshape(m, row_split, n // row_split)
-    blocks = block_sizes or default_block_sizes(m, k, n, quantize_lhs=quantize_lhs)
+    blocks = block_sizes or _table_blocks(m, k, n, quantize_lhs)
     if row_split is not None:  # one N tile: a row's [P, N/P] slab is written whole
         blocks = dataclasses.replace(blocks, tn=n)
     _validate_blocks(blocks, k, quantize_lhs)

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import dispatch
+from . import block_tables, dispatch
 from .cost import Cost
 
 NUM_INFLIGHT = 8  # row DMAs kept in flight per kernel step
@@ -78,6 +78,17 @@ def _check_smem_block(name: str, block: int, padded: int, legal: bool, rule: str
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def _blocks(block_sizes: RoutingBlockSizes | None) -> RoutingBlockSizes:
+    """The caller's block sizes, else the defaults with this TPU generation's table overrides
+    (block_tables.py) where legal for any row count (the SMEM rules of ``_check_smem_block``)."""
+    def legal(b: RoutingBlockSizes) -> bool:
+        g, r = b.gather_rows, b.reduce_tokens
+        return (((g >= 128 and g & (g - 1) == 0) or (g > 0 and g % 1024 == 0))
+                and r >= 8 and r % 8 == 0)
+
+    return block_sizes or block_tables.pick("routing", RoutingBlockSizes(), legal)
 
 
 def row_split(h: int, dtype) -> int:
@@ -270,7 +281,7 @@ def gather_rows(x, token_idx, *, num_rows=None, cost_rows: int | None = None, im
         return ref_gather_rows(x, token_idx)
     m, (t, h) = token_idx.shape[0], x.shape
     p = row_split(h, x.dtype)
-    bm = min((block_sizes or RoutingBlockSizes()).gather_rows, _round_up(m, 16))
+    bm = min(_blocks(block_sizes).gather_rows, _round_up(m, 16))
     mp = _round_up(m, bm)
     _check_smem_block("gather_rows", bm, mp, (bm >= 128 and bm & (bm - 1) == 0) or bm % 1024 == 0,
                       "a rank-1 SMEM block must be a power of two >= 128 or a multiple of 1,024")
@@ -338,7 +349,7 @@ def gather_reduce(y, rows, weights, *, cost_reads: int | None = None, impl=None,
         return ref_gather_reduce(y, rows, weights)
     m, h = y.shape
     p = row_split(h, y.dtype)
-    bt = min((block_sizes or RoutingBlockSizes()).reduce_tokens, _round_up(t, 8))
+    bt = min(_blocks(block_sizes).reduce_tokens, _round_up(t, 8))
     tp = _round_up(t, bt)
     _check_smem_block("reduce_tokens", bt, tp, bt % 8 == 0,
                       "the rows of an SMEM [tokens, k] block must be a multiple of 8")

@@ -48,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .. import block_tables
 from ..cost import Cost
 from .common import MASK_VALUE
 
@@ -333,8 +334,11 @@ def _pallas_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_
     num_kv_heads = two_hkv // 2
     num_rows, pages_per_seq = page_indices.shape
     group = num_q_heads // num_kv_heads
-    if block is None:
-        block = BlockSizes.get_default(num_tokens, group, page_size, pages_per_seq)
+    if block is None:  # the shape's default, or this TPU generation's table pick where legal
+        block = block_tables.pick(
+            "attention", BlockSizes.get_default(num_tokens, group, page_size, pages_per_seq),
+            lambda b: (1 <= b.decode_q_tokens <= b.prefill_q_tokens
+                       and 1 <= b.kv_pages_per_block <= pages_per_seq))
     if not (1 <= block.decode_q_tokens <= block.prefill_q_tokens and block.kv_pages_per_block >= 1):
         raise ValueError(f"bad block sizes {block}")
     max_items = num_rows + pl.cdiv(num_tokens, block.prefill_q_tokens)

@@ -96,7 +96,8 @@ def test_wheel_installs_only_our_top_level_names(wheel):
         assert set(listed) == TOP_LEVEL
     kernel_files = {n.removeprefix("sglang_tpu_backend/kernels/") for n in names
                     if n.startswith("sglang_tpu_backend/kernels/")}
-    assert kernel_files == {str(p.relative_to(ROOT / "kernels")) for p in (ROOT / "kernels").rglob("*.py")}
+    assert kernel_files == {str(p.relative_to(ROOT / "kernels")) for p in (ROOT / "kernels").rglob("*.py")
+                            } | {"block_tables.json"}  # the block-size table (kernels/block_tables.py)
     assert "sglang_tpu_backend/assets/tiny-qwen3.5-moe/tokenizer.json" in names
 
 

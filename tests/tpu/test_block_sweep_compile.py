@@ -1,0 +1,40 @@
+"""benchmarks/sweep_block_sizes.py --compile-only: the GDN candidates compiled by libtpu for a
+v5e at the 397B shapes (about 40 s on a 2-core CPU), printed, not written (--dry-run).
+
+The untimed entry keeps the shape default (no overrides); every candidate compiles, and the
+chunk kernel's VMEM grows with the head block (3.3 / 6.5 / 13.5 / 29.1 MiB at
+k_heads_per_block 1 / 2 / 4 / 8 when this was written), within a v5e TensorCore's 128 MiB.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gdn_compile_sweep_for_v5e(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "sweep_block_sizes", REPO / "benchmarks" / "sweep_block_sizes.py")
+    sweep = importlib.util.module_from_spec(spec)
+    sys.modules["sweep_block_sizes"] = sweep
+    spec.loader.exec_module(sweep)
+    table = tmp_path / "table.json"
+    table.write_text('{"device_kinds": {}}')
+    out = sweep.main(["--compile-only", "v5e:2x2", "--only", "gdn", "--dry-run",
+                      "--table", str(table)])
+    assert table.read_text() == '{"device_kinds": {}}'  # --dry-run wrote nothing
+    assert out["device_kind"] == "TPU v5 lite" and set(out["entries"]) == {"gdn"}
+    e = out["entries"]["gdn"]
+    assert e["timed"] is False and e["overrides"] == {}
+    assert e["source"].startswith("compile sweep v5e:2x2, 397b preset")
+    cands = e["candidates"]
+    assert [c["blocks"] for c in cands] == sweep.CANDIDATES["gdn"]
+    assert all(c["compiled"] and c["cases"] == 3 for c in cands), cands
+    vmem = [c["max_vmem_mib"] for c in cands]  # default (1 head), 2, 4, 8
+    assert 0 < vmem[0] < vmem[1] < vmem[2] < vmem[3] < 128, vmem
