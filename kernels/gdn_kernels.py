@@ -177,16 +177,6 @@ def _dot(x, y):  # [m, k] @ [k, n]
     return jnp.dot(x, y, precision=HI, preferred_element_type=F32)
 
 
-def _dot_nt(x, y):  # [m, k] @ [n, k]^T
-    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=HI,
-                           preferred_element_type=F32)
-
-
-def _dot_tn(x, y):  # [k, m]^T @ [k, n]
-    return lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=HI,
-                           preferred_element_type=F32)
-
-
 def _block_heads(y, geom):
     """Post-conv block channels f32[L, cb] -> per value head of the block: q, k f32[L, Dk]
     (l2-normed, q scaled by Dk^-0.5; shared by the rep value heads of a qk head), v f32[L, Dv]."""
@@ -224,10 +214,11 @@ def _column(x):
 def _decode_heads(y, geom):
     """``_block_heads`` of one decode row y f32[1, cb], with q and k as columns f32[Dk, 1]
     (``_column``, once per qk head, shared by its rep value heads); v stays f32[1, Dv]."""
-    q, k, v = _block_heads(y, geom)
-    cols = {h // geom.rep: (_column(q[h]), _column(k[h])) for h in range(0, geom.hb, geom.rep)}
-    return ([cols[h // geom.rep][0] for h in range(geom.hb)],
-            [cols[h // geom.rep][1] for h in range(geom.hb)], v)
+    q, k, v = _block_heads(y, geom)  # q[h], k[h] are the same array for a qk head's heads
+    first = range(0, geom.hb, geom.rep)  # the first value head of each qk head
+    q_cols, k_cols = [_column(q[h]) for h in first], [_column(k[h]) for h in first]
+    return ([q_cols[h // geom.rep] for h in range(geom.hb)],
+            [k_cols[h // geom.rep] for h in range(geom.hb)], v)
 
 
 def _decode_head(s, q_col, k_col, v, g, beta):

@@ -76,6 +76,14 @@ def _check_smem_block(name: str, block: int, padded: int, legal: bool, rule: str
                          f"{padded} rows: {rule} (or one block covering every row)")
 
 
+def _gather_rows_legal(rows: int) -> bool:  # Mosaic's rank-1 SMEM block rule
+    return (rows >= 128 and rows & (rows - 1) == 0) or (rows > 0 and rows % 1024 == 0)
+
+
+def _reduce_tokens_legal(tokens: int) -> bool:  # rows of an SMEM [tokens, k] block
+    return tokens > 0 and tokens % 8 == 0
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -84,9 +92,7 @@ def _blocks(block_sizes: RoutingBlockSizes | None) -> RoutingBlockSizes:
     """The caller's block sizes, else the defaults with this TPU generation's table overrides
     (block_tables.py) where legal for any row count (the SMEM rules of ``_check_smem_block``)."""
     def legal(b: RoutingBlockSizes) -> bool:
-        g, r = b.gather_rows, b.reduce_tokens
-        return (((g >= 128 and g & (g - 1) == 0) or (g > 0 and g % 1024 == 0))
-                and r >= 8 and r % 8 == 0)
+        return _gather_rows_legal(b.gather_rows) and _reduce_tokens_legal(b.reduce_tokens)
 
     return block_sizes or block_tables.pick("routing", RoutingBlockSizes(), legal)
 
@@ -283,7 +289,7 @@ def gather_rows(x, token_idx, *, num_rows=None, cost_rows: int | None = None, im
     p = row_split(h, x.dtype)
     bm = min(_blocks(block_sizes).gather_rows, _round_up(m, 16))
     mp = _round_up(m, bm)
-    _check_smem_block("gather_rows", bm, mp, (bm >= 128 and bm & (bm - 1) == 0) or bm % 1024 == 0,
+    _check_smem_block("gather_rows", bm, mp, _gather_rows_legal(bm),
                       "a rank-1 SMEM block must be a power of two >= 128 or a multiple of 1,024")
     idx = token_idx.astype(jnp.int32)
     idx = jnp.where(idx < t, idx, -1)  # out-of-range rows read nothing (zeros)
@@ -351,7 +357,7 @@ def gather_reduce(y, rows, weights, *, cost_reads: int | None = None, impl=None,
     p = row_split(h, y.dtype)
     bt = min(_blocks(block_sizes).reduce_tokens, _round_up(t, 8))
     tp = _round_up(t, bt)
-    _check_smem_block("reduce_tokens", bt, tp, bt % 8 == 0,
+    _check_smem_block("reduce_tokens", bt, tp, _reduce_tokens_legal(bt),
                       "the rows of an SMEM [tokens, k] block must be a multiple of 8")
     r = rows.astype(jnp.int32)
     r = jnp.pad(jnp.where(r < m, r, -1), ((0, tp - t), (0, 0)), constant_values=-1)  # i32[Tp, k]

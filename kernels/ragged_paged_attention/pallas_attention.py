@@ -75,6 +75,9 @@ class BlockSizes:
     prefill_q_tokens: int
     kv_pages_per_block: int
 
+    def valid(self) -> bool:
+        return 1 <= self.decode_q_tokens <= self.prefill_q_tokens and self.kv_pages_per_block >= 1
+
     @classmethod
     def get_default(cls, num_tokens: int, group: int, page_size: int, pages_per_seq: int):
         decode = max(1, DECODE_Q_ROWS // group)
@@ -337,9 +340,8 @@ def _pallas_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_
     if block is None:  # the shape's default, or this TPU generation's table pick where legal
         block = block_tables.pick(
             "attention", BlockSizes.get_default(num_tokens, group, page_size, pages_per_seq),
-            lambda b: (1 <= b.decode_q_tokens <= b.prefill_q_tokens
-                       and 1 <= b.kv_pages_per_block <= pages_per_seq))
-    if not (1 <= block.decode_q_tokens <= block.prefill_q_tokens and block.kv_pages_per_block >= 1):
+            lambda b: b.valid() and b.kv_pages_per_block <= pages_per_seq)
+    if not block.valid():
         raise ValueError(f"bad block sizes {block}")
     max_items = num_rows + pl.cdiv(num_tokens, block.prefill_q_tokens)
     item_seq, item_qblk, num_items = _work_items(cu_q_lens, num_seqs, num_rows, block, max_items)
