@@ -23,8 +23,10 @@ subprocess with ``--devices`` CPU devices, in the order raw, load, load, raw, fr
 
 Each run starts cold for the checkpoint: its files' pages are dropped from the page cache
 first (``posix_fadvise(DONTNEED)``, no root needed). Prints both figures per run, their means
-and ratio (target: load >= 70% of raw), the load's host-side read rate (reading and
-assembling leaves; on CPU devices the devices' copies and transposes share the same cores),
+and ratio (target: load >= 70% of raw), how long the load waited for reads
+(``LoadReport.read_seconds``) and its host-side read rate per reading thread (reading and
+assembling leaves, over ``reader_seconds``; on CPU devices the devices' copies and
+transposes share the same cores),
 and the load's host memory: peak RSS (VmHWM) beyond
 the resident set after the load (which holds the loaded weights, on CPU devices) against the
 largest layer's bytes (target <= 1.5x). The checkpoint is deleted at the end.
@@ -196,7 +198,8 @@ def run_load(ckpt: Path, devices: int) -> dict:
                                   keep_fp8_experts=True, backend="tpu")
     rss1, hwm = _status_kb("VmRSS"), _status_kb("VmHWM")
     return {"bytes": report.bytes_read, "seconds": report.seconds,
-            "read_seconds": report.read_seconds, "rss_before": rss0,
+            "read_seconds": report.read_seconds, "reader_seconds": report.reader_seconds,
+            "rss_before": rss0,
             "rss_after": rss1, "hwm": hwm, "param_bytes": num_param_bytes(params)}
 
 
@@ -253,7 +256,8 @@ def main() -> None:
             line = f"{kind:5s} {r['bytes'] / 1e9:6.2f} GB in {r['seconds']:6.2f} s = {gbs:5.2f} GB/s"
             if kind == "load":
                 extra = r["hwm"] - r["rss_after"]
-                line += (f" (host reads {r['bytes'] / r['read_seconds'] / 1e9:.2f} GB/s)"
+                line += (f" (reading waited for {r['read_seconds']:.2f} s; host reads "
+                         f"{r['bytes'] / r['reader_seconds'] / 1e9:.2f} GB/s per reading thread)"
                          f"; peak RSS {r['hwm'] / 1e9:.2f} GB, after {r['rss_after'] / 1e9:.2f} GB "
                          f"(weights {r['param_bytes'] / 1e9:.2f} GB): peak beyond the loaded "
                          f"weights {extra / 1e9:.2f} GB = {extra / largest:.2f}x the largest layer")

@@ -109,15 +109,22 @@ def read_header(path: str | Path) -> dict[str, TensorEntry]:
 
 
 class ReadCounter:
-    """Bytes of tensor data this process has read from checkpoint files (thread-safe)."""
+    """Bytes of tensor data this process has read from checkpoint files (thread-safe);
+    ``thread_bytes``: of which the calling thread read."""
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._local = threading.local()
         self.bytes = 0
 
     def add(self, n: int) -> None:
         with self._lock:
             self.bytes += n
+        self._local.bytes = self.thread_bytes + n
+
+    @property
+    def thread_bytes(self) -> int:
+        return getattr(self._local, "bytes", 0)
 
 
 BYTES_READ = ReadCounter()  # every read_tensor / read_rows of this process

@@ -3,27 +3,33 @@
 ``load_sharded(dir, cfg, shardings)`` builds the placed params tree (layout in
 ``models/qwen3_5_moe.py``; ``shardings`` mirrors ``param_shapes(cfg)``) with no full host copy:
 
-  * Layer by layer, in file order, leaf by leaf: the leaf as stored (see ``loader.Leaf``)
-    becomes a global array through ``jax.make_array_from_callback`` with the
-    leaf's sharding less the stacked axis. JAX calls the callback for this process's devices
-    only, and it reads what the device holds: a routed-expert leaf ``[E, ...]`` split on E
-    reads only the device's experts (their tensors in the per-expert layout, their rows of
-    the fused one, FP8 scales with their weights); any other leaf is read once per process
-    and handed to each local device.
+  * The top-level leaves, then layer by layer in file order, leaf by leaf: the leaf as
+    stored (see ``loader.Leaf``) is read on the host, each local device's share of it: a
+    routed-expert leaf ``[E, ...]`` split on E is read once per expert range that local
+    devices hold, only those experts (their tensors in the per-expert layout, their rows of
+    the fused one, FP8 scales with their weights); any other leaf is read once per process.
+    The embeddings and the head go in row chunks of ``CHUNK_BYTES``.
+  * The reads run ahead on a few threads (``read_ahead.py``: ``WORKERS`` threads, in load
+    order; read and not yet placed at most this process's share of the largest layer, and
+    at most ``AHEAD_BYTES``) while the main thread places the current leaf:
+    ``jax.make_array_from_callback`` with the leaf's sharding less the stacked axis hands
+    each local device its shard of the arrays read for it.
   * The devices then write it into its slot of the stacked ``[groups, ...]`` buffer, which
     was allocated on the devices and is donated to every write: a plain copy for the routed
     experts and the head, whose param layout is the checkpoint's [out, in]; a transpose for
-    the other weights (HF's [out, in] into the param's [in, out]). The host holds one
-    leaf of one layer (this process's share of it) at a time; the embeddings and the head
-    go in row chunks of ``CHUNK_BYTES``.
-  * Meanwhile a thread asks the kernel to read the next layer's share into the page cache.
+    the other weights (HF's [out, in] into the param's [in, out]). The host holds the leaf
+    being placed and what is read ahead (this process's share of each).
+  * Meanwhile a thread asks the kernel to read the layer after the one being read into the
+    page cache.
 
 That is the path for accelerators. Where every device is a CPU device (their memory is host
 memory) the same reads go straight into host buffers that then become the devices' buffers
 without a copy, with no zero-fill and no device-side write (``host_load.py``).
 
 Files are read with positional reads of just the bytes wanted (``checkpoint_io.read_rows``);
-``LoadReport`` has the bytes this process read and which experts each local device holds.
+``LoadReport`` has the bytes this process read, which experts each local device holds, and
+how long reading took. An error reading a tensor (``CheckpointError`` for a short or failed
+read) is raised in the caller's thread as raised, the reading threads stopped.
 
 ``dummy_init(cfg, ...)``: random weights of the config's shapes (``--load-format dummy``),
 drawn by one jitted program whose outputs are placed by ``shardings``, so each device
@@ -38,6 +44,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +57,7 @@ from tqdm.auto import tqdm
 
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
-from sglang_tpu_backend.model_loader import host_load
+from sglang_tpu_backend.model_loader import host_load, read_ahead
 from sglang_tpu_backend.model_loader.checkpoint_io import BYTES_READ
 from sglang_tpu_backend.model_loader.loader import (
     CheckpointLeaves, Leaf, load_params, resolve_keep_fp8)
@@ -70,8 +77,13 @@ class LoadReport:
     expert_ranges: local device id -> the routed experts ``(lo, hi)`` it holds.
     expert_bytes: local device id -> routed-expert bytes read for it.
     seconds: wall time of the load.
-    read_seconds: of which reading and assembling leaves on the host (the rest: placing
-      them on the devices, and the devices' transposes and writes into the stacks).
+    read_seconds: of which the main thread spent reading and assembling leaves on the host
+      (CPU devices), or waiting for the read-ahead's leaves (accelerators: the reading not
+      hidden behind placing); the rest: placing leaves on the devices, and the devices'
+      transposes and writes into the stacks.
+    reader_seconds: the time spent reading and assembling leaves on the host, summed over
+      the threads doing it (on accelerators the read-ahead's, which overlap each other and
+      the placing; on CPU devices the main thread's, = read_seconds).
     """
 
     bytes_read: int = 0
@@ -79,6 +91,7 @@ class LoadReport:
     expert_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     read_seconds: float = 0.0
+    reader_seconds: float = 0.0
 
 
 def with_native_layouts(shapes: Any, shardings: Any) -> Any:
@@ -109,31 +122,95 @@ def _as_read(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any, *, stacked: boo
     return shape, sharding
 
 
-def _place_leaf(leaf: Leaf, shape: tuple[int, ...], sharding: Any, num_experts: int,
-                report: LoadReport) -> jax.Array:
-    """One leaf as a global array, each local device's shard read for it alone."""
-    whole: list[np.ndarray] = []  # a non-expert leaf, read once for every local device
-    devices = host_load.sharding_of(sharding).addressable_devices_indices_map(shape)
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One leaf (or row chunk of one) of the accelerator path, in load order: ``leaf`` read as
+    ``shape`` placed by ``as_read``, then written into param ``key`` (a top-level name, or
+    ``(j, k, g)``: stack j's leaf k, slot g) of shape ``s`` placed by ``sharding``; ``lo``: a
+    row chunk's first row (None: the whole leaf); ``ranges``: a routed-expert leaf's expert
+    ranges ``(lo, hi)`` that local devices hold, each read once; ``layer``: -1 at the top."""
+
+    leaf: Leaf
+    shape: tuple[int, ...]
+    as_read: Any
+    key: Any
+    s: jax.ShapeDtypeStruct
+    sharding: Any
+    lo: int | None = None
+    ranges: tuple[tuple[int, int], ...] = ()
+    layer: int = -1
+
+
+def _step(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any, key: Any, num_experts: int, *,
+          stacked: bool, layer: int = -1) -> _Step:
+    """The step placing ``leaf`` into param ``key`` (shape ``s``, placed by ``sharding``)."""
+    shape, as_read = _as_read(leaf, s, sharding, stacked=stacked)
+    ranges = () if not leaf.experts else tuple(sorted(
+        {idx[0].indices(num_experts)[:2]
+         for idx in host_load.sharding_of(as_read).addressable_devices_indices_map(shape).values()}))
+    return _Step(leaf, shape, as_read, key, s, sharding, ranges=ranges, layer=layer)
+
+
+def _plan(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shardings: Any) -> list[_Step]:
+    """The accelerator path's steps in load order: the top-level leaves (a large one every
+    local device holds whole in row chunks of ``CHUNK_BYTES``), then layer by layer, leaf by
+    leaf."""
+    steps, E = [], cfg.num_experts
+    for k, leaf in leaves.top().items():
+        s, sh = shapes[k], shardings[k]
+        st = _step(leaf, s, sh, k, E, stacked=False)
+        if not (leaf.rows and host_load.sharding_of(sh).is_fully_replicated):
+            steps.append(st)
+            continue
+        step = max(1, CHUNK_BYTES // (s.size // st.shape[0] * s.dtype.itemsize))
+        for lo in range(0, st.shape[0], step):
+            hi = min(st.shape[0], lo + step)
+            steps.append(dataclasses.replace(st, leaf=Leaf(functools.partial(leaf.read, lo, hi)),
+                                             shape=(hi - lo, *st.shape[1:]), lo=lo))
+    groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
+    group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
+    P = cfg.layer_period
+    for i in range(cfg.num_hidden_layers):
+        j, g = i % P, i // P
+        for k, leaf in enumerate(jax.tree.leaves(leaves.layer(i))):
+            steps.append(_step(leaf, groups[j][k], group_shardings[j][k], (j, k, g), E,
+                               stacked=True, layer=i))
+    return steps
+
+
+def _reads(st: _Step) -> list[tuple[int, Any]]:
+    """The read-ahead's jobs for one step, ``(bytes, read)`` (``read_ahead.py``): the whole
+    leaf, or each expert range's rows with the file bytes read for them."""
+    nbytes = math.prod(st.shape) * st.s.dtype.itemsize
+    if not st.ranges:
+        return [(nbytes, st.leaf.read)]
+
+    def rows(lo: int, hi: int) -> tuple[np.ndarray, int]:
+        before = BYTES_READ.thread_bytes
+        return st.leaf.read(lo, hi), BYTES_READ.thread_bytes - before
+
+    return [(nbytes // st.shape[0] * (hi - lo), functools.partial(rows, lo, hi))
+            for lo, hi in st.ranges]
+
+
+def _place_leaf(st: _Step, host: list, num_experts: int, report: LoadReport) -> jax.Array:
+    """One step's leaf as a global array, each local device's shard cut from ``host``, what
+    ``_reads(st)`` read: the whole leaf (handed to every local device), or a routed-expert
+    leaf's rows of each expert range (expert bytes charged to the first device holding it)."""
+    devices = host_load.sharding_of(st.as_read).addressable_devices_indices_map(st.shape)
+    got = dict(zip(st.ranges, host))
+    for lo_hi, (_, nbytes) in got.items():
+        d = next(d for d, idx in devices.items() if idx[0].indices(num_experts)[:2] == lo_hi)
+        report.expert_ranges[d.id] = lo_hi
+        report.expert_bytes[d.id] = report.expert_bytes.get(d.id, 0) + nbytes
 
     def shard(idx: tuple[slice, ...]) -> np.ndarray:
-        t0 = time.perf_counter()
-        if not leaf.experts:
-            if not whole:
-                whole.append(leaf.read())
-                report.read_seconds += time.perf_counter() - t0
-            return whole[0][idx]
-        lo, hi, _ = idx[0].indices(num_experts)
-        before = BYTES_READ.bytes
-        rows = leaf.read(lo, hi)
-        report.read_seconds += time.perf_counter() - t0
-        for d, d_idx in devices.items():
-            if d_idx[0].indices(num_experts)[:2] == (lo, hi):
-                report.expert_ranges[d.id] = (lo, hi)
-                report.expert_bytes[d.id] = report.expert_bytes.get(d.id, 0) + BYTES_READ.bytes - before
-                break  # bytes go to the first device holding these experts
+        if not st.ranges:
+            return host[0][idx]
+        rows = got[idx[0].indices(num_experts)[:2]][0]
         return rows[(slice(None), *idx[1:])]
 
-    return jax.make_array_from_callback(shape, sharding, shard)
+    return jax.make_array_from_callback(st.shape, st.as_read, shard)
 
 
 def _local_expert_ranges(shapes: Any, shardings: Any, num_experts: int) -> list[tuple[int, int]]:
@@ -230,6 +307,77 @@ def _load_on_host(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shard
     return params
 
 
+def _ahead_bytes(steps: list[_Step], reads: list[list[tuple[int, Any]]]) -> int:
+    """The read-ahead's bound: about one layer, this process's share of the largest one (what
+    its reads return), and at most ``read_ahead.AHEAD_BYTES``."""
+    layer_bytes: dict[int, int] = {}
+    for st, r in zip(steps, reads):
+        if st.layer >= 0:
+            layer_bytes[st.layer] = layer_bytes.get(st.layer, 0) + sum(n for n, _ in r)
+    return min(read_ahead.AHEAD_BYTES, max(layer_bytes.values(), default=read_ahead.AHEAD_BYTES))
+
+
+def _write(st: _Step, x: jax.Array, params: dict, stacks: list[list[jax.Array]]) -> jax.Array:
+    """Write one step's placed leaf into its param: slot g of a stack, rows of a top-level
+    leaf (zeroed before its first chunk), or the whole of one (transposed when read swapped).
+    Returns the param as written (dispatched, maybe not done)."""
+    if st.layer >= 0:
+        j, k, g = st.key
+        stacks[j][k] = _writer("slot", st.sharding)(stacks[j][k], x, np.int32(g), st.leaf.swapped)
+        return stacks[j][k]
+    if st.lo is not None:
+        buf = params[st.key] if st.lo else _zeros(st.s, st.sharding)
+        params[st.key] = _writer("rows", st.sharding)(buf, x, np.int32(st.lo), st.leaf.swapped)
+    elif st.leaf.swapped:
+        params[st.key] = _writer("rows", st.sharding)(_zeros(st.s, st.sharding), x, np.int32(0), True)
+    else:
+        params[st.key] = x
+    return params[st.key]
+
+
+def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shardings: Any,
+                     report: LoadReport, progress: bool | None, prefetch) -> Any:
+    """``load_sharded`` for accelerators: the steps of ``_plan`` read ahead on threads
+    (``read_ahead.py``) while the main thread places and writes each in turn, each once the
+    previous one is written, so the host holds what is read ahead and one leaf being placed.
+    ``prefetch(i)`` runs when the reads of layer i - 1 are queued."""
+    steps = _plan(leaves, cfg, shapes, shardings)
+    reads = [_reads(st) for st in steps]
+
+    def jobs():
+        for n, (st, r) in enumerate(zip(steps, reads)):
+            if st.layer >= 0 and (n == 0 or steps[n - 1].layer != st.layer):
+                prefetch(st.layer + 1)
+            yield from r
+
+    ahead = read_ahead.ReadAhead(jobs(), max_bytes=_ahead_bytes(steps, reads))
+    try:
+        groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
+        group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
+        stacks = [[_zeros(s, sh) for s, sh in zip(*g)] for g in zip(groups, group_shardings)]
+        params: dict = {}
+        disable = None if progress is None else not progress
+        with tqdm(total=cfg.num_hidden_layers, desc="loading weights", unit="layer",
+                  disable=disable) as bar:
+            last = None  # the previous step's param as written
+            for n, st in enumerate(steps):
+                host = [ahead.take() for _ in st.ranges or (None,)]
+                if last is not None:  # the previous leaf placed and written: its host
+                    last.block_until_ready()  # arrays gone (queued work would keep them)
+                x = _place_leaf(st, host, cfg.num_experts, report)
+                del host  # the host arrays go once the devices have theirs
+                last = _write(st, x, params, stacks)
+                del x
+                if st.layer >= 0 and (n + 1 == len(steps) or steps[n + 1].layer != st.layer):
+                    bar.update(1)
+    finally:
+        ahead.close()
+        report.read_seconds, report.reader_seconds = ahead.wait_seconds, ahead.reader_seconds
+    params["layer_groups"] = tuple(jax.tree.unflatten(jax.tree.structure(s), st)
+                                   for s, st in zip(shapes["layer_groups"], stacks))
+    return jax.block_until_ready(params)
+
+
 def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *,
                  dtype: Any = jnp.bfloat16, keep_fp8_experts: bool = False,
                  backend: str | None = None, progress: bool | None = None,
@@ -240,60 +388,32 @@ def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *
     ``host_buffers``: read into host buffers the devices then use as theirs (``host_load.py``;
     only right where the devices' memory is host memory); None: exactly when every device is
     a CPU device. Raises CheckpointError before reading any data when a tensor is missing or
-    misshapen."""
+    misshapen; an error reading a tensor is raised as it was raised, every reading thread
+    stopped."""
     t0, bytes0 = time.perf_counter(), BYTES_READ.bytes
     keep_fp8 = resolve_keep_fp8(keep_fp8_experts, backend)
     leaves = CheckpointLeaves(checkpoint_dir, cfg, dtype=dtype, keep_fp8_experts=keep_fp8)
     shapes = param_shapes(cfg, dtype, fp8_experts=keep_fp8)
     shardings = with_native_layouts(shapes, shardings)
-    report, E = LoadReport(), cfg.num_experts
-    experts = _local_expert_ranges(shapes, shardings, E)
+    report = LoadReport()
+    experts = _local_expert_ranges(shapes, shardings, cfg.num_experts)
     ahead = concurrent.futures.ThreadPoolExecutor(1)  # page-cache read-ahead of the next layer
     ahead.submit(leaves.prefetch, -1, experts)
     ahead.submit(leaves.prefetch, 0, experts)
-
-    def place_top(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
-        """A top-level leaf; a large one by row chunks when every local device holds it whole."""
-        shape, as_read = _as_read(leaf, s, sharding, stacked=False)
-        if not (leaf.rows and host_load.sharding_of(sharding).is_fully_replicated):
-            x = _place_leaf(leaf, shape, as_read, E, report)
-            return _writer("rows", sharding)(_zeros(s, sharding), x, np.int32(0), True) \
-                if leaf.swapped else x
-        buf, step = _zeros(s, sharding), max(1, CHUNK_BYTES // (s.size // shape[0] * s.dtype.itemsize))
-        for lo in range(0, shape[0], step):
-            hi = min(shape[0], lo + step)
-            part = Leaf(functools.partial(leaf.read, lo, hi))
-            x = _place_leaf(part, (hi - lo, *shape[1:]), as_read, E, report)
-            buf = _writer("rows", sharding)(buf, x, np.int32(lo), leaf.swapped)
-        return buf
-
     if host_buffers is None:
         host_buffers = host_load.is_cpu(shardings)
     if host_buffers:
         params = _load_on_host(leaves, cfg, shapes, shardings, report, progress,
                                lambda i: ahead.submit(leaves.prefetch, i + 1, experts))
         ahead.shutdown(wait=False, cancel_futures=True)
+        report.reader_seconds = report.read_seconds  # read on the main thread
         report.bytes_read, report.seconds = BYTES_READ.bytes - bytes0, time.perf_counter() - t0
         return params, report
-    params = {k: place_top(leaf, shapes[k], shardings[k]) for k, leaf in leaves.top().items()}
-    groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
-    group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
-    stacks = [[_zeros(s, sh) for s, sh in zip(*g)] for g in zip(groups, group_shardings)]
-    P = cfg.layer_period
-    disable = None if progress is None else not progress
-    for i in tqdm(range(cfg.num_hidden_layers), desc="loading weights", unit="layer",
-                  disable=disable):
-        j, g = i % P, i // P
-        ahead.submit(leaves.prefetch, i + 1, experts)
-        for k, leaf in enumerate(jax.tree.leaves(leaves.layer(i))):  # one leaf at a time
-            s, sh = groups[j][k], group_shardings[j][k]
-            x = _place_leaf(leaf, *_as_read(leaf, s, sh, stacked=True), E, report)
-            stacks[j][k] = _writer("slot", sh)(stacks[j][k], x, np.int32(g), leaf.swapped)
-            del x
-    ahead.shutdown(wait=False, cancel_futures=True)
-    params["layer_groups"] = tuple(jax.tree.unflatten(jax.tree.structure(s), st)
-                                   for s, st in zip(shapes["layer_groups"], stacks))
-    jax.block_until_ready(params)
+    try:
+        params = _load_on_devices(leaves, cfg, shapes, shardings, report, progress,
+                                  lambda i: ahead.submit(leaves.prefetch, i, experts))
+    finally:
+        ahead.shutdown(wait=True, cancel_futures=True)
     report.bytes_read, report.seconds = BYTES_READ.bytes - bytes0, time.perf_counter() - t0
     return params, report
 
