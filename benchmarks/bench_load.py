@@ -193,12 +193,16 @@ def run_load(ckpt: Path, devices: int) -> dict:
     dp = DPForward(cfg, make_mesh(devices))
     shardings = dp.param_shardings(param_shapes(cfg, jnp.bfloat16, fp8_experts=True))
     jax.block_until_ready(jax.jit(lambda: jnp.zeros(8))())  # backend up before the baseline
+    compiles = []  # seconds of each backend compile during the load (any thread)
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda e, d, **kw: compiles.append(d) if e.endswith("backend_compile_duration") else None)
     rss0 = _status_kb("VmRSS")
     params, report = load_sharded(ckpt, cfg, shardings, dtype=jnp.bfloat16,
                                   keep_fp8_experts=True, backend="tpu")
     rss1, hwm = _status_kb("VmRSS"), _status_kb("VmHWM")
     return {"bytes": report.bytes_read, "seconds": report.seconds,
             "read_seconds": report.read_seconds, "reader_seconds": report.reader_seconds,
+            "compiles": len(compiles), "compile_seconds": sum(compiles),
             "rss_before": rss0,
             "rss_after": rss1, "hwm": hwm, "param_bytes": num_param_bytes(params)}
 
@@ -256,7 +260,8 @@ def main() -> None:
             line = f"{kind:5s} {r['bytes'] / 1e9:6.2f} GB in {r['seconds']:6.2f} s = {gbs:5.2f} GB/s"
             if kind == "load":
                 extra = r["hwm"] - r["rss_after"]
-                line += (f" (reading waited for {r['read_seconds']:.2f} s; host reads "
+                line += (f" ({r['compiles']} programs compiled, {r['compile_seconds']:.2f} s "
+                         f"summed over threads; reading waited for {r['read_seconds']:.2f} s; host reads "
                          f"{r['bytes'] / r['reader_seconds'] / 1e9:.2f} GB/s per reading thread)"
                          f"; peak RSS {r['hwm'] / 1e9:.2f} GB, after {r['rss_after'] / 1e9:.2f} GB "
                          f"(weights {r['param_bytes'] / 1e9:.2f} GB): peak beyond the loaded "

@@ -18,7 +18,9 @@
     was allocated on the devices and is donated to every write: a plain copy for the routed
     experts and the head, whose param layout is the checkpoint's [out, in]; a transpose for
     the other weights (HF's [out, in] into the param's [in, out]). The host holds the leaf
-    being placed and what is read ahead (this process's share of each).
+    being placed and what is read ahead (this process's share of each). The zeroing and
+    write programs are compiled on threads while the first leaves are read
+    (``load_programs.py``), not one by one at their first call.
   * Meanwhile a thread asks the kernel to read the layer after the one being read into the
     page cache.
 
@@ -57,7 +59,7 @@ from tqdm.auto import tqdm
 
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
-from sglang_tpu_backend.model_loader import host_load, read_ahead
+from sglang_tpu_backend.model_loader import host_load, load_programs, read_ahead
 from sglang_tpu_backend.model_loader.checkpoint_io import BYTES_READ
 from sglang_tpu_backend.model_loader.loader import (
     CheckpointLeaves, Leaf, load_params, resolve_keep_fp8)
@@ -225,39 +227,6 @@ def _local_expert_ranges(shapes: Any, shardings: Any, num_experts: int) -> list[
     return sorted(found)
 
 
-def _finish(x: jax.Array, swapped: bool) -> jax.Array:
-    return jnp.swapaxes(x, -1, -2) if swapped else x
-
-
-def _write_slot(buf, x, g, swapped: bool):
-    return buf.at[g].set(_finish(x, swapped))
-
-
-def _write_rows(buf, x, lo, swapped: bool):
-    at = (jnp.int32(0), lo) if swapped else (lo, jnp.int32(0))
-    return jax.lax.dynamic_update_slice(buf, _finish(x, swapped), at)
-
-
-@functools.lru_cache(maxsize=None)
-def _writer(kind: str, sharding: Any):
-    """A jitted in-place write (the buffer donated) of what was read into a param buffer placed
-    by ``sharding``: ``slot`` one layer into slot ``g`` of a stacked leaf, ``rows`` rows
-    ``lo:`` of a 2-D leaf (columns when read swapped). Kept for the process: later loads of
-    the same shapes and placements compile nothing."""
-    return jax.jit(_write_slot if kind == "slot" else _write_rows, static_argnums=3,
-                   donate_argnums=0, out_shardings=sharding)
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros_fn(shape: tuple[int, ...], dtype: Any, sharding: Any):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-
-
-def _zeros(s: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
-    """A zeroed buffer allocated shard by shard on the devices."""
-    return _zeros_fn(tuple(s.shape), jnp.dtype(s.dtype), sharding)()
-
-
 def _load_on_host(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shardings: Any,
                   report: LoadReport, progress: bool | None, before_layer) -> Any:
     """``load_sharded`` for CPU devices: every leaf read into host buffers that become the
@@ -317,19 +286,37 @@ def _ahead_bytes(steps: list[_Step], reads: list[list[tuple[int, Any]]]) -> int:
     return min(read_ahead.AHEAD_BYTES, max(layer_bytes.values(), default=read_ahead.AHEAD_BYTES))
 
 
+def _programs(st: _Step) -> list[tuple[Any, Any]]:
+    """``(key, lowering)`` of the device programs ``_write`` runs for ``st`` (none when the
+    placed leaf is the param itself)."""
+    if st.layer >= 0:
+        kind = "slot"
+    elif st.lo is not None or st.leaf.swapped:
+        kind = "rows"
+    else:
+        return []
+    args = (kind, st.s, st.sharding, st.shape, st.as_read, st.leaf.swapped)
+    out = [(load_programs.write_key(*args), load_programs.lower_write(*args))]
+    if st.layer < 0:  # a zeroed buffer first
+        out.insert(0, (load_programs.zeros_key(st.s, st.sharding),
+                       load_programs.lower_zeros(st.s, st.sharding)))
+    return out
+
+
 def _write(st: _Step, x: jax.Array, params: dict, stacks: list[list[jax.Array]]) -> jax.Array:
     """Write one step's placed leaf into its param: slot g of a stack, rows of a top-level
     leaf (zeroed before its first chunk), or the whole of one (transposed when read swapped).
     Returns the param as written (dispatched, maybe not done)."""
+    zeros, writer = load_programs.zeros, load_programs.writer
     if st.layer >= 0:
         j, k, g = st.key
-        stacks[j][k] = _writer("slot", st.sharding)(stacks[j][k], x, np.int32(g), st.leaf.swapped)
+        stacks[j][k] = writer("slot", st.sharding)(stacks[j][k], x, np.int32(g), st.leaf.swapped)
         return stacks[j][k]
     if st.lo is not None:
-        buf = params[st.key] if st.lo else _zeros(st.s, st.sharding)
-        params[st.key] = _writer("rows", st.sharding)(buf, x, np.int32(st.lo), st.leaf.swapped)
+        buf = params[st.key] if st.lo else zeros(st.s, st.sharding)
+        params[st.key] = writer("rows", st.sharding)(buf, x, np.int32(st.lo), st.leaf.swapped)
     elif st.leaf.swapped:
-        params[st.key] = _writer("rows", st.sharding)(_zeros(st.s, st.sharding), x, np.int32(0), True)
+        params[st.key] = writer("rows", st.sharding)(zeros(st.s, st.sharding), x, np.int32(0), True)
     else:
         params[st.key] = x
     return params[st.key]
@@ -350,11 +337,21 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
                 prefetch(st.layer + 1)
             yield from r
 
+    groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
+    group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
+    stack_zeros = [(s, sh) for g in zip(groups, group_shardings) for s, sh in zip(*g)]
+    compiler = load_programs.Precompiler()
+    for s, sh in stack_zeros:
+        compiler.submit(load_programs.zeros_key(s, sh), load_programs.lower_zeros(s, sh))
+    for st in steps:
+        for key, lower in _programs(st):
+            compiler.submit(key, lower)
     ahead = read_ahead.ReadAhead(jobs(), max_bytes=_ahead_bytes(steps, reads))
     try:
-        groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
-        group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
-        stacks = [[_zeros(s, sh) for s, sh in zip(*g)] for g in zip(groups, group_shardings)]
+        for s, sh in stack_zeros:
+            compiler.wait(load_programs.zeros_key(s, sh))
+        stacks = [[load_programs.zeros(s, sh) for s, sh in zip(*g)]
+                  for g in zip(groups, group_shardings)]
         params: dict = {}
         disable = None if progress is None else not progress
         with tqdm(total=cfg.num_hidden_layers, desc="loading weights", unit="layer",
@@ -366,12 +363,15 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
                     last.block_until_ready()  # arrays gone (queued work would keep them)
                 x = _place_leaf(st, host, cfg.num_experts, report)
                 del host  # the host arrays go once the devices have theirs
+                for key, _ in _programs(st):
+                    compiler.wait(key)
                 last = _write(st, x, params, stacks)
                 del x
                 if st.layer >= 0 and (n + 1 == len(steps) or steps[n + 1].layer != st.layer):
                     bar.update(1)
     finally:
         ahead.close()
+        compiler.close()
         report.read_seconds, report.reader_seconds = ahead.wait_seconds, ahead.reader_seconds
     params["layer_groups"] = tuple(jax.tree.unflatten(jax.tree.structure(s), st)
                                    for s, st in zip(shapes["layer_groups"], stacks))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sglang_tpu_backend.model_loader import read_ahead, sharded_loader
+from sglang_tpu_backend.model_loader import load_programs, read_ahead, sharded_loader
 from sglang_tpu_backend.model_loader.checkpoint_io import (
     index_checkpoint, quantize_checkpoint_fp8, write_checkpoint)
 from sglang_tpu_backend.model_loader.loader import CheckpointError, load_model
@@ -25,6 +25,38 @@ from tests.model.test_loader import assert_trees_equal, nested_config, tensors_f
 def _single_device(cfg, keep_fp8: bool):
     where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return jax.tree.map(lambda _: where, param_shapes(cfg, jnp.float32, fp8_experts=keep_fp8))
+
+
+_compiles: list[str] = []  # the thread of every backend compile since the listener was added
+
+
+def _on_duration(event: str, duration: float, **kw) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compiles.append(threading.current_thread().name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)  # (cannot be removed)
+
+
+def _load_compiling_where(load) -> tuple[list[str], set]:
+    """Run ``load()`` on cleared compile caches: the threads its backend compiles ran on, and
+    the keys of the programs the loader's ``Precompiler`` was given."""
+    jax.clear_caches()
+    load_programs.writer.cache_clear()
+    load_programs._zeros_fn.cache_clear()
+    keys, submit = set(), load_programs.Precompiler.submit
+
+    def record(self, key, lower):
+        keys.add(key)
+        return submit(self, key, lower)
+
+    load_programs.Precompiler.submit = record
+    first = len(_compiles)
+    try:
+        load()
+    finally:
+        load_programs.Precompiler.submit = submit
+    return _compiles[first:], keys
 
 
 def _new_threads(before: set) -> list[threading.Thread]:
@@ -117,6 +149,27 @@ def test_device_path_with_a_blocking_read_ahead_equals_the_whole_load(tmp_path, 
     assert 0 < report.read_seconds <= report.seconds and report.reader_seconds > 0
 
 
+def test_device_path_compiles_each_program_once_on_the_compile_threads(tmp_path):
+    """Every zeroing and write program of the device path is compiled ahead on the
+    Precompiler's threads, once: the loading thread's calls find them compiled (their
+    abstract lowering has the real call's cache key)."""
+    config = nested_config()
+    path = write_checkpoint(tmp_path / "fp8", quantize_checkpoint_fp8(tensors_for(config, seed=8)),
+                            config, shards=2)
+    cfg, whole = load_model(path, dtype=jnp.float32, keep_fp8_experts=True, backend="tpu")
+    got = {}
+
+    def load():
+        got["params"], _ = sharded_loader.load_sharded(
+            path, cfg, _single_device(cfg, True), dtype=jnp.float32, keep_fp8_experts=True,
+            backend="tpu", host_buffers=False, progress=False)
+
+    threads, keys = _load_compiling_where(load)
+    assert_trees_equal(got["params"], whole)
+    assert len(keys) > 10 and len(threads) == len(keys), (len(threads), len(keys))
+    assert all(t.startswith("load-compile") for t in threads), threads
+
+
 def test_device_path_read_error_propagates_and_stops_every_thread(tmp_path, monkeypatch):
     """A read failing on a reader thread midway (the half-way positional read) is raised by
     load_sharded as the CheckpointError it was, and no reading thread is left."""
@@ -158,6 +211,8 @@ def test_device_path_over_expert_parallel_devices(tmp_path):
     out = tmp_path / "out.json"
     run_on_cpu_devices(Path(__file__), "--ep", str(path), str(out), num_devices=4)
     r = json.loads(out.read_text())
+    assert len(r["compile_threads"]) == r["programs"] > 10  # each once, ahead, on its threads
+    assert all(t.startswith("load-compile") for t in r["compile_threads"])
     assert r["equal"] and r["expert_ranges"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     assert r["device_bytes"] == r["host_bytes"] == r["total"]
     assert r["expert_bytes"] == [r["experts"] // 4] * 4
@@ -173,7 +228,13 @@ def _ep_child(path: str, out: str) -> None:
     shardings = DPForward(cfg, make_mesh(4)).param_shardings(
         param_shapes(cfg, jnp.float32, fp8_experts=True))
     kw = dict(dtype=jnp.float32, keep_fp8_experts=True, backend="tpu", progress=False)
-    a, ra = sharded_loader.load_sharded(path, cfg, shardings, host_buffers=False, **kw)
+    got = {}
+
+    def load():
+        got["a"] = sharded_loader.load_sharded(path, cfg, shardings, host_buffers=False, **kw)
+
+    threads, keys = _load_compiling_where(load)
+    a, ra = got["a"]
     b, rb = sharded_loader.load_sharded(path, cfg, shardings, host_buffers=True, **kw)
     try:
         assert_trees_equal(a, b)
@@ -182,7 +243,8 @@ def _ep_child(path: str, out: str) -> None:
         equal = False
     entries = index_checkpoint(path).values()
     Path(out).write_text(json.dumps({
-        "equal": equal, "expert_ranges": sorted(ra.expert_ranges.values()),
+        "equal": equal, "compile_threads": threads, "programs": len(keys),
+        "expert_ranges": sorted(ra.expert_ranges.values()),
         "expert_bytes": [ra.expert_bytes[d.id] for d in jax.devices()],
         "device_bytes": ra.bytes_read, "host_bytes": rb.bytes_read,
         "total": sum(e.end - e.begin for e in entries),
