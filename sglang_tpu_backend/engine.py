@@ -55,6 +55,7 @@ from sglang_tpu_backend.managers.weight_updater import WeightUpdater
 from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.metrics.router_stats import ROUTED
 from sglang_tpu_backend.planning.mem_budget import size_serving_args
+from sglang_tpu_backend.model_executor import background_warmup
 from sglang_tpu_backend.model_executor.model_runner import ModelRunner
 from sglang_tpu_backend.model_executor.parallel_compile import compile_threads
 from sglang_tpu_backend.model_executor.step_buckets import (
@@ -213,15 +214,23 @@ class Engine:
         self.loop.weights = self.weights = WeightUpdater(self.loop, self.runner, cfg, args)
         self.status, self.rl = EngineStatus(self), RLControl(self.loop, self.runner)
         self._enable_compilation_cache(args)
+        self.background_warmup: background_warmup.BackgroundWarmup | None = None
         self.warmup_seconds = 0.0 if args.skip_warmup else self._warm_up(role)
         if start_loop:
             self.loop.start()
 
     def _warm_up(self, role: str) -> float:
-        """Compile every step program, and a disaggregated role's handover programs (export on
-        a prefill engine, install on a decode engine); returns seconds taken."""
+        """Compile every step program (staged: those of one prefill bucket, the rest in the
+        background, ``background_warmup.py``), and a disaggregated role's handover programs
+        (export on a prefill engine, install on a decode engine); returns seconds taken."""
         t0 = time.perf_counter()
-        self.runner.warmup(compile_threads=compile_threads(self.args.warmup_compile_threads))
+        threads = compile_threads(self.args.warmup_compile_threads)
+        if (self.args.staged_warmup(jax.default_backend())
+                and background_warmup.applies(self.runner, role)):
+            _, self.background_warmup = background_warmup.start(self.runner, self.scheduler,
+                                                                True, threads)
+            return time.perf_counter() - t0
+        self.runner.warmup(compile_threads=threads)
         if role in ("prefill", "decode") and self.runner.backend.state_transfer:
             self.runner.warm_up_state_transfer(gather=role == "prefill", scatter=role == "decode")
         return time.perf_counter() - t0
@@ -526,5 +535,7 @@ class Engine:
         """Abort every request, stop the loop thread (multi-host: the followers too) and a
         running profile trace."""
         self.loop.profiler.stop_if_running()
+        if self.background_warmup is not None:
+            self.background_warmup.stop()
         if self.loop.stop("server shutting down"):
             self.runner.close()

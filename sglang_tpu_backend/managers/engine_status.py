@@ -53,6 +53,9 @@ class EngineStatus:
             "num_pages": e.num_pages,
             "num_pages_per_rank": e.num_pages_per_rank,
             "warmup_seconds": e.warmup_seconds,
+            # staged warm-up's second stage (None: every program compiled before ready)
+            "background_warmup": None if e.background_warmup is None
+            else e.background_warmup.status(),
             "token_buckets": list(e.runner.token_buckets),
             "request_buckets": list(e.runner.req_buckets),
             "jax_backend": jax.default_backend(),

@@ -91,16 +91,17 @@ def multistep_task(runner: Any, T: int, R: int, L: int) -> Task:
     return lower
 
 
-def tasks(runner: Any, shapes: list) -> list[Task]:
+def tasks(runner: Any, shapes: list, skip_samplers: frozenset = frozenset()) -> list[Task]:
     """One task per program the warm-up loop would compile for ``shapes`` (verify shapes
-    excepted), forwards first (the longest compiles start first)."""
+    excepted), forwards first (the longest compiles start first); none for the samplers of
+    ``skip_samplers``' (R, L) (compiled already)."""
     plain = [s for s in shapes if not s[0].is_verify()]
     out = [forward_task(runner, *s) for s in plain]
     if runner.num_scheduler_steps > 1:  # one per DECODE bucket
         out += [multistep_task(runner, T, R, L) for kind, T, R, L in plain
                 if kind == ForwardMode.DECODE]
     variants, counts = runner.sampler_variants(), (0, runner.max_top_logprobs_num)
-    out += [sampler_task(runner, R, L, v, K) for R, L in sorted({(s[2], s[3]) for s in plain})
+    out += [sampler_task(runner, R, L, v, K) for R, L in sorted({(s[2], s[3]) for s in plain} - skip_samplers)
             for v in variants for K in counts]
     return out
 

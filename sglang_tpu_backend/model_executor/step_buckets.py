@@ -122,6 +122,16 @@ class StepBuckets:
         self.deterministic = deterministic
         self.verify_tokens = verify_tokens
         self.req_buckets, self.extend_req_buckets, self.token_buckets = ladders(*self.limits)
+        # The shapes steps may take while a staged warm-up compiles the rest (None: all of
+        # them; ``background_warmup.py``): a DECODE step whose bucket is not among them runs
+        # as MIXED, a MIXED step takes the smallest of their token buckets that holds it.
+        self.ready: frozenset[Shape] | None = None
+
+    def first_shapes(self) -> list[Shape]:
+        """The one bucket a staged warm-up compiles before serving: MIXED with the smallest
+        token bucket that holds a decode step of every running request."""
+        R = self.extend_req_buckets[-1]
+        return [(ForwardMode.MIXED, pick_bucket(self.token_buckets, R), R, R)]
 
     def all_shapes(self) -> list[Shape]:
         """Every (mode, T, R, L) serving can produce (what warm-up compiles)."""
@@ -145,9 +155,13 @@ class StepBuckets:
         if kind == ForwardMode.TARGET_VERIFY:
             r = pick_bucket(self.req_buckets, num_reqs)
             return kind, r * self.verify_tokens, r, r * self.verify_tokens
+        ready = self.ready
         if kind == ForwardMode.DECODE:
             r = pick_bucket(self.req_buckets, num_reqs)
-            return ForwardMode.DECODE, r, r, r
-        t = pick_bucket(self.token_buckets, num_tokens)
+            if ready is None or (ForwardMode.DECODE, r, r, r) in ready:
+                return ForwardMode.DECODE, r, r, r
+        tokens = self.token_buckets if ready is None else tuple(
+            sorted(s[1] for s in ready if s[0] == ForwardMode.MIXED))
+        t = pick_bucket(tokens, num_tokens)
         r = pick_bucket(self.extend_req_buckets, max(num_reqs, num_rows, 1))
         return ForwardMode.MIXED, t, r, r

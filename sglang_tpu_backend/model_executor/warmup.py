@@ -46,8 +46,10 @@ def warm_multistep(runner: Any, T: int, R: int, L: int) -> None:
     jax.block_until_ready(runner.cache)
 
 
-def warm_up(runner: Any, progress: bool = True, compile_threads: int = 1) -> float:
-    """Compile every forward and sampler program of ``runner``; returns seconds taken.
+def warm_up(runner: Any, progress: bool = True, compile_threads: int = 1,
+            shapes: list | None = None) -> float:
+    """Compile every forward and sampler program of ``runner`` (or of ``shapes`` only: a
+    staged warm-up's first stage, ``background_warmup.py``); returns seconds taken.
 
     With ``compile_threads`` > 1 (one device), ``parallel_compile`` first compiles the
     forward, sampler and multi-step programs side by side; the runs below then compile only
@@ -58,7 +60,7 @@ def warm_up(runner: Any, progress: bool = True, compile_threads: int = 1) -> flo
     """
     from tqdm import tqdm
 
-    shapes = runner.all_shapes()
+    shapes = runner.all_shapes() if shapes is None else shapes
     t0 = time.perf_counter()
     if compile_threads > 1 and parallel_compile.supported(runner):
         parallel_compile.precompile(runner, shapes, compile_threads)
