@@ -30,12 +30,16 @@ from sglang_tpu_backend.server_args import ServerArgs
 
 
 def start(args: argparse.Namespace, num_steps: int, max_running: int) -> Engine:
-    return Engine(ServerArgs(model_path=args.model_path, dtype=args.dtype,
+    """The engine with every program compiled (a staged warm-up's second stage waited for)."""
+    eng = Engine(ServerArgs(model_path=args.model_path, dtype=args.dtype,
                              max_running_requests=max_running, context_length=args.context_length,
                              chunked_prefill_size=args.chunked_prefill_size, random_seed=0,
                              num_scheduler_steps=num_steps, compilation_cache_dir="",
                              disable_overlap_schedule=args.disable_overlap_schedule,
                              skip_warmup=args.skip_warmup))
+    if eng.background_warmup is not None:
+        eng.background_warmup.wait()
+    return eng
 
 
 def measure(eng: Engine, n: int, new_tokens: int, repeat: int) -> dict[str, Any]:
