@@ -2,9 +2,9 @@
 
 Each kernel derives its block sizes from the shapes (``GdnBlockSizes``' smallest lane-aligned
 head block and decode rows per grid step, ``gmm.default_block_sizes``, ``RoutingBlockSizes()``,
-attention's ``BlockSizes.get_default``). The table holds, per JAX ``device_kind`` ("TPU v5 lite" = v5e,
-"TPU v6 lite" = v6e, "TPU7x" = Ironwood) and per kernel, field overrides applied on top of
-those defaults, each entry with its provenance::
+attention's ``BlockSizes.get_default``). The table holds, per JAX ``device_kind`` ("TPU v5
+lite" = v5e, "TPU v6 lite" = v6e, "TPU7x" = Ironwood) and per kernel, field overrides applied
+on top of those defaults, each entry with its provenance::
 
     {"overrides": {"kv_pages_per_block": 4}, "timed": true,
      "source": "benchmarks/sweep_block_sizes.py on TPU v5 lite, 397b preset, <date>", ...}

@@ -504,27 +504,27 @@ def gated_delta_net(
 
 
 def _block_sizes(given: GdnBlockSizes, T, Hk, Hv, Dk, Dv, K, state_bytes, x_bytes):
-    """(kb, rb) of a call: the caller's fields where given, else the shape's defaults with this
-    TPU generation's table overrides where legal (``block_tables.pick``)."""
+    """(kb, rb) of a call: the caller's fields where given, else this TPU generation's table
+    overrides where legal (``block_tables.pick``), else the shape's defaults. A table rb is
+    capped at T; one over the VMEM cap, or none, gives the default rb of the chosen kb."""
     kb, rb = given.k_heads_per_block, given.rows_per_step
     if kb is not None and rb is not None:
         return kb, rb
 
-    def geom(kb_):
-        return gdn_kernels.Geometry(Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, K=K, kb=kb_, L=1)
-
     def legal(b):
         return (gdn_kernels.block_error(Hk, Hv, Dk, Dv, b.k_heads_per_block) is None
-                and gdn_geometry.rows_error(b.rows_per_step) is None
-                and gdn_geometry.decode_fits(geom(b.k_heads_per_block), b.rows_per_step,
-                                             state_bytes, x_bytes))
+                and (b.rows_per_step is None or gdn_geometry.rows_error(b.rows_per_step) is None))
 
     kb0 = kb if kb is not None else gdn_kernels.default_k_heads_per_block(Hk, Hv, Dk, Dv)
-    rb0 = rb if rb is not None else gdn_geometry.default_rows_per_step(geom(kb0), T,
-                                                                        state_bytes, x_bytes)
-    picked = block_tables.pick("gdn", GdnBlockSizes(kb0, rb0), legal)
-    return (kb if kb is not None else picked.k_heads_per_block,
-            rb if rb is not None else picked.rows_per_step)
+    picked = block_tables.pick("gdn", GdnBlockSizes(kb0, rb), legal)
+    kb = kb if kb is not None else picked.k_heads_per_block
+    if rb is not None:
+        return kb, rb
+    geom = gdn_kernels.Geometry(Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, K=K, kb=kb, L=1)
+    rb = picked.rows_per_step
+    if rb is None or not gdn_geometry.decode_fits(geom, rb, state_bytes, x_bytes):
+        return kb, gdn_geometry.default_rows_per_step(geom, T, state_bytes, x_bytes)
+    return kb, min(rb, T)
 
 
 def gated_delta_net_cost(

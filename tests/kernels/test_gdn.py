@@ -506,7 +506,9 @@ def test_pallas_decode_rows_per_step_bit_equal(monkeypatch, state_dtype):
 
 def test_default_rows_per_step():
     # 8 rows per step unless VMEM caps it (halved until the estimate fits 12 MiB), at most T.
-    geom = lambda kb: gdn_kernels.Geometry(Hk=16, Hv=64, Dk=128, Dv=128, K=4, kb=kb, L=1)  # noqa: E731
+    def geom(kb):  # 397B heads
+        return gdn_kernels.Geometry(Hk=16, Hv=64, Dk=128, Dv=128, K=4, kb=kb, L=1)
+
     assert gdn_geometry.default_rows_per_step(geom(1), 64, 2, 2) == 8
     assert gdn_geometry.default_rows_per_step(geom(1), 64, 4, 2) == 8
     assert gdn_geometry.default_rows_per_step(geom(1), 5, 4, 2) == 5
