@@ -35,7 +35,10 @@ Cases (``--list``): attention (decode at two contexts, FP8 KV, prefill, mixed, K
 GMM (gate_up + SwiGLU and down, bf16 and FP8 weights, decode and prefill, prefill in the
 model's gathered expert-parallel layout and packed), GDN (decode bf16 / f32 state, chunked
 prefill), routing (gather, gather-reduce at decode and prefill rows), collectives (skipped:
-they need a multi-device mesh).
+they need a multi-device mesh). ``--gdn-rows 1,8`` adds the GDN decode cases at those decode
+rows per grid step (``-rb1``, ``-rb8``) beside the default's:
+
+    python benchmarks/bench_kernels.py --only gdn/decode --gdn-rows 1,2,4,8,16
 """
 
 from __future__ import annotations
@@ -512,7 +515,9 @@ def gdn_case(p: Preset, phase: str, state_dtype, impl: str, blocks: dict) -> Set
     cost = gdn.gated_delta_net_cost(t, r, hk, hv, d, d, conv_kernel=k, decode=phase == "decode",
                                     x_bytes=2, state_bytes=jnp.dtype(state_dtype).itemsize)
     shapes = (f"{r} requests x {q_len} tokens, Hk {hk}, Hv {hv}, D {d}, conv {k}, "
-              f"state {jnp.dtype(state_dtype).name}")
+              f"state {jnp.dtype(state_dtype).name}"
+              + (f", rows/step {(over or {}).get('rows_per_step', 'default')}"
+                 if phase == "decode" else ""))
     return Setup(Impl("ours", ours(impl), make, donate, pick),
                  [Impl("ours-xla", ours("xla"), make, donate, pick)],
                  cost.bytes_accessed, cost.flops,
@@ -561,7 +566,21 @@ def routing_case(p: Preset, op: str, phase: str, impl: str, blocks: dict) -> Set
 # ----------------------------------------------------------------------------- case list
 
 
-def cases(p: Preset) -> list[Case]:
+def gdn_rows_cases(p: Preset, rows: tuple[int, ...]) -> list[Case]:
+    """The GDN decode cases again at each of ``rows`` decode rows per grid step
+    (``GdnBlockSizes.rows_per_step`` over ``--block-sizes``' gdn fields), named ``...-rb<N>``."""
+    out = []
+    for n in rows:
+        for name, dtype in (("bf16", BF16), ("f32", jnp.float32)):
+            out.append(Case(f"gdn/decode-{p.decode_reqs}-{name}-state-rb{n}",
+                            lambda p, i, b, n=n, dt=dtype: gdn_case(
+                                p, "decode", dt, i,
+                                {**b, "gdn": {**b.get("gdn", {}), "rows_per_step": n}})))
+    return out
+
+
+def cases(p: Preset, gdn_rows: tuple[int, ...] = ()) -> list[Case]:
+    """Every case; ``gdn_rows``: also the GDN decode cases at these rows per grid step."""
     d = p.decode_reqs
     c2, c8 = p.decode_ctx
     dec = lambda ctx: AttnBatch((1,) * d, (ctx,) * d)  # noqa: E731
@@ -592,6 +611,7 @@ def cases(p: Preset) -> list[Case]:
     out += [
         Case(f"gdn/decode-{d}-bf16-state", lambda p, i, b: gdn_case(p, "decode", BF16, i, b)),
         Case(f"gdn/decode-{d}-f32-state", lambda p, i, b: gdn_case(p, "decode", jnp.float32, i, b)),
+        *gdn_rows_cases(p, gdn_rows),
         Case(f"gdn/prefill-{p.prefill_reqs}x{p.prefill_new}-f32-state",
              lambda p, i, b: gdn_case(p, "prefill", jnp.float32, i, b)),
     ]
@@ -809,6 +829,11 @@ def parse_args(argv=None):
                          '"rpa": {"num_kv_pages_per_block": 2, "num_queries_per_block": 32}, '
                          '"paged_attention": {"pages_per_compute_block": 4}, '
                          '"megablox": {"tiling": [128, 512, 512]}}')
+    ap.add_argument("--gdn-rows", type=lambda v: tuple(int(x) for x in v.split(",")),
+                    default=(), metavar="N,N,...",
+                    help="also time the GDN decode cases at these rows per grid step "
+                         "(GdnBlockSizes.rows_per_step), e.g. 1,8: cases gdn/decode-...-rb1, "
+                         "-rb8 beside the default's")
     ap.add_argument("--measure-cpu", action="store_true",
                     help="off a TPU, measure this machine's peaks for the roofline columns")
     ap.add_argument("--json-out")
@@ -833,7 +858,8 @@ def hardware(measure_cpu: bool):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     p = preset(args.preset)
-    selected = [c for c in cases(p) if not args.only or any(s in c.name for s in args.only)]
+    selected = [c for c in cases(p, args.gdn_rows)
+                if not args.only or any(s in c.name for s in args.only)]
     if args.list:
         for c in selected:
             print(c.name + (f"  (skipped: {c.skip})" if c.skip else ""))

@@ -1,10 +1,10 @@
 """Block sizes per TPU generation: the table in ``block_tables.json`` and its run-time lookup.
 
 Each kernel derives its block sizes from the shapes (``GdnBlockSizes``' smallest lane-aligned
-head block, ``gmm.default_block_sizes``, ``RoutingBlockSizes()``, attention's
-``BlockSizes.get_default``). The table holds, per JAX ``device_kind`` ("TPU v5 lite" = v5e,
-"TPU v6 lite" = v6e, "TPU7x" = Ironwood) and per kernel, field overrides applied on top of
-those defaults, each entry with its provenance::
+head block and decode rows per grid step, ``gmm.default_block_sizes``, ``RoutingBlockSizes()``,
+attention's ``BlockSizes.get_default``). The table holds, per JAX ``device_kind`` ("TPU v5
+lite" = v5e, "TPU v6 lite" = v6e, "TPU7x" = Ironwood) and per kernel, field overrides applied
+on top of those defaults, each entry with its provenance::
 
     {"overrides": {"kv_pages_per_block": 4}, "timed": true,
      "source": "benchmarks/sweep_block_sizes.py on TPU v5 lite, 397b preset, <date>", ...}
@@ -34,7 +34,7 @@ TABLE_PATH = Path(__file__).with_name("block_tables.json")
 # The kernels of the table and the block-size fields each may override.
 FIELDS = {
     "attention": ("decode_q_tokens", "prefill_q_tokens", "kv_pages_per_block"),
-    "gdn": ("k_heads_per_block",),
+    "gdn": ("k_heads_per_block", "rows_per_step"),
     "gmm": ("tm", "tk", "tn"),
     "routing": ("gather_rows", "reduce_tokens"),
 }

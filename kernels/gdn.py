@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import block_tables, dispatch
+from . import block_tables, dispatch, gdn_geometry
 from . import gdn_kernels
 from .cost import Cost
 from .gdn_common import (F32, HI, VALID, L2NORM_EPS, chunk_layout, conv_act, conv_state_rows,
@@ -82,9 +82,17 @@ class GdnBlockSizes:
     state: 3.3 / 6.5 / 13.5 / 29.1 / 58.8 MiB on v5e and 9.6 / 19.1 / 38.5 MiB on TPU7x at
     kb = 1 / 2 / 4 / 8 / 16, resp. 4 / 8 / 16), and its scoped limit follows
     (``gdn_kernels.chunk_vmem_limit``).
+
+    ``rows_per_step`` (rb, the decode kernel only): decode rows per grid step. A grid step has
+    a fixed cost (its BlockSpec DMAs of x, a, b and o, the step itself; ~1.8 us on a v5e at
+    397B shapes against 0.32 us for one row's bf16 state traffic), which rb rows share; the
+    state scratch holds 2 * rb rows' state blocks. None: ``gdn_geometry.DEFAULT_ROWS_PER_STEP``
+    (8) halved until the VMEM estimate fits (``gdn_geometry.default_rows_per_step``), and at
+    most T; the rows are padded to a multiple of rb.
     """
 
     k_heads_per_block: int | None = None
+    rows_per_step: int | None = None
 
 
 # ----------------------------------------------------------------------------- shared math
@@ -423,6 +431,9 @@ def _check_args(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_st
     if block_sizes is not None and block_sizes.k_heads_per_block is not None:
         err = gdn_kernels.block_error(num_k_heads, Hv, Dk, Dv, block_sizes.k_heads_per_block)
         need(err is None, str(err))
+    if block_sizes is not None and block_sizes.rows_per_step is not None:
+        err = gdn_geometry.rows_error(block_sizes.rows_per_step)
+        need(err is None, str(err))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -478,14 +489,10 @@ def gated_delta_net(
     T = mixed_qkv.shape[0]
     Lyr, _, Hv, Dk, Dv = rec_state.shape
     K = conv_weight.shape[1]
-    kb = block_sizes.k_heads_per_block
-    if kb is None:  # the shape's default, or this TPU generation's table pick where legal
-        kb = block_tables.pick(
-            "gdn", GdnBlockSizes(gdn_kernels.default_k_heads_per_block(num_k_heads, Hv, Dk, Dv)),
-            lambda b: gdn_kernels.block_error(num_k_heads, Hv, Dk, Dv, b.k_heads_per_block)
-            is None).k_heads_per_block
+    kb, rb = _block_sizes(block_sizes, T, num_k_heads, Hv, Dk, Dv, K,
+                          rec_state.dtype.itemsize, conv_state.dtype.itemsize)
     geom = gdn_kernels.Geometry(Hk=num_k_heads, Hv=Hv, Dk=Dk, Dv=Dv, K=K, kb=kb,
-                                L=1 if decode else chunk_size)
+                                L=1 if decode else chunk_size, rb=rb)
     cost = gated_delta_net_cost(T, state_slots.shape[0], num_k_heads, Hv, Dk, Dv,
                                 conv_kernel=K, decode=decode, chunk_size=chunk_size,
                                 x_bytes=mixed_qkv.dtype.itemsize,
@@ -494,6 +501,30 @@ def gated_delta_net(
         mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_state, cu_q_lens,
         kv_lens, state_slots, num_seqs, _layer_index(layer, Lyr), geom=geom, decode=decode,
         cost=cost, interpret=dispatch.interpret_params(resolved))
+
+
+def _block_sizes(given: GdnBlockSizes, T, Hk, Hv, Dk, Dv, K, state_bytes, x_bytes):
+    """(kb, rb) of a call: the caller's fields where given, else this TPU generation's table
+    overrides where legal (``block_tables.pick``), else the shape's defaults. A table rb is
+    capped at T; one over the VMEM cap, or none, gives the default rb of the chosen kb."""
+    kb, rb = given.k_heads_per_block, given.rows_per_step
+    if kb is not None and rb is not None:
+        return kb, rb
+
+    def legal(b):
+        return (gdn_kernels.block_error(Hk, Hv, Dk, Dv, b.k_heads_per_block) is None
+                and (b.rows_per_step is None or gdn_geometry.rows_error(b.rows_per_step) is None))
+
+    kb0 = kb if kb is not None else gdn_kernels.default_k_heads_per_block(Hk, Hv, Dk, Dv)
+    picked = block_tables.pick("gdn", GdnBlockSizes(kb0, rb), legal)
+    kb = kb if kb is not None else picked.k_heads_per_block
+    if rb is not None:
+        return kb, rb
+    geom = gdn_kernels.Geometry(Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, K=K, kb=kb, L=1)
+    rb = picked.rows_per_step
+    if rb is None or not gdn_geometry.decode_fits(geom, rb, state_bytes, x_bytes):
+        return kb, gdn_geometry.default_rows_per_step(geom, T, state_bytes, x_bytes)
+    return kb, min(rb, T)
 
 
 def gated_delta_net_cost(

@@ -1,16 +1,19 @@
 """Pallas TPU kernels of the fused causal conv1d + Gated DeltaNet (the op: ``kernels/gdn.py``).
 
-Two kernels over a grid (head block j, step i): ``_decode_kernel`` (step = decode row, one
-token per request) and ``_chunk_kernel`` (step = chunk of one request; a request's chunks are
-consecutive steps of the same head block and carry its state in VMEM scratch).
+Two kernels over a grid (head block j, step i): ``_decode_kernel`` (step = rb consecutive
+decode rows, one token per request) and ``_chunk_kernel`` (step = chunk of one request; a
+request's chunks are consecutive steps of the same head block and carry its state in VMEM
+scratch).
 
-The decode kernel software-pipelines its state DMAs over the rows of a head block
-(``kernels/gdn_decode_pipeline.py``): the state scratch is double buffered (row t in buffer
-slot t % 2), row t+1's fetch is started before row t computes and row t's write-back is left
-in flight until its buffer slot is refilled (or the last row), so a row costs about one DMA
-latency instead of a fetch and a write-back waited back to back. FRESH rows skip the fetch
-(zero state in their buffer slot), padding rows move nothing. Real rows of a step own
-distinct state slots, which is what makes the overlap safe (see that module).
+The decode kernel handles rb = ``geom.rb`` rows per grid step (``GdnBlockSizes.rows_per_step``;
+the wrapper pads the rows to a multiple of rb), so rb rows share a step's fixed cost (its
+BlockSpec DMAs of x, a, b and o, the step itself), and software-pipelines its state DMAs
+across steps (``kernels/gdn_decode_pipeline.py``): the state scratch is double buffered by
+step (``[2, rb, ...]``), the rb fetches of step i+1 are started while step i computes, and each
+row's write-back is left in flight until its buffer slot is refilled one step later (or the
+last step ends). FRESH rows skip the fetch (zero state in their buffer slot), padding rows
+move nothing. Real rows of a batch own distinct state slots, which is what makes the overlap
+safe (see that module).
 
 Layouts, and why Mosaic accepts them (it tiles only the last two dims of a buffer, (8, 128)
 for 32-bit and (16, 128) for bf16, and needs dynamic offsets there to be provably aligned):
@@ -18,10 +21,11 @@ for 32-bit and (16, 128) for bf16, and needs dynamic offsets there to be provabl
     leading, untiled dimension. No kernel slices a tiled dimension at a dynamic offset.
   * Per-step activations are rearranged by the wrapper (XLA), not in the kernel: the ragged
     tokens are gathered into chunks ``[nb, N, L, cb]`` (zero past each chunk's length), decode
-    rows into ``[nb, T, 1, cb]``, gate inputs into ``[nb, N, L, hb]`` / ``[nb, T, 1, hb]``,
+    rows into ``[nb, T', 1, cb]`` (T' = T rounded up to a multiple of rb; a block of rb rows
+    is legal as the row dim is leading), gate inputs into ``[nb, N, L, hb]`` / ``[nb, T', 1, hb]``,
     with the channels of head block j contiguous (``cb = [q_j | k_j | v_j]``). BlockSpecs
     then cover whole trailing dims and pipeline automatically. The output comes back as
-    ``[N, L, Hv*Dv]`` (chunk rows, heads on lanes) / ``[nb, T, hb, Dv]`` and is un-chunked by
+    ``[N, L, Hv*Dv]`` (chunk rows, heads on lanes) / ``[nb, T', hb, Dv]`` and is un-chunked by
     the wrapper with one row gather.
   * Persistent states keep their one layout, ``conv_state [Lyr, S, rows, C]`` (channels on
     lanes; rows = K-1 rounded up to a power of two, see ``gdn_common.conv_state_rows``, so
@@ -42,12 +46,12 @@ chunk's (I + n)^-1 is formed by log-depth block doubling (:func:`unit_lower_inve
 L-1 sequential row substitutions.
 
 Dimension letters as in ``kernels/gdn.py``; nb head blocks of kb qk heads and hb = kb * Hv / Hk
-value heads; cb = 2 * kb * Dk + hb * Dv block channels; P = K-1 rounded up to 8.
+value heads; cb = 2 * kb * Dk + hb * Dv block channels; P = K-1 rounded up to 8; rb decode rows
+per grid step. The geometry, block sizes and VMEM estimates live in ``kernels/gdn_geometry.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -58,99 +62,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .gdn_common import (F32, FIRST, FRESH, HI, LAST, VALID, chunk_layout, conv_act,
                          decode_rows, gates, l2norm, num_chunk_slots, token_meta)
-from .gdn_decode_pipeline import WRITE_BACK, pipelined_rows
+from .gdn_decode_pipeline import WRITE_BACK, pipelined_steps
+from .gdn_geometry import (Geometry, block_error, chunk_vmem_limit,  # noqa: F401 (re-exported)
+                           decode_vmem_limit, default_k_heads_per_block)
 
-_LANES = 128
 _NUM_SEMS = 4  # DMA semaphores: conv segments (<= 3) + recurrent state block
-
-
-# ----------------------------------------------------------------------------- geometry
-
-
-@dataclasses.dataclass(frozen=True)
-class Geometry:
-    """Static shapes of one call: heads, head dims, conv taps, head blocking, chunk length."""
-
-    Hk: int
-    Hv: int
-    Dk: int
-    Dv: int
-    K: int
-    kb: int  # qk heads per head block
-    L: int  # chunk length (1 for decode)
-
-    @property
-    def rep(self):  # value heads per qk head
-        return self.Hv // self.Hk
-
-    @property
-    def hb(self):  # value heads per head block
-        return self.kb * self.rep
-
-    @property
-    def nb(self):  # head blocks
-        return self.Hk // self.kb
-
-    @property
-    def C(self):
-        return 2 * self.Hk * self.Dk + self.Hv * self.Dv
-
-    @property
-    def cb(self):  # channels of one head block: [q_j | k_j | v_j]
-        return 2 * self.kb * self.Dk + self.hb * self.Dv
-
-    @property
-    def ctx_rows(self):  # P: conv context rows above a chunk in the extended buffer
-        return -(-(self.K - 1) // 8) * 8
-
-    def conv_segments(self, j):
-        """(channel offset in C, offset in the block, width) of head block j's conv channels.
-
-        One segment (all of C) for a single head block; otherwise q_j, k_j, v_j, whose
-        offsets and widths are multiples of 128 lanes (checked by :func:`block_error`).
-        """
-        if self.nb == 1:
-            return [(0, 0, self.C)]
-        qk, vw = self.kb * self.Dk, self.hb * self.Dv
-        lane = lambda x: pl.multiple_of(x, _LANES)  # noqa: E731 (true: qk, vw, Hk*Dk % 128 == 0)
-        return [(lane(j * qk), 0, qk), (lane(self.Hk * self.Dk + j * qk), qk, qk),
-                (lane(2 * self.Hk * self.Dk + j * vw), 2 * qk, vw)]
-
-
-def block_error(num_k_heads, num_v_heads, dk, dv, kb):
-    """Why ``kb`` qk heads per block cannot tile these heads (None if it can)."""
-    if kb < 1 or num_k_heads % kb:
-        return "k_heads_per_block must divide num_k_heads"
-    v_width = kb * (num_v_heads // num_k_heads) * dv
-    if kb != num_k_heads and ((kb * dk) % _LANES or v_width % _LANES):
-        return ("k_heads_per_block must give q/k/v channel widths that are multiples of 128 "
-                "lanes (kb*Dk, kb*Hv/Hk*Dv), or be num_k_heads")
-    return None
-
-
-def default_k_heads_per_block(num_k_heads, num_v_heads, dk, dv):
-    """The smallest lane-aligned head block (1 qk head at 397B shapes), else all heads."""
-    for kb in range(1, num_k_heads + 1):
-        if block_error(num_k_heads, num_v_heads, dk, dv, kb) is None:
-            return kb
-    return num_k_heads
-
-
-_VMEM_MIN = 16 << 20  # the smallest default scoped VMEM limit (v5e)
-_VMEM_MAX = 60 << 20  # under TPU7x's 64 MiB per TensorCore (v5e has 128 MiB)
-
-
-def chunk_vmem_limit(geom):
-    """Scoped VMEM limit of the chunk kernel, or None for the compiler's default (16 MiB on
-    v5e, 32 MiB on TPU7x) when that suffices.
-
-    Estimate: ~30 f32 [L, max(L, 128)] tiles per value head of the block (its blocks, scratch
-    and the batched delta rule's temporaries; the v5e compile reports at 397B shapes, L=64,
-    D=128: 3.3, 6.5, 13.5, 29.1, 58.8 MiB at kb = 1, 2, 4, 8, 16), with 25% headroom, capped
-    at 60 MiB.
-    """
-    need = 1.25 * geom.hb * 30 * geom.L * max(geom.L, _LANES) * 4
-    return None if need <= _VMEM_MIN else int(min(need, _VMEM_MAX))
 
 
 # ----------------------------------------------------------------------------- kernel helpers
@@ -242,53 +158,55 @@ def _decode_head(s, q_col, k_col, v, g, beta):
 def _decode_kernel(
     # Scalar prefetch
     layer_ref,  # i32[1] layer of the stacked states
-    slot_ref,  # i32[T] state slot of each row
-    flags_ref,  # i32[T] VALID (real row) | FRESH
+    slot_ref,  # i32[T'] state slot of each row (T' = steps * rb, padded)
+    flags_ref,  # i32[T'] VALID (real row) | FRESH; 0 on padding rows
     # Inputs
     alog_ref, dtb_ref,  # f32[1, hb] this head block's A_log, dt_bias
-    x_ref,  # [1, cb] this row's pre-conv channels of the block
-    a_ref, b_ref,  # [1, hb] this row's gate inputs
+    x_ref,  # [rb, 1, cb] this step's rows' pre-conv channels of the block
+    a_ref, b_ref,  # [rb, 1, hb] this step's rows' gate inputs
     w_ref,  # [K, cb] conv weights of the block
     cs_hbm, rs_hbm,  # [Lyr, S, rows, C], [Lyr, S, Hv, Dk, Dv] (ANY; aliased to cs_out, rs_out)
     # Outputs
-    o_ref,  # [hb, Dv]
+    o_ref,  # [rb, hb, Dv]
     cs_out, rs_out,
-    # Scratch, double buffered: buffer slot t % 2 holds row t's state (gdn_decode_pipeline)
-    cs_buf,  # [2, rows, cb] conv state of the block (in and out; rows K-1.. are padding)
-    s_buf,  # [2, hb, Dk, Dv] recurrent state block in its dtype (in and out)
-    sems,  # DMA semaphores [2 (FETCH, WRITE_BACK), 2 buffer slots, _NUM_SEMS]
+    # Scratch, double buffered: buffer i % 2 holds step i's rb rows (gdn_decode_pipeline)
+    cs_buf,  # [2, rb, rows, cb] conv states of the block (in and out; rows K-1.. are padding)
+    s_buf,  # [2, rb, hb, Dk, Dv] recurrent state blocks in their dtype (in and out)
+    sems,  # DMA semaphores [2 (FETCH, WRITE_BACK), 2 buffers, rb, _NUM_SEMS]
     *, geom,
 ):
     j = pl.program_id(0)
 
-    def transfer(row, buf, direction):  # the same descriptors for a copy's start and wait
+    def transfer(row, buf, r, direction):  # the same descriptors for a copy's start and wait
         out = direction == WRITE_BACK
         pairs = _state_copies(geom, j, layer_ref[0], slot_ref[row], cs_out if out else cs_hbm,
-                              rs_out if out else rs_hbm, cs_buf.at[buf], s_buf.at[buf])
-        return [pltpu.make_async_copy(*(pair[::-1] if out else pair), sems.at[direction, buf, i])
+                              rs_out if out else rs_hbm, cs_buf.at[buf, r], s_buf.at[buf, r])
+        return [pltpu.make_async_copy(*(pair[::-1] if out else pair),
+                                      sems.at[direction, buf, r, i])
                 for i, pair in enumerate(pairs)]
 
-    def padding():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    def padding(r):
+        o_ref[r] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
 
-    def zero_state(buf):
-        cs_buf[buf] = jnp.zeros(cs_buf.shape[1:], cs_buf.dtype)
-        s_buf[buf] = jnp.zeros(s_buf.shape[1:], s_buf.dtype)
+    def zero_state(buf, r):
+        cs_buf[buf, r] = jnp.zeros(cs_buf.shape[2:], cs_buf.dtype)
+        s_buf[buf, r] = jnp.zeros(s_buf.shape[2:], s_buf.dtype)
 
-    def compute(buf):
-        cs, st = cs_buf.at[buf], s_buf.at[buf]
-        y = _decode_conv(cs, x_ref[...], w_ref)  # f32[1, cb]
+    def compute(buf, r):
+        cs, st = cs_buf.at[buf, r], s_buf.at[buf, r]
+        y = _decode_conv(cs, x_ref[r], w_ref)  # f32[1, cb]
         qs, ks, vs = _decode_heads(y, geom)
-        g, beta = gates(a_ref[...], b_ref[...], alog_ref[...], dtb_ref[...])  # f32[1, hb]
+        g, beta = gates(a_ref[r], b_ref[r], alog_ref[...], dtb_ref[...])  # f32[1, hb]
         outs = []
         for h in range(geom.hb):
             o, s = _decode_head(st[h].astype(F32), qs[h], ks[h], vs[h], g[:, h : h + 1],
                                 beta[:, h : h + 1])
             st[h] = s.astype(st.dtype)
             outs.append(o)
-        o_ref[...] = jnp.concatenate(outs, axis=0).astype(o_ref.dtype)
+        o_ref[r] = jnp.concatenate(outs, axis=0).astype(o_ref.dtype)
 
-    pipelined_rows(flags_ref, transfer, zero_state=zero_state, compute=compute, padding=padding)
+    pipelined_steps(flags_ref, geom.rb, transfer, zero_state=zero_state, compute=compute,
+                    padding=padding)
 
 
 # ----------------------------------------------------------------------------- chunk kernel
@@ -519,18 +437,26 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
         return pl.BlockSpec((sq, sq, *shape), lambda j, i, *_: (j, i) + (0,) * len(shape))
 
     if decode:
+        rb = geom.rb
+        steps, kernel = -(-T // rb), _decode_kernel
+        pad = steps * rb - T  # padding rows: flags 0, slot 0, zero inputs; never move state
         slots, kvl, real = decode_rows(kv_lens, state_slots, num_seqs, T)
         flags = (real * VALID + (real & (kvl <= 1)) * FRESH).astype(jnp.int32)
-        prefetch = (layer, slots.astype(jnp.int32), flags)
-        steps, kernel = T, _decode_kernel
-        x_in = jnp.moveaxis(_to_blocks(mixed_qkv, geom), 1, 0)[:, :, None, :]  # [nb, T, 1, cb]
-        a_in, b_in = (jnp.moveaxis(_head_blocks(z, geom), 1, 0)[:, :, None, :]  # [nb, T, 1, hb]
-                      for z in (a, b))
-        x_spec, ab_spec, o_spec = per_step(1, cb), per_step(1, hb), per_step(hb, Dv)
-        o_shape = (nb, T, hb, Dv)
-        scratch = [pltpu.VMEM((2, conv_state.shape[2], cb), conv_state.dtype),
-                   pltpu.VMEM((2, hb, geom.Dk, Dv), rec_state.dtype),
-                   pltpu.SemaphoreType.DMA((2, 2, _NUM_SEMS))]
+        prefetch = (layer, jnp.pad(slots.astype(jnp.int32), (0, pad)), jnp.pad(flags, (0, pad)))
+        rows = lambda z: jnp.pad(z, ((0, 0), (0, pad), (0, 0), (0, 0)))  # noqa: E731 axis 1
+        x_in = rows(jnp.moveaxis(_to_blocks(mixed_qkv, geom), 1, 0)[:, :, None, :])
+        a_in, b_in = (rows(jnp.moveaxis(_head_blocks(z, geom), 1, 0)[:, :, None, :])
+                      for z in (a, b))  # x_in [nb, T', 1, cb], a_in, b_in [nb, T', 1, hb]
+
+        def per_rows(*shape):  # block (j, step i) of an [nb, T', *shape] array: rb rows
+            return pl.BlockSpec((sq, rb, *shape), lambda j, i, *_: (j, i) + (0,) * len(shape))
+
+        x_spec, ab_spec, o_spec = per_rows(1, cb), per_rows(1, hb), per_rows(hb, Dv)
+        o_shape = (nb, steps * rb, hb, Dv)
+        scratch = [pltpu.VMEM((2, rb, conv_state.shape[2], cb), conv_state.dtype),
+                   pltpu.VMEM((2, rb, hb, geom.Dk, Dv), rec_state.dtype),
+                   pltpu.SemaphoreType.DMA((2, 2, rb, _NUM_SEMS))]
+        vmem = decode_vmem_limit(geom, rec_state.dtype.itemsize, conv_state.dtype.itemsize)
     else:
         N = num_chunk_slots(T, R, L)
         lay = chunk_layout(cu_q_lens, kv_lens, state_slots, num_seqs, L, N)
@@ -552,6 +478,7 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
                    pltpu.VMEM((hb, geom.Dk, Dv), F32),
                    pltpu.VMEM((hb, geom.Dk, Dv), rec_state.dtype),
                    pltpu.SemaphoreType.DMA((_NUM_SEMS,))]
+        vmem = chunk_vmem_limit(geom)
 
     n_pre = len(prefetch)
     o, conv_state, rec_state = pl.pallas_call(
@@ -571,13 +498,13 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
         input_output_aliases={n_pre + 6: 1, n_pre + 7: 2},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
-            vmem_limit_bytes=None if decode else chunk_vmem_limit(geom)),
+            vmem_limit_bytes=vmem),
         cost_estimate=cost,
         interpret=interpret,
     )(*prefetch, alog, dtb, x_in, a_in, b_in, w, conv_state, rec_state)
 
     if decode:
-        return jnp.moveaxis(o, 1, 0).reshape(T, geom.Hv, Dv), conv_state, rec_state
+        return jnp.moveaxis(o[:, :T], 1, 0).reshape(T, geom.Hv, Dv), conv_state, rec_state
     req, pos, valid = token_meta(cu_q_lens, num_seqs, T)
     chunk = jnp.clip(lay.first_chunk[req] + pos // L, 0, N - 1)  # i32[T]
     # One gather of whole rows. Gathering o[:, chunk, :, pos % L] from an [nb, N, hb, L, Dv]

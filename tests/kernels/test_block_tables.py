@@ -120,19 +120,23 @@ def _gdn_case(hk=2, hv=4, d=128, k=4, reqs=2):
             jnp.asarray([reqs], jnp.int32))
 
 
-@pytest.mark.parametrize("over,want_kb", [(None, 1), ({"k_heads_per_block": 2}, 2),
-                                          ({"k_heads_per_block": 3}, 1)])
-def test_gdn_wrapper_takes_the_table(monkeypatch, over, want_kb):
-    """Hk 2, D 128: the default block is one qk head; the fake chip's 2 is taken, its 3
-    (not a divisor of Hk) falls back to 1; the output matches the reference either way."""
+@pytest.mark.parametrize("over,want", [
+    (None, (1, 2)), ({"k_heads_per_block": 2}, (2, 2)), ({"k_heads_per_block": 3}, (1, 2)),
+    ({"rows_per_step": 1}, (1, 1)), ({"rows_per_step": 0}, (1, 2)),
+    ({"rows_per_step": 16}, (1, 2)), ({"k_heads_per_block": 2, "rows_per_step": 1}, (2, 1))])
+def test_gdn_wrapper_takes_the_table(monkeypatch, over, want):
+    """Hk 2, D 128, T 2 decode rows: the default block is one qk head and 2 rows per step
+    (8 capped at T); the fake chip's 2 heads is taken, its 3 (not a divisor of Hk) falls back
+    to 1; its rows_per_step 1 is taken, 0 (illegal) gives the default, 16 is capped at T; the
+    output matches the reference either way."""
     _fake_chip(monkeypatch, "gdn", over)
     seen = []
-    _spy(monkeypatch, gdn_kernels, "pallas_gdn", seen, lambda a, k: k["geom"].kb)
+    _spy(monkeypatch, gdn_kernels, "pallas_gdn", seen, lambda a, k: (k["geom"].kb, k["geom"].rb))
     args = _gdn_case()
     got = gdn.gated_delta_net(*args, num_k_heads=2, decode=True, impl="interpret")
-    want = gdn.ref_gated_delta_net(*args, num_k_heads=2, decode=True)
-    assert seen == [want_kb]
-    for g, w in zip(got, want):
+    want_out = gdn.ref_gated_delta_net(*args, num_k_heads=2, decode=True)
+    assert seen == [want]
+    for g, w in zip(got, want_out):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4)
 
 

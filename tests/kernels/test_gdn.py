@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from sglang_tpu_backend.kernels import gdn, gdn_kernels  # noqa: E402
+from sglang_tpu_backend.kernels import gdn, gdn_geometry, gdn_kernels  # noqa: E402
 from sglang_tpu_backend.kernels.gdn_common import conv_state_rows  # noqa: E402
 
 # On a TPU (the TPU leg) f32 exp / log1p / rsqrt are not correctly rounded and HIGHEST
@@ -389,35 +389,47 @@ def test_pallas_decode_matches_reference(dtype, state_dtype, d, k_heads_per_bloc
     _assert_slots_untouched(got, case, (0, 5, 6, 7))  # slots of no real request
 
 
-# The decode kernel's state DMAs are software-pipelined over the rows of a head block (fetch
-# of row t+1 and write-back of row t-1 in flight around row t; kernels/gdn_decode_pipeline.py).
-# 37 rows: F fresh, C continuing (fetched), . padding. The op itself only pads at the end
-# (rows >= num_seqs); the padding rows inside are made by masking the kernel's row flags, so
-# every neighbour pattern of the pipeline occurs: first row fresh, fresh and padding rows
-# between fetches, runs of padding rows, the last rows padding.
-PIPELINE_ROWS = "FC.CCF..CFCC...CFFC.C.FCCCF.CC.FC.F.."
+# The decode kernel runs rb = rows_per_step rows per grid step (the wrapper pads the rows to a
+# multiple of rb) and software-pipelines its state DMAs across steps (the rb fetches of step
+# i+1 in flight while step i computes, write-backs drained one step later or at the last step;
+# kernels/gdn_decode_pipeline.py). Patterns of rows: F fresh, C continuing (fetched), .
+# padding. The op itself only pads at the end (rows >= num_seqs: the trailing dots); the
+# padding rows inside are made by masking the kernel's row flags, so every neighbour pattern
+# of the pipeline occurs: first row fresh, fresh and padding rows between fetches, runs of
+# padding rows, the last rows padding; "37-idle" has rows 8..15 padding, a grid step of only
+# padding rows at rb = 8 (and at rb = 3, rows 9..14); 37 and 5 are multiples of neither 3 nor 8.
+PIPELINE_ROWS = {
+    "37": "FC.CCF..CFCC...CFFC.C.FCCCF.CC.FC.F..",
+    "37-idle": "FC.CF..C........CFCC.FC.CCF.C..FCFC..",
+    "5": "CF.C.",
+}
 PIPELINE_PARAMS = {  # interpret-mode DMA semantics the pipeline must be right under
     "on_wait": dict(),  # a copy moves its data when waited: catches late or missing waits
     "eager_races": dict(dma_execution_mode="eager", detect_races=True),
     "two_cores": dict(num_cores_or_threads=2),  # megacore: head blocks split over cores
 }
+NUM_SLOTS = 48
 
 
-@pytest.mark.parametrize("params", list(PIPELINE_PARAMS))
-@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-def test_pallas_decode_pipeline_many_rows(monkeypatch, params, state_dtype):
-    n = len(PIPELINE_ROWS)
-    real = np.array([c != "." for c in PIPELINE_ROWS])
+def _masked_rows_case(pattern, state_dtype):
+    """A decode batch following ``pattern`` (hk=4, Dk=64: two lane-aligned head blocks of
+    kb=2), states stacked over 3 layers, layer 1 used. Returns (case, hk, real, slots)."""
+    n = len(pattern)
+    real = np.array([c != "." for c in pattern])
     rng = np.random.default_rng(21)
-    slots = rng.permutation(np.arange(1, 48))[:n]  # distinct slots of the real rows
+    slots = rng.permutation(np.arange(1, NUM_SLOTS))[:n]  # distinct slots of the real rows
     pad_rows = np.flatnonzero(~real)
     slots[pad_rows] = slots[rng.choice(np.flatnonzero(real), len(pad_rows))]  # not written
-    context = [0 if c == "F" else int(rng.integers(1, 9)) for c in PIPELINE_ROWS]
-    # hk=4, Dk=64, kb=2: two lane-aligned head blocks of 2 qk / 4 value heads.
-    case, hk = make_case(20, [1] * n, hk=4, hv=8, dk=64, dv=64, num_slots=48, context=context,
-                         slots=list(slots), state_dtype=state_dtype)
-    case["num_seqs"] = jnp.asarray([n - 2], jnp.int32)  # the last two rows: the op's padding
-    case = _stack_layers(case, 1, 3, seed=22)
+    context = [0 if c == "F" else int(rng.integers(1, 9)) for c in pattern]
+    case, hk = make_case(20, [1] * n, hk=4, hv=8, dk=64, dv=64, num_slots=NUM_SLOTS,
+                         context=context, slots=list(slots), state_dtype=state_dtype)
+    case["num_seqs"] = jnp.asarray([len(pattern.rstrip("."))], jnp.int32)  # the op's padding
+    return _stack_layers(case, 1, 3, seed=22), hk, real, slots
+
+
+def _run_masked_rows(monkeypatch, case, hk, real, rows_per_step, params="on_wait"):
+    """The decode kernel (interpret mode, ``PIPELINE_PARAMS[params]``) with the row flags of
+    the rows where ``real`` is False masked to padding."""
     mask = jnp.asarray(real)
     decode_rows = gdn_kernels.decode_rows
     monkeypatch.setattr(gdn_kernels, "decode_rows", lambda *a: (
@@ -425,10 +437,12 @@ def test_pallas_decode_pipeline_many_rows(monkeypatch, params, state_dtype):
     monkeypatch.setattr(gdn.dispatch, "interpret_params",  # (on the TPU leg: compiled)
                         lambda resolved: pltpu.InterpretParams(**PIPELINE_PARAMS[params])
                         if resolved == "interpret" else False)
-    fresh_jit = jax.jit(gdn.gated_delta_net,  # (a cached trace would skip the patches)
+    # A new function object per call: jit caches traces by the traced function, and a trace
+    # cached for another row mask (same shapes) would skip this one's patches.
+    fresh_jit = jax.jit(lambda **kw: gdn.gated_delta_net(**kw),
                         static_argnames=("num_k_heads", "decode", "impl", "block_sizes"))
     got = run(fresh_jit, case, hk, decode=True, layer=jnp.int32(1), impl="interpret",
-              block_sizes=gdn.GdnBlockSizes(k_heads_per_block=2))
+              block_sizes=gdn.GdnBlockSizes(k_heads_per_block=2, rows_per_step=rows_per_step))
     # Dispatching JAX ops while the interpreter's callbacks still run can deadlock: wait.
     got = jax.block_until_ready(got)
     if PIPELINE_PARAMS[params].get("detect_races"):  # (private state; checked where present)
@@ -438,7 +452,12 @@ def test_pallas_decode_pipeline_many_rows(monkeypatch, params, state_dtype):
             ipc = None
         races = getattr(ipc, "races", None)
         assert not getattr(races, "races_found", False), "the interpreter found a data race"
+    return got
 
+
+def _check_masked_rows(got, case, hk, real, slots, state_dtype):
+    """The real rows match the reference run on them alone; padding rows output zeros; every
+    slot of other layers and of no real row is bit-identical."""
     idx = np.flatnonzero(real)  # the reference runs the real rows only
     sub = dict(case, mixed_qkv=case["mixed_qkv"][idx], a=case["a"][idx], b=case["b"][idx],
                cu_q_lens=jnp.arange(len(idx) + 1, dtype=jnp.int32),
@@ -446,14 +465,57 @@ def test_pallas_decode_pipeline_many_rows(monkeypatch, params, state_dtype):
                num_seqs=jnp.asarray([len(idx)], jnp.int32))
     want = run(ref_chunked, sub, hk, decode=True, layer=1)
     tol = F32_TOL if state_dtype == jnp.float32 else BF16_TOL
+    assert got[0].shape == case["mixed_qkv"].shape[:1] + (8, 64)
     assert_close(got[0][idx], want[0], tol, "o of real rows")
     assert np.all(np.asarray(got[0])[~real] == 0), "o of padding rows"
     assert_close(got[1], want[1], tol, "conv state")
     assert_close(got[2], want[2], tol, "rec state")
-    untouched = sorted(set(range(48)) - set(slots[idx].tolist()))
+    untouched = sorted(set(range(NUM_SLOTS)) - set(slots[idx].tolist()))
     for layer in (0, 2):  # other layers: every slot
-        _assert_slots_untouched(got, case, range(48), layer)
+        _assert_slots_untouched(got, case, range(NUM_SLOTS), layer)
     _assert_slots_untouched(got, case, untouched, layer=1)  # incl. the padding rows' slots
+
+
+@pytest.mark.parametrize("rows_per_step", [1, 3, 8])
+@pytest.mark.parametrize("params", list(PIPELINE_PARAMS))
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_decode_pipeline_many_rows(monkeypatch, params, state_dtype, rows_per_step):
+    case, hk, real, slots = _masked_rows_case(PIPELINE_ROWS["37"], state_dtype)
+    got = _run_masked_rows(monkeypatch, case, hk, real, rows_per_step, params)
+    _check_masked_rows(got, case, hk, real, slots, state_dtype)
+
+
+@pytest.mark.parametrize("rows_per_step", [1, 3, 8])
+@pytest.mark.parametrize("pattern", ["5", "37-idle"])
+def test_pallas_decode_rows_per_step(monkeypatch, pattern, rows_per_step):
+    case, hk, real, slots = _masked_rows_case(PIPELINE_ROWS[pattern], jnp.float32)
+    got = _run_masked_rows(monkeypatch, case, hk, real, rows_per_step)
+    _check_masked_rows(got, case, hk, real, slots, jnp.float32)
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_decode_rows_per_step_bit_equal(monkeypatch, state_dtype):
+    # The same rows, 8 per grid step or 1: the same per-row math, so the same bits (outputs,
+    # both states, every slot of every layer -- the untouched ones included).
+    case, hk, real, _ = _masked_rows_case(PIPELINE_ROWS["37-idle"], state_dtype)
+    one = _run_masked_rows(monkeypatch, case, hk, real, 1)
+    eight = _run_masked_rows(monkeypatch, case, hk, real, 8)
+    for a, b, name in zip(one, eight, ("o", "conv_state", "rec_state")):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), name
+
+
+def test_default_rows_per_step():
+    # 8 rows per step unless VMEM caps it (halved until the estimate fits 12 MiB), at most T.
+    def geom(kb):  # 397B heads
+        return gdn_kernels.Geometry(Hk=16, Hv=64, Dk=128, Dv=128, K=4, kb=kb, L=1)
+
+    assert gdn_geometry.default_rows_per_step(geom(1), 64, 2, 2) == 8
+    assert gdn_geometry.default_rows_per_step(geom(1), 64, 4, 2) == 8
+    assert gdn_geometry.default_rows_per_step(geom(1), 5, 4, 2) == 5
+    assert gdn_geometry.default_rows_per_step(geom(8), 64, 4, 2) < 8  # 32 heads: 4 MiB a row
+    for kb in (1, 2, 4, 8, 16):
+        rb = gdn_geometry.default_rows_per_step(geom(kb), 64, 4, 2)
+        assert gdn_geometry.decode_vmem_bytes(geom(kb), rb, 4, 2) <= 12 << 20 or rb == 1
 
 
 @pytest.mark.parametrize("dtype,state_dtype,d,k_heads_per_block", [
@@ -626,6 +688,10 @@ def test_bad_heads_and_blocks_raise():
     with pytest.raises(ValueError, match="multiples of 128"):  # Dk=16: 1 qk head is 16 lanes
         gdn.gated_delta_net(**case, num_k_heads=2, impl="interpret",
                             block_sizes=gdn.GdnBlockSizes(k_heads_per_block=1))
+    for rb in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="rows_per_step"):
+            gdn.gated_delta_net(**case, num_k_heads=2, decode=True, impl="interpret",
+                                block_sizes=gdn.GdnBlockSizes(rows_per_step=rb))
     with pytest.raises(ValueError, match="chunk_size"):
         gdn.gated_delta_net(**case, num_k_heads=2, chunk_size=0, impl="reference")
     for layer in (-1, 1):  # Lyr = 1

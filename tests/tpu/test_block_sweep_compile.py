@@ -3,7 +3,8 @@ v5e at the 397B shapes (about 40 s on a 2-core CPU), printed, not written (--dry
 
 The untimed entry keeps the shape default (no overrides); every candidate compiles, and the
 chunk kernel's VMEM grows with the head block (3.3 / 6.5 / 13.5 / 29.1 MiB at
-k_heads_per_block 1 / 2 / 4 / 8 when this was written), within a v5e TensorCore's 128 MiB.
+k_heads_per_block 1 / 2 / 4 / 8 when this was written), within a v5e TensorCore's 128 MiB; the
+decode kernel's rows_per_step candidates (1 / 2 / 4 / 16 beside the default 8) compile too.
 """
 
 from __future__ import annotations

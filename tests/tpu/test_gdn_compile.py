@@ -1,4 +1,5 @@
-"""TPU7x compile tests of the GDN kernels (kernels/gdn_kernels.py) through kernels/gdn.py.
+"""TPU7x compile tests of the GDN kernels (kernels/gdn_kernels.py) through kernels/gdn.py (the
+decode kernel's rows per grid step also for v5e).
 
 Each case lowers ``gated_delta_net(..., impl="pallas")`` with Mosaic for one Ironwood
 TensorCore from abstract arrays, the layer passed as a traced scalar (as under the model's
@@ -12,6 +13,7 @@ every step. The 397B cases assert that no such copy exists (``_assert_states_not
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -21,7 +23,8 @@ import pytest  # noqa: E402
 
 from sglang_tpu_backend.kernels import gdn, gdn_verify  # noqa: E402
 from sglang_tpu_backend.kernels.gdn_common import conv_state_rows  # noqa: E402
-from sglang_tpu_backend.kernels.tpu_compile import abstract, compile_for_tpu  # noqa: E402
+from sglang_tpu_backend.kernels.tpu_compile import (abstract, compile_for_tpu,  # noqa: E402
+                                                   core_mesh)
 
 BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
 TINY = dict(hk=2, hv=4, d=32, layers=6, slots=16)  # C = 2*2*32 + 4*32 = 256
@@ -39,18 +42,18 @@ def _shapes(model, *, tokens, reqs, state_dtype, slots=None):
             ((reqs,), I32), ((1,), I32), ((), I32)]
 
 
-def _step(model, decode):
+def _step(model, decode, block_sizes=None):
     def step(*a):
         return gdn.gated_delta_net(*a[:12], num_k_heads=model["hk"], decode=decode,
-                                   layer=a[12], impl="pallas")
+                                   layer=a[12], impl="pallas", block_sizes=block_sizes)
 
     return step
 
 
-def _compile(mesh, model, *, tokens, reqs, decode, state_dtype, slots=None):
+def _compile(mesh, model, *, tokens, reqs, decode, state_dtype, slots=None, block_sizes=None):
     shapes = _shapes(model, tokens=tokens, reqs=reqs, state_dtype=state_dtype, slots=slots)
     args = [abstract(shape, dtype, mesh) for shape, dtype in shapes]
-    return compile_for_tpu(_step(model, decode), args, mesh, donate_argnums=(6, 7))
+    return compile_for_tpu(_step(model, decode, block_sizes), args, mesh, donate_argnums=(6, 7))
 
 
 def _assert_states_not_copied(report, model, state_dtype, slots=None):
@@ -80,6 +83,29 @@ def test_qwen_decode(mesh, record, tokens, state_dtype, slots):
                       state_dtype=state_dtype, slots=slots)
     record(f"gdn 397B decode T=R={tokens} {jnp.dtype(state_dtype).name} state", report)
     _assert_states_not_copied(report, QWEN, state_dtype, slots)
+
+
+@functools.lru_cache(maxsize=None)
+def _v5e_mesh():
+    return core_mesh("v5e:2x2")
+
+
+# Decode rows per grid step (GdnBlockSizes.rows_per_step): 1, 3 (T = 64 not a multiple: the
+# wrapper pads), 8 (the default), 16; on TPU7x and on v5e (16 GiB of HBM: 64 state slots).
+@pytest.mark.parametrize("chip", ["tpu7x", "v5e"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("model,state_dtype,slots", [(TINY, F32, None), (QWEN, BF16, None),
+                                                     (QWEN, F32, 128)],
+                         ids=["tiny", "397B-bf16", "397B-fp32"])
+def test_decode_rows_per_step(mesh, record, chip, rows, model, state_dtype, slots):
+    m = mesh if chip == "tpu7x" else _v5e_mesh()
+    slots = slots if chip == "tpu7x" or model is TINY else 64
+    report = _compile(m, model, tokens=64, reqs=64, decode=True, state_dtype=state_dtype,
+                      slots=slots, block_sizes=gdn.GdnBlockSizes(rows_per_step=rows))
+    record(f"gdn {chip} {'397B' if model is QWEN else 'tiny'} decode T=R=64 rb={rows} "
+           f"{jnp.dtype(state_dtype).name} state", report)
+    if model is QWEN:
+        _assert_states_not_copied(report, QWEN, state_dtype, slots)
 
 
 @pytest.mark.parametrize("state_dtype,slots", [(BF16, None), (F32, 128)], ids=["bf16", "fp32"])
