@@ -15,6 +15,9 @@ subprocess with ``--devices`` CPU devices, in the order raw, load, load, raw, fr
         sequential figure);
   load  ``sharded_loader.load_sharded`` with the DP x EP shardings over the devices, FP8
         experts kept as on TPU (routed experts split over the devices, the rest replicated);
+        the first with an empty persistent compilation cache, the second with the one the
+        first filled (the engine keeps one by default), so the second pays no compiles of the
+        loader's write programs;
   fresh raw reads of every file into its own fresh huge-page-advised buffer, all kept: the
         memory's first touches included, as a load's;
   touch no reads: fresh memory of the checkpoint's size faulted in, the cost of the memory
@@ -192,6 +195,10 @@ def run_load(ckpt: Path, devices: int) -> dict:
     cfg = load_model_config(ckpt)
     dp = DPForward(cfg, make_mesh(devices))
     shardings = dp.param_shardings(param_shapes(cfg, jnp.bfloat16, fp8_experts=True))
+    if os.environ.get("BENCH_LOAD_COMPILE_CACHE"):  # the engine's default: a persistent cache
+        from sglang_tpu_backend.model_executor.compile_cache import enable_persistent_cache
+
+        enable_persistent_cache(os.environ["BENCH_LOAD_COMPILE_CACHE"])
     jax.block_until_ready(jax.jit(lambda: jnp.zeros(8))())  # backend up before the baseline
     compiles = []  # seconds of each backend compile during the load (any thread)
     jax.monitoring.register_event_duration_secs_listener(
@@ -208,13 +215,13 @@ def run_load(ckpt: Path, devices: int) -> dict:
 
 
 # Driver ---------------------------------------------------------------------------------
-def _child(kind: str, ckpt: Path, devices: int, platform: str) -> dict:
+def _child(kind: str, ckpt: Path, devices: int, platform: str, cache: Path) -> dict:
     # Transparent huge pages for malloc's large blocks (glibc >= 2.35; ignored by older ones):
     # where THP is madvise-only, first touches of fresh 4 KiB pages ran at ~0.35 GB/s on this
     # VM and dominated the load (every leaf lands in fresh host-memory "device" buffers).
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, JAX_PLATFORMS=platform, PYTHONPATH=path,  # keep where jax lives
-               GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+               GLIBC_TUNABLES="glibc.malloc.hugetlb=1", BENCH_LOAD_COMPILE_CACHE=str(cache))
     if platform == "cpu":
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     out = subprocess.run([sys.executable, __file__, "--child", kind, "--dir", str(ckpt),
@@ -254,11 +261,13 @@ def main() -> None:
         runs = {"raw": [], "load": [], "fresh": [], "touch": []}
         for kind in ("raw", "load", "load", "raw", "fresh", "touch"):
             drop_from_page_cache(ckpt)
-            r = _child(kind, ckpt, a.devices, a.platform)
+            r = _child(kind, ckpt, a.devices, a.platform, root / "compile-cache")
             runs[kind].append(r)
             gbs = r["bytes"] / r["seconds"] / 1e9
             line = f"{kind:5s} {r['bytes'] / 1e9:6.2f} GB in {r['seconds']:6.2f} s = {gbs:5.2f} GB/s"
             if kind == "load":
+                line += (" with an empty" if len(runs["load"]) == 1 else " with a filled") + \
+                    " persistent compilation cache"
                 extra = r["hwm"] - r["rss_after"]
                 line += (f" ({r['compiles']} programs compiled, {r['compile_seconds']:.2f} s "
                          f"summed over threads; reading waited for {r['read_seconds']:.2f} s; host reads "
@@ -270,8 +279,11 @@ def main() -> None:
         speed = {k: statistics.mean(r["bytes"] / r["seconds"] for r in v) / 1e9
                  for k, v in runs.items()}
         worst = max(r["hwm"] - r["rss_after"] for r in runs["load"])
+        cold, warm = (r["bytes"] / r["seconds"] / 1e9 for r in runs["load"])
         print(f"mean: raw {speed['raw']:.2f} GB/s, load {speed['load']:.2f} GB/s = "
-              f"{speed['load'] / speed['raw']:.0%} of raw (target >= 70%); fresh memory faulted "
+              f"{speed['load'] / speed['raw']:.0%} of raw (target >= 70%; with an empty "
+              f"compilation cache {cold / speed['raw']:.0%}, a filled one "
+              f"{warm / speed['raw']:.0%}); fresh memory faulted "
               f"in at {speed['touch']:.2f} GB/s, read into at {speed['fresh']:.2f} GB/s (the load "
               f"is {speed['load'] / speed['fresh']:.0%} of that); peak host memory beyond the "
               f"weights {worst / largest:.2f}x the largest layer (target <= 1.5x)")

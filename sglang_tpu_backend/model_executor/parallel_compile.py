@@ -3,7 +3,8 @@ programs compiled ahead of time (``jitted.lower(...).compile()``) in a thread po
 ``warmup.warm_up`` runs them one by one; each run then finds its executable in its jit's own
 cache and compiles nothing. One forward per bucket, one multi-step program per DECODE bucket
 (the sampler variants are branches of it: ``multistep.py``), one sampler per (R, L), sampler
-variant and top-logprob count.
+variant and top-logprob count, and the prefix cache's GDN snapshot copies (two per copy
+bucket, ``state_snapshots.py``).
 
 XLA compiles outside the GIL, so on a many-core TPU host the programs compile at the same
 time; tracing and lowering are Python, so they run one after another on the calling thread,
@@ -107,9 +108,12 @@ def tasks(runner: Any, shapes: list, skip_samplers: frozenset = frozenset()) -> 
 
 
 def precompile(runner: Any, shapes: list, threads: int) -> int:
-    """Lower ``tasks(runner, shapes)`` one by one here and compile them on ``threads``
-    workers; returns how many programs. A failed compile raises here, before any step runs."""
+    """Lower ``tasks(runner, shapes)`` and the prefix cache's snapshot copies one by one here
+    and compile them on ``threads`` workers; returns how many programs. A failed compile
+    raises here, before any step runs."""
     todo = tasks(runner, shapes)
+    if runner.snapshots is not None:
+        todo += runner.snapshots.lower_copies(runner.cache)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads, thread_name_prefix="warmup-compile") as pool:
         compiling = [pool.submit(task().compile) for task in todo]

@@ -126,6 +126,19 @@ class GDNSnapshots:
         self.conv, self.rec = self._copy(self.conv, self.rec, cache.conv_state, cache.rec_state,
                                          src, dst)
 
+    def lower_copies(self, cache: ModelCache) -> list:
+        """Tasks lowering each copy program ``warmup`` runs (into the slots, then into the
+        snapshots, per bucket; ``parallel_compile`` compiles them ahead). One device only."""
+        def lower(K: int, into_slots: bool):
+            if into_slots:
+                src, dst = self._indices([], self.num_slots, K)
+                return self._copy.lower(cache.conv_state, cache.rec_state, self.conv, self.rec,
+                                        src, dst)
+            src, dst = self._indices([], self.num_snapshots, K)
+            return self._copy.lower(self.conv, self.rec, cache.conv_state, cache.rec_state,
+                                    src, dst)
+        return [lambda K=K, i=i: lower(K, i) for K in self.buckets for i in (True, False)]
+
     def warmup(self, cache: ModelCache) -> ModelCache:
         """Compile every copy program (all-padding copies: nothing changes)."""
         self._announce(Op.SNAPSHOT_WARM_UP, [])

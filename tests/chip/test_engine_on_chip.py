@@ -67,6 +67,31 @@ def test_engine_starts_serves_and_shuts_down():
     assert not eng.engine.loop.is_running
 
 
+def test_staged_warmup_compiles_off_the_serving_thread_on_the_chip():
+    """The TPU default: ready after the first stage, serving while the second compiles; after
+    it, decode steps take their own buckets and multi-step launches and nothing compiles (the
+    programs lowered on ShapeDtypeStructs of the TPU arrays, layouts included, have the
+    serving calls' cache keys)."""
+    from sglang_tpu_backend.model_executor.compile_cache import CompileCounter
+
+    eng = _engine(compilation_cache_dir="")
+    try:
+        bg = eng.engine.background_warmup
+        assert bg is not None
+        sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+        early = eng.generate(["The sea is", "Once upon a time"], sp)
+        assert bg.wait(timeout=300), bg.status()
+        assert bg.status()["stage"] == "complete", bg.status()
+        counter, launches = CompileCounter(), eng.engine.scheduler.num_multistep_launches
+        late = eng.generate(["The sea is", "Once upon a time"] + ["A B C"] * 6, sp)
+        assert counter.lowerings == 0, counter.compiled_names
+        assert eng.engine.scheduler.num_multistep_launches > launches
+        assert all(len(o["output_ids"]) == 24 for o in early + late)
+        print(f"\nstaged warm-up on the chip: {bg.status()}")
+    finally:
+        eng.shutdown()
+
+
 def _cpu_teacher_forced(model_path, sequences: list[list[int]], prompt_lens: list[int]):
     """For each sequence, the CPU reference's logits f32[n_generated, V] at the positions that
     predict its generated tokens (one prefill of the whole sequence on the CPU device). Every
