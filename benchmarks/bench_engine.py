@@ -89,6 +89,7 @@ def startup_child(args: argparse.Namespace) -> None:
 
     per_fun: dict[str, dict[str, float]] = collections.defaultdict(
         lambda: collections.defaultdict(float))
+    timeline: list[tuple[float, str, float]] = []  # (end s, function, compile s) per program
 
     def on_duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
         if event.startswith("/jax/core/compile/"):
@@ -98,6 +99,8 @@ def startup_child(args: argparse.Namespace) -> None:
             fun = fun_name[4:-1] if fun_name.startswith("jit(") else fun_name  # one row each
             per_fun[fun][name] += seconds
             per_fun[fun]["programs"] += name == "backend_compile"
+            if name == "backend_compile":  # (when it ended, since the process started)
+                timeline.append((time.perf_counter() - T_PROCESS, fun, seconds))
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     t0 = time.perf_counter()
@@ -119,6 +122,7 @@ def startup_child(args: argparse.Namespace) -> None:
                       "first_request_s": first, "staged": staged,
                       "all_compiled_s": time.perf_counter() - T_PROCESS,
                       "background": eng.background_warmup.status() if staged else None,
+                      "compiles_before_ready": [t for t in timeline if t[0] <= ready],
                       "compile_s": dict(compile_s), "compile_counts": dict(counts),
                       "per_function": {k: dict(v) for k, v in per_fun.items()}}))
     eng.shutdown()
@@ -283,6 +287,12 @@ def print_startup(name: str, r: dict) -> dict:
           f"after the start" + (f" (background: {r['background']})" if r["staged"] else ""))
     print("   jax compile time: " + ", ".join(
         f"{k} {v:.1f} s ({r['compile_counts'][k]})" for k, v in r["compile_s"].items()))
+    before = r["compiles_before_ready"]
+    if before:  # where the time to ready went: the longest compiles and when they ended
+        longest = sorted(before, key=lambda t: -t[2])[:TOP_N // 2]
+        print(f"   {len(before)} compiles before ready, the last ending {before[-1][0]:.1f} s "
+              "after the start; longest (function: compile s, ended at s): " + "; ".join(
+                  f"{fun} {sec:.1f} @ {end:.1f}" for end, fun, sec in longest))
     top = sorted(r["per_function"].items(), key=lambda kv: -sum(
         v for k, v in kv[1].items() if k != "programs"))[:TOP_N]
     print("   by function (seconds summed over threads: trace / lower / compile, programs): "
