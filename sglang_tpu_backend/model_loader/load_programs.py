@@ -67,29 +67,23 @@ def zeros(s: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
     return _zeros_fn(tuple(s.shape), jnp.dtype(s.dtype), sharding)()
 
 
-def zeros_key(s: jax.ShapeDtypeStruct, sharding: Any) -> Hashable:
-    return ("zeros", tuple(s.shape), jnp.dtype(s.dtype), sharding)
+def zeros_program(s: jax.ShapeDtypeStruct, sharding: Any) -> tuple[Hashable, Callable[[], Any]]:
+    """(key, lowering) of the program of ``zeros(s, sharding)``."""
+    fn = _zeros_fn(tuple(s.shape), jnp.dtype(s.dtype), sharding)
+    return ("zeros", tuple(s.shape), jnp.dtype(s.dtype), sharding), fn.lower
 
 
-def lower_zeros(s: jax.ShapeDtypeStruct, sharding: Any) -> Callable[[], Any]:
-    return lambda: _zeros_fn(tuple(s.shape), jnp.dtype(s.dtype), sharding).lower()
-
-
-def write_key(kind: str, buf: jax.ShapeDtypeStruct, sharding: Any, x_shape: tuple[int, ...],
-              x_sharding: Any, swapped: bool) -> Hashable:
-    return (kind, tuple(buf.shape), jnp.dtype(buf.dtype), sharding, tuple(x_shape), x_sharding,
-            swapped)
-
-
-def lower_write(kind: str, buf: jax.ShapeDtypeStruct, sharding: Any, x_shape: tuple[int, ...],
-                x_sharding: Any, swapped: bool) -> Callable[[], Any]:
-    """The lowering of ``writer(kind, sharding)`` on a buffer like ``buf`` (placed by
+def write_program(kind: str, buf: jax.ShapeDtypeStruct, sharding: Any, x_shape: tuple[int, ...],
+                  x_sharding: Any, swapped: bool) -> tuple[Hashable, Callable[[], Any]]:
+    """(key, lowering) of ``writer(kind, sharding)`` on a buffer like ``buf`` (placed by
     ``sharding``) and a leaf of ``x_shape`` (``buf``'s dtype) placed by ``x_sharding``."""
     def lower():
         return writer(kind, sharding).lower(
             jax.ShapeDtypeStruct(buf.shape, buf.dtype, sharding=sharding),
             jax.ShapeDtypeStruct(x_shape, buf.dtype, sharding=x_sharding), np.int32(0), swapped)
-    return lower
+    key = (kind, tuple(buf.shape), jnp.dtype(buf.dtype), sharding, tuple(x_shape), x_sharding,
+           swapped)
+    return key, lower
 
 
 class Precompiler:
@@ -103,6 +97,7 @@ class Precompiler:
         self._futures: dict[Hashable, concurrent.futures.Future] = {}
 
     def submit(self, key: Hashable, lower: Callable[[], Any]) -> None:
+        """Compile ``lower()`` unless a program of ``key`` was submitted already."""
         if key not in self._futures:
             self._futures[key] = self._pool.submit(lambda: lower().compile())
 

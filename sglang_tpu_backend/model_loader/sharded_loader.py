@@ -295,11 +295,10 @@ def _programs(st: _Step) -> list[tuple[Any, Any]]:
         kind = "rows"
     else:
         return []
-    args = (kind, st.s, st.sharding, st.shape, st.as_read, st.leaf.swapped)
-    out = [(load_programs.write_key(*args), load_programs.lower_write(*args))]
+    out = [load_programs.write_program(kind, st.s, st.sharding, st.shape, st.as_read,
+                                       st.leaf.swapped)]
     if st.layer < 0:  # a zeroed buffer first
-        out.insert(0, (load_programs.zeros_key(st.s, st.sharding),
-                       load_programs.lower_zeros(st.s, st.sharding)))
+        out.insert(0, load_programs.zeros_program(st.s, st.sharding))
     return out
 
 
@@ -339,17 +338,16 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
 
     groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
     group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
-    stack_zeros = [(s, sh) for g in zip(groups, group_shardings) for s, sh in zip(*g)]
+    stack_zeros = [load_programs.zeros_program(s, sh)
+                   for g in zip(groups, group_shardings) for s, sh in zip(*g)]
+    programs = [_programs(st) for st in steps]
     compiler = load_programs.Precompiler()
-    for s, sh in stack_zeros:
-        compiler.submit(load_programs.zeros_key(s, sh), load_programs.lower_zeros(s, sh))
-    for st in steps:
-        for key, lower in _programs(st):
-            compiler.submit(key, lower)
+    for key, lower in stack_zeros + [p for ps in programs for p in ps]:
+        compiler.submit(key, lower)
     ahead = read_ahead.ReadAhead(jobs(), max_bytes=_ahead_bytes(steps, reads))
     try:
-        for s, sh in stack_zeros:
-            compiler.wait(load_programs.zeros_key(s, sh))
+        for key, _ in stack_zeros:
+            compiler.wait(key)
         stacks = [[load_programs.zeros(s, sh) for s, sh in zip(*g)]
                   for g in zip(groups, group_shardings)]
         params: dict = {}
@@ -363,7 +361,7 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
                     last.block_until_ready()  # arrays gone (queued work would keep them)
                 x = _place_leaf(st, host, cfg.num_experts, report)
                 del host  # the host arrays go once the devices have theirs
-                for key, _ in _programs(st):
+                for key, _ in programs[n]:
                     compiler.wait(key)
                 last = _write(st, x, params, stacks)
                 del x
