@@ -45,6 +45,7 @@ import collections  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -60,7 +61,8 @@ from sglang_tpu_backend.entrypoints.offline import OfflineEngine  # noqa: E402
 from sglang_tpu_backend.server_args import ServerArgs  # noqa: E402
 
 PROMPT_LEN = 16
-TOP_N = 12  # functions / device ops listed
+TOP_N = 12  # functions listed
+TOP_OPS = 24  # device ops listed
 
 
 def make_engine(args: argparse.Namespace, cache_dir: str, max_running: int) -> Engine:
@@ -70,6 +72,7 @@ def make_engine(args: argparse.Namespace, cache_dir: str, max_running: int) -> E
                              chunked_prefill_size=args.chunked_prefill_size,
                              compilation_cache_dir=cache_dir, random_seed=0,
                              num_scheduler_steps=args.num_scheduler_steps,
+                             page_size=args.page_size,
                              warmup_in_background=args.warmup_in_background))
 
 
@@ -163,6 +166,14 @@ class PhaseTimer:
             u()
 
 
+def _op_label(hlo: str) -> str:
+    """A trace op's short label: its HLO name and opcode ("%gdn.55 custom-call"), not the
+    whole instruction text the trace names it by."""
+    name, _, rest = hlo.partition(" = ")
+    op = re.search(r"[\]}\)] ([a-z][\w-]*)\(", rest)
+    return f"{name} {op.group(1)}" if op else name
+
+
 def device_busy_seconds(trace_dir: str) -> tuple[float, int, dict[str, float]]:
     """(seconds, executions, ops): the union of XLA module executions on the TPU devices of a
     ``jax.profiler`` trace, how many ran, and the device seconds of each op name (the "XLA
@@ -181,7 +192,7 @@ def device_busy_seconds(trace_dir: str) -> tuple[float, int, dict[str, float]]:
                     spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
                 elif line.name == "XLA Ops":
                     for e in line.events:
-                        ops[e.name] += e.duration_ns * 1e-9
+                        ops[_op_label(e.name)] += e.duration_ns * 1e-9
     if not spans:
         return float("nan"), 0, {}
     spans.sort()
@@ -234,7 +245,7 @@ def measure_serving(eng: Engine, n: int, new_tokens: int, profile: bool,
     busy, execs, ops, profiled_s = _device_busy(off, n, new_tokens, trace_out) if profile else (
         float("nan"), 0, {}, float("nan"))
     top_ops = dict(sorted(((k, v / steps * 1e3) for k, v in ops.items()),
-                          key=lambda kv: -kv[1])[:TOP_N])
+                          key=lambda kv: -kv[1])[:TOP_OPS])
     per_step = {k: v / steps * 1e3 for k, v in timer.totals.items()}
     return {"requests": n, "new_tokens": new_tokens, "seconds": seconds,
             "tok_per_s": n * new_tokens / seconds, "steps": steps,
@@ -310,6 +321,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--context-length", type=int, default=512)
     ap.add_argument("--chunked-prefill-size", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="tokens per KV page (default: the engine's)")
     ap.add_argument("--num-scheduler-steps", type=int, default=None,
                     help="decode steps per launch (multi-step decoding), as the server flag "
                          "(default: the engine's, 8 on a TPU and 1 elsewhere)")

@@ -46,7 +46,7 @@ from sglang_tpu_backend.entrypoints.http_server import create_app
 from sglang_tpu_backend.managers.io_struct import (
     GenerateReqInput, InvalidRequestError, ServiceUnavailableError)
 from sglang_tpu_backend.managers.output_builder import abort_output
-from sglang_tpu_backend.server_args import ServerArgs
+from sglang_tpu_backend.server_args import CPU_PAGE_SIZE, ServerArgs
 
 log = logging.getLogger(__name__)
 RAY_TASK_ERROR = ray.exceptions.RayTaskError  # an exception raised inside a replica call
@@ -210,7 +210,9 @@ class RemoteEngine:
         if not isinstance(ids, list):
             return None  # malformed: the engine answers it with a 400
         try:
-            return prefix_key(ids, self.args.page_size, self.affinity_tokens)
+            # (any page granularity groups equal prefixes; the replicas' own is per backend)
+            page = self.args.page_size or CPU_PAGE_SIZE
+            return prefix_key(ids, page, self.affinity_tokens)
         except (TypeError, ValueError, OverflowError):
             return None
 

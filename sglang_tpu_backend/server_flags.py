@@ -22,6 +22,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # time-to-first-token without limit.
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 TPU_SCHEDULER_STEPS = 8  # multi-step decoding's default on a TPU (ServerArgs.scheduler_steps)
+CPU_PAGE_SIZE, TPU_PAGE_SIZE = 16, 128  # tokens per KV page by default (ServerArgs.kv_page_size)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "NEXTN", "EAGLE")  # SGLang's names; NGRAM is served today
 
 
@@ -41,7 +42,8 @@ def _add_model_and_server_flags(a, d) -> None:
     a("--tokenizer-path", type=str, default=d.tokenizer_path)
     a("--host", type=str, default=d.host)
     a("--port", type=int, default=d.port)
-    a("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    a("--page-size", type=int, default=d.page_size,
+      help=f"tokens per KV page (default: {TPU_PAGE_SIZE} on a TPU, {CPU_PAGE_SIZE} elsewhere)")
     a("--max-running-requests", type=int, default=d.max_running_requests)
     a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
       help="max prefill tokens per step")

@@ -63,7 +63,7 @@ def run_follower(args) -> int:
     dp = DPForward(cfg, make_mesh(args.dp_size), impl=args.kernel_impl,
                    with_stats=bool(with_stats),
                    batch_invariant=args.enable_deterministic_inference)
-    cache = dp.init_cache(num_pages=num_pages, page_size=args.page_size,
+    cache = dp.init_cache(num_pages=num_pages, page_size=args.kv_page_size(jax.default_backend()),
                           num_state_slots=num_slots,
                           kv_dtype=args.kv_storage_dtype(jax.default_backend()))
     agreement.require_agreement("parameters", agreement.param_items(source.shapes()))

@@ -93,7 +93,7 @@ def size_pools(cfg: ModelConfig, args: ServerArgs, device_memory: int) -> PoolBu
     fp8_kv = is_quantized(kv_dtype)  # scales beside the pages; conv state in the state dtype
     conv_b = STATE_DTYPE_BYTES if fp8_kv else jnp.dtype(
         cache_storage_dtype(args.dtype, backend)).itemsize
-    page = kv_page_bytes(cfg, tp=tp, page_size=args.page_size,
+    page = kv_page_bytes(cfg, tp=tp, page_size=args.kv_page_size(backend),
                          kv_bytes=jnp.dtype(kv_dtype).itemsize, kv_scales=fp8_kv, mtp=mtp)
     slot = gdn_slot_bytes(cfg, tp=tp, conv_bytes=conv_b, state_bytes=STATE_DTYPE_BYTES)
     n = args.speculative_num_drafts + 1  # logits rows per request and step
@@ -135,11 +135,13 @@ TPU_CONTEXT_CAP = 32768
 
 def size_serving_args(args: ServerArgs, cfg: ModelConfig, backend: str
                       ) -> tuple[ServerArgs, PoolBudget | None]:
-    """``args`` with every size resolved for ``cfg`` on ``backend``: ``context_length`` (the
+    """``args`` with every size resolved for ``cfg`` on ``backend``: ``page_size``
+    (``ServerArgs.kv_page_size``), ``context_length`` (the
     model's, capped per backend), the pools from ``--mem-fraction-static`` when given
     (``max_total_tokens`` and ``max_running_requests`` lowered to what fits), else
     ``max_total_tokens`` = ``max_running_requests * min(context_length, 1024)``; and the
     budget (None without ``--mem-fraction-static``)."""
+    args = dataclasses.replace(args, page_size=args.kv_page_size(backend))
     cap = TPU_CONTEXT_CAP if backend == "tpu" else CPU_CONTEXT_CAP
     context_length = args.context_length or min(cfg.max_position_embeddings, cap)
     budget = None

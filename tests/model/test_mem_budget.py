@@ -131,3 +131,21 @@ def test_engine_sizes_its_pool_and_reports_it(measured):
     with pytest.raises(ValueError, match="--mem-fraction-static"):
         Engine(ServerArgs(**ARGS, mem_fraction_static=0.5, device_memory_bytes=weights),
                start_loop=False)
+
+
+def test_page_size_defaults_per_backend_and_an_explicit_one_is_kept():
+    """``--page-size`` unset: 128-token pages on a TPU (the decode kernel DMAs a page at a
+    time), 16 elsewhere, resolved with the other sizes; a given one is kept on both; a bad
+    one is refused naming the flag."""
+    from sglang_tpu_backend.planning.mem_budget import size_serving_args
+    from sglang_tpu_backend.server_args import CPU_PAGE_SIZE, TPU_PAGE_SIZE
+
+    cfg = load_model_config(default_model_path())
+    unset = ServerArgs(max_running_requests=4, context_length=128)
+    assert unset.page_size is None
+    assert size_serving_args(unset, cfg, "tpu")[0].page_size == TPU_PAGE_SIZE == 128
+    assert size_serving_args(unset, cfg, "cpu")[0].page_size == CPU_PAGE_SIZE == 16
+    for backend in ("tpu", "cpu"):
+        assert size_serving_args(ServerArgs(page_size=32), cfg, backend)[0].page_size == 32
+    with pytest.raises(ValueError, match="--page-size must be a positive integer"):
+        ServerArgs(page_size=0)

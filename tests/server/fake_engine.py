@@ -32,7 +32,8 @@ class FakeModelConfig:
 
 class FakeEngine:
     def __init__(self, args: ServerArgs | None = None, step_delay: float = 0.0, context_length: int = 256):
-        self.args = args or ServerArgs(context_length=context_length)
+        args = args or ServerArgs(context_length=context_length)
+        self.args = dataclasses.replace(args, page_size=args.kv_page_size("cpu"))
         self.tokenizer = load_tokenizer(TOKENIZER_DIR)
         self.context_length = self.args.context_length or context_length
         self.model_config = FakeModelConfig(len(self.tokenizer), self.context_length)

@@ -43,7 +43,7 @@ def tiny_programs() -> list[tuple[ForwardMode, int, int, int]]:
 
 
 def tiny_spec(mode, T, R, L) -> StepSpec:
-    args = ServerArgs()
+    args = ServerArgs(page_size=ServerArgs().kv_page_size("cpu"))
     context = min(TINY.max_position_embeddings, CPU_CONTEXT_CAP)
     num_pages = args.max_running_requests * min(context, 1024) // args.page_size
     return StepSpec(mode, T, R, L, pages_per_seq=pages_for(context, args.page_size),
