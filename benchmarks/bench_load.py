@@ -210,7 +210,7 @@ def run_load(ckpt: Path, devices: int) -> dict:
     return {"bytes": report.bytes_read, "seconds": report.seconds,
             "read_seconds": report.read_seconds, "reader_seconds": report.reader_seconds,
             "compiles": len(compiles), "compile_seconds": sum(compiles),
-            "rss_before": rss0,
+            "phases": report.phases, "rss_before": rss0,
             "rss_after": rss1, "hwm": hwm, "param_bytes": num_param_bytes(params)}
 
 
@@ -276,6 +276,9 @@ def main() -> None:
                          f"(weights {r['param_bytes'] / 1e9:.2f} GB): peak beyond the loaded "
                          f"weights {extra / 1e9:.2f} GB = {extra / largest:.2f}x the largest layer")
             print(line, flush=True)
+            if r.get("phases"):
+                print("      main thread (s): " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in r["phases"].items()), flush=True)
         speed = {k: statistics.mean(r["bytes"] / r["seconds"] for r in v) / 1e9
                  for k, v in runs.items()}
         worst = max(r["hwm"] - r["rss_after"] for r in runs["load"])

@@ -86,6 +86,11 @@ class LoadReport:
     reader_seconds: the time spent reading and assembling leaves on the host, summed over
       the threads doing it (on accelerators the read-ahead's, which overlap each other and
       the placing; on CPU devices the main thread's, = read_seconds).
+    phases: accelerators: the main thread's seconds by phase ("stacks": compiling and
+      zeroing the stacked buffers before the first leaf; "read": waiting for the read-ahead
+      (= read_seconds); "written": waiting for the previous leaf's write; "place": handing
+      a leaf to the devices; "compile": waiting for a write program; "write": dispatching
+      the writes; "final": waiting for the last writes).
     """
 
     bytes_read: int = 0
@@ -94,6 +99,13 @@ class LoadReport:
     seconds: float = 0.0
     read_seconds: float = 0.0
     reader_seconds: float = 0.0
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def timed(self, phase: str, t0: float) -> float:
+        """Charge the seconds since ``t0`` to ``phase``; returns now."""
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - t0
+        return now
 
 
 def with_native_layouts(shapes: Any, shardings: Any) -> Any:
@@ -345,11 +357,13 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
     for key, lower in stack_zeros + [p for ps in programs for p in ps]:
         compiler.submit(key, lower)
     ahead = read_ahead.ReadAhead(jobs(), max_bytes=_ahead_bytes(steps, reads))
+    t = time.perf_counter()
     try:
         for key, _ in stack_zeros:
             compiler.wait(key)
         stacks = [[load_programs.zeros(s, sh) for s, sh in zip(*g)]
                   for g in zip(groups, group_shardings)]
+        t = report.timed("stacks", t)
         params: dict = {}
         disable = None if progress is None else not progress
         with tqdm(total=cfg.num_hidden_layers, desc="loading weights", unit="layer",
@@ -357,14 +371,19 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
             last = None  # the previous step's param as written
             for n, st in enumerate(steps):
                 host = [ahead.take() for _ in st.ranges or (None,)]
+                t = report.timed("read", t)
                 if last is not None:  # the previous leaf placed and written: its host
                     last.block_until_ready()  # arrays gone (queued work would keep them)
+                t = report.timed("written", t)
                 x = _place_leaf(st, host, cfg.num_experts, report)
                 del host  # the host arrays go once the devices have theirs
+                t = report.timed("place", t)
                 for key, _ in programs[n]:
                     compiler.wait(key)
+                t = report.timed("compile", t)
                 last = _write(st, x, params, stacks)
                 del x
+                t = report.timed("write", t)
                 if st.layer >= 0 and (n + 1 == len(steps) or steps[n + 1].layer != st.layer):
                     bar.update(1)
     finally:
@@ -373,7 +392,9 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
         report.read_seconds, report.reader_seconds = ahead.wait_seconds, ahead.reader_seconds
     params["layer_groups"] = tuple(jax.tree.unflatten(jax.tree.structure(s), st)
                                    for s, st in zip(shapes["layer_groups"], stacks))
-    return jax.block_until_ready(params)
+    params = jax.block_until_ready(params)
+    report.timed("final", t)
+    return params
 
 
 def load_sharded(checkpoint_dir: str | Path, cfg: ModelConfig, shardings: Any, *,
