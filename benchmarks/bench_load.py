@@ -210,7 +210,7 @@ def run_load(ckpt: Path, devices: int) -> dict:
     return {"bytes": report.bytes_read, "seconds": report.seconds,
             "read_seconds": report.read_seconds, "reader_seconds": report.reader_seconds,
             "compiles": len(compiles), "compile_seconds": sum(compiles),
-            "phases": report.phases, "rss_before": rss0,
+            "phases": report.phases, "host_buffers": report.host_buffers, "rss_before": rss0,
             "rss_after": rss1, "hwm": hwm, "param_bytes": num_param_bytes(params)}
 
 
@@ -279,6 +279,9 @@ def main() -> None:
             if r.get("phases"):
                 print("      main thread (s): " + ", ".join(
                     f"{k} {v:.2f}" for k, v in r["phases"].items()), flush=True)
+            if r.get("host_buffers"):
+                print("      host buffers: " + ", ".join(
+                    f"{k} {v}" for k, v in r["host_buffers"].items()), flush=True)
         speed = {k: statistics.mean(r["bytes"] / r["seconds"] for r in v) / 1e9
                  for k, v in runs.items()}
         worst = max(r["hwm"] - r["rss_after"] for r in runs["load"])

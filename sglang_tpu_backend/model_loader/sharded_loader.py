@@ -13,12 +13,18 @@
     order; read and not yet placed at most this process's share of the largest layer, and
     at most ``AHEAD_BYTES``) while the main thread places the current leaf:
     ``jax.make_array_from_callback`` with the leaf's sharding less the stacked axis hands
-    each local device its shard of the arrays read for it.
+    each local device its shard of the arrays read for it. The reads land in recycled host
+    buffers (``host_pool.py``: by shape and dtype, as consecutive layers repeat them), each
+    returned to the pool once the devices have its leaf.
   * The devices then write it into its slot of the stacked ``[groups, ...]`` buffer, which
     was allocated on the devices and is donated to every write: a plain copy for the routed
     experts and the head, whose param layout is the checkpoint's [out, in]; a transpose for
-    the other weights (HF's [out, in] into the param's [in, out]). The host holds the leaf
-    being placed and what is read ahead (this process's share of each). The zeroing and
+    the other weights (HF's [out, in] into the param's [in, out]). Up to ``IN_FLIGHT``
+    leaves are in flight: the main thread places a leaf while the previous ones' transfers
+    and writes run, and waits for the write of the leaf ``IN_FLIGHT`` steps back before
+    taking the next one (then returning that leaf's host buffers). The host holds those
+    leaves and what is read ahead (this process's share of each); the pool keeps buffers
+    for reuse only within that bound. The zeroing and
     write programs are compiled on threads while the first leaves are read
     (``load_programs.py``), not one by one at their first call.
   * Meanwhile a thread asks the kernel to read the layer after the one being read into the
@@ -43,6 +49,7 @@ it at any size without materialising a weight.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -59,7 +66,7 @@ from tqdm.auto import tqdm
 
 from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.weight_layout import uses_native_layouts, weight_formats
-from sglang_tpu_backend.model_loader import host_load, load_programs, read_ahead
+from sglang_tpu_backend.model_loader import host_load, host_pool, load_programs, read_ahead
 from sglang_tpu_backend.model_loader.checkpoint_io import BYTES_READ
 from sglang_tpu_backend.model_loader.loader import (
     CheckpointLeaves, Leaf, load_params, resolve_keep_fp8)
@@ -69,6 +76,7 @@ from sglang_tpu_backend.server_args import LOAD_FORMATS
 
 
 CHUNK_BYTES = 256 << 20  # large replicated leaves (embeddings, head) are placed in chunks of this
+IN_FLIGHT = 2  # leaves placed whose writes may still run when the main thread places the next
 
 
 @dataclasses.dataclass
@@ -88,9 +96,12 @@ class LoadReport:
       the placing; on CPU devices the main thread's, = read_seconds).
     phases: accelerators: the main thread's seconds by phase ("stacks": compiling and
       zeroing the stacked buffers before the first leaf; "read": waiting for the read-ahead
-      (= read_seconds); "written": waiting for the previous leaf's write; "place": handing
+      (= read_seconds); "written": waiting for the write of the leaf ``IN_FLIGHT`` steps
+      back (its host-to-device transfer included); "place": handing
       a leaf to the devices; "compile": waiting for a write program; "write": dispatching
       the writes; "final": waiting for the last writes).
+    host_buffers: accelerators: the host buffer pool's counts (``host_pool.HostPool``:
+      "recycled" reads into a returned buffer, "fresh" allocations, "evicted" buffers).
     """
 
     bytes_read: int = 0
@@ -100,6 +111,7 @@ class LoadReport:
     read_seconds: float = 0.0
     reader_seconds: float = 0.0
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    host_buffers: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def timed(self, phase: str, t0: float) -> float:
         """Charge the seconds since ``t0`` to ``phase``; returns now."""
@@ -165,6 +177,13 @@ def _step(leaf: Leaf, s: jax.ShapeDtypeStruct, sharding: Any, key: Any, num_expe
     return _Step(leaf, shape, as_read, key, s, sharding, ranges=ranges, layer=layer)
 
 
+def _chunk(leaf: Leaf, lo: int, hi: int) -> Leaf:
+    """Rows ``lo:hi`` of a ``rows`` leaf as a leaf of its own (read whole: ``read()``,
+    ``into(out)``)."""
+    into = None if leaf.into is None else (lambda out: leaf.into(out, lo, hi))
+    return Leaf(functools.partial(leaf.read, lo, hi), into=into)
+
+
 def _plan(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shardings: Any) -> list[_Step]:
     """The accelerator path's steps in load order: the top-level leaves (a large one every
     local device holds whole in row chunks of ``CHUNK_BYTES``), then layer by layer, leaf by
@@ -179,7 +198,7 @@ def _plan(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shardings: An
         step = max(1, CHUNK_BYTES // (s.size // st.shape[0] * s.dtype.itemsize))
         for lo in range(0, st.shape[0], step):
             hi = min(st.shape[0], lo + step)
-            steps.append(dataclasses.replace(st, leaf=Leaf(functools.partial(leaf.read, lo, hi)),
+            steps.append(dataclasses.replace(st, leaf=_chunk(leaf, lo, hi),
                                              shape=(hi - lo, *st.shape[1:]), lo=lo))
     groups = [jax.tree.flatten(g)[0] for g in shapes["layer_groups"]]
     group_shardings = [jax.tree.leaves(sh) for sh in shardings["layer_groups"]]
@@ -192,19 +211,30 @@ def _plan(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shardings: An
     return steps
 
 
-def _reads(st: _Step) -> list[tuple[int, Any]]:
-    """The read-ahead's jobs for one step, ``(bytes, read)`` (``read_ahead.py``): the whole
-    leaf, or each expert range's rows with the file bytes read for them."""
+def _job_bytes(st: _Step) -> list[int]:
+    """The bytes of each read of one step (what ``_reads(st)``'s jobs return): the whole
+    leaf, or each expert range's rows."""
     nbytes = math.prod(st.shape) * st.s.dtype.itemsize
     if not st.ranges:
-        return [(nbytes, st.leaf.read)]
+        return [nbytes]
+    return [nbytes // st.shape[0] * (hi - lo) for lo, hi in st.ranges]
+
+
+def _reads(st: _Step, pool: host_pool.HostPool | None) -> list[tuple[int, Any]]:
+    """The read-ahead's jobs for one step, ``(bytes, read)`` (``read_ahead.py``): the whole
+    leaf (``st.shape``), or each expert range's rows (``[hi - lo, *st.shape[1:]]``) with the
+    file bytes read for them; into buffers from ``pool`` where the leaf can fill one."""
+    dtype = st.s.dtype
+    if not st.ranges:
+        return [(_job_bytes(st)[0],
+                 functools.partial(host_pool.leaf_read, pool, st.leaf, st.shape, dtype))]
 
     def rows(lo: int, hi: int) -> tuple[np.ndarray, int]:
         before = BYTES_READ.thread_bytes
-        return st.leaf.read(lo, hi), BYTES_READ.thread_bytes - before
+        out = host_pool.leaf_read(pool, st.leaf, (hi - lo, *st.shape[1:]), dtype, lo, hi)
+        return out, BYTES_READ.thread_bytes - before
 
-    return [(nbytes // st.shape[0] * (hi - lo), functools.partial(rows, lo, hi))
-            for lo, hi in st.ranges]
+    return [(n, functools.partial(rows, lo, hi)) for n, (lo, hi) in zip(_job_bytes(st), st.ranges)]
 
 
 def _place_leaf(st: _Step, host: list, num_experts: int, report: LoadReport) -> jax.Array:
@@ -288,14 +318,22 @@ def _load_on_host(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shard
     return params
 
 
-def _ahead_bytes(steps: list[_Step], reads: list[list[tuple[int, Any]]]) -> int:
+def _ahead_bytes(steps: list[_Step]) -> int:
     """The read-ahead's bound: about one layer, this process's share of the largest one (what
     its reads return), and at most ``read_ahead.AHEAD_BYTES``."""
     layer_bytes: dict[int, int] = {}
-    for st, r in zip(steps, reads):
+    for st in steps:
         if st.layer >= 0:
-            layer_bytes[st.layer] = layer_bytes.get(st.layer, 0) + sum(n for n, _ in r)
+            layer_bytes[st.layer] = layer_bytes.get(st.layer, 0) + sum(_job_bytes(st))
     return min(read_ahead.AHEAD_BYTES, max(layer_bytes.values(), default=read_ahead.AHEAD_BYTES))
+
+
+def _pool_bytes(steps: list[_Step], ahead: int) -> int:
+    """The host buffer pool's cap: what the main thread may hold without one, what is read
+    ahead (``ahead``, or one read alone when larger) plus ``IN_FLIGHT`` steps taken and not
+    yet known written, each at most the largest step's bytes."""
+    largest = max((sum(_job_bytes(st)) for st in steps), default=0)
+    return max(ahead, largest) + IN_FLIGHT * largest
 
 
 def _programs(st: _Step) -> list[tuple[Any, Any]]:
@@ -336,11 +374,15 @@ def _write(st: _Step, x: jax.Array, params: dict, stacks: list[list[jax.Array]])
 def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, shardings: Any,
                      report: LoadReport, progress: bool | None, prefetch) -> Any:
     """``load_sharded`` for accelerators: the steps of ``_plan`` read ahead on threads
-    (``read_ahead.py``) while the main thread places and writes each in turn, each once the
-    previous one is written, so the host holds what is read ahead and one leaf being placed.
-    ``prefetch(i)`` runs when the reads of layer i - 1 are queued."""
+    (``read_ahead.py``) into pooled host buffers (``host_pool.py``) while the main thread
+    places and writes each in turn, taking each once the write ``IN_FLIGHT`` steps back is
+    done (and that step's buffers are back in the pool), so the host holds what is read
+    ahead and ``IN_FLIGHT`` leaves. ``prefetch(i)`` runs when the reads of layer i - 1 are
+    queued."""
     steps = _plan(leaves, cfg, shapes, shardings)
-    reads = [_reads(st) for st in steps]
+    ahead_bytes = _ahead_bytes(steps)
+    pool = host_pool.HostPool(_pool_bytes(steps, ahead_bytes))
+    reads = [_reads(st, pool) for st in steps]
 
     def jobs():
         for n, (st, r) in enumerate(zip(steps, reads)):
@@ -356,7 +398,7 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
     compiler = load_programs.Precompiler()
     for key, lower in stack_zeros + [p for ps in programs for p in ps]:
         compiler.submit(key, lower)
-    ahead = read_ahead.ReadAhead(jobs(), max_bytes=_ahead_bytes(steps, reads))
+    ahead = read_ahead.ReadAhead(jobs(), max_bytes=ahead_bytes)
     t = time.perf_counter()
     try:
         for key, _ in stack_zeros:
@@ -368,21 +410,22 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
         disable = None if progress is None else not progress
         with tqdm(total=cfg.num_hidden_layers, desc="loading weights", unit="layer",
                   disable=disable) as bar:
-            last = None  # the previous step's param as written
+            flight: collections.deque = collections.deque()  # (param as written, x, bufs)
             for n, st in enumerate(steps):
+                while len(flight) >= IN_FLIGHT:  # step n - IN_FLIGHT written: its host
+                    host_pool.retire(*flight.popleft(), pool)  # arrays back in the pool
+                t = report.timed("written", t)
                 host = [ahead.take() for _ in st.ranges or (None,)]
                 t = report.timed("read", t)
-                if last is not None:  # the previous leaf placed and written: its host
-                    last.block_until_ready()  # arrays gone (queued work would keep them)
-                t = report.timed("written", t)
                 x = _place_leaf(st, host, cfg.num_experts, report)
-                del host  # the host arrays go once the devices have theirs
+                bufs = [h[0] for h in host] if st.ranges else host
+                del host
                 t = report.timed("place", t)
                 for key, _ in programs[n]:
                     compiler.wait(key)
                 t = report.timed("compile", t)
-                last = _write(st, x, params, stacks)
-                del x
+                flight.append((_write(st, x, params, stacks), x, bufs))
+                del x, bufs
                 t = report.timed("write", t)
                 if st.layer >= 0 and (n + 1 == len(steps) or steps[n + 1].layer != st.layer):
                     bar.update(1)
@@ -390,6 +433,7 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
         ahead.close()
         compiler.close()
         report.read_seconds, report.reader_seconds = ahead.wait_seconds, ahead.reader_seconds
+        report.host_buffers = pool.counts()
     params["layer_groups"] = tuple(jax.tree.unflatten(jax.tree.structure(s), st)
                                    for s, st in zip(shapes["layer_groups"], stacks))
     params = jax.block_until_ready(params)

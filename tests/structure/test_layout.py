@@ -44,7 +44,7 @@ LAYERS = [
     # 2: running the model: one device, DP, TP, multi-host; loading into shardings; planning
     ("sglang_tpu_backend.model_executor", "sglang_tpu_backend.parallel",
      "sglang_tpu_backend.generate", f"{MODEL_LOADER}.sharded_loader", f"{MODEL_LOADER}.host_load",
-     f"{MODEL_LOADER}.read_ahead",
+     f"{MODEL_LOADER}.read_ahead", f"{MODEL_LOADER}.host_pool",
      f"{MODEL_LOADER}.load_programs",
      f"{PLANNING}.plan", f"{PLANNING}.mem_budget"),
     # 3: the engine's components (scheduler, loop, outputs, handover, weight updates, traces)
