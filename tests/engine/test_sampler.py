@@ -229,3 +229,58 @@ def test_top_p_one_keeps_every_token_despite_rounding():
     keep = sampler.top_k_top_p_min_p_mask(probs, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.float32),
                                           jnp.zeros(1, jnp.float32))
     assert bool(jnp.all(keep))
+
+
+def argsort_scatter_mask(probs, top_k, top_p, min_p):
+    """The filter as it was before ``keep_first_ranks``: a stable argsort, the rules judged per
+    rank, scattered back to the tokens (the reference the sort-free mapping must equal)."""
+    R, V = probs.shape
+    order = jnp.argsort(-probs, axis=-1)
+    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+    rank = jnp.arange(V, dtype=jnp.int32)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    cum_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    keep &= (cum_before <= top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
+    keep |= rank == 0
+    return jnp.zeros((R, V), jnp.bool_).at[jnp.arange(R)[:, None], order].set(keep)
+
+
+@pytest.mark.parametrize("levels", [2, 3, 5, 50])
+def test_filter_mask_equals_argsort_scatter_with_ties(levels):
+    # Few distinct values: every top-k / top-p / min-p boundary falls inside a run of ties.
+    rng = np.random.default_rng(levels)
+    R, V = 96, 67
+    raw = rng.integers(0, levels, (R, V)).astype(np.float32) + 1.0
+    raw[rng.random((R, V)) < 0.2] = 0.0  # masked tokens: zero probability, tied too
+    raw[:, 0] = np.maximum(raw[:, 0], 1.0)
+    probs = jnp.asarray(raw / raw.sum(-1, keepdims=True))
+    top_k = jnp.asarray(rng.integers(0, V + 3, R), jnp.int32)
+    top_p = jnp.asarray(rng.choice([0.05, 0.3, 0.5, 0.9, 0.999, 1.0], R), jnp.float32)
+    min_p = jnp.asarray(rng.choice([0.0, 0.0, 0.2, 0.5, 0.99, 1.0], R), jnp.float32)
+    got = jax.jit(sampler.top_k_top_p_min_p_mask)(probs, top_k, top_p, min_p)
+    want = jax.jit(argsort_scatter_mask)(probs, top_k, top_p, min_p)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_filter_mask_tie_at_top_k_boundary_keeps_lowest_ids():
+    probs = jnp.array([[0.1, 0.3, 0.1, 0.3, 0.1, 0.1]], jnp.float32)
+    one = lambda v, dt: jnp.array([v], dt)  # noqa: E731
+    keep = sampler.top_k_top_p_min_p_mask(probs, one(3, jnp.int32), one(1.0, jnp.float32),
+                                          one(0.0, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(keep[0]), [True, True, False, True, False, False])
+
+
+@pytest.mark.parametrize("V", [37, 1216, 3000])
+def test_top_equals_lax_top_k_with_ties_and_masked_rows(V):
+    rng = np.random.default_rng(V)
+    x = rng.integers(-3, 3, (8, V)).astype(np.float32)
+    x[1] = -np.inf  # a row with every token masked
+    x[2, 5:] = -np.inf  # fewer finite tokens than K
+    x = jnp.asarray(x)
+    K = 20
+    vals, ids = sampler._top(x, K)
+    want_vals, want_ids = jax.lax.top_k(x, K)
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    assert ids.dtype == jnp.int32
