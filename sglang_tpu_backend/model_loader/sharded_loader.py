@@ -95,7 +95,7 @@ class LoadReport:
       the threads doing it (on accelerators the read-ahead's, which overlap each other and
       the placing; on CPU devices the main thread's, = read_seconds).
     phases: accelerators: the main thread's seconds by phase ("stacks": compiling and
-      zeroing the stacked buffers before the first leaf; "read": waiting for the read-ahead
+      zeroing the stacked buffers, at the first layer's leaf: the top-level leaves go first; "read": waiting for the read-ahead
       (= read_seconds); "written": waiting for the write of the leaf ``IN_FLIGHT`` steps
       back (its host-to-device transfer included); "place": handing
       a leaf to the devices; "compile": waiting for a write program; "write": dispatching
@@ -399,13 +399,17 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
     for key, lower in stack_zeros + [p for ps in programs for p in ps]:
         compiler.submit(key, lower)
     ahead = read_ahead.ReadAhead(jobs(), max_bytes=ahead_bytes)
-    t = time.perf_counter()
-    try:
+    t, stacks = time.perf_counter(), None
+
+    def zeroed_stacks() -> list[list[jax.Array]]:
+        """The stacked [groups, ...] buffers, zeroed at the first layer's step (the top-level
+        leaves before it are placed while their programs compile)."""
         for key, _ in stack_zeros:
             compiler.wait(key)
-        stacks = [[load_programs.zeros(s, sh) for s, sh in zip(*g)]
-                  for g in zip(groups, group_shardings)]
-        t = report.timed("stacks", t)
+        return [[load_programs.zeros(s, sh) for s, sh in zip(*g)]
+                for g in zip(groups, group_shardings)]
+
+    try:
         params: dict = {}
         disable = None if progress is None else not progress
         with tqdm(total=cfg.num_hidden_layers, desc="loading weights", unit="layer",
@@ -424,6 +428,9 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
                 for key, _ in programs[n]:
                     compiler.wait(key)
                 t = report.timed("compile", t)
+                if stacks is None and st.layer >= 0:
+                    stacks = zeroed_stacks()
+                    t = report.timed("stacks", t)
                 flight.append((_write(st, x, params, stacks), x, bufs))
                 del x, bufs
                 t = report.timed("write", t)
@@ -435,7 +442,8 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
         report.read_seconds, report.reader_seconds = ahead.wait_seconds, ahead.reader_seconds
         report.host_buffers = pool.counts()
     params["layer_groups"] = tuple(jax.tree.unflatten(jax.tree.structure(s), st)
-                                   for s, st in zip(shapes["layer_groups"], stacks))
+                                   for s, st in zip(shapes["layer_groups"],
+                                                    stacks or zeroed_stacks()))
     params = jax.block_until_ready(params)
     report.timed("final", t)
     return params
