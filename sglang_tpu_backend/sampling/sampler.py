@@ -160,15 +160,21 @@ def top_k_top_p_min_p_mask(probs, top_k, top_p, min_p):
     back to tokens by their threshold value. (An argsort and a scatter back took XLA:TPU
     several times longer to compile; an unstable values-only sort half a stable one's time.)
     """
-    V = probs.shape[-1]
     sorted_p = -jnp.sort(-probs, axis=-1, stable=False)  # f32[R, V] descending (values only)
-    rank = jnp.arange(V, dtype=jnp.int32)[None, :]
+    keep = keep_by_rank(sorted_p, top_k, top_p, min_p)
+    return keep_first_ranks(probs, sorted_p, jnp.sum(keep, axis=-1, dtype=jnp.int32))
+
+
+def keep_by_rank(sorted_p, top_k, top_p, min_p):
+    """The filter's rules judged per rank: bool[R, V] of which ranks of the descending probs
+    sorted_p f32[R, V] survive (top_k i32[R], top_p and min_p f32[R]; see
+    ``top_k_top_p_min_p_mask``)."""
+    rank = jnp.arange(sorted_p.shape[-1], dtype=jnp.int32)[None, :]
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
     cum_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
     keep &= (cum_before <= top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
-    keep |= rank == 0
-    return keep_first_ranks(probs, sorted_p, jnp.sum(keep, axis=-1, dtype=jnp.int32))
+    return keep | (rank == 0)
 
 
 def keep_first_ranks(probs, sorted_p, n_keep):

@@ -236,13 +236,7 @@ def argsort_scatter_mask(probs, top_k, top_p, min_p):
     rank, scattered back to the tokens (the reference the sort-free mapping must equal)."""
     R, V = probs.shape
     order = jnp.argsort(-probs, axis=-1)
-    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
-    rank = jnp.arange(V, dtype=jnp.int32)[None, :]
-    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-    cum_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-    keep &= (cum_before <= top_p[:, None]) | (top_p[:, None] >= 1.0)
-    keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
-    keep |= rank == 0
+    keep = sampler.keep_by_rank(jnp.take_along_axis(probs, order, axis=-1), top_k, top_p, min_p)
     return jnp.zeros((R, V), jnp.bool_).at[jnp.arange(R)[:, None], order].set(keep)
 
 
