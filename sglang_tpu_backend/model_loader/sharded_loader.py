@@ -24,9 +24,9 @@
     and writes run, and waits for the write of the leaf ``IN_FLIGHT`` steps back before
     taking the next one (then returning that leaf's host buffers). The host holds those
     leaves and what is read ahead (this process's share of each); the pool keeps buffers
-    for reuse only within that bound. The zeroing and
-    write programs are compiled on threads while the first leaves are read
-    (``load_programs.py``), not one by one at their first call.
+    for reuse only within that bound. The zeroing and write programs are compiled on
+    threads while the first leaves are read (``load_programs.py``), not one by one at their
+    first call; the stacks are zeroed when the first layer's leaf is written.
   * Meanwhile a thread asks the kernel to read the layer after the one being read into the
     page cache.
 
@@ -95,11 +95,11 @@ class LoadReport:
       the threads doing it (on accelerators the read-ahead's, which overlap each other and
       the placing; on CPU devices the main thread's, = read_seconds).
     phases: accelerators: the main thread's seconds by phase ("stacks": compiling and
-      zeroing the stacked buffers, at the first layer's leaf: the top-level leaves go first; "read": waiting for the read-ahead
-      (= read_seconds); "written": waiting for the write of the leaf ``IN_FLIGHT`` steps
-      back (its host-to-device transfer included); "place": handing
-      a leaf to the devices; "compile": waiting for a write program; "write": dispatching
-      the writes; "final": waiting for the last writes).
+      zeroing the stacked buffers, at the first layer's leaf, after the top-level leaves;
+      "read": waiting for the read-ahead (= read_seconds); "written": waiting for the write
+      of the leaf ``IN_FLIGHT`` steps back (its host-to-device transfer included); "place":
+      handing a leaf to the devices; "compile": waiting for a write program; "write":
+      dispatching the writes; "final": waiting for the last writes).
     host_buffers: accelerators: the host buffer pool's counts (``host_pool.HostPool``:
       "recycled" reads into a returned buffer, "fresh" allocations, "evicted" buffers).
     """
