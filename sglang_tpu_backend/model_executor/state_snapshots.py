@@ -111,42 +111,41 @@ class GDNSnapshots:
         if self.announce is not None:
             self.announce(op, [v for t in triples for v in t])
 
+    def _operands(self, cache: ModelCache, into_slots: bool,
+                  pairs: Sequence[tuple[int, int, int]], K: int | None = None) -> tuple:
+        """``_copy``'s arguments copying ``pairs`` (rank, from, to) of snapshots into state
+        slots (``into_slots``) or of state slots into snapshots (K: the copy bucket)."""
+        if into_slots:
+            src, dst = self._indices(pairs, self.num_slots, K)
+            return cache.conv_state, cache.rec_state, self.conv, self.rec, src, dst
+        src, dst = self._indices(pairs, self.num_snapshots, K)
+        return self.conv, self.rec, cache.conv_state, cache.rec_state, src, dst
+
     def load(self, cache: ModelCache, loads: Sequence[tuple[int, int, int]]) -> ModelCache:
         """Copy snapshots into state slots: ``loads`` are (rank, snapshot, slot). Returns the
         new cache (the old one's state arrays are donated)."""
-        src, dst = self._indices(loads, self.num_slots)
+        operands = self._operands(cache, True, loads)
         self._announce(Op.SNAPSHOT_LOAD, loads)
-        conv, rec = self._copy(cache.conv_state, cache.rec_state, self.conv, self.rec, src, dst)
+        conv, rec = self._copy(*operands)
         return dataclasses.replace(cache, conv_state=conv, rec_state=rec)
 
     def save(self, cache: ModelCache, saves: Sequence[tuple[int, int, int]]) -> None:
         """Copy state slots into snapshots: ``saves`` are (rank, slot, snapshot)."""
-        src, dst = self._indices(saves, self.num_snapshots)
+        operands = self._operands(cache, False, saves)
         self._announce(Op.SNAPSHOT_SAVE, saves)
-        self.conv, self.rec = self._copy(self.conv, self.rec, cache.conv_state, cache.rec_state,
-                                         src, dst)
+        self.conv, self.rec = self._copy(*operands)
 
     def lower_copies(self, cache: ModelCache) -> list:
         """Tasks lowering each copy program ``warmup`` runs (into the slots, then into the
         snapshots, per bucket; ``parallel_compile`` compiles them ahead). One device only."""
-        def lower(K: int, into_slots: bool):
-            if into_slots:
-                src, dst = self._indices([], self.num_slots, K)
-                return self._copy.lower(cache.conv_state, cache.rec_state, self.conv, self.rec,
-                                        src, dst)
-            src, dst = self._indices([], self.num_snapshots, K)
-            return self._copy.lower(self.conv, self.rec, cache.conv_state, cache.rec_state,
-                                    src, dst)
-        return [lambda K=K, i=i: lower(K, i) for K in self.buckets for i in (True, False)]
+        return [lambda K=K, i=i: self._copy.lower(*self._operands(cache, i, [], K))
+                for K in self.buckets for i in (True, False)]
 
     def warmup(self, cache: ModelCache) -> ModelCache:
         """Compile every copy program (all-padding copies: nothing changes)."""
         self._announce(Op.SNAPSHOT_WARM_UP, [])
         for K in self.buckets:
-            src, dst = self._indices([], self.num_slots, K)
-            conv, rec = self._copy(cache.conv_state, cache.rec_state, self.conv, self.rec, src, dst)
+            conv, rec = self._copy(*self._operands(cache, True, [], K))
             cache = dataclasses.replace(cache, conv_state=conv, rec_state=rec)
-            src, dst = self._indices([], self.num_snapshots, K)
-            self.conv, self.rec = self._copy(self.conv, self.rec, cache.conv_state, cache.rec_state,
-                                             src, dst)
+            self.conv, self.rec = self._copy(*self._operands(cache, False, [], K))
         return cache
