@@ -412,7 +412,8 @@ def gmm_case(p: Preset, swiglu: bool, fp8: bool, phase: str, layout: str, impl: 
              blocks: dict) -> Setup:
     """``phase`` decode / prefill; ``layout`` gathered (the EP step's lhs as
     ``models/moe.py`` passes it: all ranks' T*K rows, this rank's local rows sorted first, the
-    rest skipped with ``skip_tail``) or packed (only the local rows, padded to 128)."""
+    rest skipped with ``skip_tail``) or packed (only the local rows, padded to 128). down is
+    called with the model's ``row_split`` (``routing.row_split``: full-width N tiles)."""
     tokens = p.moe_decode_tokens if phase == "decode" else p.moe_prefill_tokens
     sizes, local = moe_layout(p, tokens, 7 if phase == "decode" else 8)
     # packed: the local rows, padded to the 128-row tile (the pad belongs to no group)
@@ -426,10 +427,15 @@ def gmm_case(p: Preset, swiglu: bool, fp8: bool, phase: str, layout: str, impl: 
     bs = gmm.GmmBlockSizes(**{**dataclasses.asdict(gmm.default_block_sizes(
         m, k_in, n_out)), **over}) if over else None
 
+    # down as models/moe.py calls it: each row one [P, H/P] slab (row_split), so tn = H
+    split = None if swiglu or n_out % 128 else routing.row_split(n_out, BF16)
+    extra = {} if split is None else {"row_split": split}
+
     def ours(impl_):
         def fn(x, w, s, sizes):
-            return op(x, w, sizes, rhs_scale=s, impl=impl_, skip_tail=True, cost_rows=local,
-                      **({"block_sizes": bs} if impl_ != "xla" else {}))
+            y = op(x, w, sizes, rhs_scale=s, impl=impl_, skip_tail=True, cost_rows=local,
+                   **({"block_sizes": bs} if impl_ != "xla" else {}), **extra)
+            return y.reshape(y.shape[0], -1)  # [M, N] whatever the split
         return fn
 
     args = lambda: (_normal(11, (m, k_in)), *_gmm_weights(p, swiglu, fp8, 12), sizes)  # noqa: E731
@@ -579,6 +585,22 @@ def gdn_rows_cases(p: Preset, rows: tuple[int, ...]) -> list[Case]:
     return out
 
 
+def ceiling_case(p: Preset, block_rows: int, impl: str, blocks: dict) -> Setup:
+    """The HBM ceiling (``kernel_ceilings.py``): a Pallas read of an array shaped as the local
+    experts' gate_up weights [E, 2I, H] bf16 in [1, block_rows, H] blocks (block_rows 256:
+    the GMM decode tile's bytes per weight half), beside XLA's reduction of it."""
+    import kernel_ceilings as ceil
+    shape = (p.local_experts, 2 * p.inter, p.hidden)
+    rows = min(block_rows, shape[1])
+    args = lambda: (_normal(12, shape, BF16, 0.02),)  # noqa: E731
+    interp = impl == "interpret"
+    ours = Impl("ours", lambda x: ceil.stream_read(x, block_rows=rows, interpret=interp), args)
+    peers = [Impl("xla-sum", ceil.xla_sum, args)]
+    nbytes = 2 * shape[0] * shape[1] * shape[2]
+    return Setup(ours, peers, nbytes, 0, "bytes: E*2I*H*2 (one read); flops 0",
+                 f"x {list(shape)} bfloat16, blocks [1, {rows}, {shape[2]}]")
+
+
 def cases(p: Preset, gdn_rows: tuple[int, ...] = ()) -> list[Case]:
     """Every case; ``gdn_rows``: also the GDN decode cases at these rows per grid step."""
     d = p.decode_reqs
@@ -615,6 +637,8 @@ def cases(p: Preset, gdn_rows: tuple[int, ...] = ()) -> list[Case]:
         Case(f"gdn/prefill-{p.prefill_reqs}x{p.prefill_new}-f32-state",
              lambda p, i, b: gdn_case(p, "prefill", jnp.float32, i, b)),
     ]
+    out += [Case(f"ceiling/hbm-read-{r}rows", lambda p, i, b, r=r: ceiling_case(p, r, i, b))
+            for r in (256, 512)]
     for op in ("gather", "reduce"):
         for phase in ("decode", "prefill"):
             out.append(Case(f"routing/{op}-{phase}",

@@ -44,14 +44,14 @@ from sglang_tpu_backend.kernels import block_tables  # noqa: E402
 # the shape default itself (the baseline, and the pick unless another wins by the margin); at
 # the 397B shapes it is attention kv_pages_per_block 2 (page 256), GDN k_heads_per_block 1 and
 # rows_per_step 8 (decode rows per grid step; the prefill case ignores it), gmm tm 128 /
-# tn 512, routing gather_rows 128 / reduce_tokens 32, so those are not repeated.
+# tk K (up to 4096) / tn 512, routing gather_rows 128 / reduce_tokens 32, so those are not repeated.
 CANDIDATES = {
     "attention": [{}, {"kv_pages_per_block": 1}, {"kv_pages_per_block": 4},
                   {"kv_pages_per_block": 8}],
     "gdn": [{}, {"k_heads_per_block": 2}, {"k_heads_per_block": 4}, {"k_heads_per_block": 8},
             {"rows_per_step": 1}, {"rows_per_step": 2}, {"rows_per_step": 4},
             {"rows_per_step": 16}],
-    "gmm": [{}, {"tn": 1024}, {"tm": 256}, {"tm": 256, "tn": 1024}],
+    "gmm": [{}, {"tk": 512}, {"tn": 256}, {"tn": 1024}, {"tm": 256}, {"tm": 256, "tn": 1024}],
     "routing": [{}, {"reduce_tokens": 64}, {"gather_rows": 256},
                 {"gather_rows": 256, "reduce_tokens": 64}],
 }

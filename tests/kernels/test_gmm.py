@@ -134,8 +134,12 @@ def test_quantize_fp8_blockwise_roundtrip():
 
 def test_group_metadata_visits():
     gs = jnp.array([0, 37, 0, 50, 20, 0], jnp.int32)  # 107 rows in groups, M = 150
-    tile, group, lo, hi, first = np.asarray(G.make_group_metadata(gs, 150, 32))
+    meta, used = G.make_group_metadata(gs, 150, 32)
+    tile, group, lo, hi, first = np.asarray(meta)
     assert len(tile) == 5 + 6 - 1
+    # tiles 0-4 overlap groups {1}, {1, 3}, {3, 4}, {4}, {} (one zeroing visit): 7 in use,
+    # the visits past them repeat the last one and do nothing
+    assert int(used) == 7 and np.all(hi[7:] == lo[7:]) and first[7:].sum() == 0
     ends = np.cumsum(np.asarray(gs))
     starts = ends - np.asarray(gs)
     seen = set()
@@ -154,18 +158,21 @@ def test_group_metadata_visits():
 
 def test_group_metadata_skip_tail_visits_no_tile_past_the_groups():
     gs = jnp.array([0, 37, 0, 50, 20, 0], jnp.int32)  # rows 0-106 in groups: tiles 0-3 of 32
-    full = np.asarray(G.make_group_metadata(gs, 150, 32))
-    tile, group, lo, hi, first = np.asarray(G.make_group_metadata(gs, 150, 32, skip_tail=True))
+    full = np.asarray(G.make_group_metadata(gs, 150, 32)[0])
+    meta, used = G.make_group_metadata(gs, 150, 32, skip_tail=True)
+    tile, group, lo, hi, first = np.asarray(meta)
     assert set(tile) == {0, 1, 2, 3}  # tile 4 (rows 128-149) is never visited
+    assert int(used) == 6  # the grid runs these only (the zeroing visit of tile 4 is gone)
     assert sorted(tile[first == 1]) == [0, 1, 2, 3]
     live = hi > lo  # the computing visits are the same as without skip_tail
     full_live = full[3] > full[2]
     assert sorted(zip(tile[live], group[live])) == sorted(zip(full[0][full_live], full[1][full_live]))
     assert np.all(np.diff(tile) >= 0)
     # no rows in any group: one zeroing visit of tile 0, nothing else
-    tile, _, lo, hi, first = np.asarray(G.make_group_metadata(jnp.zeros(6, jnp.int32), 150, 32,
-                                                              skip_tail=True))
+    meta, used = G.make_group_metadata(jnp.zeros(6, jnp.int32), 150, 32, skip_tail=True)
+    tile, _, lo, hi, first = np.asarray(meta)
     assert set(tile) == {0} and first[0] == 1 and first[1:].sum() == 0 and np.all(hi == lo)
+    assert int(used) == 1
 
 
 # ----------------------------------------------------------------------------- kernel
