@@ -9,11 +9,15 @@ into fresh memory at 1.37 GB/s. Consecutive layers repeat the same leaf shapes, 
 the same ``(shape, dtype)``:
 
   * ``get(shape, dtype)``: a returned buffer of that shape and dtype (the most recently
-    returned one), else a fresh one (``host_load.host_empty``: page-aligned, huge-page
-    advised). Thread-safe: the read-ahead threads call it.
+    returned one); else the memory of a returned buffer of the same bytes, else of the
+    smallest one of at most ``REUSE_SLACK`` times the bytes, as a view of that shape and
+    dtype (the embeddings' row chunks serve the first layer's leaves, which would otherwise
+    all read into fresh memory); else a fresh one (``host_load.host_empty``: page-aligned,
+    huge-page advised). Thread-safe: the read-ahead threads call it.
   * ``put(buf)``: ``buf`` back in the pool; only once nothing reads it any more (the
-    loader: once the placed leaf's transfer, or the write that consumed it, is done).
-    Arrays the pool did not hand out are ignored (leaves read without a buffer).
+    loader: once the placed leaf's transfer, or the write that consumed it, is done); a
+    view is returned as the buffer it views. Arrays the pool did not hand out are ignored
+    (leaves read without a buffer).
   * ``drop(buf)``: ``buf`` no longer counted (kept by someone else, e.g. a CPU device
     array aliasing it); it is never handed out again.
 
@@ -41,6 +45,9 @@ import numpy as np
 from sglang_tpu_backend.model_loader.host_load import host_empty
 
 
+REUSE_SLACK = 2  # a get may take a returned buffer of up to this many times its bytes
+
+
 def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
@@ -57,8 +64,8 @@ class HostPool:
         self._lock = threading.Lock()
         self._free: list[np.ndarray] = []  # kept for reuse, oldest first
         self._free_bytes = 0
-        self._out: dict[int, np.ndarray] = {}  # handed out, not returned: id -> buffer
-        self._out_bytes = 0
+        self._out: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # handed out, not returned:
+        self._out_bytes = 0  # id -> (array handed out, the buffer whose memory it is)
 
     @property
     def held_bytes(self) -> int:
@@ -71,42 +78,59 @@ class HostPool:
             self._free_bytes -= self._free.pop(0).nbytes
             self.evicted += 1
 
+    def _kept(self, shape: tuple[int, ...], dtype: np.dtype) -> int | None:
+        """Index in ``_free`` of the buffer to serve a get (module doc), or None."""
+        n = _nbytes(shape, dtype)
+        same = [k for k, b in enumerate(self._free) if b.shape == shape and b.dtype == dtype]
+        same = same or [k for k, b in enumerate(self._free) if b.nbytes == n]
+        if same:
+            return same[-1]  # the most recently returned
+        fits = [(b.nbytes, k) for k, b in enumerate(self._free)
+                if n < b.nbytes <= REUSE_SLACK * n]
+        return min(fits)[1] if fits else None
+
     def get(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """A C-contiguous ``dtype[shape]`` buffer, its contents undefined."""
+        """A C-contiguous ``dtype[shape]`` buffer (maybe a view of a larger one), its
+        contents undefined."""
         shape, dtype = tuple(shape), np.dtype(dtype)
         with self._lock:
-            for k in range(len(self._free) - 1, -1, -1):
-                buf = self._free[k]
-                if buf.shape == shape and buf.dtype == dtype:
-                    del self._free[k]
-                    self._free_bytes -= buf.nbytes
-                    self._out[id(buf)] = buf
-                    self._out_bytes += buf.nbytes
-                    self.recycled += 1
-                    return buf
+            k = self._kept(shape, dtype)
+            if k is not None:
+                base = self._free.pop(k)
+                self._free_bytes -= base.nbytes
+                buf = base if base.shape == shape and base.dtype == dtype else (
+                    base.reshape(-1).view(np.uint8)[:_nbytes(shape, dtype)]
+                    .view(dtype).reshape(shape))
+                self._out[id(buf)] = (buf, base)
+                self._out_bytes += base.nbytes
+                self.recycled += 1
+                return buf
             n = _nbytes(shape, dtype)
             self._evict(n)
             self._out_bytes += n
             self.fresh += 1
         buf = host_empty(shape, dtype)
         with self._lock:
-            self._out[id(buf)] = buf
+            self._out[id(buf)] = (buf, buf)
         return buf
 
-    def _take_back(self, buf: np.ndarray) -> bool:
-        """Stop counting ``buf`` as handed out; whether the pool had handed it out."""
-        if self._out.get(id(buf)) is not buf:
-            return False
+    def _take_back(self, buf: np.ndarray) -> np.ndarray | None:
+        """Stop counting ``buf`` as handed out; the buffer whose memory it is, None where the
+        pool did not hand it out."""
+        got = self._out.get(id(buf))
+        if got is None or got[0] is not buf:
+            return None
         del self._out[id(buf)]
-        self._out_bytes -= buf.nbytes
-        return True
+        self._out_bytes -= got[1].nbytes
+        return got[1]
 
     def put(self, buf: np.ndarray) -> None:
         """Return ``buf`` (nothing reads or writes it any more) for reuse."""
         with self._lock:
-            if self._take_back(buf):
-                self._free.append(buf)
-                self._free_bytes += buf.nbytes
+            base = self._take_back(buf)
+            if base is not None:
+                self._free.append(base)
+                self._free_bytes += base.nbytes
                 self._evict(0)
 
     def drop(self, buf: np.ndarray) -> None:

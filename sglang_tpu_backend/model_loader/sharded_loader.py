@@ -20,13 +20,13 @@
     was allocated on the devices and is donated to every write: a plain copy for the routed
     experts and the head, whose param layout is the checkpoint's [out, in]; a transpose for
     the other weights (HF's [out, in] into the param's [in, out]). Up to ``IN_FLIGHT``
-    leaves are in flight: the main thread places a leaf while the previous ones' transfers
-    and writes run, and waits for the write of the leaf ``IN_FLIGHT`` steps back before
-    taking the next one (then returning that leaf's host buffers). The host holds those
-    leaves and what is read ahead (this process's share of each); the pool keeps buffers
-    for reuse only within that bound. The zeroing and write programs are compiled on
-    threads while the first leaves are read (``load_programs.py``), not one by one at their
-    first call; the stacks are zeroed when the first layer's leaf is written.
+    leaves (``$STB_LOAD_IN_FLIGHT`` where set) are in flight: the main thread places a leaf
+    while the previous ones' transfers and writes run, and waits for the write of the leaf
+    that many steps back before taking the next one (then returning its host buffers). The
+    host holds those leaves and what is read ahead (this process's share of each); the pool
+    keeps buffers for reuse only within that bound. The zeroing and write programs are
+    compiled on threads while the first leaves are read (``load_programs.py``), not one by
+    one at their first call; the stacks are zeroed when the first layer's leaf is written.
   * Meanwhile a thread asks the kernel to read the layer after the one being read into the
     page cache.
 
@@ -54,6 +54,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -73,10 +74,17 @@ from sglang_tpu_backend.model_loader.loader import (
 from sglang_tpu_backend.models.param_shapes import param_shapes
 from sglang_tpu_backend.server_args import LOAD_FORMATS
 
-
-
 CHUNK_BYTES = 256 << 20  # large replicated leaves (embeddings, head) are placed in chunks of this
 IN_FLIGHT = 2  # leaves placed whose writes may still run when the main thread places the next
+
+
+def in_flight() -> int:
+    """Leaves in flight for a load: ``$STB_LOAD_IN_FLIGHT`` where set (experiments), else
+    ``IN_FLIGHT``; read at each load. Raises ValueError below 1."""
+    n = int(os.environ.get("STB_LOAD_IN_FLIGHT") or IN_FLIGHT)
+    if n < 1:
+        raise ValueError(f"STB_LOAD_IN_FLIGHT must be at least 1, got {n}")
+    return n
 
 
 @dataclasses.dataclass
@@ -97,7 +105,7 @@ class LoadReport:
     phases: accelerators: the main thread's seconds by phase ("stacks": compiling and
       zeroing the stacked buffers, at the first layer's leaf, after the top-level leaves;
       "read": waiting for the read-ahead (= read_seconds); "written": waiting for the write
-      of the leaf ``IN_FLIGHT`` steps back (its host-to-device transfer included); "place":
+      of the leaf ``in_flight()`` steps back (its host-to-device transfer included); "place":
       handing a leaf to the devices; "compile": waiting for a write program; "write":
       dispatching the writes; "final": waiting for the last writes).
     host_buffers: accelerators: the host buffer pool's counts (``host_pool.HostPool``:
@@ -328,12 +336,12 @@ def _ahead_bytes(steps: list[_Step]) -> int:
     return min(read_ahead.AHEAD_BYTES, max(layer_bytes.values(), default=read_ahead.AHEAD_BYTES))
 
 
-def _pool_bytes(steps: list[_Step], ahead: int) -> int:
-    """The host buffer pool's cap: what the main thread may hold without one, what is read
-    ahead (``ahead``, or one read alone when larger) plus ``IN_FLIGHT`` steps taken and not
-    yet known written, each at most the largest step's bytes."""
+def _pool_bytes(steps: list[_Step], ahead: int, flying: int) -> int:
+    """The host buffer pool's cap in bytes: what the main thread may hold without one, what
+    is read ahead (``ahead``, or one read alone when larger) plus ``flying`` steps taken and
+    not yet known written (``in_flight()``), each at most the largest step's bytes."""
     largest = max((sum(_job_bytes(st)) for st in steps), default=0)
-    return max(ahead, largest) + IN_FLIGHT * largest
+    return max(ahead, largest) + flying * largest
 
 
 def _programs(st: _Step) -> list[tuple[Any, Any]]:
@@ -375,13 +383,13 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
                      report: LoadReport, progress: bool | None, prefetch) -> Any:
     """``load_sharded`` for accelerators: the steps of ``_plan`` read ahead on threads
     (``read_ahead.py``) into pooled host buffers (``host_pool.py``) while the main thread
-    places and writes each in turn, taking each once the write ``IN_FLIGHT`` steps back is
+    places and writes each in turn, taking each once the write ``in_flight()`` steps back is
     done (and that step's buffers are back in the pool), so the host holds what is read
-    ahead and ``IN_FLIGHT`` leaves. ``prefetch(i)`` runs when the reads of layer i - 1 are
+    ahead and that many leaves. ``prefetch(i)`` runs when the reads of layer i - 1 are
     queued."""
-    steps = _plan(leaves, cfg, shapes, shardings)
+    steps, flying = _plan(leaves, cfg, shapes, shardings), in_flight()
     ahead_bytes = _ahead_bytes(steps)
-    pool = host_pool.HostPool(_pool_bytes(steps, ahead_bytes))
+    pool = host_pool.HostPool(_pool_bytes(steps, ahead_bytes, flying))
     reads = [_reads(st, pool) for st in steps]
 
     def jobs():
@@ -416,7 +424,7 @@ def _load_on_devices(leaves: CheckpointLeaves, cfg: ModelConfig, shapes: Any, sh
                   disable=disable) as bar:
             flight: collections.deque = collections.deque()  # (param as written, x, bufs)
             for n, st in enumerate(steps):
-                while len(flight) >= IN_FLIGHT:  # step n - IN_FLIGHT written: its host
+                while len(flight) >= flying:  # step n - flying written: its host
                     host_pool.retire(*flight.popleft(), pool)  # arrays back in the pool
                 t = report.timed("written", t)
                 host = [ahead.take() for _ in st.ranges or (None,)]

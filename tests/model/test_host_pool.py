@@ -13,7 +13,8 @@ import pytest
 
 from sglang_tpu_backend.model_loader import host_pool, load_programs, sharded_loader
 from sglang_tpu_backend.model_loader.checkpoint_io import quantize_checkpoint_fp8, write_checkpoint
-from sglang_tpu_backend.model_loader.loader import load_model
+from sglang_tpu_backend.model_loader.loader import CheckpointLeaves, load_model
+from sglang_tpu_backend.models.param_shapes import param_shapes
 from tests.model.test_loader import assert_trees_equal, nested_config, tensors_for
 from tests.model.test_read_ahead import _new_threads, _single_device
 
@@ -86,7 +87,7 @@ def test_device_path_recycles_buffers_only_once_written(tmp_path, monkeypatch, k
     put, seen = host_pool.HostPool.put, {"puts": 0, "cap": 0, "over": []}
 
     def corrupting(self, buf):
-        if self._out.get(id(buf)) is buf:
+        if self._out.get(id(buf), (None,))[0] is buf:
             buf.view(np.uint8)[...] = 0xFF  # NaN in f32, bf16 and e4m3
             seen["puts"] += 1
         put(self, buf)
@@ -112,3 +113,70 @@ def test_device_path_recycles_buffers_only_once_written(tmp_path, monkeypatch, k
     assert not _new_threads(before)
     assert report.host_buffers["recycled"] > 0 and seen["puts"] > report.host_buffers["recycled"]
     assert seen["cap"] > 0 and not seen["over"]  # nothing kept past the cap
+
+
+def test_pool_lends_a_returned_buffers_memory_to_other_shapes_within_the_slack():
+    """A get with no returned buffer of its shape and dtype takes one of the same bytes, else
+    the smallest of at most ``REUSE_SLACK`` times its bytes, as a view; the view goes back as
+    that buffer. A buffer more than ``REUSE_SLACK`` times larger is not taken."""
+    pool = host_pool.HostPool(cap_bytes=1 << 20)
+    a, big = pool.get((16, 256), np.float32), pool.get((64, 256), np.float32)  # 16, 64 KiB
+    pool.put(a)
+    pool.put(big)
+    v = pool.get((4096,), np.int32)  # a's bytes: a's memory, not big's
+    assert v.shape == (4096,) and v.dtype == np.int32 and v.flags.c_contiguous
+    assert np.shares_memory(v, a) and not np.shares_memory(v, big) and pool.recycled == 1
+    assert pool.held_bytes == a.nbytes + big.nbytes
+    pool.put(v)  # back as a
+    assert pool.get((16, 256), np.float32) is a and pool.recycled == 2
+    pool.put(a)
+    w = pool.get((3000,), np.float32)  # 12000 bytes: within 2x of a's 16 KiB, not of big's
+    assert np.shares_memory(w, a) and w.shape == (3000,) and pool.recycled == 3
+    small = pool.get((1000,), np.float32)  # 4000 bytes: big is 16x that; a is out
+    assert not np.shares_memory(small, big) and pool.fresh == 3
+    pool.drop(w)  # a view dropped: its buffer is never handed out again
+    assert pool.held_bytes == big.nbytes + small.nbytes
+    assert not any(np.shares_memory(pool.get((16, 256), np.float32), x) for x in (a, big))
+
+
+def test_in_flight_from_the_environment_scales_the_cap_and_the_leaves_held(
+        tmp_path, monkeypatch):
+    """``$STB_LOAD_IN_FLIGHT`` sets the leaves in flight (the pool's cap grows by one largest
+    step per leaf): at most that many placed and not yet retired, the params unchanged."""
+    monkeypatch.delenv("STB_LOAD_IN_FLIGHT", raising=False)
+    assert sharded_loader.in_flight() == sharded_loader.IN_FLIGHT
+    monkeypatch.setenv("STB_LOAD_IN_FLIGHT", "0")
+    with pytest.raises(ValueError):
+        sharded_loader.in_flight()
+    config = nested_config()
+    path = write_checkpoint(tmp_path / "ckpt", tensors_for(config, seed=3), config, shards=2)
+    cfg, whole = load_model(path, dtype=jnp.float32, backend="tpu")
+    seen = {"caps": [], "held": 0, "most": 0}
+    place, retire, init = sharded_loader._place_leaf, host_pool.retire, host_pool.HostPool.__init__
+
+    def placing(*a, **k):
+        seen["held"] += 1
+        seen["most"] = max(seen["most"], seen["held"])
+        return place(*a, **k)
+
+    def retiring(*a, **k):
+        seen["held"] -= 1
+        return retire(*a, **k)
+
+    monkeypatch.setattr(sharded_loader, "_place_leaf", placing)
+    monkeypatch.setattr(host_pool, "retire", retiring)
+    monkeypatch.setattr(host_pool.HostPool, "__init__",
+                        lambda self, cap: seen["caps"].append(cap) or init(self, cap))
+    for n in (1, 3):
+        monkeypatch.setenv("STB_LOAD_IN_FLIGHT", str(n))
+        seen["most"] = seen["held"] = 0
+        params, _ = sharded_loader.load_sharded(
+            path, cfg, _single_device(cfg, False), dtype=jnp.float32, backend="tpu",
+            host_buffers=False, progress=False)
+        assert_trees_equal(params, whole)
+        assert seen["most"] == n
+    leaves = CheckpointLeaves(path, cfg, dtype=jnp.float32, keep_fp8_experts=False)
+    steps = sharded_loader._plan(leaves, cfg, param_shapes(cfg, jnp.float32),
+                                 _single_device(cfg, False))
+    largest = max(sum(sharded_loader._job_bytes(st)) for st in steps)
+    assert seen["caps"][1] - seen["caps"][0] == 2 * largest > 0
