@@ -22,6 +22,13 @@ attention's ``q_proj`` (its output is split per head into query and gate) and GD
 read and one write of 128 + 64 MiB per layer group, found in the compiled HLO as
 ``sparse-core-data-format`` calls); stored output-major there are none
 (``tests/tpu/test_dp_compile.py`` checks). :data:`OUTPUT_MAJOR_WEIGHTS` names them.
+
+The embedding table and the LM head ([V, H], outside the layer scan) are the exception the
+other way (:data:`DEFAULT_LAYOUT_WEIGHTS`): the embedding's gather and the head's matmul read
+them in the default ``T(8,128)(2,1)`` tiling. In the native one, the v5e and v6e compiles of
+the 397B step copied each whole on every step (2 GiB apiece at its 248K vocabulary, and
+libtpu aborted compiling the gather of the copy: ``gather_emitter`` check failure), and the
+TPU7x compile relaid the head inside its matmul (``tests/tpu/test_model_compile.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from jax.sharding import Sharding
 
 LANES = 128  # minor-dim tile of every TPU layout
 OUTPUT_MAJOR_WEIGHTS = ("q_proj", "in_proj_z")  # leaf names stored [.., N, K] in memory
+DEFAULT_LAYOUT_WEIGHTS = ("embed_tokens", "lm_head")  # [V, H] leaves kept in the default tiling
 
 
 def native_tiling(dtype: Any) -> tuple[tuple[int, int], ...]:
@@ -82,12 +90,16 @@ def _leaf_name(path) -> str | None:
 
 def weight_formats(params: Any, shardings: Any) -> Any:
     """Per leaf of ``params`` (arrays or ShapeDtypeStructs): its :func:`weight_format`, with
-    routed-expert leaves left at ``shardings``' default layout and the leaves named in
-    :data:`OUTPUT_MAJOR_WEIGHTS` output-major. ``shardings`` mirrors params."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x, s: s if is_routed_expert(path) else weight_format(
-            x.shape, x.dtype, s, output_major=_leaf_name(path) in OUTPUT_MAJOR_WEIGHTS),
-        params, shardings)
+    routed-expert leaves and those named in :data:`DEFAULT_LAYOUT_WEIGHTS` left at
+    ``shardings``' default layout and the leaves named in :data:`OUTPUT_MAJOR_WEIGHTS`
+    output-major. ``shardings`` mirrors params."""
+    def fmt(path, x, s):
+        if is_routed_expert(path) or _leaf_name(path) in DEFAULT_LAYOUT_WEIGHTS:
+            return s
+        return weight_format(x.shape, x.dtype, s,
+                             output_major=_leaf_name(path) in OUTPUT_MAJOR_WEIGHTS)
+
+    return jax.tree_util.tree_map_with_path(fmt, params, shardings)
 
 
 def uses_native_layouts(sharding: Sharding) -> bool:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from sglang_tpu_backend.config import ModelConfig, load_model_config, model_config_from_dict
+from sglang_tpu_backend.kernels.tpu_compile import core_mesh
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.model_executor.forward_batch import ForwardMode
 from sglang_tpu_backend.model_executor.step_buckets import step_shapes
@@ -123,3 +124,22 @@ def test_397b_slice_step_compiles(mesh, record, name, state_dtype):
     cfg = slice_397b()
     one_layer = f"f8e4m3fn[1,{cfg.num_experts},{cfg.hidden_size},"
     assert not [l for l in report.hlo.splitlines() if one_layer in l and "dynamic-slice" in l]
+    assert not head_copies(report, cfg)
+
+
+def head_copies(report, cfg: ModelConfig) -> list[str]:
+    """HLO lines that copy (relayout) a whole [V, H] embedding or head: with both in the native
+    tiling, TPU7x relaid the head inside its matmul and v5e / v6e copied both every step."""
+    whole = f"bf16[{cfg.vocab_size},{cfg.hidden_size}]"
+    return [l for l in report.hlo.splitlines() if whole in l and " copy(" in l]
+
+
+def test_397b_slice_step_compiles_for_v5e_without_copying_the_embedding_or_head(record):
+    """One layer period of the 397B (the benchmarks/bench_layer_slice.py step) for a v5e
+    core: it compiles (libtpu aborted on the gather of the embedding's copy before the
+    embedding and head kept the default tiling) and copies neither [V, H] leaf."""
+    cfg = slice_397b(4)
+    report = compile_step(cfg, SPECS_397B["decode64"], core_mesh("v5e:2x2"), fp8_experts=True,
+                          state_dtype=jnp.bfloat16)
+    record("397B slice (4 layers) decode64 for v5e", report, min_kernels=4)
+    assert not head_copies(report, cfg)
