@@ -4,23 +4,16 @@ raises recorded as an error instead of ending the run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
+
 ONLY = ["attention/decode-4x64-bf16", "gmm/down-bf16-decode", "gdn/decode-4-f32",
         "routing/reduce-decode", "collectives/packed"]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels",
-                                                  REPO / "benchmarks" / "bench_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernels"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_kernels.py")
 
 
 def test_smoke_run_rows_costs_json_and_failing_peer(tmp_path, monkeypatch, capsys):

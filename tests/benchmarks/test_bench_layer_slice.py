@@ -4,28 +4,19 @@ batch), and its prediction charges the slice it ran (its layers, its experts, it
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
-import jax
 import numpy as np
 
 from sglang_tpu_backend.config import FULL_ATTENTION
+from tests.scripts import load_script
 
-REPO = Path(__file__).resolve().parents[2]
 ARGS = ["--preset", "tiny", "--layers", "4", "--ep", "2", "--requests", "4", "--context", "64",
         "--page", "16", "--expert-dtype", "bf16", "--state-dtype", "f32", "--warmup", "1",
         "--iters", "2"]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_layer_slice", REPO / "benchmarks" / "bench_layer_slice.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_layer_slice"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_layer_slice.py")
 
 
 def test_the_timed_step_is_the_slices_forward_and_the_prediction_charges_that_slice():

@@ -3,9 +3,6 @@ the devices at each count in flight, the bytes of the params the load places."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,16 +11,11 @@ from sglang_tpu_backend.model_loader.checkpoint_io import quantize_checkpoint_fp
 from sglang_tpu_backend.model_loader.sharded_loader import load_sharded
 from sglang_tpu_backend.models.param_shapes import num_param_bytes
 from tests.model.test_loader import nested_config, tensors_for
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_load", REPO / "benchmarks" / "bench_load.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_load"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_load.py")
 
 
 def test_put_moves_the_loads_bytes_at_each_count_in_flight(tmp_path):

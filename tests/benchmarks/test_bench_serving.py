@@ -4,14 +4,11 @@ both endpoints, two concurrency tiers, exact token counts with --ignore-eos, JSO
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.server.conftest import start_server
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +19,7 @@ def server():
 
 
 def load_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_serving", REPO / "benchmarks" / "bench_serving.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench_serving.py")
 
 
 @pytest.mark.parametrize("backend", ["native", "openai"])

@@ -8,11 +8,8 @@ override, ignore an illegal one, and still match the reference in interpret mode
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -24,8 +21,8 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from sglang_tpu_backend.kernels import block_tables, gdn, gdn_kernels, gmm, routing  # noqa: E402
 from sglang_tpu_backend.kernels import ragged_paged_attention as rpa  # noqa: E402
 from sglang_tpu_backend.kernels.gdn_common import conv_state_rows  # noqa: E402
+from tests.scripts import load_script
 
-REPO = Path(__file__).resolve().parents[2]
 FAKE = "TPU fake"
 DATACLASSES = {"attention": rpa.BlockSizes, "gdn": gdn.GdnBlockSizes,
                "gmm": gmm.GmmBlockSizes, "routing": routing.RoutingBlockSizes}
@@ -183,12 +180,7 @@ def test_routing_and_attention_seams(monkeypatch):
 
 
 def _load_sweep():
-    spec = importlib.util.spec_from_file_location(
-        "sweep_block_sizes", REPO / "benchmarks" / "sweep_block_sizes.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sweep_block_sizes"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/sweep_block_sizes.py")
 
 
 def test_sweep_choice_writing_and_refusal_off_tpu(tmp_path, capsys):

@@ -15,26 +15,22 @@ No Ray here: the example's ``Trainer`` and one offline engine in this process.
 
 from __future__ import annotations
 
-import importlib.util
 import types
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
+
 pytestmark = pytest.mark.cpu_only(reason="bit-equality of XLA:CPU programs; the example's "
                                   "trainer and engines run on the CPU (JAX_PLATFORMS=cpu)")
 
 
 @pytest.fixture(scope="module")
 def rl_loop():
-    spec = importlib.util.spec_from_file_location("rl_loop", REPO / "examples" / "rl_loop.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples/rl_loop.py")
 
 
 def _model_sizes():

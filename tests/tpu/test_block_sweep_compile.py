@@ -9,22 +9,15 @@ decode kernel's rows_per_step candidates (1 / 2 / 4 / 16 beside the default 8) c
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
+
+from tests.scripts import load_script
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def test_gdn_compile_sweep_for_v5e(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "sweep_block_sizes", REPO / "benchmarks" / "sweep_block_sizes.py")
-    sweep = importlib.util.module_from_spec(spec)
-    sys.modules["sweep_block_sizes"] = sweep
-    spec.loader.exec_module(sweep)
+    sweep = load_script("benchmarks/sweep_block_sizes.py")
     table = tmp_path / "table.json"
     table.write_text('{"device_kinds": {}}')
     out = sweep.main(["--compile-only", "v5e:2x2", "--only", "gdn", "--dry-run",
