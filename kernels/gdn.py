@@ -80,8 +80,7 @@ class GdnBlockSizes:
     A fatter block means fewer grid steps of the chunk kernel, which runs the block's heads as
     batched matmuls; its VMEM grows with the block (compile reports at 397B shapes, L=64, fp32
     state: 3.3 / 6.5 / 13.5 / 29.1 / 58.8 MiB on v5e and 9.6 / 19.1 / 38.5 MiB on TPU7x at
-    kb = 1 / 2 / 4 / 8 / 16, resp. 4 / 8 / 16, with every product at HIGHEST; 2.0 MiB on both
-    at kb = 1 with the "bf16" MXU policy), and its scoped limit follows
+    kb = 1 / 2 / 4 / 8 / 16, resp. 4 / 8 / 16), and its scoped limit follows
     (``gdn_kernels.chunk_vmem_limit``).
 
     ``rows_per_step`` (rb, the decode kernel only): decode rows per grid step. A grid step has
@@ -90,17 +89,10 @@ class GdnBlockSizes:
     state scratch holds 2 * rb rows' state blocks. None: ``gdn_geometry.DEFAULT_ROWS_PER_STEP``
     (8) halved until the VMEM estimate fits (``gdn_geometry.default_rows_per_step``), and at
     most T; the rows are padded to a multiple of rb.
-
-    ``mxu_operands`` (the chunk kernel only): "bf16" -- q, k, v enter its matmuls as bf16
-    values, products split the f32 operands into bf16 hi + lo terms (2-3 MXU passes, f32
-    accumulation) and the unit-lower inverse is refined from bf16 passes; "f32" -- every
-    product f32 at HIGHEST (6 passes). See ``gdn_kernels.CHUNK_MXU``. None: "bf16" for bf16
-    activations (``mixed_qkv``), whose v is bf16 already, else "f32".
     """
 
     k_heads_per_block: int | None = None
     rows_per_step: int | None = None
-    mxu_operands: str | None = None
 
 
 # ----------------------------------------------------------------------------- shared math
@@ -442,9 +434,6 @@ def _check_args(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_st
     if block_sizes is not None and block_sizes.rows_per_step is not None:
         err = gdn_geometry.rows_error(block_sizes.rows_per_step)
         need(err is None, str(err))
-    if block_sizes is not None and block_sizes.mxu_operands is not None:
-        err = gdn_geometry.mxu_error(block_sizes.mxu_operands)
-        need(err is None, str(err))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -502,10 +491,8 @@ def gated_delta_net(
     K = conv_weight.shape[1]
     kb, rb = _block_sizes(block_sizes, T, num_k_heads, Hv, Dk, Dv, K,
                           rec_state.dtype.itemsize, conv_state.dtype.itemsize)
-    mxu = block_sizes.mxu_operands or ("bf16" if mixed_qkv.dtype == jnp.bfloat16
-                                       else "f32")
     geom = gdn_kernels.Geometry(Hk=num_k_heads, Hv=Hv, Dk=Dk, Dv=Dv, K=K, kb=kb,
-                                L=1 if decode else chunk_size, rb=rb, mxu=mxu)
+                                L=1 if decode else chunk_size, rb=rb)
     cost = gated_delta_net_cost(T, state_slots.shape[0], num_k_heads, Hv, Dk, Dv,
                                 conv_kernel=K, decode=decode, chunk_size=chunk_size,
                                 x_bytes=mixed_qkv.dtype.itemsize,
@@ -557,8 +544,7 @@ def gated_delta_net_cost(
         n = num_chunk_slots(T, R, L)
         per_chunk = (4 * L * L * Dk  # K K^T, Q K^T
                      + L * L * L  # unit-lower inverse, as a substitution (the Pallas
-                     # kernel's log-depth doubling spends (4 log2 L - 4) L^3 on the MXU,
-                     # and its bf16 policy 4 L^3 more for the Newton refinement)
+                     # kernel's log-depth doubling spends (4 log2 L - 4) L^3 on the MXU)
                      + 2 * L * L * (Dv + Dk)  # u, w
                      + 6 * L * Dk * Dv  # w S, q S, K^T v_new
                      + 2 * L * L * Dv)  # attn v_new

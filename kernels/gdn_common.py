@@ -1,11 +1,10 @@
 """Math and batch metadata shared by the GDN references (``kernels/gdn.py``) and the Pallas
-kernels (``kernels/gdn_kernels.py``), and the chunk kernel's MXU-pass products (``mxu_dot``).
-See ``kernels/gdn.py`` for the op, its numerics and the dimension letters.
+kernels (``kernels/gdn_kernels.py``). See ``kernels/gdn.py`` for the op, its numerics and the
+dimension letters.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -66,60 +65,6 @@ def conv_act(taps, w_taps, w_dtype, x_dtype):
 
 def l2norm(x):
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
-
-
-# ----------------------------------------------------------------------------- MXU passes
-
-
-BDOT = (((2,), (1,)), ((0,), (0,)))  # [h, m, k] @ [h, k, n], batched over the leading dim
-BDOT_NT = (((2,), (2,)), ((0,), (0,)))  # [h, m, k] @ [h, n, k]^T
-BDOT_TN = (((1,), (1,)), ((0,), (0,)))  # [h, k, m]^T @ [h, k, n]
-
-
-def round_bf16(x):
-    """f32 x rounded to the nearest bf16 value (ties to even), kept in f32. Integer VPU ops on
-    the f32 vregs: no packed bf16 layout, no pack / unpack relayouts."""
-    bits = lax.bitcast_convert_type(x, jnp.uint32)
-    bits = bits + (jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1)))
-    return lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), F32)
-
-
-def mxu_dot(xs, y, dims, mode):
-    """``[lax.dot_general(x, y, dims) for x in xs]`` of f32 operands sharing y, f32 results, in
-    ``mode``'s MXU passes. xs are [h, m, k] (``BDOT``, ``BDOT_NT``) or [h, k, m] (``BDOT_TN``)
-    of one shape; results [h, m, n].
-
-    "f32": each at HIGHEST (six bf16 passes on a TPU). The others are sums of DEFAULT-precision
-    products (one MXU pass each, f32 accumulation) of bf16-valued f32 operands: "bf16" -- both
-    rounded to bf16 (one pass); "x_split" -- x as hi + lo (hi = x rounded to bf16, lo = x - hi),
-    y rounded (exact when it is bf16-valued): two passes; "bf16x3" -- both split, hi*hi +
-    hi*lo + lo*hi: three passes, ~2^-16 relative. A TPU's MXU rounds the lo terms to bf16 as it
-    takes them (on the CPU, interpret mode, they enter exactly: at most 2^-9 |lo| <= 2^-18 |x|
-    apart); every other operand is bf16-valued, so the products are exact on both. The LHS
-    terms that multiply one RHS term are stacked along m into one product, so each RHS term
-    is pushed into the MXU once (1 + 1 weight loads for "bf16x3", not 3).
-    """
-    dot = functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=F32)
-    if mode == "f32":
-        return [dot(x, y, precision=HI) for x in xs]
-    ax = 2 if dims == BDOT_TN else 1  # the m dim of the LHS
-    m = xs[0].shape[ax]
-
-    def stacked(lhs, rhs):  # [dot(x, rhs) for x in lhs], one MXU product
-        out = dot(jnp.concatenate(lhs, axis=ax), rhs)
-        return [out[:, i * m : (i + 1) * m] for i in range(len(lhs))]
-
-    if mode == "bf16":
-        return stacked([round_bf16(x) for x in xs], round_bf16(y))
-    his = [round_bf16(x) for x in xs]
-    terms = his + [x - hi for x, hi in zip(xs, his)]
-    if mode == "x_split":
-        out = stacked(terms, round_bf16(y))
-        return [out[i] + out[len(xs) + i] for i in range(len(xs))]
-    assert mode == "bf16x3", mode
-    yh = round_bf16(y)
-    by_hi, by_lo = stacked(terms, yh), stacked(his, y - yh)
-    return [by_hi[i] + (by_lo[i] + by_hi[len(xs) + i]) for i in range(len(xs))]
 
 
 # ----------------------------------------------------------------------------- batch metadata

@@ -21,7 +21,7 @@ _DECODE_VMEM_BUDGET = 12 << 20  # the default rb keeps the decode estimate under
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Static shapes of one call: heads, head dims, conv taps, head blocking, chunk length,
-    decode rows per grid step, the chunk kernel's MXU operand policy."""
+    decode rows per grid step."""
 
     Hk: int
     Hv: int
@@ -31,7 +31,6 @@ class Geometry:
     kb: int  # qk heads per head block
     L: int  # chunk length (1 for decode)
     rb: int = 1  # decode rows per grid step (the decode kernel only)
-    mxu: str = "f32"  # MXU operand policy of the chunk kernel (gdn_kernels.CHUNK_MXU)
 
     @property
     def rep(self):  # value heads per qk head
@@ -69,14 +68,6 @@ class Geometry:
         lane = lambda x: pl.multiple_of(x, _LANES)  # noqa: E731 (true: qk, vw, Hk*Dk % 128 == 0)
         return [(lane(j * qk), 0, qk), (lane(self.Hk * self.Dk + j * qk), qk, qk),
                 (lane(2 * self.Hk * self.Dk + j * vw), 2 * qk, vw)]
-
-
-MXU_OPERANDS = ("bf16", "f32")  # GdnBlockSizes.mxu_operands / Geometry.mxu
-
-
-def mxu_error(mxu):
-    """Why ``mxu`` is not an MXU operand policy (None if it is)."""
-    return None if mxu in MXU_OPERANDS else f"mxu_operands must be one of {MXU_OPERANDS}"
 
 
 def block_error(num_k_heads, num_v_heads, dk, dv, kb):

@@ -41,20 +41,9 @@ for 32-bit and (16, 128) for bf16, and needs dynamic offsets there to be provabl
 
 The chunk kernel works on all heads of its block at once: per-head operands are stacked on a
 new leading (untiled) dim, ``[hb, L, D]`` / ``[hb, L, L]``, and multiplied with matmuls batched
-over it (``mxu_dot``), so a fatter head block adds work per grid step, not unrolled code. The
+over it (``_bdot*``), so a fatter head block adds work per grid step, not unrolled code. The
 chunk's (I + n)^-1 is formed by log-depth block doubling (:func:`unit_lower_inverse`), not by
 L-1 sequential row substitutions.
-
-MXU precision of the chunk kernel (``CHUNK_MXU``, picked by ``Geometry.mxu``): the kernel is
-bound by its many small matmuls, and an f32 matmul at HIGHEST costs six bf16 MXU passes. With
-bf16 activations (the serving case) the products are written as explicit bf16 passes with
-f32 accumulation (``mxu_dot``): three for two f32 operands split into bf16 hi + lo (Q K^T,
-K K^T, T k, w S, q S, the intra-chunk attention times v_new, K^T v_new), two for T (beta v),
-whose v is bf16-valued; the unit-lower inverse runs its doublings in bf16 (one pass each) and
-is refined to f32 accuracy by two Newton steps (residuals in bf16x3, then at HIGHEST;
-:func:`unit_lower_inverse`). With f32 activations every product stays f32 at HIGHEST.
-Explicit passes (Mosaic lowers only DEFAULT and HIGHEST), on operands rounded to bf16 values
-in f32 vregs, so CPU interpret mode computes nearly the numbers a TPU does (``mxu_dot``).
 
 Dimension letters as in ``kernels/gdn.py``; nb head blocks of kb qk heads and hb = kb * Hv / Hk
 value heads; cb = 2 * kb * Dk + hb * Dv block channels; P = K-1 rounded up to 8; rb decode rows
@@ -71,9 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .gdn_common import (BDOT, BDOT_NT, BDOT_TN, F32, FIRST, FRESH, HI, LAST, VALID,
-                         chunk_layout, conv_act, decode_rows, gates, l2norm, mxu_dot,
-                         num_chunk_slots, token_meta)
+from .gdn_common import (F32, FIRST, FRESH, HI, LAST, VALID, chunk_layout, conv_act,
+                         decode_rows, gates, l2norm, num_chunk_slots, token_meta)
 from .gdn_decode_pipeline import WRITE_BACK, pipelined_steps
 from .gdn_geometry import (Geometry, block_error, chunk_vmem_limit,  # noqa: F401 (re-exported)
                            decode_vmem_limit, default_k_heads_per_block)
@@ -99,6 +87,10 @@ def _state_copies(geom, j, layer, slot, cs_hbm, rs_hbm, cs_buf, s_buf):
              for c0, b0, w in geom.conv_segments(j)]  # [rows, w] each
     pairs.append((rs_hbm.at[layer, slot, pl.ds(j * geom.hb, geom.hb)], s_buf))  # [hb, Dk, Dv]
     return pairs
+
+
+def _dot(x, y):  # [m, k] @ [k, n]
+    return jnp.dot(x, y, precision=HI, preferred_element_type=F32)
 
 
 def _block_heads(y, geom):
@@ -224,7 +216,8 @@ def _chunk_conv(ext, x_ref, w_ref, length, geom):
     """Causal conv + SiLU of one chunk.
 
     ext f32[P+L, cb]: rows P-(K-1)..P-1 hold the K-1 inputs before the chunk; the chunk's rows
-    are written at P..P+L-1. Returns y f32[L, cb] (zero from row ``length`` on).
+    are written at P..P+L-1. Returns y f32[L, cb] (zero from row ``length`` on) and the last
+    K-1 inputs seen, f32[K-1, cb], which are also left in rows P-(K-1)..P-1 for the next chunk.
     """
     K, L, P = geom.K, geom.L, geom.ctx_rows
     base = P - (K - 1)
@@ -232,31 +225,41 @@ def _chunk_conv(ext, x_ref, w_ref, length, geom):
     w = w_ref[...].astype(F32)  # [K, cb]
     taps = [ext[base + i : base + i + L, :] for i in range(K)]  # tap i: input K-1-i steps back
     y = conv_act(taps, [w[i : i + 1] for i in range(K)], w_ref.dtype, x_ref.dtype)
-    return jnp.where(lax.broadcasted_iota(jnp.int32, (L, 1), 0) < length, y, 0.0)
-
-
-def _last_inputs(ext, length, geom):
-    """The last K-1 inputs of a chunk of ``length`` tokens in ext (``_chunk_conv``), f32[K-1, cb],
-    picked with iota masks (``length`` is dynamic). Only a request's last chunk can be short."""
-    K, P = geom.K, geom.ctx_rows
+    y = jnp.where(lax.broadcasted_iota(jnp.int32, (L, 1), 0) < length, y, 0.0)
     e = ext[...]  # f32[P+L, cb]
     rows = lax.broadcasted_iota(jnp.int32, e.shape, 0)
-    return jnp.concatenate([jnp.sum(jnp.where(rows == P - (K - 1) + length + i, e, 0.0), axis=0,
-                                    keepdims=True) for i in range(K - 1)], axis=0)
+    ctx = jnp.concatenate([jnp.sum(jnp.where(rows == base + length + i, e, 0.0), axis=0,
+                                   keepdims=True) for i in range(K - 1)], axis=0)
+    ext[base:P, :] = ctx
+    return y, ctx
 
 
 def _chunk_gates(a_ref, b_ref, alog_ref, dtb_ref, length):
     """Gates of one chunk, zero past ``length``: cumulative log-decay gam f32[L, hb] (time on
-    sublanes), beta f32[L, hb], and both transposed, f32[2 hb, L] (gam^T over beta^T)."""
+    sublanes), its transpose f32[hb, L], and beta f32[L, hb]."""
     L = a_ref.shape[0]
     g, beta = gates(a_ref[...], b_ref[...], alog_ref[...], dtb_ref[...])  # f32[L, hb]
     live = lax.broadcasted_iota(jnp.int32, (L, 1), 0) < length
     g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
     row = lax.broadcasted_iota(jnp.int32, (L, L), 0)
     col = lax.broadcasted_iota(jnp.int32, (L, L), 1)
-    gam = jnp.dot((row >= col).astype(F32), g, precision=HI,
-                  preferred_element_type=F32)  # gam[i, h] = sum_{j<=i} g[j, h]
-    return gam, jnp.concatenate([gam, beta], axis=1).T, beta
+    gam = _dot((row >= col).astype(F32), g)  # gam[i, h] = sum_{j<=i} g[j, h]
+    return gam, gam.T, beta
+
+
+def _bdot(x, y):  # [h, m, k] @ [h, k, n], batched over the leading (head) dim
+    return lax.dot_general(x, y, (((2,), (1,)), ((0,), (0,))), precision=HI,
+                           preferred_element_type=F32)
+
+
+def _bdot_nt(x, y):  # [h, m, k] @ [h, n, k]^T
+    return lax.dot_general(x, y, (((2,), (2,)), ((0,), (0,))), precision=HI,
+                           preferred_element_type=F32)
+
+
+def _bdot_tn(x, y):  # [h, k, m]^T @ [h, k, n]
+    return lax.dot_general(x, y, (((1,), (1,)), ((0,), (0,))), precision=HI,
+                           preferred_element_type=F32)
 
 
 def _stack(xs):
@@ -264,7 +267,7 @@ def _stack(xs):
     return jnp.concatenate([x[None] for x in xs], axis=0)
 
 
-def unit_lower_inverse(n, refine=False):
+def unit_lower_inverse(n):
     """(I + n)^-1 of each strictly lower-triangular f32[L, L] of n f32[h, L, L], by doubling.
 
     With X the inverse's diagonal blocks of size b (X = I for b = 1), each 2b block
@@ -276,55 +279,20 @@ def unit_lower_inverse(n, refine=False):
     unlike the equally short product (I - n)(I + n^2)(I + n^4)..., no large powers of n
     cancel (keys nearly parallel, beta and decay near 1: that product loses every digit;
     see ``tests/kernels/test_gdn.py``). Plain jnp: runs outside a kernel too.
-
-    ``refine=False``: every product f32 at HIGHEST (6 bf16 MXU passes each on a TPU: 60 passes
-    at L = 64). ``refine=True`` (the "bf16" policy of ``CHUNK_MXU``): the doublings on
-    operands rounded to bf16 (one pass each; ~6e-3 relative error under stress), then two
-    Newton steps X <- X + X (I - (I + n) X), the residual's n X in bf16x3 (3 passes) and then
-    at HIGHEST (6), the small correction X R in bf16 (1): 10 + 4 + 7 = 21 passes at L = 64,
-    4 more dependent matmuls (14). The residual I - (I + n) X is strictly lower triangular and
-    squares at each step, so two steps take the bf16 error (~2^-8) to the f32 level of the last
-    residual (measured under stress, CPU: 4.9e-7 relative, against 1.5e-7 for
-    ``refine=False``; a bf16x3 last residual would leave ~1.6e-5). ``mxu_dot`` has the modes.
     """
     L = n.shape[-1]
     row = lax.broadcasted_iota(jnp.int32, (1, L, L), 1)  # masks broadcast over heads
     col = lax.broadcasted_iota(jnp.int32, (1, L, L), 2)
-    eye = (row == col).astype(F32)
-    mode = "bf16" if refine else "f32"
 
     def c_blocks(b):  # n in the C blocks of the 2b-blocking
         return jnp.where((row // (2 * b) == col // (2 * b)) & (row // b != col // b), n, 0.0)
 
-    x = eye - c_blocks(1)
+    x = (row == col).astype(F32) - c_blocks(1)
     b = 2
     while b < L:
-        x = x - mxu_dot([x], mxu_dot([c_blocks(b)], x, BDOT, mode)[0], BDOT, mode)[0]
+        x = x - _bdot(x, _bdot(c_blocks(b), x))
         b *= 2
-    for residual in (("bf16x3", "f32") if refine else ()):
-        r = eye - x - mxu_dot([n], x, BDOT, residual)[0]  # I - (I + n) X
-        x = x + mxu_dot([x], r, BDOT, "bf16")[0]
     return x
-
-
-# MXU operand policy of the chunk kernel's products (``Geometry.mxu``, from
-# ``GdnBlockSizes.mxu_operands``; default "bf16" for bf16 activations, else "f32"), as ``mxu_dot``
-# modes. "f32": every product f32 at HIGHEST (6 passes each). "bf16": the products of f32
-# values are bf16x3 (3 passes, ~2^-16 relative); T (beta v) is T's columns scaled by beta
-# (split, 2 passes) times v rounded to bf16, which is exact for bf16 activations (the conv
-# output is rounded to their dtype); the unit-lower inverse runs its doublings in bf16 and is
-# refined by two Newton steps (``unit_lower_inverse``). q and k are not rounded: keys rounded
-# to bf16 (one pass for Q K^T, K K^T, T k, q S, K^T v_new) moved an f32 state by 2.5e-3
-# against the f32 reference (a bf16 one by 1.6e-2), this policy by ~1e-5 (bf16 activations,
-# ``tests/kernels/test_gdn.py``). Per value head and chunk at L = 64, D = 128, 4 value heads
-# per qk head: ~100 MXU passes with "f32" (~16 HIGHEST products, 60 passes of them in the
-# inverse), ~41 with "bf16" (one HIGHEST product, the last Newton residual; 21 passes in the
-# inverse). The cumulative gate sum, once per head block, stays at HIGHEST in both.
-CHUNK_MXU = {
-    "f32": dict(qk="f32", inv=False, u="f32", w="f32", s="f32", av="f32", kv="f32"),
-    "bf16": dict(qk="bf16x3", inv=True, u="x_split", w="bf16x3", s="bf16x3", av="bf16x3",
-                 kv="bf16x3"),
-}
 
 
 def _per_head(x, hb):
@@ -338,39 +306,32 @@ def _per_value_head(x, rep):
     return _stack([x[h // rep] for h in range(x.shape[0] * rep)])
 
 
-def _chunk_delta_rule(q, k, v, gam, gates_t, beta, s_f32, o_ref, rep, mxu):
+def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref, rep):
     """UT/WY chunked delta rule for the block's heads, one chunk, batched over heads.
 
     q, k f32[kb, L, Dk] per qk head; v f32[hb, L, Dv] per value head (hb = kb * rep);
-    gam, beta f32[L, hb]; gates_t f32[2 hb, L] (gam^T over beta^T); s_f32 f32[hb, Dk, Dv]
-    state (read and updated); writes o_ref [L, hb * Dv] (head h on lanes h*Dv:(h+1)*Dv: rows
-    already in token order for the wrapper's row gather). Q K^T and K K^T are formed once per
-    qk head. ``mxu``: the operand policy, a key of ``CHUNK_MXU`` (its modes per product).
+    gam f32[L, hb], gam_t f32[hb, L], beta f32[L, hb]; s_f32 f32[hb, Dk, Dv] state (read and
+    updated); writes o_ref [L, hb * Dv] (head h on lanes h*Dv:(h+1)*Dv: rows already in
+    token order for the wrapper's row gather). Q K^T and K K^T are formed once per qk head.
     """
     L, hb = gam.shape
-    mode = CHUNK_MXU[mxu]
     row = lax.broadcasted_iota(jnp.int32, (1, L, L), 1)
     col = lax.broadcasted_iota(jnp.int32, (1, L, L), 2)
     gcol, bcol = _per_head(gam, hb), _per_head(beta, hb)  # f32[hb, L, 1]
-    grow = _stack([gates_t[h : h + 1, :] for h in range(hb)])  # f32[hb, 1, L]
-    brow = _stack([gates_t[hb + h : hb + h + 1, :] for h in range(hb)])
+    grow = _stack([gam_t[h : h + 1, :] for h in range(hb)])  # f32[hb, 1, L]
     decay = jnp.exp(jnp.where(row >= col, gcol - grow, -jnp.inf))  # f32[hb, L, L]
-    kk, qk = (_per_value_head(x, rep)  # f32[hb, L, L]
-              for x in mxu_dot([k, q], k, BDOT_NT, mode["qk"]))
+    kk = _per_value_head(_bdot_nt(k, k), rep)  # f32[hb, L, L]
+    qk = _per_value_head(_bdot_nt(q, k), rep)
     qh, kh = _per_value_head(q, rep), _per_value_head(k, rep)  # f32[hb, L, Dk]
     n = jnp.where(row > col, bcol * kk * decay, 0.0)  # strictly lower
-    t_inv = unit_lower_inverse(n, refine=mode["inv"])
+    t_inv = unit_lower_inverse(n)
     s = s_f32[...]  # f32[hb, Dk, Dv]
-    # u = T (beta v), w = T (beta exp(gam) k): the gates scale T's columns, so v stays
-    # bf16-valued for bf16 activations (CHUNK_MXU).
-    u = mxu_dot([t_inv * brow], v, BDOT, mode["u"])[0]  # [hb, L, Dv]
-    w = mxu_dot([t_inv * (brow * jnp.exp(grow))], kh, BDOT, mode["w"])[0]  # [hb, L, Dk]
-    qs, ws = mxu_dot([qh, w], s, BDOT, mode["s"])  # [hb, L, Dv]
-    v_new = u - ws
-    o = jnp.exp(gcol) * qs + mxu_dot([qk * decay], v_new, BDOT, mode["av"])[0]  # [hb, L, Dv]
+    u = _bdot(t_inv, v * bcol)  # [hb, L, Dv]
+    w = _bdot(t_inv, kh * (bcol * jnp.exp(gcol)))  # [hb, L, Dk]
+    v_new = u - _bdot(w, s)
+    o = _bdot(qh * jnp.exp(gcol), s) + _bdot(qk * decay, v_new)  # [hb, L, Dv]
     g_last = gcol[:, L - 1 :, :]  # [hb, 1, 1]
-    s_f32[...] = s * jnp.exp(g_last) + mxu_dot([kh], v_new * jnp.exp(g_last - gcol), BDOT_TN,
-                                           mode["kv"])[0]
+    s_f32[...] = s * jnp.exp(g_last) + _bdot_tn(kh * jnp.exp(g_last - gcol), v_new)
     Dv = o.shape[2]
     for h in range(hb):
         o_ref[:, h * Dv : (h + 1) * Dv] = o[h].astype(o_ref.dtype)
@@ -419,21 +380,16 @@ def _chunk_kernel(
 
     @pl.when(valid)
     def _():
-        y = _chunk_conv(ext, x_ref, w_ref, length, geom)  # f32[L, cb]
+        y, ctx = _chunk_conv(ext, x_ref, w_ref, length, geom)  # f32[L, cb], f32[K-1, cb]
         qs, ks, vs = _block_heads(y, geom)
         q, k = (_stack(x[:: geom.rep]) for x in (qs, ks))  # f32[kb, L, Dk]
-        gam, gates_t, beta = _chunk_gates(a_ref, b_ref, alog_ref, dtb_ref, length)
-        _chunk_delta_rule(q, k, _stack(vs), gam, gates_t, beta, s_f32, o_ref, geom.rep,
-                          geom.mxu)
+        gam, gam_t, beta = _chunk_gates(a_ref, b_ref, alog_ref, dtb_ref, length)
+        _chunk_delta_rule(q, k, _stack(vs), gam, gam_t, beta, s_f32, o_ref, geom.rep)
 
-        @pl.when(jnp.logical_not(last))  # a full chunk: its last K-1 inputs at static rows
-        def _():
-            ext[P - (K - 1) : P, :] = ext[P + geom.L - (K - 1) : P + geom.L, :]
-
-        @pl.when(last)  # (the next chunk starts another request: no context to carry)
+        @pl.when(last)
         def _():
             cs_io[...] = jnp.zeros(cs_io.shape, cs_io.dtype)  # padding rows stored as zeros
-            cs_io[0 : K - 1, :] = _last_inputs(ext, length, geom).astype(cs_io.dtype)
+            cs_io[0 : K - 1, :] = ctx.astype(cs_io.dtype)
             s_io[...] = s_f32[...].astype(s_io.dtype)
             _dma_all([(vmem, hbm) for hbm, vmem in copies(cs_out, rs_out, cs_io, s_io)], sems)
 

@@ -6,9 +6,7 @@ Tolerances (max abs error; inputs are O(1), outputs O(0.1-1)):
     loop and transformers.
   bf16 inputs/outputs or bf16 state: 1.6e-2 (2 bf16 ulps of the state values in [1, 2); the
     kernel and the reference can round an fp32 value to neighbouring bf16 values). Measured
-    errors are far below: up to ~1e-4 in o (a neighbouring bf16 value) and 2.4e-4 in a bf16
-    state with the chunk kernel's "bf16" MXU policy (bf16 activations), ~1e-5 otherwise; that
-    policy has its own, tighter test (``test_pallas_chunked_mxu_policies``).
+    errors are far below: ~1e-5.
 """
 
 from __future__ import annotations
@@ -541,31 +539,6 @@ def test_pallas_chunked_matches_reference(dtype, state_dtype, d, k_heads_per_blo
     _assert_slots_untouched(got, case, (0, 4, 7))
 
 
-# The "bf16" MXU policy (gdn_kernels.CHUNK_MXU; the default for bf16 activations): bf16x3 /
-# split-operand products with f32 accumulation and the Newton-refined unit-lower inverse, at
-# the serving layout (D = 128, two head blocks) and chunk 64. Measured (CPU interpret): rec
-# state (f32) 5.3e-6 from the reference (1.5 max; 9.2e-6 with the lo terms rounded to bf16 as
-# a TPU's MXU does), o 4.9e-4 = one bf16 ulp of o ~0.1 (the "f32" policy: 3e-7, 1.2e-4).
-# Bounds: state 1e-4, o 1e-3 (two ulps at 0.125..0.25). The state bound is the sharp one:
-# the kernel's intra-chunk decay exponent scaled by 1.01 moves the state by 2.4e-3 (o stays
-# within one ulp), keys rounded to bf16 by ~2.5e-3.
-BF16_MXU_STATE_TOL, BF16_MXU_O_TOL = 1e-4, 1e-3
-
-
-@pytest.mark.parametrize("mxu", ["bf16", "f32"])
-def test_pallas_chunked_mxu_policies(mxu):
-    lens, context = [150, 3, 64, 1], [5, 0, 2, 7]
-    case, hk = make_case(16, lens, dk=128, dv=128, num_tokens=sum(lens) + 2, num_reqs=5,
-                         context=context, slots=[3, 1, 6, 2], dtype=jnp.bfloat16,
-                         state_dtype=jnp.float32)
-    got = _interpret(case, hk, chunk_size=64,
-                     block_sizes=gdn.GdnBlockSizes(k_heads_per_block=1, mxu_operands=mxu))
-    want = run(ref_chunked, case, hk, chunk_size=64)
-    assert_close(got[0], want[0], BF16_MXU_O_TOL, "o")
-    assert_close(got[1], want[1], 0.0, "conv state")
-    assert_close(got[2], want[2], BF16_MXU_STATE_TOL, "rec state")
-
-
 # ----------------------------------------------------------------------------- unit-lower inverse
 
 
@@ -582,13 +555,11 @@ def _stressed_n(seed, L, heads=4, dk=128, spread=0.05, beta=0.99, g=-1e-3):
     return np.tril(beta * np.einsum("hid,hjd->hij", k, k) * decay, -1)
 
 
-@pytest.mark.parametrize("refine", [False, True])
 @pytest.mark.parametrize("L", [64, 48, 16, 8])
-def test_kernel_unit_lower_inverse_under_stress(L, refine):
+def test_kernel_unit_lower_inverse_under_stress(L):
     # The kernel's doubling inverse against float64 numpy and the reference's substitution:
-    # measured at L=64 (CPU): max error / max |inverse| 1.5e-7 at f32 HIGHEST (substitution
-    # 5.8e-7; the product (I - n)(I + n^2)(I + n^4)... 5e10); refine=True (bf16 doublings,
-    # ~6e-3 before the two Newton steps) 4.9e-7.
+    # measured at L=64 (CPU): max error / max |inverse| 1.9e-7 (substitution 6.4e-7; the
+    # product (I - n)(I + n^2)(I + n^4)... 5e10).
     n = _stressed_n(L, L)
     want = np.linalg.inv(np.eye(L) + n)
 
@@ -596,30 +567,16 @@ def test_kernel_unit_lower_inverse_under_stress(L, refine):
         got = np.asarray(jax.jit(fn)(jnp.asarray(n, jnp.float32)), np.float64)
         return np.max(np.abs(got - want)) / np.max(np.abs(want))
 
-    new = rel_err(functools.partial(gdn_kernels.unit_lower_inverse, refine=refine))
-    old = rel_err(gdn._unit_lower_inverse)
+    new, old = rel_err(gdn_kernels.unit_lower_inverse), rel_err(gdn._unit_lower_inverse)
     assert new <= max(4 * old, 2e-6), (new, old)
     assert new <= 1e-5, new
 
 
-@pytest.mark.parametrize("spread,beta,g", [(0.01, 1.0, 0.0), (0.2, 0.5, -0.05), (1.0, 0.9, -1.0)])
-def test_refined_unit_lower_inverse_stress_grid(spread, beta, g):
-    # The bf16 doublings + Newton refinement (the "bf16" MXU policy) on keys closer to
-    # parallel, beta and decay at 1, and milder cases (measured 1e-7, 4.5e-8, 7.4e-9).
-    L = 64
-    n = _stressed_n(7, L, spread=spread, beta=beta, g=g)
-    want = np.linalg.inv(np.eye(L) + n)
-    got = np.asarray(jax.jit(functools.partial(gdn_kernels.unit_lower_inverse, refine=True))(
-        jnp.asarray(n, jnp.float32)), np.float64)
-    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) <= 2e-6
-
-
-@pytest.mark.parametrize("refine", [False, True])
-def test_kernel_unit_lower_inverse_matches_reference(refine):
+def test_kernel_unit_lower_inverse_matches_reference():
     rng = np.random.default_rng(13)
     n = jnp.asarray(np.tril(rng.normal(size=(3, 64, 64)) * 0.1, -1), jnp.float32)
-    inv = functools.partial(gdn_kernels.unit_lower_inverse, refine=refine)
-    assert_close(jax.jit(inv)(n), jax.jit(gdn._unit_lower_inverse)(n), 1e-5, "inverse")
+    assert_close(jax.jit(gdn_kernels.unit_lower_inverse)(n), jax.jit(gdn._unit_lower_inverse)(n),
+                 1e-5, "inverse")
 
 
 # ----------------------------------------------------------------------------- stacked layers
@@ -735,9 +692,6 @@ def test_bad_heads_and_blocks_raise():
         with pytest.raises(ValueError, match="rows_per_step"):
             gdn.gated_delta_net(**case, num_k_heads=2, decode=True, impl="interpret",
                                 block_sizes=gdn.GdnBlockSizes(rows_per_step=rb))
-    with pytest.raises(ValueError, match="mxu_operands"):
-        gdn.gated_delta_net(**case, num_k_heads=2, impl="interpret",
-                            block_sizes=gdn.GdnBlockSizes(mxu_operands="fp8"))
     with pytest.raises(ValueError, match="chunk_size"):
         gdn.gated_delta_net(**case, num_k_heads=2, chunk_size=0, impl="reference")
     for layer in (-1, 1):  # Lyr = 1
