@@ -216,13 +216,13 @@ _VMEM_MAX = 60 << 20  # under TPU7x's 64 MiB per TensorCore (v5e and v6e have 12
 
 
 def gmm_vmem_bytes(b: GmmBlockSizes, *, halves: int, lhs_bytes: int, rhs_bytes: int,
-                   out_bytes: int, fp8: bool, out_cols: int | None = None) -> int:
+                   out_bytes: int, fp8: bool) -> int:
     """Estimated VMEM of the kernel at tiles ``b``, in bytes: the pipelined blocks twice
     (double buffer: the lhs tile [tm, tk], ``halves`` weight tiles [tn, tk], the output tile
-    [tm, out_cols or tn]), the f32 accumulators [tm, tn] per half, the dequantised weight
-    tile (FP8), and one f32 product [tm, tn] per half as temporaries."""
+    [tm, tn]), the f32 accumulators [tm, tn] per half, the dequantised weight tile (FP8),
+    and one f32 product [tm, tn] per half as temporaries."""
     blocks = (b.tm * b.tk * lhs_bytes + halves * b.tn * b.tk * rhs_bytes
-              + b.tm * (out_cols or b.tn) * out_bytes)
+              + b.tm * b.tn * out_bytes)
     scratch = 2 * halves * b.tm * b.tn * 4 + (b.tn * b.tk * 2 if fp8 else 0)
     return 2 * blocks + scratch
 

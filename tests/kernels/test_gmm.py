@@ -132,6 +132,21 @@ def test_quantize_fp8_blockwise_roundtrip():
     np.testing.assert_allclose(deq, np.asarray(w), rtol=2**-4, atol=1e-4)
 
 
+def test_vmem_limit_is_raised_only_for_tiles_past_the_default():
+    mib = 1 << 20
+    bf16 = dict(lhs_bytes=2, rhs_bytes=2, out_bytes=2, fp8=False)
+    # the old 128 x 512 x 512 tiles: 2 x (128 KiB + 2 x 512 KiB + 128 KiB) + 2 x 2 x 256 KiB
+    small = G.gmm_vmem_bytes(B(128, 512, 512), halves=2, **bf16)
+    assert small == 2 * (128 + 2 * 512 + 128) * 1024 + 2 * 2 * 256 * 1024
+    assert G.gmm_vmem_limit(small) is None  # the compiler's default scoped limit suffices
+    # the 397B gate_up default (tk = K = 4096): two 4 MiB weight tiles, double buffered
+    t = G.default_block_sizes(640, 4096, 1024)
+    assert (t.tm, t.tk, t.tn) == (128, 4096, 512)
+    big = G.gmm_vmem_bytes(t, halves=2, **bf16)
+    assert 16 * mib < big < 24 * mib and G.gmm_vmem_limit(big) == int(1.25 * big)
+    assert G.gmm_vmem_limit(100 * mib) == 60 * mib  # capped under a TPU7x core's 64 MiB
+
+
 def test_group_metadata_visits():
     gs = jnp.array([0, 37, 0, 50, 20, 0], jnp.int32)  # 107 rows in groups, M = 150
     meta, used = G.make_group_metadata(gs, 150, 32)
