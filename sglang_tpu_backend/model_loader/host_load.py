@@ -116,9 +116,12 @@ def transpose_into(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def aliases(x: jax.Array, bufs: list[np.ndarray]) -> bool:
-    """Whether every shard of ``x`` is one of ``bufs``' memory (no copy was made)."""
-    ptrs = {b.ctypes.data for b in bufs}
-    return all(s.data.unsafe_buffer_pointer() in ptrs for s in x.addressable_shards)
+    """Whether a shard of ``x`` on a CPU device lies in the memory of one of the host arrays
+    ``bufs``: CPU devices may take a host array (or a slice of one) as their buffer, without
+    a copy."""
+    spans = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in bufs]
+    return any(lo <= s.data.unsafe_buffer_pointer() < hi for s in x.addressable_shards
+               if s.device.platform == "cpu" for lo, hi in spans)
 
 
 def sharding_of(s: Any) -> jax.sharding.Sharding:

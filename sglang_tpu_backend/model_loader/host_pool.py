@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sglang_tpu_backend.model_loader.host_load import host_empty
+from sglang_tpu_backend.model_loader.host_load import aliases, host_empty
 
 
 REUSE_SLACK = 2  # a get may take a returned buffer of up to this many times its bytes
@@ -156,14 +156,6 @@ def leaf_read(pool: HostPool | None, leaf: Any, shape: tuple[int, ...], dtype: A
         pool.drop(out)
         raise
     return out
-
-
-def aliases(x: jax.Array, bufs: list[np.ndarray]) -> bool:
-    """Whether a shard of ``x`` on a CPU device is (in) one of the host arrays ``bufs``: CPU
-    devices may take a host array as their buffer, without a copy."""
-    spans = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in bufs]
-    return any(lo <= s.data.unsafe_buffer_pointer() < hi for s in x.addressable_shards
-               if s.device.platform == "cpu" for lo, hi in spans)
 
 
 def retire(out: jax.Array, x: jax.Array, bufs: list[np.ndarray], pool: HostPool) -> None:

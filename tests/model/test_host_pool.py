@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sglang_tpu_backend.model_loader import host_pool, load_programs, sharded_loader
+from sglang_tpu_backend.model_loader import host_load, host_pool, load_programs, sharded_loader
 from sglang_tpu_backend.model_loader.checkpoint_io import quantize_checkpoint_fp8, write_checkpoint
 from sglang_tpu_backend.model_loader.loader import CheckpointLeaves, load_model
 from sglang_tpu_backend.models.param_shapes import param_shapes
@@ -53,7 +53,7 @@ def test_retire_waits_for_the_write_and_drops_host_arrays_a_cpu_device_kept():
     buf = pool.get((8, 16), np.float32)
     buf[...] = 1.0
     x = jax.device_put(buf, jax.devices()[0])
-    assert host_pool.aliases(x, [buf])  # CPU devices take page-aligned host arrays as is
+    assert host_load.aliases(x, [buf])  # CPU devices take page-aligned host arrays as is
     out = jnp.zeros((2, 8, 16)).at[0].set(x)
     host_pool.retire(out, x, [buf], pool)
     assert pool.get((8, 16), np.float32) is buf  # back, and handed out again
