@@ -585,20 +585,28 @@ def gdn_rows_cases(p: Preset, rows: tuple[int, ...]) -> list[Case]:
     return out
 
 
-def ceiling_case(p: Preset, block_rows: int, impl: str, blocks: dict) -> Setup:
+def ceiling_case(p: Preset, block_rows: int, impl: str, blocks: dict,
+                 in_flight: int = 0) -> Setup:
     """The HBM ceiling (``kernel_ceilings.py``): a Pallas read of an array shaped as the local
     experts' gate_up weights [E, 2I, H] bf16 in [1, block_rows, H] blocks (block_rows 256:
-    the GMM decode tile's bytes per weight half), beside XLA's reduction of it."""
+    the GMM decode tile's bytes per weight half), beside XLA's reduction of it; with
+    ``in_flight``, the manual-DMA read of [block_rows, H] chunks, that many DMAs outstanding."""
     import kernel_ceilings as ceil
     shape = (p.local_experts, 2 * p.inter, p.hidden)
     rows = min(block_rows, shape[1])
     args = lambda: (_normal(12, shape, BF16, 0.02),)  # noqa: E731
     interp = impl == "interpret"
-    ours = Impl("ours", lambda x: ceil.stream_read(x, block_rows=rows, interpret=interp), args)
+    if in_flight:
+        read = lambda x: ceil.dma_read(x, chunk_rows=rows, in_flight=in_flight,  # noqa: E731
+                                       interpret=interp)
+    else:
+        read = lambda x: ceil.stream_read(x, block_rows=rows, interpret=interp)  # noqa: E731
+    ours = Impl("ours", read, args)
     peers = [Impl("xla-sum", ceil.xla_sum, args)]
     nbytes = 2 * shape[0] * shape[1] * shape[2]
+    how = f"{in_flight} DMAs in flight" if in_flight else "BlockSpec pipeline"
     return Setup(ours, peers, nbytes, 0, "bytes: E*2I*H*2 (one read); flops 0",
-                 f"x {list(shape)} bfloat16, blocks [1, {rows}, {shape[2]}]")
+                 f"x {list(shape)} bfloat16, blocks [1, {rows}, {shape[2]}], {how}")
 
 
 def cases(p: Preset, gdn_rows: tuple[int, ...] = ()) -> list[Case]:
@@ -639,6 +647,9 @@ def cases(p: Preset, gdn_rows: tuple[int, ...] = ()) -> list[Case]:
     ]
     out += [Case(f"ceiling/hbm-read-{r}rows", lambda p, i, b, r=r: ceiling_case(p, r, i, b))
             for r in (256, 512)]
+    out += [Case(f"ceiling/hbm-dma-{r}rows-x{f}",
+                 lambda p, i, b, r=r, f=f: ceiling_case(p, r, i, b, in_flight=f))
+            for r, f in ((512, 1), (512, 2), (512, 4), (256, 4), (128, 8), (64, 16), (32, 16))]
     for op in ("gather", "reduce"):
         for phase in ("decode", "prefill"):
             out.append(Case(f"routing/{op}-{phase}",

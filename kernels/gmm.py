@@ -53,8 +53,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import block_tables, dispatch
 from .cost import Cost
-from .gmm_quant import (FP8_DTYPE, FP8_MAX, LHS_QUANT_BLOCK, WEIGHT_BLOCK,
-                        dequantize_fp8_blockwise, quantize_fp8_blockwise, quantize_lhs_reference,
+from .gmm_quant import (B11_FACTOR, FP8_DTYPE, FP8_MAX, LHS_QUANT_BLOCK, WEIGHT_BLOCK,
+                        dequantize_fp8_blockwise, e4m3_as_b11, quantize_fp8_blockwise, quantize_lhs_reference,
                         quantize_rows)
 from .gmm_xla import (XLA_MAX_TILE_ROWS, XLA_TILE_ROWS, dot_t, xla_gmm_impl, xla_tile_plan,
                       xla_tile_rows)
@@ -322,7 +322,7 @@ def _gmm_kernel(
                 s = scale_ref[0, out_block0 + jb, kb0 + i]
                 rs = slice(jb * WEIGHT_BLOCK, (jb + 1) * WEIGHT_BLOCK)
                 cs = slice(i * WEIGHT_BLOCK, (i + 1) * WEIGHT_BLOCK)
-                blk = rhs_ref[0, rs, cs].astype(jnp.float32) * s
+                blk = e4m3_as_b11(rhs_ref[0, rs, cs]).astype(jnp.float32) * (s * B11_FACTOR)
                 wdeq_ref[rs, cs] = blk.astype(compute_dtype)
         return wdeq_ref[...]
 

@@ -6,6 +6,7 @@ bit for bit (scales multiplied by their reciprocal, see ``fp8_scale``)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -43,6 +44,30 @@ def dequantize_fp8_blockwise(w_fp8, scale, block: int = WEIGHT_BLOCK):
     _, n, k = w_fp8.shape
     s = jnp.repeat(jnp.repeat(scale, block, axis=1), block, axis=2)[:, :n, :k]
     return w_fp8.astype(jnp.float32) * s
+
+
+# e4m3fn bits read as e4m3b11fnuz (exponent bias 11, not 7) are the value / 16.
+B11_FACTOR = 16.0
+
+
+def e4m3_as_b11(w):
+    """Inside a TPU kernel: float8_e4m3fn[R, C] (R a multiple of 4) -> the same bits as
+    float8_e4m3b11fnuz, whose value is w / ``B11_FACTOR``, with -0 made +0.
+
+    Why: the TPU VPU unpacks e4m3b11 to f32 in one instruction; Mosaic converts e4m3fn by
+    that unpack plus a bias multiply and NaN / range fix-ups, ~2.5x the vector ops, which
+    bound the FP8 GMM on a v5e (no fp8 MXU, every weight converted). Exact for every
+    finite e4m3fn value (normals and subnormals alike: the exponent field is the same, only
+    its bias differs); the fn NaN (0x7f / 0xff) becomes +-30 (x16 = 480). The one bit
+    pattern b11fnuz reads differently, 0x80 (fn's -0, the fnuz NaN), is cleared to +0 on the
+    packed words, four bytes per u32: a byte's low 7 bits are nonzero iff adding 0x7f sets
+    its bit 7 (no carry leaves the byte); the sign is kept only there.
+    """
+    bits = pltpu.bitcast(w, jnp.uint32)  # [R/4, C], four rows' bytes per word
+    low = bits & jnp.uint32(0x7F7F7F7F)
+    nonzero = (low + jnp.uint32(0x7F7F7F7F)) & jnp.uint32(0x80808080)
+    bits = bits & (nonzero | jnp.uint32(0x7F7F7F7F))
+    return pltpu.bitcast(bits, jnp.float8_e4m3b11fnuz)
 
 
 def fp8_scale(amax):

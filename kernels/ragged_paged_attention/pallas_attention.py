@@ -50,6 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .. import block_tables
 from ..cost import Cost
+from ..gmm_quant import B11_FACTOR, e4m3_as_b11
 from .common import MASK_VALUE
 
 # Target query rows (tokens * G) of a prefill block and kv tokens of a kv block.
@@ -152,6 +153,8 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
             (q_hbm, kv_hbm, _zeros_hbm, o_hbm, q_buf, o_buf, kv_buf, m_scr, l_scr, acc_scr,
              q_sem, o_sem, kv_sem, kv_state) = refs
             sc_hbm = sc_buf = None
+        e4m3 = with_scales and kv_hbm.dtype == jnp.float8_e4m3fn and bkv % 4 == 0
+        kv_factor = B11_FACTOR if e4m3 else 1.0
         step = pl.program_id(0)
         num_items = num_items_ref[0]
         layer = layer_ref[0]
@@ -222,19 +225,21 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
                 q = q_buf[qslot, :q_tokens, h].reshape(rows, -1)  # [rows, D], token-major
                 k = kv_buf[slot, :, 2 * h].reshape(bkv, -1)  # [bkv, D]
                 v = kv_buf[slot, :, 2 * h + 1].reshape(bkv, -1)  # [bkv, D]
+                if e4m3:  # K/V read as e4m3b11 (value / 16): one VPU unpack, see gmm_quant
+                    k, v = e4m3_as_b11(k), e4m3_as_b11(v)
                 # Mosaic matmuls need one operand dtype (no-ops when q and cache agree).
                 q, k, v = (a.astype(compute_dtype) for a in (q, k, v))
                 s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                     preferred_element_type=jnp.float32) * sm_scale
                 if with_scales:
-                    s = s * scale_row(slot, 2 * h)
+                    s = s * (scale_row(slot, 2 * h) * kv_factor)
                 s = jnp.where(visible, s, MASK_VALUE)  # f32[rows, bkv]
                 m_prev = m_scr[h, :rows]  # f32[rows, 1]
                 m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
                 p = jnp.exp(s - m_new)  # f32[rows, bkv]
                 alpha = jnp.exp(m_prev - m_new)  # f32[rows, 1]
                 l_scr[h, :rows] = alpha * l_scr[h, :rows] + jnp.sum(p, axis=1, keepdims=True)
-                pw = p * scale_row(slot, 2 * h + 1) if with_scales else p
+                pw = p * (scale_row(slot, 2 * h + 1) * kv_factor) if with_scales else p
                 pv = lax.dot_general(pw.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                                      precision=precision, preferred_element_type=jnp.float32)
                 acc_scr[h, :rows] = alpha * acc_scr[h, :rows] + pv  # f32[rows, D]

@@ -132,6 +132,22 @@ def test_quantize_fp8_blockwise_roundtrip():
     np.testing.assert_allclose(deq, np.asarray(w), rtol=2**-4, atol=1e-4)
 
 
+def test_kernel_reads_every_fp8_bit_pattern_as_its_value():
+    """The kernel converts FP8 weights by reading e4m3fn bits as e4m3b11fnuz (value / 16):
+    every finite pattern (subnormals, both zeros; not the NaNs 0x7f / 0xff) must come out as
+    its e4m3fn value. One-hot rows pick each weight: out[r, n] = w[n, r] (scale 2^-3)."""
+    codes = np.arange(128 * 128) % 256
+    codes = np.where((codes & 0x7F) == 0x7F, 0, codes).astype(np.uint8).reshape(1, 128, 128)
+    rhs = jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn))
+    scale = jnp.full((1, 1, 1), 0.125, jnp.float32)
+    lhs = jnp.eye(128, dtype=jnp.bfloat16)
+    out = G.gmm(lhs, rhs, jnp.array([128], jnp.int32), rhs_scale=scale, impl="interpret",
+                block_sizes=B(128, 128, 128), out_dtype=jnp.float32)
+    want = codes[0].view(ml_dtypes.float8_e4m3fn).astype(np.float32).T * 0.125
+    np.testing.assert_array_equal(np.asarray(out), want)
+    assert (codes == 0x80).any() and (codes[0] < 8).any()  # -0 and subnormals were in it
+
+
 def test_vmem_limit_is_raised_only_for_tiles_past_the_default():
     mib = 1 << 20
     bf16 = dict(lhs_bytes=2, rhs_bytes=2, out_bytes=2, fp8=False)
