@@ -16,6 +16,8 @@ FP8: ``rhs`` may be ``float8_e4m3fn`` with a block scale ``rhs_scale f32[G, ceil
 ceil(K/128)]`` (``w[g,n,k] = rhs[g,n,k] * rhs_scale[g, n//128, k//128]``: the checkpoint's
 ``weight_scale_inv`` as stored). With ``quantize_lhs=True`` the activations are also
 quantised to e4m3, per row per 512-wide K sub-channel (scale = amax / 448), inside the kernel.
+The Pallas kernel dequantises each 128 x 128 weight block in VMEM, reading the e4m3fn bits as
+e4m3b11 (``gmm_quant.e4m3_as_b11``: one VPU unpack; the x16 goes into the block's scale).
 
 Pallas kernel (megablox-style): grid ``(N tiles, visits, K tiles)``. A *visit* is one
 (M tile, group) pair whose row ranges overlap; the visit list is computed in the wrapper
@@ -219,11 +221,12 @@ def gmm_vmem_bytes(b: GmmBlockSizes, *, halves: int, lhs_bytes: int, rhs_bytes: 
                    out_bytes: int, fp8: bool) -> int:
     """Estimated VMEM of the kernel at tiles ``b``, in bytes: the pipelined blocks twice
     (double buffer: the lhs tile [tm, tk], ``halves`` weight tiles [tn, tk], the output tile
-    [tm, tn]), the f32 accumulators [tm, tn] per half, the dequantised weight tile (FP8),
-    and one f32 product [tm, tn] per half as temporaries."""
+    [tm, tn]), the f32 accumulators [tm, tn] per half, the dequantised weight tile (FP8) and
+    as much again for its conversion's temporaries (the TPU7x compile of the 397B gate_up
+    needed 0.5 MiB past the estimate without them), and one f32 product [tm, tn] per half."""
     blocks = (b.tm * b.tk * lhs_bytes + halves * b.tn * b.tk * rhs_bytes
               + b.tm * b.tn * out_bytes)
-    scratch = 2 * halves * b.tm * b.tn * 4 + (b.tn * b.tk * 2 if fp8 else 0)
+    scratch = 2 * halves * b.tm * b.tn * 4 + (2 * b.tn * b.tk * 2 if fp8 else 0)
     return 2 * blocks + scratch
 
 

@@ -1,7 +1,8 @@
 """FP8 for the grouped matmul (``gmm.py``): block-wise e4m3 weights with their scales as the
 checkpoints store them, and the activations' per-row, per-512-wide-K-sub-channel e4m3
 quantisation (``quantize_lhs``), whose reference the Pallas kernel and the XLA path match
-bit for bit (scales multiplied by their reciprocal, see ``fp8_scale``)."""
+bit for bit (scales multiplied by their reciprocal, see ``fp8_scale``); and ``e4m3_as_b11``,
+the in-kernel e4m3 -> f32 conversion that the FP8 KV cache's attention kernel shares."""
 
 from __future__ import annotations
 
