@@ -183,14 +183,21 @@ def run_fresh(ckpt: Path) -> dict:
 
 def run_touch(ckpt: Path) -> dict:
     """No reads: fresh huge-page-advised memory of the checkpoint's size faulted in
-    (``MADV_POPULATE_WRITE``, the load's ``Populator``), the cost of the memory alone."""
+    (``MADV_POPULATE_WRITE``, the load's ``Populator``), the cost of the memory alone. Where
+    the kernel lacks that call (the Populator then does nothing), by a write to every page."""
+    import mmap
+
     from sglang_tpu_backend.model_loader.host_load import Populator, host_empty
 
     n = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     t0 = time.perf_counter()
     buf = host_empty((n,), np.uint8)
-    Populator([buf]).stop_when_done()
-    return {"bytes": n, "seconds": time.perf_counter() - t0}
+    populator = Populator([buf])
+    populator.stop_when_done()
+    if not populator.supported:
+        buf[::mmap.PAGESIZE] = 1
+    return {"bytes": n, "seconds": time.perf_counter() - t0,
+            "populate": populator.supported}
 
 
 def _placement(ckpt: Path, devices: int) -> tuple:
@@ -317,6 +324,9 @@ def _print_run(kind: str, r: dict, first_load: bool, largest: int) -> None:
             print(f"{label:9s} {_rate(r['bytes'], sec)}  ({n} in flight)", flush=True)
         return
     line = f"{kind:9s} {_rate(r['bytes'], r['seconds'])}"
+    if kind == "touch" and not r["populate"]:
+        line += ("  (no MADV_POPULATE_WRITE in this kernel: faulted by writes, and the load's "
+                 "Populator faults nothing ahead of the reads)")
     if kind == "load":
         line += (f"  ({r['in_flight']} in flight)"
                  + (" with an empty" if first_load else " with a filled")

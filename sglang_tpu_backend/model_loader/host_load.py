@@ -68,12 +68,14 @@ class Populator:
     """A thread that faults in host buffers (``MADV_POPULATE_WRITE``) in the order the load
     fills them, ahead of the reads: the kernel's page allocation and zeroing then run while
     the reading thread waits on the disk, instead of inside its reads. Stops at the end of its
-    list, on ``stop()``, or where the kernel lacks the call (the reads then fault the pages)."""
+    list, on ``stop()``, or where the kernel lacks the call (Linux < 5.14: ``supported`` turns
+    False and the reads fault the pages)."""
 
     def __init__(self, bufs: list[np.ndarray]):
         import ctypes
         import threading
 
+        self.supported = True
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self._stop = threading.Event()
@@ -89,6 +91,7 @@ class Populator:
                     return
                 n = min(POPULATE_CHUNK, base + b.nbytes - off)
                 if self._libc.madvise(off, n, _MADV_POPULATE_WRITE):
+                    self.supported = False
                     return
 
     def stop(self) -> None:

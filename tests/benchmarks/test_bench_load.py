@@ -32,3 +32,19 @@ def test_put_moves_the_loads_bytes_at_each_count_in_flight(tmp_path):
     buf = jnp.zeros((4, 8)).__array__()
     items = [(buf, jax.sharding.SingleDeviceSharding(jax.devices()[0]))] * 5
     assert bench._put_seconds(items, 2) > 0
+
+
+def test_touch_faults_every_page_where_the_kernel_lacks_populate(tmp_path, monkeypatch):
+    """On a kernel without MADV_POPULATE_WRITE (the chip host's: the touch run reported 8.31 GB
+    in 0.00 s), the Populator says so and the touch run faults the memory by writes."""
+    from sglang_tpu_backend.model_loader import host_load
+
+    bench = load_bench()
+    (tmp_path / "a.safetensors").write_bytes(b"\0" * (3 << 20))
+    monkeypatch.setattr(host_load, "_MADV_POPULATE_WRITE", 9999)  # an advice no kernel knows
+    buf = host_load.host_empty((1 << 20,), jnp.uint8.dtype)
+    populator = host_load.Populator([buf])
+    populator.stop_when_done()
+    assert populator.supported is False
+    r = bench.run_touch(tmp_path)
+    assert r["bytes"] == 3 << 20 and r["populate"] is False and r["seconds"] > 0
