@@ -83,7 +83,8 @@ def dma_read(x, *, chunk_rows: int, in_flight: int, interpret: bool = False):
         out_shape=jax.ShapeDtypeStruct((8, c), jnp.float32),
         scratch_shapes=[pltpu.VMEM((in_flight, chunk_rows, c), x.dtype),
                         pltpu.SemaphoreType.DMA((in_flight,))],
-        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=max(16 << 20, buf_bytes + (4 << 20))),
+        compiler_params=pltpu.CompilerParams(
+            vmem_limit_bytes=max(16 << 20, buf_bytes + (4 << 20))),
         interpret=interpret,
     )(chunks)
 

@@ -56,8 +56,8 @@ from jax.experimental.pallas import tpu as pltpu
 from . import block_tables, dispatch
 from .cost import Cost
 from .gmm_quant import (B11_FACTOR, FP8_DTYPE, FP8_MAX, LHS_QUANT_BLOCK, WEIGHT_BLOCK,
-                        dequantize_fp8_blockwise, e4m3_as_b11, quantize_fp8_blockwise, quantize_lhs_reference,
-                        quantize_rows)
+                        dequantize_fp8_blockwise, e4m3_as_b11, quantize_fp8_blockwise,
+                        quantize_lhs_reference, quantize_rows)
 from .gmm_xla import (XLA_MAX_TILE_ROWS, XLA_TILE_ROWS, dot_t, xla_gmm_impl, xla_tile_plan,
                       xla_tile_rows)
 

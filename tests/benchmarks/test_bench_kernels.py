@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
+import pytest
+
 from tests.scripts import load_script
 
 ONLY = ["attention/decode-4x64-bf16", "gmm/down-bf16-decode", "gdn/decode-4-f32",
@@ -87,3 +90,16 @@ def test_list_names_every_kind():
                  "gmm/down-bf16-prefill-gathered", "gdn/decode-64-bf16-state",
                  "gdn/prefill-4x1024", "routing/gather-prefill", "collectives/"):
         assert any(part in n for n in names), part
+
+
+@pytest.mark.parametrize("in_flight", [1, 3, 8])
+def test_dma_read_ceiling_reads_every_chunk_once(in_flight):
+    """The manual-DMA ceiling (``kernel_ceilings.dma_read``) sums each chunk's first 8 rows:
+    a ring slot refilled too early or a chunk skipped changes the sum."""
+    import numpy as np
+
+    ceil = load_script("benchmarks/kernel_ceilings.py")
+    x = np.random.default_rng(0).standard_normal((3, 64, 128)).astype(np.float32)
+    got = ceil.dma_read(jnp.asarray(x), chunk_rows=16, in_flight=in_flight, interpret=True)
+    want = x.reshape(-1, 16, 128)[:, :8].sum(0)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
