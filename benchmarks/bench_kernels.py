@@ -816,6 +816,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
 # ----------------------------------------------------------------------------- compile-only
 
 
+def compile_case(case: Case, p: Preset, mesh, blocks: dict):
+    """Lower + compile ``case``'s own implementation (impl="pallas") for ``mesh``'s TPU
+    devices without a TPU: its inputs as abstract arrays -> ``tpu_compile.CompileReport``."""
+    from sglang_tpu_backend.kernels import tpu_compile
+    s = case.build(p, "pallas", blocks)  # small metadata only; inputs stay lazy
+    specs = jax.eval_shape(s.ours.make_args)
+    aargs = jax.tree.map(lambda a: tpu_compile.abstract(a.shape, a.dtype, mesh), specs)
+    return tpu_compile.compile_for_tpu(s.ours.fn, aargs, mesh, donate_argnums=tuple(s.ours.donate))
+
+
 def compile_only(topology: str, p: Preset, selected: list[Case], blocks: dict) -> list[dict]:
     """Lower + compile each of our cases (impl="pallas") for ``topology`` without a TPU."""
     from sglang_tpu_backend.kernels import tpu_compile
@@ -826,11 +836,7 @@ def compile_only(topology: str, p: Preset, selected: list[Case], blocks: dict) -
             continue
         rec: dict[str, Any] = {"name": case.name}
         try:
-            s = case.build(p, "pallas", blocks)  # small metadata only; inputs stay lazy
-            specs = jax.eval_shape(s.ours.make_args)
-            aargs = jax.tree.map(lambda a: tpu_compile.abstract(a.shape, a.dtype, mesh), specs)
-            rep = tpu_compile.compile_for_tpu(s.ours.fn, aargs, mesh,
-                                              donate_argnums=tuple(s.ours.donate))
+            rep = compile_case(case, p, mesh, blocks)
             rec.update(ok=True, seconds=rep.seconds, memory=rep.memory,
                        vmem_used=[k.vmem_used_bytes for k in rep.kernels])
             print(f"{case.name}: compile OK; {rep.summary()}", flush=True)

@@ -94,12 +94,14 @@ class MosaicKernel:
     vmem_used_bytes: scoped VMEM the compiled kernel uses.
     vmem_limit_bytes: the scoped VMEM limit it was compiled under.
     has_communication: the kernel talks to other devices (remote DMA, e.g. a reduce-scatter).
+    instruction: the custom call's HLO instruction name (what libtpu's dumps are named by).
     """
 
     name: str
     vmem_used_bytes: int
     vmem_limit_bytes: int
     has_communication: bool = False
+    instruction: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +156,9 @@ def mosaic_kernels(hlo: str) -> tuple[MosaicKernel, ...]:
                        if c.get("memory_space") == "1")
             limit = sum(int(c["size"]) for c in cfg.get("scoped_memory_configs", [])
                         if c.get("memory_space") == "1")
-        out.append(MosaicKernel(name.group(1) if name else "?", used, limit, comm))
+        instruction = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", instr)
+        out.append(MosaicKernel(name.group(1) if name else "?", used, limit, comm,
+                                instruction.group(1) if instruction else ""))
     return tuple(out)
 
 
