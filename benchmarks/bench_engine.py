@@ -122,6 +122,7 @@ def startup_child(args: argparse.Namespace) -> None:
         eng.background_warmup.wait()
     print(json.dumps({"imports_s": t_imports, "backend_s": t_backend, "engine_s": t_engine,
                       "warmup_s": eng.warmup_seconds, "ready_s": ready,
+                      "engine_phases": eng.startup_seconds,
                       "first_request_s": first, "staged": staged,
                       "all_compiled_s": time.perf_counter() - T_PROCESS,
                       "background": eng.background_warmup.status() if staged else None,
@@ -296,6 +297,7 @@ def print_startup(name: str, r: dict) -> dict:
           + (", staged" if r["staged"] else "") + f"); then one request of 16 tokens "
           f"{r['first_request_s']:.2f} s; every program compiled {r['all_compiled_s']:.1f} s "
           f"after the start" + (f" (background: {r['background']})" if r["staged"] else ""))
+    print("   Engine by phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in r["engine_phases"].items()))
     print("   jax compile time: " + ", ".join(
         f"{k} {v:.1f} s ({r['compile_counts'][k]})" for k, v in r["compile_s"].items()))
     before = r["compiles_before_ready"]

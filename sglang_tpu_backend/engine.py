@@ -121,6 +121,39 @@ def _mtp_params(args: ServerArgs, cfg, role: str):
     return mtp
 
 
+class _StartupPhases:
+    """Wall seconds of an engine's start-up, by phase: ``end(name)`` adds the time since the
+    previous ``end`` (or construction) to ``seconds[name]``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
+        self._t = now
+
+
+def _make_runner(args: ServerArgs, cfg, params, mtp_params, num_pages: int) -> ModelRunner:
+    """The model runner of ``args``: ``num_pages`` KV pages and the state slots per DP rank,
+    the weights (``params``) loaded and placed."""
+    running, det = args.max_running_requests_per_rank, args.enable_deterministic_inference
+    routed = args.enable_return_routed_experts
+    return ModelRunner(
+        cfg, params, page_size=args.page_size, num_pages=num_pages, num_state_slots=running,
+        max_running_requests=running, max_tokens_per_step=args.max_tokens_per_step,
+        context_length=args.context_length, kv_dtype=args.kv_storage_dtype(jax.default_backend()),
+        impl=args.kernel_impl, max_top_logprobs_num=args.max_top_logprobs_num,
+        dp_size=args.dp_size, tp_size=args.tp_size,
+        num_gdn_snapshots=args.num_gdn_snapshots_per_rank, deterministic=det,
+        expert_location=_initial_expert_location(args, cfg),
+        router_stats=ROUTED if routed else True,
+        eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
+        else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params,
+        num_scheduler_steps=args.scheduler_steps(jax.default_backend()))
+
+
 async def _last(outputs: AsyncIterator[dict]) -> dict | None:
     """The last output of ``outputs``; a caller cancelled meanwhile closes (aborts) it at once."""
     last = None
@@ -157,10 +190,14 @@ class Engine:
                 raise ValueError("--node-rank > 0 follows node 0's engine: run "
                                  "launch_server (or node.run_follower), not Engine")
             node.join(args)
+        phases = _StartupPhases()
         args = with_default_model(args)
         self.tokenizer = load_tokenizer(args.tokenizer_path)
         self.model_config = cfg = load_model_config(args.model_path)
+        phases.end("tokenizer_and_config")
         args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
+        phases.end("devices")  # (the backend opens here unless something opened it before)
+        self._enable_compilation_cache(args)  # before the load: its programs are cached too
         args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
         args.check_role(role)
         mtp_params = _mtp_params(args, cfg, role)
@@ -169,26 +206,17 @@ class Engine:
                               seed=args.random_seed)
         args, self.mem_budget = size_serving_args(args, cfg, jax.default_backend())
         self.args = args
-        dp, running = args.dp_size, args.max_running_requests_per_rank
+        dp = args.dp_size
         self.num_pages_per_rank = args.max_total_tokens // (args.page_size * dp)
         self.num_pages = self.num_pages_per_rank * dp  # all ranks
         self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.scheduler = Scheduler.from_args(args, **(
             deterministic_limits(args) if args.enable_deterministic_inference else {}))
-        det, routed = args.enable_deterministic_inference, args.enable_return_routed_experts
-        location = _initial_expert_location(args, cfg)
-        self.runner = ModelRunner(
-            cfg, params, page_size=args.page_size, num_pages=self.num_pages_per_rank,
-            num_state_slots=running, max_running_requests=running,
-            max_tokens_per_step=args.max_tokens_per_step, context_length=args.context_length,
-            kv_dtype=args.kv_storage_dtype(jax.default_backend()),
-            impl=args.kernel_impl, max_top_logprobs_num=args.max_top_logprobs_num, dp_size=dp,
-            tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
-            deterministic=det, expert_location=location, router_stats=ROUTED if routed else True,
-            eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
-            else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params,
-            num_scheduler_steps=args.scheduler_steps(jax.default_backend()))
+        routed = args.enable_return_routed_experts
+        phases.end("other")
+        self.runner = _make_runner(args, cfg, params, mtp_params, self.num_pages_per_rank)
+        phases.end("runner")  # the KV cache and state slots, the weights loaded and placed
         # Multi-step decode launches where the runner supports them (else single steps).
         self.scheduler.num_scheduler_steps = self.runner.num_scheduler_steps
         self.requests = RequestBuilder(
@@ -213,9 +241,14 @@ class Engine:
             self.loop, self.runner, page_size=args.page_size, wait_timeout=args.handover_wait_timeout)
         self.loop.weights = self.weights = WeightUpdater(self.loop, self.runner, cfg, args)
         self.status, self.rl = EngineStatus(self), RLControl(self.loop, self.runner)
-        self._enable_compilation_cache(args)
         self.background_warmup: background_warmup.BackgroundWarmup | None = None
+        phases.end("other")
         self.warmup_seconds = 0.0 if args.skip_warmup else self._warm_up(role)
+        phases.end("warmup")
+        # Seconds per start-up phase (a staged warm-up counts its first stage only)
+        self.startup_seconds = phases.seconds
+        logger.info("engine ready in %.1f s: %s", sum(phases.seconds.values()),
+                    ", ".join(f"{k} {v:.1f} s" for k, v in phases.seconds.items()))
         if start_loop:
             self.loop.start()
 
