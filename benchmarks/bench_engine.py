@@ -297,7 +297,8 @@ def print_startup(name: str, r: dict) -> dict:
           + (", staged" if r["staged"] else "") + f"); then one request of 16 tokens "
           f"{r['first_request_s']:.2f} s; every program compiled {r['all_compiled_s']:.1f} s "
           f"after the start" + (f" (background: {r['background']})" if r["staged"] else ""))
-    print("   Engine by phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in r["engine_phases"].items()))
+    print("   Engine by phase: " + ", ".join(
+        f"{k} {v:.1f} s" for k, v in r["engine_phases"].items()))
     print("   jax compile time: " + ", ".join(
         f"{k} {v:.1f} s ({r['compile_counts'][k]})" for k, v in r["compile_s"].items()))
     before = r["compiles_before_ready"]

@@ -25,8 +25,8 @@ Pallas kernel (megablox-style): grid ``(N tiles, visits, K tiles)``. A *visit* i
 (M tile, group) pair whose row ranges overlap; the visit list is computed in the wrapper
 and scalar-prefetched, so an M tile is visited once per group it overlaps (at least once,
 so tiles past the last group still write zeros; with ``skip_tail`` they get no visit). Rows
-of other groups are masked to zero in the lhs tile (in the product, for FP8 weights). One fp32 accumulator per M tile lives
-in VMEM across its visits.
+of other groups are masked to zero in the lhs tile (in the product, for FP8 weights). One fp32
+accumulator per M tile lives in VMEM across its visits.
 
 Files: this one holds the contract, the reference, the Pallas kernel and the API;
 ``gmm_quant.py`` the FP8 quantisation of weights and activations; ``gmm_xla.py`` the XLA path.
@@ -372,7 +372,7 @@ def _accumulate_fp8(lhs_ref, rhs_ref, scale_ref, acc, in_group, out_block0, k_bl
     [tm, 128] instead of to the block's 128 x 128 weights; rows outside the group are masked
     out of the product. No dequantised tile is stored and reloaded: the 397B decode gate_up
     step on v5e issues 9.0k bundles against 10.1k (``benchmarks/kernel_bundles.py``), and
-    ran in 1.39 against 1.71 ms on the chip."""
+    took 1.39 ms on the chip where the last run before took 1.71 ms."""
     tn, tk = rhs_ref.shape[1:]
     precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     for jb in range(tn // WEIGHT_BLOCK):

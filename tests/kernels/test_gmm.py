@@ -300,7 +300,7 @@ def test_gmm_fp8_rhs(dtype, swiglu, tol):
 def test_gmm_fp8_masks_other_rows_out_of_the_product(tm):
     """FP8 tiles mask rows of other groups in the product, not the lhs: rows past the groups
     hold inf here, and must neither reach their own output (zeros) nor any other row."""
-    m, k, n, sizes = 120, 256, 256, [0, 40, 0, 45, 20]  # rows 105: are past the groups
+    m, k, n, sizes = 120, 256, 256, [0, 40, 0, 45, 20]  # rows from 105 on: past the groups
     lhs, w, gs = _inputs(m, k, n, sizes, jnp.bfloat16, seed=5)
     lhs = lhs.at[105:].set(jnp.inf)
     q, s = G.quantize_fp8_blockwise(w)
