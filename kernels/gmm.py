@@ -220,15 +220,17 @@ _VMEM_MAX = 60 << 20  # under TPU7x's 64 MiB per TensorCore (v5e and v6e have 12
 
 
 def gmm_vmem_bytes(b: GmmBlockSizes, *, halves: int, lhs_bytes: int, rhs_bytes: int,
-                   out_bytes: int, fp8: bool) -> int:
+                   out_bytes: int, dequant_tile: bool) -> int:
     """Estimated VMEM of the kernel at tiles ``b``, in bytes: the pipelined blocks twice
     (double buffer: the lhs tile [tm, tk], ``halves`` weight tiles [tn, tk], the output tile
-    [tm, tn]), the f32 accumulators [tm, tn] per half, the dequantised weight tile (FP8) and
-    as much again for its conversion's temporaries (the TPU7x compile of the 397B gate_up
-    needed 0.5 MiB past the estimate without them), and one f32 product [tm, tn] per half."""
+    [tm, tn]), the f32 accumulators [tm, tn] per half, with ``dequant_tile`` (FP8 weights
+    and a quantised lhs) the dequantised weight tile and as much again for its conversion's
+    temporaries (the TPU7x compile of the 397B gate_up needed 0.5 MiB past the estimate
+    without them), and one f32 product [tm, tn] per half. FP8 weights with a bf16 / f32 lhs
+    go block by block (``_accumulate_fp8``): no tile, temporaries of one 128 x 128 block."""
     blocks = (b.tm * b.tk * lhs_bytes + halves * b.tn * b.tk * rhs_bytes
               + b.tm * b.tn * out_bytes)
-    scratch = 2 * halves * b.tm * b.tn * 4 + (2 * b.tn * b.tk * 2 if fp8 else 0)
+    scratch = 2 * halves * b.tm * b.tn * 4 + (2 * b.tn * b.tk * 2 if dequant_tile else 0)
     return 2 * blocks + scratch
 
 
@@ -481,7 +483,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
             vmem_limit_bytes=gmm_vmem_limit(gmm_vmem_bytes(
                 blocks, halves=halves, lhs_bytes=lhs.dtype.itemsize,
                 rhs_bytes=rhs.dtype.itemsize, out_bytes=jnp.dtype(out_dtype).itemsize,
-                fp8=fp8))),
+                dequant_tile=fp8 and quantize_lhs))),
         cost_estimate=cost.to_pallas(),
         interpret=dispatch.interpret_params(resolved),
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), *meta, *operands)

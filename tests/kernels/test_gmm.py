@@ -150,7 +150,7 @@ def test_kernel_reads_every_fp8_bit_pattern_as_its_value():
 
 def test_vmem_limit_is_raised_only_for_tiles_past_the_default():
     mib = 1 << 20
-    bf16 = dict(lhs_bytes=2, rhs_bytes=2, out_bytes=2, fp8=False)
+    bf16 = dict(lhs_bytes=2, rhs_bytes=2, out_bytes=2, dequant_tile=False)
     # the old 128 x 512 x 512 tiles: 2 x (128 KiB + 2 x 512 KiB + 128 KiB) + 2 x 2 x 256 KiB
     small = G.gmm_vmem_bytes(B(128, 512, 512), halves=2, **bf16)
     assert small == 2 * (128 + 2 * 512 + 128) * 1024 + 2 * 2 * 256 * 1024
