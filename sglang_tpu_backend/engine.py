@@ -51,6 +51,7 @@ from sglang_tpu_backend.managers.schedule_batch import Req
 from sglang_tpu_backend.managers.scheduler import Scheduler
 from sglang_tpu_backend.managers.scheduler_loop import BETWEEN_STEPS, PHASES, SchedulerLoop
 from sglang_tpu_backend.managers.engine_status import EngineStatus
+from sglang_tpu_backend.managers.startup import BackendOpener, StartupPhases
 from sglang_tpu_backend.managers.weight_updater import WeightUpdater
 from sglang_tpu_backend.metrics import EngineMetrics
 from sglang_tpu_backend.metrics.router_stats import ROUTED
@@ -121,20 +122,6 @@ def _mtp_params(args: ServerArgs, cfg, role: str):
     return mtp
 
 
-class _StartupPhases:
-    """Wall seconds of an engine's start-up, by phase: ``end(name)`` adds the time since the
-    previous ``end`` (or construction) to ``seconds[name]``."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._t = time.perf_counter()
-
-    def end(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
-        self._t = now
-
-
 def _make_runner(args: ServerArgs, cfg, params, mtp_params, num_pages: int) -> ModelRunner:
     """The model runner of ``args``: ``num_pages`` KV pages and the state slots per DP rank,
     the weights (``params``) loaded and placed."""
@@ -190,13 +177,14 @@ class Engine:
                 raise ValueError("--node-rank > 0 follows node 0's engine: run "
                                  "launch_server (or node.run_follower), not Engine")
             node.join(args)
-        phases = _StartupPhases()
+        phases, opener = StartupPhases(), BackendOpener()  # the chip opens meanwhile
         args = with_default_model(args)
         self.tokenizer = load_tokenizer(args.tokenizer_path)
         self.model_config = cfg = load_model_config(args.model_path)
         phases.end("tokenizer_and_config")
-        args.check_devices(len(jax.devices()), cfg.num_experts)  # before loading any weights
-        phases.end("devices")  # (the backend opens here unless something opened it before)
+        args.check_devices(len(opener.devices()), cfg.num_experts)  # before loading any weights
+        phases.end("devices")  # (waiting for the open; it took opener.seconds on its thread)
+        self.backend_open_seconds = opener.seconds
         self._enable_compilation_cache(args)  # before the load: its programs are cached too
         args = dataclasses.replace(args, dtype=resolve_dtype(args.dtype, args.model_path))
         args.check_role(role)
@@ -247,8 +235,9 @@ class Engine:
         phases.end("warmup")
         # Seconds per start-up phase (a staged warm-up counts its first stage only)
         self.startup_seconds = phases.seconds
-        logger.info("engine ready in %.1f s: %s", sum(phases.seconds.values()),
-                    ", ".join(f"{k} {v:.1f} s" for k, v in phases.seconds.items()))
+        logger.info("engine ready in %.1f s: %s (the backend opened in %.1f s beside the first)",
+                    sum(phases.seconds.values()), ", ".join(
+                        f"{k} {v:.1f} s" for k, v in phases.seconds.items()), opener.seconds)
         if start_loop:
             self.loop.start()
 

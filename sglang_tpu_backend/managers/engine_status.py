@@ -54,6 +54,7 @@ class EngineStatus:
             "num_pages_per_rank": e.num_pages_per_rank,
             "warmup_seconds": e.warmup_seconds,
             "startup_seconds": e.startup_seconds,  # by phase, until ready
+            "backend_open_seconds": e.backend_open_seconds,  # on a thread beside the first phase
             # staged warm-up's second stage (None: every program compiled before ready)
             "background_warmup": None if e.background_warmup is None
             else e.background_warmup.status(),
