@@ -532,7 +532,10 @@ class Scheduler:
         """Append sampled (token, logprob, top logprobs) in order, checking the finish
         conditions (EOS, stop ids and strings, lengths) after each: tokens after the one
         that finishes the request are dropped, as sequential decoding never makes them.
-        Returns the tokens appended."""
+        The text is detokenised after each token only where a stop string may end the run
+        there; otherwise once for the run (a multi-step launch's N tokens: one incremental
+        decode instead of N). Returns the tokens appended."""
+        per_token = bool(req.sampling.stop)
         for i, (tok, logprob, top) in enumerate(run):
             req.output_ids.append(int(tok))
             if req.return_logprob:
@@ -544,9 +547,12 @@ class Scheduler:
                 req.first_token_time = now
             req.last_token_time = now
             req.check_token_finish()
-            req.update_text()
+            if per_token or req.finished:
+                req.update_text()
             if req.finished:
                 return i + 1
+        if not per_token:
+            req.update_text()
         return len(run)
 
     def _after_verify(self, req: Req, chunk: ScheduledChunk, res: ChunkResult,

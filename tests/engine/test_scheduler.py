@@ -323,6 +323,34 @@ def test_incremental_detokenizer_matches_full_decode_and_holds_partial_utf8():
     assert d.text == decode(ids) == "a\u20ac b"
 
 
+def test_a_run_is_detokenised_once_unless_a_stop_string_may_end_it():
+    """A multi-step launch appends N tokens per request: without stop strings the text is
+    decoded once for the run (2 decode calls, not 2N), and equals the token-by-token text,
+    a split UTF-8 sequence included; with a stop string each token is checked, and the run
+    ends at the token that completes it."""
+    pieces = {1: b"a", 2: b"\xe2\x82", 3: b"\xac", 4: b" b", 5: b"c", 6: b" d", 7: b"e", 8: b"f"}
+    calls = []
+
+    def decode(ids):
+        calls.append(len(ids))
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    run = [(t, 0.0, None) for t in pieces]
+    r = Req("r", [9], SamplingParams.from_dict({}), max_new_tokens=100, seed=0, decode=decode)
+    assert Scheduler._append_tokens(r, run, 0.0) == 8
+    assert len(calls) == 2 and r.text == "a\u20ac bc def" and not r.finished
+    one = Req("o", [9], SamplingParams.from_dict({}), max_new_tokens=100, seed=0, decode=decode)
+    for tok in run:
+        Scheduler._append_tokens(one, [tok], 0.0)
+    assert one.text == r.text
+    calls.clear()
+    s = Req("s", [9], SamplingParams.from_dict({"stop": [" b"]}), max_new_tokens=100, seed=0,
+            decode=decode)
+    assert Scheduler._append_tokens(s, run, 0.0) == 4  # the token completing " b"
+    assert s.output_ids == [1, 2, 3, 4] and s.finish_reason == {"type": "stop", "matched": " b"}
+    assert s.text == "a\u20ac" and len(calls) >= 2 * 4
+
+
 def test_prompt_logprob_rows_and_row_budget():
     sched = make_sched(num_pages=100, max_running=4, step_tokens=64)
     model = FakeModel(4)
