@@ -122,23 +122,40 @@ def _mtp_params(args: ServerArgs, cfg, role: str):
     return mtp
 
 
-def _make_runner(args: ServerArgs, cfg, params, mtp_params, num_pages: int) -> ModelRunner:
+def _make_runner(args: ServerArgs, cfg, params, mtp_params, num_pages: int, role: str
+                 ) -> tuple[ModelRunner, background_warmup.FirstStage | None]:
     """The model runner of ``args``: ``num_pages`` KV pages and the state slots per DP rank,
-    the weights (``params``) loaded and placed."""
+    the weights (``params``) loaded and placed; and, where a staged warm-up applies, its
+    first stage, whose programs compiled while the weights loaded."""
     running, det = args.max_running_requests_per_rank, args.enable_deterministic_inference
     routed = args.enable_return_routed_experts
-    return ModelRunner(
-        cfg, params, page_size=args.page_size, num_pages=num_pages, num_state_slots=running,
-        max_running_requests=running, max_tokens_per_step=args.max_tokens_per_step,
-        context_length=args.context_length, kv_dtype=args.kv_storage_dtype(jax.default_backend()),
-        impl=args.kernel_impl, max_top_logprobs_num=args.max_top_logprobs_num,
-        dp_size=args.dp_size, tp_size=args.tp_size,
-        num_gdn_snapshots=args.num_gdn_snapshots_per_rank, deterministic=det,
-        expert_location=_initial_expert_location(args, cfg),
-        router_stats=ROUTED if routed else True,
-        eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations if args.enable_eplb
-        else None, num_drafts=args.speculative_num_drafts, mtp_params=mtp_params,
-        num_scheduler_steps=args.scheduler_steps(jax.default_backend()))
+    first: list[background_warmup.FirstStage] = []
+
+    def before_load(runner: ModelRunner) -> None:
+        if (not args.skip_warmup and args.staged_warmup(jax.default_backend())
+                and background_warmup.applies(runner, role)):
+            first.append(background_warmup.FirstStage(
+                runner, compile_threads(args.warmup_compile_threads)))
+
+    try:
+        runner = ModelRunner(
+            cfg, params, page_size=args.page_size, num_pages=num_pages,
+            num_state_slots=running, max_running_requests=running,
+            max_tokens_per_step=args.max_tokens_per_step, context_length=args.context_length,
+            kv_dtype=args.kv_storage_dtype(jax.default_backend()), impl=args.kernel_impl,
+            max_top_logprobs_num=args.max_top_logprobs_num, dp_size=args.dp_size,
+            tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
+            deterministic=det, expert_location=_initial_expert_location(args, cfg),
+            router_stats=ROUTED if routed else True,
+            eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations
+            if args.enable_eplb else None, num_drafts=args.speculative_num_drafts,
+            mtp_params=mtp_params, num_scheduler_steps=args.scheduler_steps(jax.default_backend()),
+            before_load=before_load)
+    except BaseException:
+        for stage in first:
+            stage.stop()
+        raise
+    return runner, (first[0] if first else None)
 
 
 async def _last(outputs: AsyncIterator[dict]) -> dict | None:
@@ -193,8 +210,7 @@ class Engine:
         params = WeightSource(cfg, args.model_path, args.load_format, DTYPES[args.dtype],
                               seed=args.random_seed)
         args, self.mem_budget = size_serving_args(args, cfg, jax.default_backend())
-        self.args = args
-        dp = args.dp_size
+        self.args, dp = args, args.dp_size
         self.num_pages_per_rank = args.max_total_tokens // (args.page_size * dp)
         self.num_pages = self.num_pages_per_rank * dp  # all ranks
         self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(
@@ -203,7 +219,8 @@ class Engine:
             deterministic_limits(args) if args.enable_deterministic_inference else {}))
         routed = args.enable_return_routed_experts
         phases.end("other")
-        self.runner = _make_runner(args, cfg, params, mtp_params, self.num_pages_per_rank)
+        self.runner, first_stage = _make_runner(args, cfg, params, mtp_params,
+                                                self.num_pages_per_rank, role)
         phases.end("runner")  # the KV cache and state slots, the weights loaded and placed
         # Multi-step decode launches where the runner supports them (else single steps).
         self.scheduler.num_scheduler_steps = self.runner.num_scheduler_steps
@@ -231,7 +248,7 @@ class Engine:
         self.status, self.rl = EngineStatus(self), RLControl(self.loop, self.runner)
         self.background_warmup: background_warmup.BackgroundWarmup | None = None
         phases.end("other")
-        self.warmup_seconds = 0.0 if args.skip_warmup else self._warm_up(role)
+        self.warmup_seconds = 0.0 if args.skip_warmup else self._warm_up(role, first_stage)
         phases.end("warmup")
         # Seconds per start-up phase (a staged warm-up counts its first stage only)
         self.startup_seconds = phases.seconds
@@ -241,16 +258,17 @@ class Engine:
         if start_loop:
             self.loop.start()
 
-    def _warm_up(self, role: str) -> float:
-        """Compile every step program (staged: those of one prefill bucket, the rest in the
-        background, ``background_warmup.py``), and a disaggregated role's handover programs
-        (export on a prefill engine, install on a decode engine); returns seconds taken."""
+    def _warm_up(self, role: str, first_stage: background_warmup.FirstStage | None) -> float:
+        """Compile every step program (staged: those of one prefill bucket, compiling since
+        before the weights loaded where ``first_stage``, the rest in the background,
+        ``background_warmup.py``), and a disaggregated role's handover programs (export on a
+        prefill engine, install on a decode engine); returns seconds taken."""
         t0 = time.perf_counter()
         threads = compile_threads(self.args.warmup_compile_threads)
         if (self.args.staged_warmup(jax.default_backend())
                 and background_warmup.applies(self.runner, role)):
             _, self.background_warmup = background_warmup.start(self.runner, self.scheduler,
-                                                                True, threads)
+                                                                True, threads, first_stage)
             return time.perf_counter() - t0
         self.runner.warmup(compile_threads=threads)
         if role in ("prefill", "decode") and self.runner.backend.state_transfer:

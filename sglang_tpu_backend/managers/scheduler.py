@@ -1,38 +1,37 @@
 """Continuous batching: which requests run in the next step, and bookkeeping of results.
 
-Plain Python (no JAX). The scheduler serves ``dp_size`` data-parallel attention ranks (one
-with ``--dp-size 1``), each with its own KV page pool and GDN state-slot pool
+Plain Python (no JAX). The scheduler serves ``dp_size`` data-parallel attention ranks (one with
+``--dp-size 1``), each with its own KV page pool and GDN state-slot pool
 (``mem_cache/rank_pools.py``); all limits below hold per rank. One step holds at most
 ``max_tokens_per_step`` token rows per rank: every decode-ready request contributes one token,
-prefill chunks fill what is left (chunked prefill), new requests are admitted while a state
-slot, ``max_running_requests`` and KV pages allow, each on the least-loaded rank that can take
-it (``managers/dp_placement.py``), where it stays. When decodes cannot get a KV page, the
-newest running requests of that rank are retracted: pages and slot freed, requeued at the
-front, re-prefilled later (possibly on another rank).
+prefill chunks fill what is left (chunked prefill), new requests are admitted while a state slot,
+``max_running_requests`` and KV pages allow, each on the least-loaded rank that can take it
+(``managers/dp_placement.py``), where it stays. When decodes cannot get a KV page, the newest
+running requests of that rank are retracted: pages and slot freed, requeued at the front,
+re-prefilled later (possibly on another rank).
 
-With a prefix cache (``managers/prefix_cache.py``, one radix tree per rank) admission starts
-a request after its longest cached prefix, prefill chunks end at GDN snapshot points, and the
-tree's unlocked pages count as free: they are evicted (LRU) when an allocation needs them.
+With a prefix cache (``managers/prefix_cache.py``, one radix tree per rank) admission starts a
+request after its longest cached prefix, prefill chunks end at GDN snapshot points, and the tree's
+unlocked pages count as free: they are evicted (LRU) when an allocation needs them.
 
 Deterministic mode (``prefill_align`` set, ``--enable-deterministic-inference``): a step holds
-either decodes only or prefill chunks only (prefill first, as SGLang without mixed chunks:
-decodes wait while any prefill chunk can run), and a prefill chunk ends at a multiple of
-``prefill_align`` tokens or at the end of what the request has to fill. Each request's chunk
-boundaries then depend on the request alone, never on what shares the step.
+either decodes only or prefill chunks only (prefill first, as SGLang without mixed chunks: decodes
+wait while any prefill chunk can run), and a prefill chunk ends at a multiple of ``prefill_align``
+tokens or at the end of what the request has to fill. Each request's chunk boundaries then depend
+on the request alone, never on what shares the step.
 
-Speculative decoding (``num_drafts`` k > 0, a ``drafter``): decodes and prefill chunks run
-in steps of their own (prefill first, as in deterministic mode). The drafter is asked for
-each decode step: when at least ``MIN_DRAFTED_FRACTION`` of the step's requests that may
-accept drafts (all DP ranks together: they run one program) have drafts, the step runs as
-TARGET_VERIFY, every request with its last token and exactly k drafts (the drafter's,
-padded); otherwise it runs as a plain DECODE step and the drafts are dropped. A verify step
-costs every request k+1 rows, so drafts of a few requests do not pay for it. A decode
-reserves pages for k+1 positions; after a verify step the request keeps 1 + the accepted
-drafts of them and the pages past its new length go back to the pool.
+Speculative decoding (``num_drafts`` k > 0, a ``drafter``): decodes and prefill chunks run in steps
+of their own (prefill first, as in deterministic mode). The drafter is asked for each decode step:
+when at least ``MIN_DRAFTED_FRACTION`` of the step's requests that may accept drafts (all DP ranks
+together: they run one program) have drafts, the step runs as TARGET_VERIFY, every request with its
+last token and exactly k drafts (the drafter's, padded); otherwise it runs as a plain DECODE step
+and the drafts are dropped. A verify step costs every request k+1 rows, so drafts of a few requests
+do not pay for it. A decode reserves pages for k+1 positions; after a verify step the request keeps
+1 + the accepted drafts of them and the pages past its new length go back to the pool.
 
-Multi-step decoding (``multistep_policy.py``): an eligible DECODE batch runs N decode steps
-in one launch (``ScheduledBatch.num_steps``); ``process_result`` appends its N tokens one at a
-time with the usual finish checks, dropping those after the finishing one.
+Multi-step decoding (``multistep_policy.py``): an eligible DECODE batch runs N decode steps in one
+launch (``ScheduledBatch.num_steps``); ``process_result`` appends its N tokens one at a time with
+the usual finish checks, dropping those after the finishing one.
 """
 
 from __future__ import annotations
@@ -45,14 +44,8 @@ from typing import Iterable
 from sglang_tpu_backend.managers import multistep_policy
 from sglang_tpu_backend.managers.dp_placement import RankStep, pick_rank, rank_load
 from sglang_tpu_backend.managers.prefix_cache import PrefixCache
-from sglang_tpu_backend.managers.schedule_batch import (
-    ChunkResult,
-    Req,
-    ScheduledBatch,
-    ScheduledChunk,
-    SnapshotLoad,
-    SnapshotSave,
-)
+from sglang_tpu_backend.managers.schedule_batch import (ChunkResult, Req, ScheduledBatch,
+                                                        ScheduledChunk, SnapshotLoad, SnapshotSave)
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.mem_cache.radix_cache import RadixCache, SnapshotPool
 from sglang_tpu_backend.mem_cache.rank_pools import RankPools
@@ -532,9 +525,8 @@ class Scheduler:
         """Append sampled (token, logprob, top logprobs) in order, checking the finish
         conditions (EOS, stop ids and strings, lengths) after each: tokens after the one
         that finishes the request are dropped, as sequential decoding never makes them.
-        The text is detokenised after each token only where a stop string may end the run
-        there; otherwise once for the run (a multi-step launch's N tokens: one incremental
-        decode instead of N). Returns the tokens appended."""
+        The text is decoded after each token only where a stop string may end the run, else
+        once per run (one decode for a multi-step launch's N tokens). Returns the count."""
         per_token = bool(req.sampling.stop)
         for i, (tok, logprob, top) in enumerate(run):
             req.output_ids.append(int(tok))

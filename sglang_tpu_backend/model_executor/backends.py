@@ -38,7 +38,8 @@ from sglang_tpu_backend.config import ModelConfig
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch
 from sglang_tpu_backend.model_executor.state_snapshots import GDNSnapshots
 from sglang_tpu_backend.model_executor.state_transfer import StateTransfer
-from sglang_tpu_backend.model_loader.sharded_loader import LoadReport, WeightSource
+from sglang_tpu_backend.model_loader.sharded_loader import (LoadReport, WeightSource,
+                                                             with_native_layouts)
 from sglang_tpu_backend.models import qwen3_5_moe
 
 StepOutput = tuple[jax.Array, qwen3_5_moe.ModelCache, Any]  # logits, cache, stats or None
@@ -72,6 +73,18 @@ class StepBackend(abc.ABC):
         """Where each param leaf lives (a mirror of ``shapes``), or None when the step's
         layout is made from the whole params (TP), which then pass through one device."""
         return None
+
+    def placed_param_shapes(self, source: WeightSource) -> Any | None:
+        """``load_params(source)``'s params before any is read: ShapeDtypeStructs of their
+        shape, dtype, placement and TPU layout (``with_native_layouts``, as the loader places
+        them), to lower programs against while the weights load; None where the params are
+        placed from the whole tree (``param_shardings`` None)."""
+        shapes = source.shapes()
+        shardings = self.param_shardings(shapes)
+        if shardings is None:
+            return None
+        return jax.tree.map(lambda s, f: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=f),
+                            shapes, with_native_layouts(shapes, shardings))
 
     def load_params(self, source: WeightSource) -> tuple[Any, LoadReport]:
         """``source``'s weights placed for the step: read (or drawn) straight into

@@ -173,8 +173,72 @@ class BackgroundWarmup:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def start(runner: Any, scheduler: Any, progress: bool, compile_threads: int
-          ) -> tuple[float, BackgroundWarmup]:
-    """Stage 1 (returns its seconds), then stage 2 started in the background."""
-    seconds = warmup.warm_up(runner, progress, compile_threads, runner.buckets.first_shapes())
-    return seconds, BackgroundWarmup(runner, scheduler, compile_threads)
+class FirstStage:
+    """Stage 1's step programs (``parallel_compile.tasks`` of the first shapes) lowered on a
+    thread and compiled on a pool while the runner's weights load, started by
+    ``ModelRunner``'s ``before_load``: ``runner.params`` are then the placed shapes the
+    loaded params will have (``Backend.placed_param_shapes``), so the warm-up's runs on the
+    loaded params find these programs compiled. ``wait()`` re-raises a failure."""
+
+    def __init__(self, runner: Any, compile_threads: int):
+        self.placed = runner.params  # the placed shapes lowered on
+        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="warmup-compile")
+        self._compiling: list = []
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._lower, args=(runner,),
+                                        name="warmup-first-stage", daemon=True)
+        self._thread.start()
+
+    def _lower(self, runner: Any) -> None:
+        try:
+            for task in parallel_compile.tasks(runner, runner.buckets.first_shapes()):
+                if self._stop.is_set():
+                    return
+                self._compiling.append(self._pool.submit(task().compile))
+        except BaseException as e:  # noqa: BLE001 -- re-raised by wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until every program is compiled; raises the first failure."""
+        self._thread.join()
+        try:
+            if self._error is not None:
+                raise self._error
+            for f in self._compiling:
+                f.result()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def placed_otherwise(self, params: Any) -> list[str]:
+        """Paths of the loaded ``params`` whose shape, dtype, sharding or layout differ from
+        the placed shapes lowered on (the serving calls then miss these programs)."""
+        def differs(p: jax.ShapeDtypeStruct, x: jax.Array) -> bool:
+            layout = getattr(p.format, "layout", None)  # None: the default layout
+            return ((p.shape, p.dtype, p.sharding) != (x.shape, x.dtype, x.sharding)
+                    or (layout is not None and layout != x.format.layout))
+        flat = jax.tree_util.tree_flatten_with_path(self.placed)[0]
+        return [jax.tree_util.keystr(path) for (path, p), x in zip(flat, jax.tree.leaves(params))
+                if differs(p, x)]
+
+    def stop(self) -> None:
+        """Lower nothing more, drop what has not started compiling (the load failed)."""
+        self._stop.set()
+        self._thread.join()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def start(runner: Any, scheduler: Any, progress: bool, compile_threads: int,
+          first_stage: FirstStage | None = None) -> tuple[float, BackgroundWarmup]:
+    """Stage 1 (returns its seconds; its step programs compiled by ``first_stage`` when
+    given), then stage 2 started in the background."""
+    t0 = time.perf_counter()
+    if first_stage is not None:
+        first_stage.wait()
+        if otherwise := first_stage.placed_otherwise(runner.params):
+            logger.warning("%d params were loaded placed otherwise than the first stage's "
+                           "programs were lowered (%s): those compile again", len(otherwise),
+                           ", ".join(otherwise[:4]))
+    warmup.warm_up(runner, progress, compile_threads, runner.buckets.first_shapes(),
+                   precompiled=first_stage is not None)
+    return time.perf_counter() - t0, BackgroundWarmup(runner, scheduler, compile_threads)

@@ -111,3 +111,17 @@ def build_forward_batch(
         mode=mode,
     )
     return batch, per_chunk_rows
+
+
+def num_logits_rows(chunks: list) -> int:
+    """Logits rows the ``ScheduledChunk``s need."""
+    return sum({"all": c.num_tokens, "last": 1, "none": 0}[c.logits] for c in chunks)
+
+
+def in_flight_rows(from_slots: list[np.ndarray | None]) -> np.ndarray | None:
+    """The step's ``from_slot`` from each rank's: in-flight inputs exist on one rank only."""
+    if len(from_slots) == 1:
+        return from_slots[0]
+    if any(f is not None for f in from_slots):
+        raise ValueError("in-flight decode inputs need one device (no DP / TP)")
+    return None

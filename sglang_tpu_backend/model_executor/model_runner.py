@@ -25,15 +25,14 @@ NEXTN (``mtp_params`` given; one device, DP ranks or TP): every step also return
 hidden states and dispatches the MTP pass and chain of drafts (``nextn_step.py``) after its
 sampler; each sampling chunk's k drafts come back with its tokens (``ChunkResult.drafts``).
 
-Prefix cache: with ``num_gdn_snapshots > 0`` the runner also owns the GDN state snapshots
-(``state_snapshots.GDNSnapshots``); a step first copies the batch's ``state_loads`` into their
-slots and, after the forward, its ``state_saves`` out of them.
+Prefix cache (``num_gdn_snapshots > 0``): the runner owns the GDN state snapshots
+(``state_snapshots.py``), copied in (``state_loads``) before a step, out (saves) after.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +43,8 @@ from sglang_tpu_backend.managers.schedule_batch import ChunkResult, ScheduledBat
 from sglang_tpu_backend.mem_cache.page_pool import pages_for
 from sglang_tpu_backend.model_executor import host_inputs, multistep, state_transfer, warmup
 from sglang_tpu_backend.model_executor.backends import SingleDeviceBackend, make_backend
-from sglang_tpu_backend.model_executor.batch_builder import SeqChunk, build_forward_batch
+from sglang_tpu_backend.model_executor.batch_builder import (SeqChunk, build_forward_batch,
+                                                            in_flight_rows, num_logits_rows)
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sglang_tpu_backend.model_executor.nextn_step import MtpInputs, NextnDrafts
 from sglang_tpu_backend.model_executor.routed_experts import routed_store
@@ -130,6 +130,7 @@ class ModelRunner:
         num_drafts: int = 0,
         mtp_params: Any = None,
         num_scheduler_steps: int = 1,
+        before_load: Callable[["ModelRunner"], None] | None = None,
     ):
         """``params``: host params, or a ``sharded_loader.WeightSource`` the backend loads
         straight into its shardings (``load_report`` says what this process read).
@@ -143,7 +144,8 @@ class ModelRunner:
         (``expert_balancer.py``). ``num_drafts``: k drafts per verify step (0: off;
         ``num_grammar_cut_drafts`` counts those a request's grammar cut). ``mtp_params`` (NEXTN, ``models/mtp.py``): the
         steps also draft the next verify step's k drafts with the MTP layers.
-        ``num_scheduler_steps``: decode steps per multi-step launch (1 where not supported)."""
+        ``num_scheduler_steps``: decode steps per multi-step launch (1 where not supported).
+        ``before_load``: see ``_load``."""
         self.cfg = cfg
         self.last_router_stats = self._stats = None
         self.page_size, self.vocab_size = page_size, cfg.vocab_size
@@ -173,12 +175,10 @@ class ModelRunner:
         self.cache = self.backend.init_cache(
             num_pages=num_pages, page_size=page_size, num_state_slots=num_state_slots,
             kv_dtype=kv_dtype, state_dtype=state_dtype)
-        if source:
-            self.params, self.load_report = self.backend.load_params(source)
-        else:
-            self.params = self.backend.place_params(params)
         self.sampler = SamplerState(cfg.vocab_size, self.dp_size * num_state_slots,
                                     self.backend.place_sampler_state)
+        self.nextn, self.num_scheduler_steps = None, 1  # (both set below)
+        self.params = self._load(params, source, None if mtp_params else before_load)
         self.transfer = self.backend.make_transfer(num_pages, num_state_slots)
         self.snapshots = self.backend.make_snapshots(self.cache, num_gdn_snapshots,
                                                      max_running_requests)
@@ -205,6 +205,20 @@ class ModelRunner:
                            num_pages=num_pages, page_size=self.page_size,
                            context_length=context_length, kv_dtype=kv_dtype,
                            max_reqs=max(R for _, _, R, _ in self.all_shapes()))
+
+    def _load(self, params: Any, source: WeightSource | None,
+              before_load: Callable[["ModelRunner"], None] | None) -> Any:
+        """The params placed: ``source`` loaded, else host ``params`` placed. Without MTP,
+        ``before_load(self)`` runs first where the backend places ``source`` leaf by leaf,
+        with ``self.params`` its placed shapes: what it lowers on them (a staged warm-up's
+        first programs, ``background_warmup.FirstStage``) compiles while the weights load."""
+        if source is None:
+            return self.backend.place_params(params)
+        self.params = self.backend.placed_param_shapes(source) if before_load else None
+        if self.params is not None:
+            before_load(self)
+        params, self.load_report = self.backend.load_params(source)
+        return params
 
     def _init_balancer(self, params: Any, source: Any, expert_location: Any, router_stats: bool,
                        rebalance_every: int | None) -> tuple[Any, Any]:
@@ -281,7 +295,7 @@ class ModelRunner:
             per_rank[c.dp_rank].append(c)
         mode, T, R, L = self.shapes_for(
             batch.kind, max(sum(c.num_tokens for c in cs) for cs in per_rank),
-            max(len(cs) for cs in per_rank), max(_num_rows(cs) for cs in per_rank))
+            max(len(cs) for cs in per_rank), max(num_logits_rows(cs) for cs in per_rank))
         fbs, rank_rows, inps, from_slots, specs = [], [], [], [], []
         for k, chunks in enumerate(per_rank):
             fb, rows, from_slot = self._rank_batch(chunks, mode, T, R, L)
@@ -304,7 +318,7 @@ class ModelRunner:
             inp = dataclasses.replace(inp, bitmask=spec.bitmask)
             self.num_grammar_cut_drafts += spec.num_cut
         return StepInputs(
-            fbs=fbs, from_slot=_in_flight_rows(from_slots), inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
+            fbs=fbs, from_slot=in_flight_rows(from_slots), inp=inp, rows=[rank_rows[k][j] + k * L for k, j in where],
             sample_idx=[k * R + j for k, j in where],
             K=self.max_top_logprobs_num if needs_top_k(batch.chunks) else 0, spec=spec,
             mtp=[self.nextn.inputs(cs, T, R) for cs in per_rank] if self.nextn else None,
@@ -562,20 +576,6 @@ class ModelRunner:
             raise NotImplementedError(f"handover state {what} is not supported with this "
                                       f"layout ({type(self.backend).__name__})")
         return self.transfer
-
-
-def _num_rows(chunks: list[ScheduledChunk]) -> int:
-    """Logits rows the chunks need."""
-    return sum({"all": c.num_tokens, "last": 1, "none": 0}[c.logits] for c in chunks)
-
-
-def _in_flight_rows(from_slots: list[np.ndarray | None]) -> np.ndarray | None:
-    """The step's ``from_slot`` from each rank's: in-flight inputs exist on one rank only."""
-    if len(from_slots) == 1:
-        return from_slots[0]
-    if any(f is not None for f in from_slots):
-        raise ValueError("in-flight decode inputs need one device (no DP / TP)")
-    return None
 
 
 def _chunk_result(out: dict, i: int, c: ScheduledChunk, r: np.ndarray) -> ChunkResult:

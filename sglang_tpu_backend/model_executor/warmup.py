@@ -47,9 +47,10 @@ def warm_multistep(runner: Any, T: int, R: int, L: int) -> None:
 
 
 def warm_up(runner: Any, progress: bool = True, compile_threads: int = 1,
-            shapes: list | None = None) -> float:
+            shapes: list | None = None, precompiled: bool = False) -> float:
     """Compile every forward and sampler program of ``runner`` (or of ``shapes`` only: a
     staged warm-up's first stage, ``background_warmup.py``); returns seconds taken.
+    ``precompiled``: ``shapes``' step programs are compiled already (``FirstStage``).
 
     With ``compile_threads`` > 1 (one device), ``parallel_compile`` first compiles the
     forward, sampler and multi-step programs side by side; the runs below then compile only
@@ -63,7 +64,7 @@ def warm_up(runner: Any, progress: bool = True, compile_threads: int = 1,
     shapes = runner.all_shapes() if shapes is None else shapes
     t0 = time.perf_counter()
     if compile_threads > 1 and parallel_compile.supported(runner):
-        parallel_compile.precompile(runner, shapes, compile_threads)
+        parallel_compile.precompile(runner, [] if precompiled else shapes, compile_threads)
     D, state = runner.dp_size, runner.sampler
     scratch = [jnp.copy(state.counts), jnp.copy(state.last_tokens)]
 

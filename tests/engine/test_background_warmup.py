@@ -124,3 +124,57 @@ def test_shutdown_during_the_second_stage_leaves_no_thread(monkeypatch):
     left = [t.name for t in threading.enumerate() if t not in before and t.is_alive()
             and t.name.startswith("warmup-background")]
     assert left == []
+
+
+def test_the_first_stage_compiles_while_the_weights_load(monkeypatch):
+    """The first stage's programs are lowered on the params' placed shapes and compile while
+    the weights load: the load below waits (up to 120 s) for the first stage's forward to
+    be compiled, which before this change happened only after the load (the wait would
+    time out and record False). The loaded params then hit those programs: the forward is
+    compiled once before ready, not again for the real arrays, whose placements equal the
+    placed shapes it was lowered on.
+
+    A placed shape that differs from its loaded param is named by ``placed_otherwise``.
+    """
+    import time
+
+    from sglang_tpu_backend.engine import Engine
+    from sglang_tpu_backend.model_executor.backends import SingleDeviceBackend
+    from sglang_tpu_backend.server_args import ServerArgs
+
+    jax.clear_caches()  # earlier tests in this process may have compiled these very programs
+    counter, seen, load = CompileCounter(), {}, SingleDeviceBackend.load_params
+
+    def waiting_load(self, source):
+        deadline = time.monotonic() + 120
+        while "jit(forward)" not in counter.compiled_names and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["forward_compiled_before_the_load"] = "jit(forward)" in counter.compiled_names
+        return load(self, source)
+
+    monkeypatch.setattr(SingleDeviceBackend, "load_params", waiting_load)
+    placed, placed_otherwise = [], background_warmup.FirstStage.placed_otherwise
+    monkeypatch.setattr(background_warmup.FirstStage, "placed_otherwise", lambda self, params:
+                        placed.append(placed_otherwise(self, params)) or placed[-1])
+    eng = Engine(ServerArgs(**STAGED), start_loop=False)
+    try:
+        assert seen == {"forward_compiled_before_the_load": True}
+        assert placed == [[]]  # every loaded param as lowered on
+        assert counter.compiled_names.count("jit(forward)") == 1  # until ready
+        assert eng.background_warmup is not None and eng.background_warmup.wait(600)
+        assert eng.background_warmup.status()["error"] is None
+    finally:
+        eng.shutdown()
+
+
+def test_placed_otherwise_names_a_param_placed_differently():
+    import jax.numpy as jnp
+
+    stage = background_warmup.FirstStage.__new__(background_warmup.FirstStage)
+    where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    stage.placed = {"a": jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=where),
+                    "b": jax.ShapeDtypeStruct((8,), jnp.bfloat16, sharding=where)}
+    loaded = {"a": jnp.zeros((4, 8), jnp.float32), "b": jnp.zeros((8,), jnp.bfloat16)}
+    assert stage.placed_otherwise(jax.device_put(loaded, where)) == []
+    loaded["b"] = jnp.zeros((8,), jnp.float32)
+    assert stage.placed_otherwise(jax.device_put(loaded, where)) == ["['b']"]
