@@ -137,24 +137,19 @@ def _make_runner(args: ServerArgs, cfg, params, mtp_params, num_pages: int, role
             first.append(background_warmup.FirstStage(
                 runner, compile_threads(args.warmup_compile_threads)))
 
-    try:
-        runner = ModelRunner(
-            cfg, params, page_size=args.page_size, num_pages=num_pages,
-            num_state_slots=running, max_running_requests=running,
-            max_tokens_per_step=args.max_tokens_per_step, context_length=args.context_length,
-            kv_dtype=args.kv_storage_dtype(jax.default_backend()), impl=args.kernel_impl,
-            max_top_logprobs_num=args.max_top_logprobs_num, dp_size=args.dp_size,
-            tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
-            deterministic=det, expert_location=_initial_expert_location(args, cfg),
-            router_stats=ROUTED if routed else True,
-            eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations
-            if args.enable_eplb else None, num_drafts=args.speculative_num_drafts,
-            mtp_params=mtp_params, num_scheduler_steps=args.scheduler_steps(jax.default_backend()),
-            before_load=before_load)
-    except BaseException:
-        for stage in first:
-            stage.stop()
-        raise
+    runner = ModelRunner(
+        cfg, params, page_size=args.page_size, num_pages=num_pages,
+        num_state_slots=running, max_running_requests=running,
+        max_tokens_per_step=args.max_tokens_per_step, context_length=args.context_length,
+        kv_dtype=args.kv_storage_dtype(jax.default_backend()), impl=args.kernel_impl,
+        max_top_logprobs_num=args.max_top_logprobs_num, dp_size=args.dp_size,
+        tp_size=args.tp_size, num_gdn_snapshots=args.num_gdn_snapshots_per_rank,
+        deterministic=det, expert_location=_initial_expert_location(args, cfg),
+        router_stats=ROUTED if routed else True,
+        eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations
+        if args.enable_eplb else None, num_drafts=args.speculative_num_drafts,
+        mtp_params=mtp_params, num_scheduler_steps=args.scheduler_steps(jax.default_backend()),
+        before_load=before_load)
     return runner, (first[0] if first else None)
 
 

@@ -174,41 +174,32 @@ class BackgroundWarmup:
 
 
 class FirstStage:
-    """Stage 1's step programs (``parallel_compile.tasks`` of the first shapes) lowered on a
-    thread and compiled on a pool while the runner's weights load, started by
-    ``ModelRunner``'s ``before_load``: ``runner.params`` are then the placed shapes the
-    loaded params will have (``Backend.placed_param_shapes``), so the warm-up's runs on the
-    loaded params find these programs compiled. ``wait()`` re-raises a failure."""
+    """Stage 1's step programs (``parallel_compile.precompile`` of the first shapes, without
+    the snapshot copies, which need the runner built) lowered and compiled on a thread while
+    the runner's weights load, started by ``ModelRunner``'s ``before_load``: ``runner.params``
+    are then the placed shapes the loaded params will have (``Backend.placed_param_shapes``),
+    so the warm-up's runs on the loaded params find these programs compiled. ``wait()``
+    re-raises a failure. (Where the load fails, the thread finishes on its own: a daemon.)"""
 
     def __init__(self, runner: Any, compile_threads: int):
         self.placed = runner.params  # the placed shapes lowered on
-        self._pool = ThreadPoolExecutor(compile_threads, thread_name_prefix="warmup-compile")
-        self._compiling: list = []
         self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._lower, args=(runner,),
+        self._thread = threading.Thread(target=self._compile, args=(runner, compile_threads),
                                         name="warmup-first-stage", daemon=True)
         self._thread.start()
 
-    def _lower(self, runner: Any) -> None:
+    def _compile(self, runner: Any, threads: int) -> None:
         try:
-            for task in parallel_compile.tasks(runner, runner.buckets.first_shapes()):
-                if self._stop.is_set():
-                    return
-                self._compiling.append(self._pool.submit(task().compile))
+            parallel_compile.precompile(runner, runner.buckets.first_shapes(), threads,
+                                        snapshots=False)
         except BaseException as e:  # noqa: BLE001 -- re-raised by wait()
             self._error = e
 
     def wait(self) -> None:
         """Block until every program is compiled; raises the first failure."""
         self._thread.join()
-        try:
-            if self._error is not None:
-                raise self._error
-            for f in self._compiling:
-                f.result()
-        finally:
-            self._pool.shutdown(wait=True)
+        if self._error is not None:
+            raise self._error
 
     def placed_otherwise(self, params: Any) -> list[str]:
         """Paths of the loaded ``params`` whose shape, dtype, sharding or layout differ from
@@ -220,12 +211,6 @@ class FirstStage:
         flat = jax.tree_util.tree_flatten_with_path(self.placed)[0]
         return [jax.tree_util.keystr(path) for (path, p), x in zip(flat, jax.tree.leaves(params))
                 if differs(p, x)]
-
-    def stop(self) -> None:
-        """Lower nothing more, drop what has not started compiling (the load failed)."""
-        self._stop.set()
-        self._thread.join()
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def start(runner: Any, scheduler: Any, progress: bool, compile_threads: int,

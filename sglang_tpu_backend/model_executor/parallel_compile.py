@@ -107,12 +107,12 @@ def tasks(runner: Any, shapes: list, skip_samplers: frozenset = frozenset()) -> 
     return out
 
 
-def precompile(runner: Any, shapes: list, threads: int) -> int:
-    """Lower ``tasks(runner, shapes)`` and the prefix cache's snapshot copies one by one here
-    and compile them on ``threads`` workers; returns how many programs. A failed compile
-    raises here, before any step runs."""
+def precompile(runner: Any, shapes: list, threads: int, snapshots: bool = True) -> int:
+    """Lower ``tasks(runner, shapes)`` and (``snapshots``) the prefix cache's snapshot copies
+    one by one here and compile them on ``threads`` workers; returns how many programs. A
+    failed compile raises here, before any step runs."""
     todo = tasks(runner, shapes)
-    if runner.snapshots is not None:
+    if snapshots and runner.snapshots is not None:
         todo += runner.snapshots.lower_copies(runner.cache)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads, thread_name_prefix="warmup-compile") as pool:
