@@ -45,6 +45,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
@@ -88,6 +89,7 @@ def start(args: argparse.Namespace, cache_dir: str, max_running: int) -> Engine:
 def startup_child(args: argparse.Namespace) -> None:
     """The start-up figures of this process (a child of ``main``), as one JSON line."""
     t_imports = time.perf_counter() - T_PROCESS
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     compile_s: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.defaultdict(int)
 
@@ -136,7 +138,10 @@ def startup(argv: list[str], cache_dir: str) -> dict:
                          capture_output=True, text=True, env=dict(os.environ, TQDM_DISABLE="1"))
     if out.returncode:
         raise RuntimeError(f"start-up child failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    # The child's logged warnings (e.g. params placed otherwise than the first stage expected).
+    r["warnings"] = [ln for ln in out.stderr.splitlines() if ln.startswith(("WARNING", "ERROR"))]
+    return r
 
 
 class PhaseTimer:
@@ -301,6 +306,8 @@ def print_startup(name: str, r: dict) -> dict:
         + f" (the backend opened in {r['backend_s']:.1f} s on a thread beside the first)")
     print("   jax compile time: " + ", ".join(
         f"{k} {v:.1f} s ({r['compile_counts'][k]})" for k, v in r["compile_s"].items()))
+    for line in r.get("warnings", []):
+        print("   warning:", line[-300:])
     before = r["compiles_before_ready"]
     if before:  # where the time to ready went: the longest compiles and when they ended
         longest = sorted(before, key=lambda t: -t[2])[:TOP_N // 2]
