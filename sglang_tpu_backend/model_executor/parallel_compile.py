@@ -107,16 +107,22 @@ def tasks(runner: Any, shapes: list, skip_samplers: frozenset = frozenset()) -> 
     return out
 
 
-def precompile(runner: Any, shapes: list, threads: int, snapshots: bool = True) -> int:
+def precompile(runner: Any, shapes: list, threads: int, snapshots: bool = True,
+               first_lowered: Callable[[], None] | None = None) -> int:
     """Lower ``tasks(runner, shapes)`` and (``snapshots``) the prefix cache's snapshot copies
     one by one here and compile them on ``threads`` workers; returns how many programs. A
-    failed compile raises here, before any step runs."""
+    failed compile raises here, before any step runs. ``first_lowered`` is called once the
+    first program (the longest compile) has been lowered and handed to the pool."""
     todo = tasks(runner, shapes)
     if snapshots and runner.snapshots is not None:
         todo += runner.snapshots.lower_copies(runner.cache)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads, thread_name_prefix="warmup-compile") as pool:
-        compiling = [pool.submit(task().compile) for task in todo]
+        compiling = []
+        for i, task in enumerate(todo):
+            compiling.append(pool.submit(task().compile))
+            if i == 0 and first_lowered is not None:
+                first_lowered()
         for f in compiling:
             f.result()  # each executable lives on in its jit's cache
     logger.info("compiled %d programs on %d threads in %.1f s", len(todo), threads,

@@ -130,7 +130,8 @@ def test_the_first_stage_compiles_while_the_weights_load(monkeypatch):
     """The first stage's programs are lowered on the params' placed shapes and compile while
     the weights load: the load below waits (up to 120 s) for the first stage's forward to
     be compiled, which before this change happened only after the load (the wait would
-    time out and record False). The loaded params then hit those programs: the forward is
+    time out and record False); and the forward has been lowered when the load begins (its
+    lowering no longer takes turns on the GIL with the loader's). The loaded params then hit those programs: the forward is
     compiled once before ready, not again for the real arrays, whose placements equal the
     placed shapes it was lowered on.
 
@@ -144,8 +145,14 @@ def test_the_first_stage_compiles_while_the_weights_load(monkeypatch):
 
     jax.clear_caches()  # earlier tests in this process may have compiled these very programs
     counter, seen, load = CompileCounter(), {}, SingleDeviceBackend.load_params
+    lowered: list[str] = []  # functions lowered in this process, in order
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _s, fun_name="?", **_: lowered.append(fun_name)
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" else None)
 
     def waiting_load(self, source):
+        # the forward is lowered before the load starts (not beside it, on the GIL)
+        seen["forward_lowered_when_the_load_began"] = "jit(forward)" in lowered
         deadline = time.monotonic() + 120
         while "jit(forward)" not in counter.compiled_names and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -158,7 +165,8 @@ def test_the_first_stage_compiles_while_the_weights_load(monkeypatch):
                         placed.append(placed_otherwise(self, params)) or placed[-1])
     eng = Engine(ServerArgs(**STAGED), start_loop=False)
     try:
-        assert seen == {"forward_compiled_before_the_load": True}
+        assert seen == {"forward_lowered_when_the_load_began": True,
+                        "forward_compiled_before_the_load": True}
         assert placed == [[]]  # every loaded param as lowered on
         assert counter.compiled_names.count("jit(forward)") == 1  # until ready
         assert eng.background_warmup is not None and eng.background_warmup.wait(600)
