@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _counts = {"lowerings": 0, "backend_compiles": 0}
-_compiled_names: list[str] = []  # the function name of every backend compile, in order
+_names = {"lowerings": [], "backend_compiles": []}  # function names, in order, per event
 _counts_lock = threading.Lock()
 _listening = False
 
@@ -33,8 +33,7 @@ def _on_duration(name: str, _secs: float, **kw) -> None:
     if key is not None:
         with _counts_lock:
             _counts[key] += 1
-            if key == "backend_compiles":
-                _compiled_names.append(str(kw.get("fun_name", "?")))
+            _names[key].append(str(kw.get("fun_name", "?")))
 
 
 def _listen() -> None:
@@ -54,7 +53,7 @@ class CompileCounter:
         _listen()
         with _counts_lock:
             self._start = dict(_counts)
-            self._first_name = len(_compiled_names)
+            self._first_name = {key: len(names) for key, names in _names.items()}
 
     @property
     def lowerings(self) -> int:
@@ -67,10 +66,18 @@ class CompileCounter:
             return _counts["backend_compiles"] - self._start["backend_compiles"]
 
     @property
+    def lowered_names(self) -> list[str]:
+        """The function name of each lowering counted (e.g. ``jit(forward)``), in order."""
+        return self._names_since_start("lowerings")
+
+    @property
     def compiled_names(self) -> list[str]:
-        """The function name of each backend compile counted (e.g. ``forward``)."""
+        """The function name of each backend compile counted (e.g. ``jit(forward)``)."""
+        return self._names_since_start("backend_compiles")
+
+    def _names_since_start(self, key: str) -> list[str]:
         with _counts_lock:
-            return _compiled_names[self._first_name:]
+            return _names[key][self._first_name[key]:]
 
 
 def enable_persistent_cache(directory: str | Path) -> Path:
