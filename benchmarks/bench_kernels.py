@@ -16,8 +16,12 @@ topology with libtpu (``kernels/tpu_compile.py``) and prints OK or the error, th
 memory_analysis() and the Mosaic kernels' VMEM; nothing runs.
 
 Each case is timed by :func:`time_call`: one jitted call on fixed inputs, ``--warmup`` calls
-(the first compiles), then ``--iters`` calls each followed by ``block_until_ready``; median
-and min in ms (an implementation that would take over ``--budget-s`` gets fewer calls). Inputs
+(the first compiles), then three runs of ``--iters`` calls dispatched back to back and waited
+for once, less one call waited for alone (``device_timing.py``): the device's time per call,
+without the ~0.45 ms in which a v5e host learns that a call finished (runs before 2026-12-07
+timed calls waited for one by one, that round trip included; it is kept as ``waited_ms``).
+Median and min in ms (an implementation that would take over ``--budget-s`` gets fewer
+calls). Inputs
 that a kernel updates in place (the K/V write's cache, GDN's states) are donated and the
 output fed back as the next input, so no call copies them.
 
@@ -52,21 +56,23 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from sglang_tpu_backend.config import model_config_from_dict  # noqa: E402
 from sglang_tpu_backend.kernels import dispatch, gdn, gmm, routing  # noqa: E402
 from sglang_tpu_backend.kernels import ragged_paged_attention as rpa  # noqa: E402
 from sglang_tpu_backend.kernels.gdn_common import conv_state_rows  # noqa: E402
 from sglang_tpu_backend.planning import roofline  # noqa: E402
+from device_timing import device_ms, waited_ms  # noqa: E402
 
 CONFIGS = ROOT / "sglang_tpu_backend" / "assets"
 CONFIG_397B = CONFIGS / "configs" / "qwen3.5-397b-a17b.json"
@@ -664,37 +670,45 @@ def cases(p: Preset, gdn_rows: tuple[int, ...] = ()) -> list[Case]:
 # ----------------------------------------------------------------------------- timing
 
 
-def time_call(impl: Impl, warmup: int, iters: int, budget_s: float = float("inf")):
-    """(median ms, min ms, timed calls, compared output of the first call) of ``impl`` on
-    fixed inputs. The first call compiles; when a warm call shows that the remaining warm-ups
-    and ``iters`` calls would take more than ``budget_s``, the warm-ups stop and the timed
-    calls are cut to fit (at least one), so a very slow peer cannot eat the chip's time."""
+class Timing(NamedTuple):
+    """``time_call``'s figures: ms / min_ms the device's time per call (``device_timing``:
+    back to back, the host's wait taken away), iters the calls timed so, first the compared
+    output of the first call, waited_ms the median of calls each waited for alone (the figure
+    earlier runs reported: device time plus the host's round trip)."""
+
+    ms: float
+    min_ms: float
+    iters: int
+    first: Any
+    waited_ms: float
+
+
+def time_call(impl: Impl, warmup: int, iters: int, budget_s: float = float("inf"),
+              rounds: int = 3) -> Timing:
+    """Time ``impl`` on fixed inputs: the first call compiles, ``warmup - 1`` more are waited
+    for one by one, then ``rounds`` runs of ``iters`` calls back to back
+    (``device_timing.device_ms``). When a warm call shows that this would take more than
+    ``budget_s``, the warm-ups stop and the calls are cut to fit (at least 2 a run), so a very
+    slow peer cannot eat the chip's time."""
     f = jax.jit(impl.fn, donate_argnums=tuple(impl.donate))
     args = list(impl.make_args())
-    first = None
 
-    def call() -> float:
-        nonlocal first
-        t0 = time.perf_counter()
+    def dispatch():
         out = f(*args)
-        jax.block_until_ready(out)
-        ms = (time.perf_counter() - t0) * 1e3
         for a, o in impl.donate.items():  # a single output replaces its one donated input
             args[a] = out[o] if isinstance(out, (tuple, list)) else out
-        if first is None:
-            first = np.asarray(impl.out(out).astype(jnp.float32))
-        return ms
+        return out
 
-    call()  # compiles
-    for i in range(1, warmup):
-        ms = call()
-        if ms * (warmup - 1 - i + iters) > 1e3 * budget_s:
+    first = np.asarray(impl.out(jax.block_until_ready(dispatch())).astype(jnp.float32))
+    ms = None
+    for i in range(1, max(warmup, 2)):
+        ms = waited_ms(dispatch)
+        if ms * (warmup - 1 - i + rounds * (iters + 1)) > 1e3 * budget_s:
             break
-    times = [call()]
-    n = iters if times[0] * iters <= 1e3 * budget_s else max(1, int(1e3 * budget_s // times[0]))
-    times += [call() for _ in range(n - 1)]
+    n = max(2, min(iters, int(1e3 * budget_s / (rounds * ms)) - 1))
+    med, mn, waited = device_ms(dispatch, n, rounds)
     del args
-    return statistics.median(times), min(times), len(times), first
+    return Timing(med, mn, rounds * n, first, waited)
 
 
 def _first_line(e: BaseException) -> str:
@@ -724,9 +738,11 @@ def run_case(case: Case, p: Preset, impl: str, args, hw) -> dict:
     row.update(shapes=s.shapes, formula=s.formula, bytes=int(s.bytes), flops=int(s.flops))
     ours_out = None
     try:
-        ms, mn, n, ours_out = time_call(s.ours, args.warmup, args.iters, args.budget_s)
+        t = time_call(s.ours, args.warmup, args.iters, args.budget_s)
+        ms, ours_out = t.ms, t.first
         gbps, tf, roof, frac = _rates(s.bytes, s.flops, ms, hw)
-        row["ours"] = dict(impl=impl, time_ms=ms, min_ms=mn, iters=n, gb_per_s=gbps,
+        row["ours"] = dict(impl=impl, time_ms=ms, min_ms=t.min_ms, iters=t.iters,
+                           waited_ms=t.waited_ms, gb_per_s=gbps,
                            tflop_per_s=tf, roofline_ms=roof, fraction_of_roofline=frac)
     except Exception as e:
         row["ours"] = dict(impl=impl, error=_first_line(e))
@@ -741,12 +757,14 @@ def _run_peer(peer: Impl, s: Setup, row: dict, ours_out, args, hw) -> dict:
     if peer.note:
         out["note"] = peer.note
     try:
-        ms, mn, n, peer_out = time_call(peer, args.warmup, args.iters, args.budget_s)
+        t = time_call(peer, args.warmup, args.iters, args.budget_s)
+        ms, peer_out = t.ms, t.first
     except Exception as e:
         out["error"] = _first_line(e)
         return out
     _, _, _, frac = _rates(s.bytes, s.flops, ms, hw)
-    out.update(time_ms=ms, min_ms=mn, iters=n, fraction_of_roofline=frac)
+    out.update(time_ms=ms, min_ms=t.min_ms, iters=t.iters, waited_ms=t.waited_ms,
+               fraction_of_roofline=frac)
     ours_ms = row.get("ours", {}).get("time_ms")
     if ours_ms:
         out["speedup"] = ms / ours_ms

@@ -14,8 +14,10 @@ expert-parallel collectives are absent: one chip is one device; its routing (sor
 combine) runs. Weights are random (``sharded_loader.dummy_params``), the cache zeroed, the
 batch a full decode bucket (every request real, context ``--context - 1`` plus the new token).
 
-Prints the median step time of ``--iters`` calls after warm-up (the cache donated and fed
-back, as the runner does), the planner's prediction (``planning/roofline.py``: ``step_terms``
+Prints the device's median step time (``device_timing.py``: three runs of ``--iters`` steps
+back to back after warm-up, less one step waited for alone, so the host's ~0.45 ms wait for a
+result is not in it, as it is not between the layers of a real step; the cache donated and
+fed back, as the runner does), a step waited for alone, the planner's prediction (``planning/roofline.py``: ``step_terms``
 for these layers, ``step_seconds`` on this chip's peaks: max of compute and HBM time) and the
 ratio predicted / measured (the fraction of the predicted speed reached; target >= 0.7). The
 planner's figure for a whole Ironwood host is then restated at that measured efficiency.
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from sglang_tpu_backend.config import ModelConfig, load_model_config  # noqa: E402
 from sglang_tpu_backend.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -46,6 +48,7 @@ from sglang_tpu_backend.model_loader.tiny_model import ASSET_DIR  # noqa: E402
 from sglang_tpu_backend.models import qwen3_5_moe  # noqa: E402
 from sglang_tpu_backend.models.param_shapes import param_shapes  # noqa: E402
 from sglang_tpu_backend.planning import roofline  # noqa: E402
+from device_timing import device_ms  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 
@@ -93,17 +96,22 @@ def build(cfg: ModelConfig, args):
     return step, params, cache, batch
 
 
-def time_steps(step, params, cache, batch, warmup: int, iters: int) -> tuple[list[float], jax.Array]:
-    """Milliseconds of each of ``iters`` steps after ``warmup`` (the first compiles), the
-    cache fed back each time; and the last step's logits."""
-    times = []
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        logits, cache = step(params, cache, batch)
-        jax.block_until_ready((logits, cache))
-        if i >= warmup:
-            times.append(1e3 * (time.perf_counter() - t0))
-    return times, logits
+def time_steps(step, params, cache, batch, warmup: int, iters: int):
+    """The device's ms per step (median, min; ``device_timing.device_ms``: three runs of
+    ``iters`` steps back to back, one step waited for alone taken away), the median ms of a
+    step waited for alone, and the last step's logits. ``warmup`` steps first (the first
+    compiles); the cache is fed back each step."""
+    state = {"cache": cache}
+
+    def dispatch():
+        logits, state["cache"] = step(params, state["cache"], batch)
+        state["logits"] = logits
+        return logits, state["cache"]
+
+    for _ in range(max(warmup, 1)):
+        jax.block_until_ready(dispatch())
+    med, mn, waited = device_ms(dispatch, max(iters, 2))
+    return med, mn, waited, state["logits"]
 
 
 def predicted_ms(cfg: ModelConfig, hw: roofline.Hardware, args) -> tuple[float, dict]:
@@ -144,19 +152,19 @@ def main(argv=None) -> dict:
     hw = roofline.hardware_for(dev.device_kind) if dev.platform == "tpu" else roofline.this_hardware()
     t0 = time.perf_counter()
     step, params, cache, batch = build(cfg, args)
-    times, logits = time_steps(step, params, cache, batch, args.warmup, args.iters)
-    measured = statistics.median(times)
+    measured, fastest, waited, logits = time_steps(step, params, cache, batch, args.warmup,
+                                                   args.iters)
     pred, terms = predicted_ms(cfg, hw, args)
     out = dict(device_kind=dev.device_kind, layers=args.layers, local_experts=cfg.num_experts,
                requests=args.requests, context=args.context, page=args.page,
                expert_dtype=args.expert_dtype, state_dtype=args.state_dtype,
-               measured_ms=measured, min_ms=min(times), predicted_ms=pred,
+               measured_ms=measured, min_ms=fastest, waited_ms=waited, predicted_ms=pred,
                ratio=pred / measured, finite=bool(jnp.isfinite(logits).all()),
-               setup_s=time.perf_counter() - t0 - sum(times) / 1e3, terms=terms)
+               seconds=time.perf_counter() - t0, terms=terms)
     print(f"{args.layers}-layer slice ({cfg.num_experts} local experts, {args.expert_dtype} "
           f"experts, {args.state_dtype} state), {args.requests} requests x {args.context} "
           f"tokens, page {args.page}, on {dev.device_kind}: measured {measured:.3f} ms "
-          f"(min {min(times):.3f}), predicted {pred:.3f} ms, predicted / measured "
+          f"(min {fastest:.3f}; waited for alone {waited:.3f}), predicted {pred:.3f} ms, predicted / measured "
           f"{pred / measured:.2f}; logits finite: {out['finite']}")
     _restate_ironwood(out, args)
     if args.json_out:

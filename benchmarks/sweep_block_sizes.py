@@ -116,7 +116,8 @@ def time_case(case: bench.Case, p: bench.Preset, kernel: str, args) -> list[dict
         row = {"blocks": cand}
         try:
             s = case.build(p, impl, {kernel: cand})
-            ms, _, _, out = bench.time_call(s.ours, args.warmup, args.iters, args.budget_s)
+            t = bench.time_call(s.ours, args.warmup, args.iters, args.budget_s)
+            ms, out = t.ms, t.first
             if ref is None and not cand:
                 ref = out
             row.update(ms=ms, matches=_matches(out, ref, s.valid_rows))
