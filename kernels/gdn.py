@@ -73,9 +73,11 @@ class GdnBlockSizes:
     A grid step owns ``k_heads_per_block`` qk heads and the ``k_heads_per_block * Hv / Hk``
     value heads that read them, so the q/k conv channels of different steps never overlap.
     The block's q, k and v channel widths must be multiples of 128 lanes, or the block must
-    hold all heads. None: the smallest such block -- at 397B shapes (Hk=16, Hv=64, D=128)
-    one qk head and 4 value heads (a 256 KiB fp32 state block, q/k segments of 128 lanes, a
-    v segment of 512 lanes); all heads when D < 128.
+    hold all heads. None: for the chunked kernel the smallest such block -- at 397B shapes
+    (Hk=16, Hv=64, D=128) one qk head and 4 value heads (a 256 KiB fp32 state block, q/k
+    segments of 128 lanes, a v segment of 512 lanes); all heads when D < 128. For the decode
+    kernel the smallest whose state block is at least 256 KiB
+    (``gdn_geometry.default_decode_k_heads_per_block``): 2 qk heads with a bf16 state.
 
     A fatter block means fewer grid steps of the chunk kernel, which runs the block's heads as
     batched matmuls; its VMEM grows with the block (compile reports at 397B shapes, L=64, fp32
@@ -490,7 +492,7 @@ def gated_delta_net(
     Lyr, _, Hv, Dk, Dv = rec_state.shape
     K = conv_weight.shape[1]
     kb, rb = _block_sizes(block_sizes, T, num_k_heads, Hv, Dk, Dv, K,
-                          rec_state.dtype.itemsize, conv_state.dtype.itemsize)
+                          rec_state.dtype.itemsize, conv_state.dtype.itemsize, decode)
     geom = gdn_kernels.Geometry(Hk=num_k_heads, Hv=Hv, Dk=Dk, Dv=Dv, K=K, kb=kb,
                                 L=1 if decode else chunk_size, rb=rb)
     cost = gated_delta_net_cost(T, state_slots.shape[0], num_k_heads, Hv, Dk, Dv,
@@ -503,10 +505,12 @@ def gated_delta_net(
         cost=cost, interpret=dispatch.interpret_params(resolved))
 
 
-def _block_sizes(given: GdnBlockSizes, T, Hk, Hv, Dk, Dv, K, state_bytes, x_bytes):
+def _block_sizes(given: GdnBlockSizes, T, Hk, Hv, Dk, Dv, K, state_bytes, x_bytes, decode):
     """(kb, rb) of a call: the caller's fields where given, else this TPU generation's table
-    overrides where legal (``block_tables.pick``), else the shape's defaults. A table rb is
-    capped at T; one over the VMEM cap, or none, gives the default rb of the chosen kb."""
+    overrides where legal (``block_tables.pick``), else the shape's defaults (decode: the
+    head block of ``gdn_geometry.default_decode_k_heads_per_block``; chunked: the smallest).
+    A table rb is capped at T; one over the VMEM cap, or none, gives the default rb of the
+    chosen kb."""
     kb, rb = given.k_heads_per_block, given.rows_per_step
     if kb is not None and rb is not None:
         return kb, rb
@@ -515,7 +519,12 @@ def _block_sizes(given: GdnBlockSizes, T, Hk, Hv, Dk, Dv, K, state_bytes, x_byte
         return (gdn_kernels.block_error(Hk, Hv, Dk, Dv, b.k_heads_per_block) is None
                 and (b.rows_per_step is None or gdn_geometry.rows_error(b.rows_per_step) is None))
 
-    kb0 = kb if kb is not None else gdn_kernels.default_k_heads_per_block(Hk, Hv, Dk, Dv)
+    if kb is not None:
+        kb0 = kb
+    elif decode:
+        kb0 = gdn_geometry.default_decode_k_heads_per_block(Hk, Hv, Dk, Dv, state_bytes)
+    else:
+        kb0 = gdn_kernels.default_k_heads_per_block(Hk, Hv, Dk, Dv)
     picked = block_tables.pick("gdn", GdnBlockSizes(kb0, rb), legal)
     kb = kb if kb is not None else picked.k_heads_per_block
     if rb is not None:

@@ -708,3 +708,20 @@ def test_cost_counts_scale():
     assert dec.bytes_accessed > 64 * 64 * 128 * 128 * 2 * 2  # bf16 state read + written
     assert pre.flops > 1024 * 64 * 4 * 128 * 128  # the state matmuls dominate
     assert pre.arithmetic_intensity() > dec.arithmetic_intensity()
+
+
+def test_decode_head_block_holds_256_kib_of_state_by_default(monkeypatch):
+    """At 397B shapes the decode kernel's default head block is 2 qk heads with a bf16 state
+    and 1 with f32 (a 256 KiB state block each); the chunked kernel keeps the smallest block,
+    and a caller's kb wins."""
+    from sglang_tpu_backend.kernels import block_tables
+
+    monkeypatch.setattr(block_tables, "pick", lambda kernel, default, legal: default)
+    shape = dict(T=64, Hk=16, Hv=64, Dk=128, Dv=128, K=4, x_bytes=2)
+    kb = lambda state_bytes, decode, given=gdn.GdnBlockSizes(): gdn._block_sizes(  # noqa: E731
+        given, state_bytes=state_bytes, decode=decode, **shape)[0]
+    assert (kb(2, True), kb(4, True)) == (2, 1)
+    assert (kb(2, False), kb(4, False)) == (1, 1)
+    assert kb(2, True, gdn.GdnBlockSizes(k_heads_per_block=1)) == 1
+    # D < 128: the only lane-aligned block is all heads, whatever the state
+    assert gdn_geometry.default_decode_k_heads_per_block(2, 4, 32, 32, 2) == 2
