@@ -741,6 +741,7 @@ def run_case(case: Case, p: Preset, impl: str, args, hw) -> dict:
         return row
     row.update(shapes=s.shapes, formula=s.formula, bytes=int(s.bytes), flops=int(s.flops))
     ours_out = None
+    start = time.perf_counter()
     try:
         t = time_call(s.ours, args.warmup, args.iters, args.budget_s)
         ms, ours_out = t.ms, t.first
@@ -750,6 +751,7 @@ def run_case(case: Case, p: Preset, impl: str, args, hw) -> dict:
                            tflop_per_s=tf, roofline_ms=roof, fraction_of_roofline=frac)
     except Exception as e:
         row["ours"] = dict(impl=impl, error=_first_line(e))
+    row["ours"]["seconds"] = time.perf_counter() - start  # inputs, compile and calls
     row["peers"] = [_run_peer(peer, s, row, ours_out, args, hw) for peer in s.peers]
     del s
     gc.collect()
@@ -760,12 +762,14 @@ def _run_peer(peer: Impl, s: Setup, row: dict, ours_out, args, hw) -> dict:
     out: dict[str, Any] = {"name": peer.name}
     if peer.note:
         out["note"] = peer.note
+    start = time.perf_counter()
     try:
         t = time_call(peer, args.warmup, args.iters, args.budget_s)
         ms, peer_out = t.ms, t.first
     except Exception as e:
-        out["error"] = _first_line(e)
+        out.update(error=_first_line(e), seconds=time.perf_counter() - start)
         return out
+    out["seconds"] = time.perf_counter() - start
     _, _, _, frac = _rates(s.bytes, s.flops, ms, hw)
     out.update(time_ms=ms, min_ms=t.min_ms, iters=t.iters, waited_ms=t.waited_ms,
                fraction_of_roofline=frac)
@@ -942,6 +946,10 @@ def main(argv=None) -> dict:
         for case in selected:  # saved after every case: a run cut short keeps what it timed
             print(f"... {case.name}", file=sys.stderr, flush=True)
             rows.append(run_case(case, p, impl, args, hw))
+            spent = [(x["name"], x.get("seconds")) for x in [{"name": "ours", **rows[-1].get(
+                "ours", {})}] + rows[-1].get("peers", [])]
+            print("    seconds: " + ", ".join(f"{n} {sec:.0f}" for n, sec in spent
+                                           if sec is not None), file=sys.stderr, flush=True)
             result = dict(meta, rows=rows)
             _save(result, args)
         result = dict(meta, rows=rows)
