@@ -26,7 +26,10 @@ Pallas kernel (megablox-style): grid ``(N tiles, visits, K tiles)``. A *visit* i
 and scalar-prefetched, so an M tile is visited once per group it overlaps (at least once,
 so tiles past the last group still write zeros; with ``skip_tail`` they get no visit). Rows
 of other groups are masked to zero in the lhs tile (in the product, for FP8 weights). One fp32
-accumulator per M tile lives in VMEM across its visits.
+accumulator per M tile lives in VMEM across its visits. When K is one tile (the default up to
+K = 4096) the weights stay in HBM and each run of visits of one group has its tile fetched
+while the run before it computes (``gmm_weight_pipeline.py``), not one step ahead as a
+BlockSpec input would.
 
 Files: this one holds the contract, the reference, the Pallas kernel and the API;
 ``gmm_quant.py`` the FP8 quantisation of weights and activations; ``gmm_xla.py`` the XLA path.
@@ -60,6 +63,8 @@ from .cost import Cost
 from .gmm_quant import (B11_FACTOR, FP8_DTYPE, FP8_MAX, LHS_QUANT_BLOCK, WEIGHT_BLOCK,
                         dequantize_fp8_blockwise, e4m3_as_b11, quantize_fp8_blockwise,
                         quantize_lhs_reference, quantize_rows)
+from .gmm_weight_pipeline import next_groups, run_weights
+from .gmm_weight_pipeline import scratch as weight_scratch
 from .gmm_xla import (XLA_MAX_TILE_ROWS, XLA_TILE_ROWS, dot_t, xla_gmm_impl, xla_tile_plan,
                       xla_tile_rows)
 
@@ -296,25 +301,34 @@ def make_group_metadata(group_sizes, num_rows: int, tm: int, *, skip_tail: bool 
 def _gmm_kernel(
     # Prefetch (SMEM)
     layer_ref,  # i32[1] which stacked weight set (a model layer) to read
-    tile_ref, group_ref, lo_ref, hi_ref, first_ref,  # i32[V] each
+    tile_ref, group_ref, lo_ref, hi_ref, first_ref, next_ref,  # i32[V] each
     # Input
     lhs_ref,  # [tm, tk]
-    *refs,  # rhs [1, tn, tk] (x2 for SwiGLU: gate, up), scale f32[1, Nb, Kb] (SMEM, fp8 only)
+    *refs,  # rhs: [1, tn, tk] blocks (x2 for SwiGLU: gate, up), or with run_ahead the
+    # stacked weights in HBM (once); scale f32[1, Nb, Kb] (SMEM, fp8 only)
     # Output: o_ref [tm, tn]; Scratch: acc f32[tm, tn] (x2 for SwiGLU), wdeq [tn, tk] (FP8
-    # with a quantised lhs: FP8 weights alone go block by block, ``_accumulate_fp8``)
-    tm, tk, tn, num_k, swiglu, fp8, quantize, up_block, compute_dtype,
+    # with a quantised lhs: FP8 weights alone go block by block, ``_accumulate_fp8``), with
+    # run_ahead the weight slots, slot and semaphores (``gmm_weight_pipeline.scratch``)
+    tm, tk, tn, num_k, num_n, swiglu, fp8, quantize, up_block, compute_dtype, run_ahead,
 ):
     num_rhs = 2 if swiglu else 1
-    rhs_refs = refs[:num_rhs]
-    refs = refs[num_rhs:]
+    rhs_refs = refs[:1] if run_ahead else refs[:num_rhs]
+    refs = refs[len(rhs_refs):]
     scale_ref = refs[0] if fp8 else None
     refs = refs[1:] if fp8 else refs
     o_ref = refs[0]
     acc_refs = refs[1 : 1 + num_rhs]
-    wdeq_ref = refs[1 + num_rhs] if fp8 and quantize else None
+    refs = refs[1 + num_rhs:]
+    wdeq_ref = refs[0] if fp8 and quantize else None
+    refs = refs[1:] if fp8 and quantize else refs
 
     n, v, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     lo, hi = lo_ref[v], hi_ref[v]
+    if run_ahead:  # this visit's weight tiles [tn, tk], fetched a run ahead
+        rhs_refs = run_weights(rhs_refs[0], *refs, layer=layer_ref[0], group_ref=group_ref,
+                               next_ref=next_ref, num_n=num_n, tn=tn)
+    else:
+        rhs_refs = [r.at[0] for r in rhs_refs]  # [tn, tk]
 
     @pl.when((k == 0) & (first_ref[v] == 1))
     def _zero():
@@ -323,14 +337,14 @@ def _gmm_kernel(
 
     def load_rhs(rhs_ref, out_block0):
         if not fp8:
-            return rhs_ref[0].astype(compute_dtype)  # [tn, tk]
+            return rhs_ref[...].astype(compute_dtype)  # [tn, tk]
         kb0 = k * (tk // WEIGHT_BLOCK)
         for jb in range(tn // WEIGHT_BLOCK):  # dequantise per 128 x 128 block into VMEM
             for i in range(tk // WEIGHT_BLOCK):
                 s = scale_ref[0, out_block0 + jb, kb0 + i]
                 rs = slice(jb * WEIGHT_BLOCK, (jb + 1) * WEIGHT_BLOCK)
                 cs = slice(i * WEIGHT_BLOCK, (i + 1) * WEIGHT_BLOCK)
-                blk = e4m3_as_b11(rhs_ref[0, rs, cs]).astype(jnp.float32) * (s * B11_FACTOR)
+                blk = e4m3_as_b11(rhs_ref[rs, cs]).astype(jnp.float32) * (s * B11_FACTOR)
                 wdeq_ref[rs, cs] = blk.astype(compute_dtype)
         return wdeq_ref[...]
 
@@ -368,21 +382,21 @@ def _gmm_kernel(
 
 def _accumulate_fp8(lhs_ref, rhs_ref, scale_ref, acc, in_group, out_block0, k_block0,
                     compute_dtype):
-    """acc f32[tm, tn] += this group's rows of lhs [tm, tk] times an FP8 weight tile [tn, tk]
-    transposed, one 128 x 128 block at a time: the block's bits read as e4m3b11 (exact in
+    """acc f32[tm, tn] += this group's rows of lhs [tm, tk] times an FP8 weight tile
+    ``rhs_ref`` [tn, tk] transposed, one 128 x 128 block at a time: the block's bits read as e4m3b11 (exact in
     bf16), multiplied unscaled, and its scale (x ``B11_FACTOR``) applied to the f32 product
     [tm, 128] instead of to the block's 128 x 128 weights; rows outside the group are masked
     out of the product. No dequantised tile is stored and reloaded: the 397B decode gate_up
     step on v5e issues 9.0k bundles against 10.1k (``benchmarks/kernel_bundles.py``), and
     took 1.39 ms on the chip where the last run before took 1.71 ms."""
-    tn, tk = rhs_ref.shape[1:]
+    tn, tk = rhs_ref.shape
     precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     for jb in range(tn // WEIGHT_BLOCK):
         cols = slice(jb * WEIGHT_BLOCK, (jb + 1) * WEIGHT_BLOCK)
         part = None
         for i in range(tk // WEIGHT_BLOCK):
             ks = slice(i * WEIGHT_BLOCK, (i + 1) * WEIGHT_BLOCK)
-            w = e4m3_as_b11(rhs_ref[0, cols, ks]).astype(compute_dtype)  # [128, 128]
+            w = e4m3_as_b11(rhs_ref[cols, ks]).astype(compute_dtype)  # [128, 128]
             y = dot_t(lhs_ref[:, ks].astype(compute_dtype), w,
                       preferred_element_type=jnp.float32, precision=precision)  # [tm, 128]
             y = y * (scale_ref[0, out_block0 + jb, k_block0 + i] * B11_FACTOR)
@@ -426,29 +440,37 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
     # expert-parallel step's gathered rows hold ~1/D local rows, and the visits of the rest
     # would each be a grid step of no work per N and K tile.
     meta, num_visits = make_group_metadata(group_sizes, m, tm, skip_tail=skip_tail)
+    meta = [*meta, next_groups(meta[1], num_visits)]  # + each visit's next run's group
+    # One K tile: the weights are fetched a run of visits ahead (gmm_weight_pipeline)
+    run_ahead = num_k == 1
     compute_dtype = jnp.bfloat16 if quantize_lhs else (
         lhs.dtype if fp8 else jnp.promote_types(lhs.dtype, rhs.dtype))
 
-    def lhs_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
+    # index maps: (grid indices ni, vi, ki, then the prefetched layer, tile, group, ...)
+    def lhs_map(ni, vi, ki, lyr, tile, *_):
         return tile[vi], ki
 
-    def gate_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
+    def gate_map(ni, vi, ki, lyr, tile, group, *_):
         return lyr[0], group[vi], ni, ki
 
-    def up_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
+    def up_map(ni, vi, ki, lyr, tile, group, *_):
         return lyr[0], group[vi], ni + num_n, ki
 
-    def scale_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
+    def scale_map(ni, vi, ki, lyr, tile, group, *_):
         return lyr[0], group[vi], 0, 0
 
-    def out_map(ni, vi, ki, lyr, tile, group, lo, hi, first):
+    def out_map(ni, vi, ki, lyr, tile, *_):
         return (tile[vi], ni) if row_split is None else (tile[vi], 0, 0)  # split: one N tile
 
-    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((None, 1, tn, tk), gate_map)]
+    in_specs = [pl.BlockSpec((tm, tk), lhs_map)]
     operands = [lhs_p, rhs_p]
-    if swiglu:
-        in_specs.append(pl.BlockSpec((None, 1, tn, tk), up_map))
-        operands.append(rhs_p)
+    if run_ahead:
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    else:
+        in_specs.append(pl.BlockSpec((None, 1, tn, tk), gate_map))
+        if swiglu:
+            in_specs.append(pl.BlockSpec((None, 1, tn, tk), up_map))
+            operands.append(rhs_p)
     if fp8:  # the whole group's scale table, a few hundred floats, as scalars
         in_specs.append(pl.BlockSpec((None, 1, halves * nb, kb), scale_map,
                                      memory_space=pltpu.SMEM))
@@ -456,10 +478,13 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
     scratch = [pltpu.VMEM((tm, tn), jnp.float32) for _ in range(halves)]  # fp32 accumulators
     if fp8 and quantize_lhs:
         scratch.append(pltpu.VMEM((tn, tk), compute_dtype))  # dequantised weight tile
+    if run_ahead:
+        scratch += weight_scratch(halves, tn, tk, rhs.dtype)
 
     kernel = functools.partial(
-        _gmm_kernel, tm=tm, tk=tk, tn=tn, num_k=num_k, swiglu=swiglu, fp8=fp8,
-        quantize=quantize_lhs, up_block=np_ // WEIGHT_BLOCK, compute_dtype=compute_dtype)
+        _gmm_kernel, tm=tm, tk=tk, tn=tn, num_k=num_k, num_n=num_n, swiglu=swiglu, fp8=fp8,
+        quantize=quantize_lhs, up_block=np_ // WEIGHT_BLOCK, compute_dtype=compute_dtype,
+        run_ahead=run_ahead)
     cost_fn = gmm_swiglu_cost if swiglu else gmm_cost
     cost = cost_fn(m if cost_rows is None else cost_rows, k, n, g,
                    lhs_itemsize=lhs.dtype.itemsize, rhs_itemsize=rhs.dtype.itemsize,
@@ -471,7 +496,7 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
+            num_scalar_prefetch=7,
             grid=(num_n, num_visits, num_k),
             in_specs=in_specs,
             out_specs=pl.BlockSpec(out_block, out_map),

@@ -206,6 +206,23 @@ def test_group_metadata_skip_tail_visits_no_tile_past_the_groups():
     assert int(used) == 1
 
 
+def test_next_groups_name_each_visits_next_run():
+    """The weight pipeline's lookahead: the group of the next run of visits in use, -1 for
+    the last run; visits past the ones in use never start a run."""
+    from sglang_tpu_backend.kernels.gmm_weight_pipeline import next_groups
+
+    group = jnp.asarray([1, 1, 3, 4, 4, 4, 2, 2, 2], jnp.int32)
+    assert next_groups(group, 9).tolist() == [3, 3, 4, 2, 2, 2, -1, -1, -1]
+    assert next_groups(group, 5).tolist() == [3, 3, 4, -1, -1, -1, -1, -1, -1]
+    # the visit list of a layout: runs follow the groups that have rows
+    meta, used = G.make_group_metadata(jnp.asarray([0, 37, 0, 50, 20, 0]), 150, 32)
+    nxt = np.asarray(next_groups(meta[1], used))[: int(used)]
+    groups = np.asarray(meta[1])[: int(used)]
+    for v in range(int(used)):
+        later = [g for g in groups[v + 1:] if g != groups[v]]
+        assert nxt[v] == (later[0] if later else -1)
+
+
 # ----------------------------------------------------------------------------- kernel
 
 CASES = [
@@ -216,6 +233,9 @@ CASES = [
     (200, 128, 256, [64, 0, 70, 66], jnp.bfloat16, None),
     # K, N not multiples of 128 (padded), every row in a group past the first 60 -> zeros
     (64, 200, 130, [10, 20, 0, 30], jnp.float32, None),
+    # one K tile, so the weights are fetched a run ahead (gmm_weight_pipeline): 2 N tiles,
+    # runs of 1-3 visits, empty groups between them
+    (150, 128, 256, [0, 37, 0, 50, 20, 0], jnp.float32, B(32, 128, 128)),
 ]
 
 
@@ -230,7 +250,7 @@ def test_gmm_kernel(m, k, n, group_sizes, dtype, blocks):
     np.testing.assert_array_equal(np.asarray(out[int(np.sum(group_sizes)):], np.float32), 0.0)
 
 
-@pytest.mark.parametrize("m,k,n,group_sizes,dtype,blocks", CASES[:2])
+@pytest.mark.parametrize("m,k,n,group_sizes,dtype,blocks", [CASES[0], CASES[1], CASES[3]])
 def test_gmm_swiglu_kernel(m, k, n, group_sizes, dtype, blocks):
     lhs, rhs, gs = _inputs(m, k, 2 * n, group_sizes, dtype, seed=3)
     out = G.gmm_swiglu(lhs, rhs, gs, impl="interpret", block_sizes=blocks, out_dtype=jnp.float32)
