@@ -17,10 +17,11 @@ batch a full decode bucket (every request real, context ``--context - 1`` plus t
 Prints the device's median step time (``device_timing.py``: three runs of ``--iters`` steps
 back to back after warm-up, less one step waited for alone, so the host's ~0.45 ms wait for a
 result is not in it, as it is not between the layers of a real step; the cache donated and
-fed back, as the runner does), a step waited for alone, the planner's prediction (``planning/roofline.py``: ``step_terms``
-for these layers, ``step_seconds`` on this chip's peaks: max of compute and HBM time) and the
-ratio predicted / measured (the fraction of the predicted speed reached; target >= 0.7). The
-planner's figure for a whole Ironwood host is then restated at that measured efficiency.
+fed back, as the runner does), a step waited for alone, the planner's prediction
+(``planning/roofline.py``: ``step_terms`` for these layers, ``step_seconds`` on this chip's
+peaks: max of compute and HBM time) and the ratio predicted / measured (the fraction of the
+predicted speed reached; target >= 0.7). The planner's figure for a whole Ironwood host is
+then restated at that measured efficiency.
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ def main(argv=None) -> dict:
     print(f"{args.layers}-layer slice ({cfg.num_experts} local experts, {args.expert_dtype} "
           f"experts, {args.state_dtype} state), {args.requests} requests x {args.context} "
           f"tokens, page {args.page}, on {dev.device_kind}: measured {measured:.3f} ms "
-          f"(min {fastest:.3f}; waited for alone {waited:.3f}), predicted {pred:.3f} ms, predicted / measured "
-          f"{pred / measured:.2f}; logits finite: {out['finite']}")
+          f"(min {fastest:.3f}; waited for alone {waited:.3f}), predicted {pred:.3f} ms, "
+          f"predicted / measured {pred / measured:.2f}; logits finite: {out['finite']}")
     _restate_ironwood(out, args)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(out, indent=1))

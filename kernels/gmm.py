@@ -383,12 +383,13 @@ def _gmm_kernel(
 def _accumulate_fp8(lhs_ref, rhs_ref, scale_ref, acc, in_group, out_block0, k_block0,
                     compute_dtype):
     """acc f32[tm, tn] += this group's rows of lhs [tm, tk] times an FP8 weight tile
-    ``rhs_ref`` [tn, tk] transposed, one 128 x 128 block at a time: the block's bits read as e4m3b11 (exact in
-    bf16), multiplied unscaled, and its scale (x ``B11_FACTOR``) applied to the f32 product
-    [tm, 128] instead of to the block's 128 x 128 weights; rows outside the group are masked
-    out of the product. No dequantised tile is stored and reloaded: the 397B decode gate_up
-    step on v5e issues 9.0k bundles against 10.1k (``benchmarks/kernel_bundles.py``), and
-    took 1.39 ms on the chip where the last run before took 1.71 ms."""
+    ``rhs_ref`` [tn, tk] transposed, one 128 x 128 block at a time: the block's bits read as
+    e4m3b11 (exact in bf16), multiplied unscaled, and its scale (x ``B11_FACTOR``) applied to
+    the f32 product [tm, 128] instead of to the block's 128 x 128 weights; rows outside the
+    group are masked out of the product. No dequantised tile is stored and reloaded: the 397B
+    decode gate_up step on v5e issues 9.0k bundles against 10.1k
+    (``benchmarks/kernel_bundles.py``), and took 1.39 ms on the chip where the last run
+    before took 1.71 ms."""
     tn, tk = rhs_ref.shape
     precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     for jb in range(tn // WEIGHT_BLOCK):
