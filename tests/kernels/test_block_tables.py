@@ -118,14 +118,15 @@ def _gdn_case(hk=2, hv=4, d=128, k=4, reqs=2):
 
 
 @pytest.mark.parametrize("over,want", [
-    (None, (1, 2)), ({"k_heads_per_block": 2}, (2, 2)), ({"k_heads_per_block": 3}, (1, 2)),
-    ({"rows_per_step": 1}, (1, 1)), ({"rows_per_step": 0}, (1, 2)),
-    ({"rows_per_step": 16}, (1, 2)), ({"k_heads_per_block": 2, "rows_per_step": 1}, (2, 1))])
+    (None, (2, 2)), ({"k_heads_per_block": 1}, (1, 2)), ({"k_heads_per_block": 3}, (2, 2)),
+    ({"rows_per_step": 1}, (2, 1)), ({"rows_per_step": 0}, (2, 2)),
+    ({"rows_per_step": 16}, (2, 2)), ({"k_heads_per_block": 1, "rows_per_step": 1}, (1, 1))])
 def test_gdn_wrapper_takes_the_table(monkeypatch, over, want):
-    """Hk 2, D 128, T 2 decode rows: the default block is one qk head and 2 rows per step
-    (8 capped at T); the fake chip's 2 heads is taken, its 3 (not a divisor of Hk) falls back
-    to 1; its rows_per_step 1 is taken, 0 (illegal) gives the default, 16 is capped at T; the
-    output matches the reference either way."""
+    """Hk 2, Hv 4, D 128, f32 state, T 2 decode rows: the default decode block is both qk
+    heads (one holds 128 KiB of state, under the 256 KiB the decode default asks for) and 2
+    rows per step (8 capped at T); the fake chip's 1 head is taken, its 3 (not a divisor of
+    Hk) falls back to the default; its rows_per_step 1 is taken, 0 (illegal) gives the
+    default, 16 is capped at T; the output matches the reference either way."""
     _fake_chip(monkeypatch, "gdn", over)
     seen = []
     _spy(monkeypatch, gdn_kernels, "pallas_gdn", seen, lambda a, k: (k["geom"].kb, k["geom"].rb))
