@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 
 _LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_counts = {"lowerings": 0, "backend_compiles": 0}
 _names = {"lowerings": [], "backend_compiles": []}  # function names, in order, per event
 _counts_lock = threading.Lock()
 _listening = False
@@ -32,7 +31,6 @@ def _on_duration(name: str, _secs: float, **kw) -> None:
     key = {_LOWERING_EVENT: "lowerings", _BACKEND_COMPILE_EVENT: "backend_compiles"}.get(name)
     if key is not None:
         with _counts_lock:
-            _counts[key] += 1
             _names[key].append(str(kw.get("fun_name", "?")))
 
 
@@ -52,18 +50,15 @@ class CompileCounter:
     def __init__(self):
         _listen()
         with _counts_lock:
-            self._start = dict(_counts)
-            self._first_name = {key: len(names) for key, names in _names.items()}
+            self._start = {key: len(names) for key, names in _names.items()}
 
     @property
     def lowerings(self) -> int:
-        with _counts_lock:
-            return _counts["lowerings"] - self._start["lowerings"]
+        return len(self._names_since_start("lowerings"))
 
     @property
     def backend_compiles(self) -> int:
-        with _counts_lock:
-            return _counts["backend_compiles"] - self._start["backend_compiles"]
+        return len(self._names_since_start("backend_compiles"))
 
     @property
     def lowered_names(self) -> list[str]:
@@ -77,7 +72,7 @@ class CompileCounter:
 
     def _names_since_start(self, key: str) -> list[str]:
         with _counts_lock:
-            return _names[key][self._first_name[key]:]
+            return _names[key][self._start[key]:]
 
 
 def enable_persistent_cache(directory: str | Path) -> Path:
