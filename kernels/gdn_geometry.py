@@ -88,20 +88,22 @@ def block_error(num_k_heads, num_v_heads, dk, dv, kb):
     return None
 
 
+def _aligned_blocks(num_k_heads, num_v_heads, dk, dv):
+    """The legal k_heads_per_block values, ascending (``block_error`` None)."""
+    return [kb for kb in range(1, num_k_heads + 1)
+            if block_error(num_k_heads, num_v_heads, dk, dv, kb) is None]
+
+
 def default_k_heads_per_block(num_k_heads, num_v_heads, dk, dv):
     """The smallest lane-aligned head block (1 qk head at 397B shapes), else all heads."""
-    for kb in range(1, num_k_heads + 1):
-        if block_error(num_k_heads, num_v_heads, dk, dv, kb) is None:
-            return kb
-    return num_k_heads
+    return _aligned_blocks(num_k_heads, num_v_heads, dk, dv)[0]
 
 
 def default_decode_k_heads_per_block(num_k_heads, num_v_heads, dk, dv, state_bytes):
     """The smallest lane-aligned head block whose recurrent state block is at least
     ``DECODE_STATE_BLOCK_BYTES`` (at 397B shapes: 1 qk head with an f32 state, 2 with bf16),
     else the largest lane-aligned one (all heads when D < 128)."""
-    legal = [kb for kb in range(1, num_k_heads + 1)
-             if block_error(num_k_heads, num_v_heads, dk, dv, kb) is None]
+    legal = _aligned_blocks(num_k_heads, num_v_heads, dk, dv)
     rep = num_v_heads // num_k_heads
     big = [kb for kb in legal if kb * rep * dk * dv * state_bytes >= DECODE_STATE_BLOCK_BYTES]
     return big[0] if big else legal[-1]
