@@ -441,9 +441,11 @@ def _gmm_pallas(lhs, rhs, group_sizes, rhs_scale, layer, quantize_lhs, out_dtype
     # expert-parallel step's gathered rows hold ~1/D local rows, and the visits of the rest
     # would each be a grid step of no work per N and K tile.
     meta, num_visits = make_group_metadata(group_sizes, m, tm, skip_tail=skip_tail)
-    meta = [*meta, next_groups(meta[1], num_visits)]  # + each visit's next run's group
-    # One K tile: the weights are fetched a run of visits ahead (gmm_weight_pipeline)
+    # One K tile: the weights are fetched a run of visits ahead (gmm_weight_pipeline), which
+    # reads each visit's next run's group (unread otherwise: -1)
     run_ahead = num_k == 1
+    nxt = next_groups(meta[1], num_visits) if run_ahead else jnp.full_like(meta[1], -1)
+    meta = [*meta, nxt]
     compute_dtype = jnp.bfloat16 if quantize_lhs else (
         lhs.dtype if fp8 else jnp.promote_types(lhs.dtype, rhs.dtype))
 
