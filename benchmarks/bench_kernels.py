@@ -18,7 +18,8 @@ memory_analysis() and the Mosaic kernels' VMEM; nothing runs.
 Each case is timed by :func:`time_call`: one jitted call on fixed inputs, ``--warmup`` calls
 (the first compiles), then three runs of ``--iters`` calls dispatched back to back and waited
 for once, less one call waited for alone (``device_timing.py``): the device's time per call,
-without the ~0.45 ms in which a v5e host learns that a call finished (runs before 2026-12-07
+without the host's wait to learn that a call finished (0.6-1.1 ms more per call on a v5e host;
+runs before 2026-12-07
 timed calls waited for one by one, that round trip included; it is kept as ``waited_ms``).
 Median and min in ms (an implementation that would take over ``--budget-s`` gets fewer
 calls). Inputs

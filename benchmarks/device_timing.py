@@ -2,8 +2,9 @@
 
 A call that the host waits for (``block_until_ready``) costs the device's work plus the round
 trip in which the host learns that the work finished. On the v5e host this project is measured
-on, that round trip is about 0.45 ms: a 64-request decode attention at 256-token contexts,
-whose K/V reads take ~0.06 ms, measured 0.61 ms a call waited for alone. Inside a step
+on, a call waited for alone measured 0.6-1.1 ms more than the same call timed back to back
+(every 397B kernel case timed on 2026-12-07); a 64-request decode attention at 256-token
+contexts, whose K/V reads would take ~0.06 ms at the chip's peak, took 0.61 ms waited for. Inside a step
 program kernels run back to back and nothing waits between them, so a kernel's figure should
 not carry that wait.
 
