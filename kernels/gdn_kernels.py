@@ -247,19 +247,24 @@ def _chunk_gates(a_ref, b_ref, alog_ref, dtb_ref, length):
     return gam, gam.T, beta
 
 
-def _bdot(x, y):  # [h, m, k] @ [h, k, n], batched over the leading (head) dim
-    return lax.dot_general(x, y, (((2,), (1,)), ((0,), (0,))), precision=HI,
-                           preferred_element_type=F32)
+def _bdot_general(x, y, dims, mm):
+    """Batched matmul, f32 result. mm: operand dtype; F32 keeps full precision (HIGHEST), a
+    16-bit dtype casts both operands to it (one MXU pass, f32 accumulation)."""
+    if mm == F32:
+        return lax.dot_general(x, y, dims, precision=HI, preferred_element_type=F32)
+    return lax.dot_general(x.astype(mm), y.astype(mm), dims, preferred_element_type=F32)
 
 
-def _bdot_nt(x, y):  # [h, m, k] @ [h, n, k]^T
-    return lax.dot_general(x, y, (((2,), (2,)), ((0,), (0,))), precision=HI,
-                           preferred_element_type=F32)
+def _bdot(x, y, mm=F32):  # [h, m, k] @ [h, k, n], batched over the leading (head) dim
+    return _bdot_general(x, y, (((2,), (1,)), ((0,), (0,))), mm)
 
 
-def _bdot_tn(x, y):  # [h, k, m]^T @ [h, k, n]
-    return lax.dot_general(x, y, (((1,), (1,)), ((0,), (0,))), precision=HI,
-                           preferred_element_type=F32)
+def _bdot_nt(x, y, mm=F32):  # [h, m, k] @ [h, n, k]^T
+    return _bdot_general(x, y, (((2,), (2,)), ((0,), (0,))), mm)
+
+
+def _bdot_tn(x, y, mm=F32):  # [h, k, m]^T @ [h, k, n]
+    return _bdot_general(x, y, (((1,), (1,)), ((0,), (0,))), mm)
 
 
 def _stack(xs):
@@ -306,13 +311,16 @@ def _per_value_head(x, rep):
     return _stack([x[h // rep] for h in range(x.shape[0] * rep)])
 
 
-def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref, rep):
+def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref, rep, mm):
     """UT/WY chunked delta rule for the block's heads, one chunk, batched over heads.
 
     q, k f32[kb, L, Dk] per qk head; v f32[hb, L, Dv] per value head (hb = kb * rep);
     gam f32[L, hb], gam_t f32[hb, L], beta f32[L, hb]; s_f32 f32[hb, Dk, Dv] state (read and
     updated); writes o_ref [L, hb * Dv] (head h on lanes h*Dv:(h+1)*Dv: rows already in
     token order for the wrapper's row gather). Q K^T and K K^T are formed once per qk head.
+    mm: operand dtype of every matmul but the inverse's (which stays f32 at full precision):
+    bf16 with bf16 activations, as flash-linear-attention does (f32 accumulation; the state
+    itself stays f32), F32 otherwise.
     """
     L, hb = gam.shape
     row = lax.broadcasted_iota(jnp.int32, (1, L, L), 1)
@@ -320,18 +328,18 @@ def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref, rep):
     gcol, bcol = _per_head(gam, hb), _per_head(beta, hb)  # f32[hb, L, 1]
     grow = _stack([gam_t[h : h + 1, :] for h in range(hb)])  # f32[hb, 1, L]
     decay = jnp.exp(jnp.where(row >= col, gcol - grow, -jnp.inf))  # f32[hb, L, L]
-    kk = _per_value_head(_bdot_nt(k, k), rep)  # f32[hb, L, L]
-    qk = _per_value_head(_bdot_nt(q, k), rep)
+    kk = _per_value_head(_bdot_nt(k, k, mm), rep)  # f32[hb, L, L]
+    qk = _per_value_head(_bdot_nt(q, k, mm), rep)
     qh, kh = _per_value_head(q, rep), _per_value_head(k, rep)  # f32[hb, L, Dk]
     n = jnp.where(row > col, bcol * kk * decay, 0.0)  # strictly lower
     t_inv = unit_lower_inverse(n)
     s = s_f32[...]  # f32[hb, Dk, Dv]
-    u = _bdot(t_inv, v * bcol)  # [hb, L, Dv]
-    w = _bdot(t_inv, kh * (bcol * jnp.exp(gcol)))  # [hb, L, Dk]
-    v_new = u - _bdot(w, s)
-    o = _bdot(qh * jnp.exp(gcol), s) + _bdot(qk * decay, v_new)  # [hb, L, Dv]
+    u = _bdot(t_inv, v * bcol, mm)  # [hb, L, Dv]
+    w = _bdot(t_inv, kh * (bcol * jnp.exp(gcol)), mm)  # [hb, L, Dk]
+    v_new = u - _bdot(w, s, mm)
+    o = _bdot(qh * jnp.exp(gcol), s, mm) + _bdot(qk * decay, v_new, mm)  # [hb, L, Dv]
     g_last = gcol[:, L - 1 :, :]  # [hb, 1, 1]
-    s_f32[...] = s * jnp.exp(g_last) + _bdot_tn(kh * jnp.exp(g_last - gcol), v_new)
+    s_f32[...] = s * jnp.exp(g_last) + _bdot_tn(kh * jnp.exp(g_last - gcol), v_new, mm)
     Dv = o.shape[2]
     for h in range(hb):
         o_ref[:, h * Dv : (h + 1) * Dv] = o[h].astype(o_ref.dtype)
@@ -384,7 +392,8 @@ def _chunk_kernel(
         qs, ks, vs = _block_heads(y, geom)
         q, k = (_stack(x[:: geom.rep]) for x in (qs, ks))  # f32[kb, L, Dk]
         gam, gam_t, beta = _chunk_gates(a_ref, b_ref, alog_ref, dtb_ref, length)
-        _chunk_delta_rule(q, k, _stack(vs), gam, gam_t, beta, s_f32, o_ref, geom.rep)
+        mm = jnp.bfloat16 if x_ref.dtype == jnp.bfloat16 else F32  # matmul operands
+        _chunk_delta_rule(q, k, _stack(vs), gam, gam_t, beta, s_f32, o_ref, geom.rep, mm)
 
         @pl.when(last)
         def _():

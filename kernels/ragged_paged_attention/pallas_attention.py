@@ -26,7 +26,8 @@ Kernel layout:
     that multiplies the score columns (the probabilities before P @ V), so no scale moves
     from lanes to sublanes.
   * online softmax per kv head over ``[q_tokens * G, D]`` query rows (the G query heads of a
-    kv head stacked token-major), running max / sum / accumulator in fp32 VMEM scratch.
+    kv head stacked token-major), running max / sum / accumulator in fp32 VMEM scratch; K/V blocks
+    that the causal bound does not cut skip the mask.
   * both grid steps and the KV loop are sequential ("arbitrary"): the cross-item prefetch
     carries a buffer slot from one step to the next.
 Mosaic constraints this layout meets: only the last two dims of a buffer are tiled, and every
@@ -61,6 +62,11 @@ KV_BLOCK_TOKENS = 512
 # 512-row q and kv blocks (the largest default tiling; tests/tpu/test_attention_compile.py
 # compiles it and checks the VMEM used); the default 32 MiB leaves headroom.
 VMEM_LIMIT_BYTES = 32 * 1024 * 1024
+# Lanes of the running max / sum scratch: each row's value is replicated across one lane tile,
+# so it widens to a score block or an accumulator row by copying whole vregs (``_lanes``), not
+# by a cross-lane broadcast per use.
+STAT_LANES = 128
+LOG2E = 1.4426950408889634
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,14 @@ class BlockSizes:
 
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
+
+
+def _lanes(x, width: int):
+    """f32[rows, STAT_LANES] lane-replicated -> a value that broadcasts against [rows, width]:
+    whole lane tiles side by side when width is a multiple of STAT_LANES, else one column."""
+    if width % STAT_LANES == 0:
+        return jnp.tile(x, (1, width // STAT_LANES))
+    return x[:, :1]
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -124,6 +138,7 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
                  compute_dtype, precision, with_scales):
     ppb = block.kv_pages_per_block
     bkv = ppb * page_size
+    score_scale = sm_scale * LOG2E  # scores in log2 units: exp2(s - m) is the softmax's exp
 
     def kernel(
         # Prefetch (SMEM)
@@ -143,8 +158,8 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
         # Scratch: q_buf / o_buf [2, prefill_q_tokens, Hkv, G, D] (q rows of this / the next
         #   item, output rows on their way to HBM); kv_buf [2, ppb, 2*Hkv, S, D] (K/V block
         #   being computed / being fetched), with scales sc_buf f32[2, ppb, 2*Hkv, S] beside
-        #   it; m_scr / l_scr f32[Hkv, rows, 1] running max / sum, acc_scr f32[Hkv, rows, D]
-        #   running numerator; q_sem, o_sem, kv_sem DMA[2]; kv_state i32[2] SMEM (slot of the
+        #   it; m_scr / l_scr f32[Hkv, rows, STAT_LANES] running max (log2 units) / sum,
+        #   acc_scr f32[Hkv, rows, D] running numerator; q_sem, o_sem, kv_sem DMA[2]; kv_state i32[2] SMEM (slot of the
         #   current item's first K/V block, already fetched).
         if with_scales:
             (q_hbm, kv_hbm, sc_hbm, _zeros_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, m_scr,
@@ -155,6 +170,7 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
             sc_hbm = sc_buf = None
         e4m3 = with_scales and kv_hbm.dtype == jnp.float8_e4m3fn and bkv % 4 == 0
         kv_factor = B11_FACTOR if e4m3 else 1.0
+        head_dim = acc_scr.shape[2]
         step = pl.program_id(0)
         num_items = num_items_ref[0]
         layer = layer_ref[0]
@@ -217,9 +233,12 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
             return jnp.concatenate([sc_buf[slot, b, j:j + 1, :] for b in range(ppb)], axis=1)
 
         def attend_block(qslot, slot, q_tokens, visible):
-            """Online-softmax update of every kv head with K/V block ``kv_buf[slot]``. With
-            scales, a key's scale multiplies its score column and a value's scale its
-            probability column before P @ V: the same as attending to the dequantised rows."""
+            """Online-softmax update of every kv head with K/V block ``kv_buf[slot]``; visible
+            bool[rows, bkv] masks a block the causal bound cuts (None: every key is visible).
+            Scores are kept in log2 units (scaled by sm_scale * log2 e, so exp2 needs no
+            second multiply). With scales, a key's scale multiplies its score column and a
+            value's scale its probability column before P @ V: the same as attending to the
+            dequantised rows."""
             rows = q_tokens * group
             for h in range(num_kv_heads):
                 q = q_buf[qslot, :q_tokens, h].reshape(rows, -1)  # [rows, D], token-major
@@ -230,26 +249,28 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
                 # Mosaic matmuls need one operand dtype (no-ops when q and cache agree).
                 q, k, v = (a.astype(compute_dtype) for a in (q, k, v))
                 s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                    preferred_element_type=jnp.float32) * sm_scale
+                                    preferred_element_type=jnp.float32) * score_scale
                 if with_scales:
                     s = s * (scale_row(slot, 2 * h) * kv_factor)
-                s = jnp.where(visible, s, MASK_VALUE)  # f32[rows, bkv]
-                m_prev = m_scr[h, :rows]  # f32[rows, 1]
+                if visible is not None:
+                    s = jnp.where(visible, s, MASK_VALUE)  # f32[rows, bkv]
+                m_prev = m_scr[h, :rows]  # f32[rows, STAT_LANES], lane-replicated
                 m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-                p = jnp.exp(s - m_new)  # f32[rows, bkv]
-                alpha = jnp.exp(m_prev - m_new)  # f32[rows, 1]
+                p = jnp.exp2(s - _lanes(m_new, bkv))  # f32[rows, bkv]
+                alpha = jnp.exp2(m_prev - m_new)  # f32[rows, STAT_LANES]
                 l_scr[h, :rows] = alpha * l_scr[h, :rows] + jnp.sum(p, axis=1, keepdims=True)
                 pw = p * (scale_row(slot, 2 * h + 1) * kv_factor) if with_scales else p
                 pv = lax.dot_general(pw.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                                      precision=precision, preferred_element_type=jnp.float32)
-                acc_scr[h, :rows] = alpha * acc_scr[h, :rows] + pv  # f32[rows, D]
+                acc_scr[h, :rows] = _lanes(alpha, head_dim) * acc_scr[h, :rows] + pv
                 m_scr[h, :rows] = m_new
 
         def run_item(it, nxt, has_next, qslot, q_tokens):
             """Attend q_buf[qslot, :q_tokens] of item ``it``; write o_buf[qslot]."""
             rows = q_tokens * group
-            m_scr[:, :rows] = jnp.full((num_kv_heads, rows, 1), MASK_VALUE, jnp.float32)
-            l_scr[:, :rows] = jnp.zeros((num_kv_heads, rows, 1), jnp.float32)
+            stats = (num_kv_heads, rows, STAT_LANES)
+            m_scr[:, :rows] = jnp.full(stats, MASK_VALUE, jnp.float32)
+            l_scr[:, :rows] = jnp.zeros(stats, jnp.float32)
             acc_scr[:, :rows] = jnp.zeros((num_kv_heads, rows, acc_scr.shape[2]), jnp.float32)
             slot0 = kv_state[0]
             nb = it["num_kv_blocks"]
@@ -263,7 +284,7 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
             row = lax.broadcasted_iota(jnp.int32, (rows, bkv), 0)
             col = lax.broadcasted_iota(jnp.int32, (rows, bkv), 1)
 
-            def kv_block(b, carry):
+            def kv_block(b, carry, masked):
                 slot = (slot0 + b) % 2
 
                 @pl.when(b + 1 < nb)
@@ -275,15 +296,19 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
                     start_kv(nxt, 0, 1 - slot)
 
                 wait_kv(it, b, slot)
-                visible = (b * bkv - it["q_pos0"] + col) * group <= row  # bool[rows, bkv]
+                visible = ((b * bkv - it["q_pos0"] + col) * group <= row) if masked else None
                 attend_block(qslot, slot, q_tokens, visible)
                 return carry
 
-            lax.fori_loop(0, nb, kv_block, 0)
+            # Blocks whose last key is at or before the item's first query position are seen
+            # whole by every row: no mask. The rest (those the causal bound cuts) are masked.
+            num_whole = jnp.minimum(nb, (it["q_pos0"] + 1) // bkv)
+            lax.fori_loop(0, num_whole, lambda b, c: kv_block(b, c, False), 0)
+            lax.fori_loop(num_whole, nb, lambda b, c: kv_block(b, c, True), 0)
             kv_state[0] = (slot0 + nb) % 2
             kv_state[1] = has_next.astype(jnp.int32)
             for h in range(num_kv_heads):
-                out = acc_scr[h, :rows] / l_scr[h, :rows]  # f32[rows, D]
+                out = acc_scr[h, :rows] / _lanes(l_scr[h, :rows], head_dim)  # f32[rows, D]
                 o_buf[qslot, :q_tokens, h] = out.reshape(q_tokens, group, -1).astype(o_buf.dtype)
 
         @pl.when(step == 0)
@@ -374,8 +399,8 @@ def _pallas_attention(q, kv_pages, layer, kv_lens, page_indices, cu_q_lens, num_
             pltpu.VMEM((2, *q_rows), q.dtype),  # o_buf
             pltpu.VMEM((2, ppb, two_hkv, page_size, head_dim), kv_pages.dtype),  # kv_buf
             *sc_buf,  # f32[2, ppb, 2*Hkv, S] with scales
-            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),  # m_scr
-            pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),  # l_scr
+            pltpu.VMEM((num_kv_heads, rows, STAT_LANES), jnp.float32),  # m_scr
+            pltpu.VMEM((num_kv_heads, rows, STAT_LANES), jnp.float32),  # l_scr
             pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),  # acc_scr
             pltpu.SemaphoreType.DMA((2,)),  # q_sem
             pltpu.SemaphoreType.DMA((2,)),  # o_sem
