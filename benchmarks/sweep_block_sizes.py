@@ -154,14 +154,16 @@ def timed_entry(p: bench.Preset, kernel: str, args, device_kind: str) -> dict:
         c = {"blocks": cand, "matches": all(r.get("matches") for r in rows)}
         if all("ms" in r for r in rows):
             c["ms"] = round(sum(r["ms"] for r in rows), 4)
+            c["case_ms"] = {name: round(r[i]["ms"], 4) for name, r in per_case.items()}
         else:
             c["error"] = next(r["error"] for r in rows if "error" in r)
         cands.append(c)
     return {"overrides": choose(cands, args.margin), "timed": True,
             "source": (f"benchmarks/sweep_block_sizes.py on {device_kind}, {p.name} preset, "
                        f"{_today()}, jax {jax.__version__}"),
-            "note": f"ms: median per case summed over {len(per_case)} cases; matches: output "
-                    f"within {MATCH_TOL} (relative) of the shape default's",
+            "note": f"ms: median per case summed over {len(per_case)} cases (each in "
+                    f"case_ms); matches: output within {MATCH_TOL} (relative) of the shape "
+                    f"default's",
             "candidates": cands}
 
 

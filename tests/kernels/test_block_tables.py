@@ -221,3 +221,5 @@ def test_timed_sweep_in_interpret_mode_on_smoke_shapes(tmp_path):
     assert [c["blocks"] for c in e["candidates"]] == sweep.CANDIDATES["routing"]
     assert all(c["matches"] and c["ms"] > 0 for c in e["candidates"]), e["candidates"]
     assert "4 cases" in e["note"]
+    for c in e["candidates"]:  # each case's ms, summing to the candidate's
+        assert len(c["case_ms"]) == 4 and abs(sum(c["case_ms"].values()) - c["ms"]) < 1e-3
