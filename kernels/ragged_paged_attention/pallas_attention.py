@@ -26,8 +26,8 @@ Kernel layout:
     that multiplies the score columns (the probabilities before P @ V), so no scale moves
     from lanes to sublanes.
   * online softmax per kv head over ``[q_tokens * G, D]`` query rows (the G query heads of a
-    kv head stacked token-major), running max / sum / accumulator in fp32 VMEM scratch; K/V blocks
-    that the causal bound does not cut skip the mask.
+    kv head stacked token-major), running max / sum / accumulator in fp32 VMEM scratch;
+    K/V blocks that the causal bound does not cut skip the mask.
   * both grid steps and the KV loop are sequential ("arbitrary"): the cross-item prefetch
     carries a buffer slot from one step to the next.
 Mosaic constraints this layout meets: only the last two dims of a buffer are tiled, and every
@@ -159,8 +159,9 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
         #   item, output rows on their way to HBM); kv_buf [2, ppb, 2*Hkv, S, D] (K/V block
         #   being computed / being fetched), with scales sc_buf f32[2, ppb, 2*Hkv, S] beside
         #   it; m_scr / l_scr f32[Hkv, rows, STAT_LANES] running max (log2 units) / sum,
-        #   acc_scr f32[Hkv, rows, D] running numerator; q_sem, o_sem, kv_sem DMA[2]; kv_state i32[2] SMEM (slot of the
-        #   current item's first K/V block, already fetched).
+        #   acc_scr f32[Hkv, rows, D] running numerator; q_sem, o_sem, kv_sem DMA[2];
+        #   kv_state i32[2] SMEM (slot of the current item's first K/V block, already
+        #   fetched).
         if with_scales:
             (q_hbm, kv_hbm, sc_hbm, _zeros_hbm, o_hbm, q_buf, o_buf, kv_buf, sc_buf, m_scr,
              l_scr, acc_scr, q_sem, o_sem, kv_sem, kv_state) = refs
