@@ -16,8 +16,9 @@ batch a full decode bucket (every request real, context ``--context - 1`` plus t
 
 Prints the device's median step time (``device_timing.py``: three runs of ``--iters`` steps
 back to back after warm-up, less one step waited for alone, so the host's wait for a result
-(1.5 ms more a step on a v5e) is not in it, as it is not between the layers of a real step; the cache donated and
-fed back, as the runner does), a step waited for alone, the planner's prediction
+(1.5 ms more a step on a v5e) is not in it, as it is not between the layers of a real step;
+the cache donated and fed back, as the runner does), a step waited for alone, the planner's
+prediction
 (``planning/roofline.py``: ``step_terms`` for these layers, ``step_seconds`` on this chip's
 peaks: max of compute and HBM time) and the ratio predicted / measured (the fraction of the
 predicted speed reached; target >= 0.7). The planner's figure for a whole Ironwood host is
