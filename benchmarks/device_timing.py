@@ -5,8 +5,8 @@ trip in which the host learns that the work finished. On the v5e host this proje
 on, a call waited for alone measured 0.6-1.1 ms more than the same call timed back to back
 (every 397B kernel case timed on 2026-12-07); a 64-request decode attention at 256-token
 contexts, whose K/V reads would take ~0.06 ms at the chip's peak, took 0.61 ms waited for.
-Inside a step program kernels run back to back and nothing waits between them, so a kernel's figure should
-not carry that wait.
+Inside a step program kernels run back to back and nothing waits between them, so a
+kernel's figure should not carry that wait.
 
 ``device_ms`` dispatches ``n`` calls back to back and waits once (the device runs one
 program after another, in order, so the last call's result is ready only when all are), and
