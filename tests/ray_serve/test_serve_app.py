@@ -59,12 +59,13 @@ MAX_NEW = 8
 # prefill chunks end where an engine running it alone ends them), decode replicas of 2 ranks
 # (on CPU devices of their own), room for 600-token prompts and, per prefill rank, GDN
 # snapshots for a 500-token prefix; the decode deployment autoscales 1..2 (the last test
-# bursts it).
+# bursts it; 15 s below target before it scales down: on 2 busy cores a 3 s delay let a dip in
+# the burst remove a replica while the test was flushing and profiling both).
 PD_ARGS = dict(ARGS, mode="disaggregated", context_length="640", prefill_replicas="2",
                prefill_dp_size="4", prefill_ep_size="4", prefill_cpu_devices_per_host="4",
                prefill_max_gdn_snapshots="16", decode_dp_size="2", decode_ep_size="2",
                decode_cpu_devices_per_host="2", decode_min_replicas="1", decode_max_replicas="2",
-               target_ongoing_requests="2", upscale_delay_s="0.5", downscale_delay_s="3",
+               target_ongoing_requests="2", upscale_delay_s="0.5", downscale_delay_s="15",
                look_back_period_s="2")
 # Tensor-parallel prefill (2 devices, one request at a time) -> decode of 2 DP ranks verifying
 # NGRAM drafts (the prefill replica runs no speculation).
@@ -810,7 +811,8 @@ def test_decode_scales_up_under_burst_and_back_down(base_url, tmp_path):
     flush and a profile reach both) and back to 1 after the load ends."""
     _wait_for_one_decode_replica()
     body = {"input_ids": _prompt(30),
-            "sampling_params": {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    # 400 tokens: decode, not the prefill queue, holds the burst's requests
     codes, stop = [], threading.Event()
 
     def client():  # keeps one request in flight until told to stop
