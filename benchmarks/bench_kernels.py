@@ -69,7 +69,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(_path))
 
 from sglang_tpu_backend.config import model_config_from_dict  # noqa: E402
-from sglang_tpu_backend.kernels import dispatch, gdn, gmm, routing  # noqa: E402
+from sglang_tpu_backend.kernels import dispatch, gdn, gdn_geometry, gmm, routing  # noqa: E402
 from sglang_tpu_backend.kernels import ragged_paged_attention as rpa  # noqa: E402
 from sglang_tpu_backend.kernels.gdn_common import conv_state_rows  # noqa: E402
 from sglang_tpu_backend.planning import roofline  # noqa: E402
@@ -620,6 +620,60 @@ def ceiling_case(p: Preset, block_rows: int, impl: str, blocks: dict,
                  f"x {list(shape)} bfloat16, blocks [1, {rows}, {shape[2]}], {how}")
 
 
+def attention_matmuls_case(p: Preset, impl: str, blocks: dict) -> Setup:
+    """The MXU ceiling of the attention prefill case (``kernel_ceilings.attention_matmuls``):
+    its q and each item's K / V as dense arrays, in our kernel's blocks (the default, or
+    ``blocks["attention"]``), rated with the prefill case's own bytes and FLOPs so that its %
+    of the roofline reads against the kernel's. Peer: XLA's two einsums over every key (no
+    causal skip: 4/3 of the counted FLOPs at 1,024 new on 1,024 cached)."""
+    import kernel_ceilings as ceil
+    r, t, ctx = p.prefill_reqs, p.prefill_new, p.prefill_cached + p.prefill_new
+    g = p.q_heads // p.kv_heads
+    bs = dataclasses.replace(rpa.BlockSizes.get_default(r * t, g, p.page, -(-ctx // p.page)),
+                             **_block(blocks, "attention"))
+    q_tokens, kv_block = min(bs.prefill_q_tokens, t), bs.kv_pages_per_block * p.page
+    if t % q_tokens or ctx % kv_block:
+        raise ValueError(f"blocks of {q_tokens} q tokens / {kv_block} keys do not tile "
+                         f"{t} new tokens on a context of {ctx}")
+    args = lambda: (_normal(1, (r, p.kv_heads, t * g, p.head_dim)),  # noqa: E731
+                    _normal(2, (r, p.kv_heads, ctx, p.head_dim)),
+                    _normal(3, (r, p.kv_heads, ctx, p.head_dim)))
+    interp = impl == "interpret"
+    ours = Impl("ours", lambda q, k, v: ceil.attention_matmuls(
+        q, k, v, group=g, q_tokens=q_tokens, kv_block=kv_block, interpret=interp), args)
+    peers = [Impl("xla-dense", ceil.xla_attention_matmuls, args,
+                  note="every key for every query: more FLOPs than the causal count")]
+    nbytes, flops = attention_cost(p, AttnBatch((t,) * r, (ctx,) * r), 2, False)
+    return Setup(ours, peers, nbytes, flops, "as the attention prefill case",
+                 f"q [{r}, {p.kv_heads}, {t}*{g}, {p.head_dim}], k, v [{r}, {p.kv_heads}, "
+                 f"{ctx}, {p.head_dim}] bfloat16, blocks {q_tokens} q tokens x {kv_block} keys")
+
+
+def gdn_matmuls_case(p: Preset, impl: str, blocks: dict) -> Setup:
+    """The matmul chain of the GDN chunked prefill case (``kernel_ceilings.gdn_chunk_matmuls``):
+    bf16 q, k, v already in the chunk kernel's [head block, chunk] order, its head block (the
+    shape default, or ``blocks["gdn"]["k_heads_per_block"]``), rated with the prefill case's
+    own bytes and FLOPs."""
+    import kernel_ceilings as ceil
+    hk, hv, d = p.gdn_hk, p.gdn_hv, p.gdn_d
+    rep = hv // hk
+    kb = (_block(blocks, "gdn").get("k_heads_per_block")
+          or gdn_geometry.default_k_heads_per_block(hk, hv, d, d))
+    n, L = p.prefill_reqs * -(-p.prefill_new // gdn.CHUNK_SIZE), gdn.CHUNK_SIZE
+    qk = (hk // kb, n, kb, L, d)
+    args = lambda: (_normal(41, qk, BF16, 0.1), _normal(42, qk, BF16, 0.1),  # noqa: E731
+                    _normal(43, (hk // kb, n, kb * rep, L, d)))
+    interp = impl == "interpret"
+    ours = Impl("ours", lambda q, k, v: ceil.gdn_chunk_matmuls(q, k, v, rep=rep,
+                                                               interpret=interp), args)
+    t = p.prefill_reqs * p.prefill_new
+    cost = gdn.gated_delta_net_cost(t, p.prefill_reqs, hk, hv, d, d, conv_kernel=p.conv_k,
+                                    decode=False, x_bytes=2, state_bytes=4)
+    return Setup(ours, [], cost.bytes_accessed, cost.flops, "as the GDN prefill case",
+                 f"q, k [{hk // kb}, {n}, {kb}, {L}, {d}], v [{hk // kb}, {n}, {kb * rep}, {L}, "
+                 f"{d}] bfloat16 ({kb} qk heads a block)")
+
+
 def cases(p: Preset, gdn_rows: tuple[int, ...] = ()) -> list[Case]:
     """Every case; ``gdn_rows``: also the GDN decode cases at these rows per grid step."""
     d = p.decode_reqs
@@ -661,6 +715,8 @@ def cases(p: Preset, gdn_rows: tuple[int, ...] = ()) -> list[Case]:
     out += [Case(f"ceiling/hbm-dma-{r}rows-x{f}",
                  lambda p, i, b, r=r, f=f: ceiling_case(p, r, i, b, in_flight=f))
             for r, f in ((512, 1), (512, 2), (512, 4), (256, 4), (128, 8), (64, 16), (32, 16))]
+    out += [Case("ceiling/attention-prefill-matmuls", attention_matmuls_case),
+            Case("ceiling/gdn-chunk-matmuls", gdn_matmuls_case)]
     for op in ("gather", "reduce"):
         for phase in ("decode", "prefill"):
             out.append(Case(f"routing/{op}-{phase}",

@@ -103,3 +103,55 @@ def test_dma_read_ceiling_reads_every_chunk_once(in_flight):
     got = ceil.dma_read(jnp.asarray(x), chunk_rows=16, in_flight=in_flight, interpret=True)
     want = x.reshape(-1, 16, 128)[:, :8].sum(0)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_matmuls_ceiling_visits_each_q_block_s_causal_kv_blocks():
+    """``kernel_ceilings.attention_matmuls`` (the MXU ceiling of attention prefill) sums
+    bf16(q k^T) v over exactly the kv blocks up to each q block's causal bound: a block more
+    or less, or a q block fed another's bound, changes the sum."""
+    import numpy as np
+
+    ceil = load_script("benchmarks/kernel_ceilings.py")
+    r, hkv, g, t, ctx, d, bq, bkv = 2, 2, 2, 16, 48, 128, 8, 16
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in
+               ((r, hkv, t * g, d), (r, hkv, ctx, d), (r, hkv, ctx, d)))
+    got = ceil.attention_matmuls(q, k, v, group=g, q_tokens=bq, kv_block=bkv, interpret=True)
+    qf, kf, vf = (np.asarray(x, np.float32) for x in (q, k, v))
+    want = np.zeros(q.shape, np.float32)
+    for j in range(t // bq):  # q block j's last token sits at ctx - t + (j+1)*bq - 1
+        keys = -(-(ctx - t + (j + 1) * bq) // bkv) * bkv
+        rows = slice(j * bq * g, (j + 1) * bq * g)
+        s = np.einsum("rhqd,rhkd->rhqk", qf[:, :, rows], kf[:, :, :keys])
+        s = np.asarray(jnp.asarray(s).astype(jnp.bfloat16), np.float32)
+        want[:, :, rows] = np.einsum("rhqk,rhkd->rhqd", s, vf[:, :, :keys])
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2,
+                               atol=2e-2 * np.abs(want).max())
+    assert not np.allclose(want[:, :, : bq * g], 0)  # the first q block saw a partial context
+
+
+def test_gdn_chunk_matmuls_ceiling_carries_the_state_across_chunks():
+    """``kernel_ceilings.gdn_chunk_matmuls`` (the GDN chunked kernel's matmul chain alone)
+    against a float64 loop over each head block's chunks: T = (I + tril(K K^T, -1))^-1,
+    U = T V, W = T K, V' = U - W S, O = Q S + tril(Q K^T) V', S <- S + K^T V'."""
+    import numpy as np
+
+    ceil = load_script("benchmarks/kernel_ceilings.py")
+    nb, n, kb, rep, L, d = 2, 3, 1, 2, 64, 128
+    rng = np.random.default_rng(2)
+    qk = (nb, n, kb, L, d)
+    q, k = (jnp.asarray(0.1 * rng.standard_normal(qk), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((nb, n, kb * rep, L, d)), jnp.float32)
+    got = np.asarray(ceil.gdn_chunk_matmuls(q, k, v, rep=rep, interpret=True))
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    want = np.zeros(got.shape)
+    for j in range(nb):
+        s = np.zeros((kb * rep, d, d))
+        for i in range(n):
+            for h in range(kb * rep):
+                qh, kh, vh = q64[j, i, h // rep], k64[j, i, h // rep], v64[j, i, h]
+                t_inv = np.linalg.inv(np.eye(L) + np.tril(kh @ kh.T, -1))
+                v_new = t_inv @ vh - (t_inv @ kh) @ s[h]
+                want[j, i, h] = qh @ s[h] + np.tril(qh @ kh.T) @ v_new
+                s[h] = s[h] + kh.T @ v_new
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
