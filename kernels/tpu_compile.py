@@ -91,7 +91,8 @@ class MosaicKernel:
     """One Pallas (Mosaic) kernel in a compiled program.
 
     name: the op name XLA records for the custom call.
-    vmem_used_bytes: scoped VMEM the compiled kernel uses.
+    vmem_used_bytes: scoped VMEM the compiled kernel uses (its own, not what XLA placed in VMEM
+      below its region: ``_scoped_vmem``).
     vmem_limit_bytes: the scoped VMEM limit it was compiled under.
     has_communication: the kernel talks to other devices (remote DMA, e.g. a reduce-scatter).
     instruction: the custom call's HLO instruction name (what libtpu's dumps are named by).
@@ -134,6 +135,22 @@ class CompileReport:
         return f"{self.seconds:.1f} s; {mem}; {len(self.kernels)} Mosaic kernels (VMEM {vm})"
 
 
+def _scoped_vmem(cfg: dict) -> tuple[int, int]:
+    """(used, limit) bytes of a Mosaic kernel's scoped VMEM (memory space 1) from its backend
+    config. The kernel's region starts at the offset of ``scoped_memory_configs``, which is
+    past any VMEM that XLA:TPU gave the program's other buffers (on a v5e's 128 MiB it may
+    keep a whole 96 MiB operand there); ``used_scoped_memory_configs`` gives the used range
+    from offset 0, so the kernel's own use is that range's end less the region's start."""
+    def vmem(key):
+        return [(int(c.get("offset", 0)), int(c["size"])) for c in cfg.get(key, [])
+                if c.get("memory_space") == "1"]
+
+    region, used = vmem("scoped_memory_configs"), vmem("used_scoped_memory_configs")
+    start = min((off for off, _ in region), default=0)
+    end = max((off + size for off, size in used), default=start)
+    return max(0, end - start), sum(size for _, size in region)
+
+
 def mosaic_kernels(hlo: str) -> tuple[MosaicKernel, ...]:
     """Parse the ``tpu_custom_call`` instructions of compiled HLO text.
 
@@ -152,10 +169,7 @@ def mosaic_kernels(hlo: str) -> tuple[MosaicKernel, ...]:
         if at >= 0:
             cfg, _ = decoder.raw_decode(instr[at + len("backend_config="):])
             comm = bool(cfg.get("custom_call_config", {}).get("has_communication", False))
-            used = sum(int(c["size"]) for c in cfg.get("used_scoped_memory_configs", [])
-                       if c.get("memory_space") == "1")
-            limit = sum(int(c["size"]) for c in cfg.get("scoped_memory_configs", [])
-                        if c.get("memory_space") == "1")
+            used, limit = _scoped_vmem(cfg)
         instruction = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", instr)
         out.append(MosaicKernel(name.group(1) if name else "?", used, limit, comm,
                                 instruction.group(1) if instruction else ""))

@@ -11,6 +11,7 @@ rows_per_step candidates (1 / 2 / 4 / 16 beside the default 8) compile too.
 
 from __future__ import annotations
 
+import json
 import os
 
 from tests.scripts import load_script
@@ -34,3 +35,26 @@ def test_gdn_compile_sweep_for_v5e(tmp_path):
     assert all(c["compiled"] and c["cases"] == 3 for c in cands), cands
     vmem = [c["max_vmem_mib"] for c in cands]  # default, 2, 4, 8 heads, then rows_per_step
     assert 0 < vmem[0] <= vmem[1] < vmem[2] < vmem[3] < 128, vmem
+
+
+def _custom_call(used: list[tuple[int, int]], region: list[tuple[int, int]]) -> str:
+    cfg = {"used_scoped_memory_configs": [{"memory_space": "1", "offset": str(o), "size": str(s)}
+                                          for o, s in used],
+           "scoped_memory_configs": [{"memory_space": "1", "offset": str(o), "size": str(s)}
+                                     for o, s in region]}
+    return ('  %gdn.1 = bf16[8] custom-call(), custom_call_target="tpu_custom_call", '
+            f'metadata={{op_name="gdn"}}, backend_config={json.dumps(cfg)}')
+
+
+def test_kernel_vmem_excludes_what_xla_keeps_below_its_region():
+    """A kernel's VMEM is its own: when XLA:TPU keeps a 96 MiB operand in a v5e's VMEM, the
+    kernel's region starts at 96 MiB and the used range is reported from 0 (a GDN chunk
+    compile at 4 qk heads read 106 MiB for ~10 MiB of its own); from 0, nothing changes."""
+    from sglang_tpu_backend.kernels.tpu_compile import mosaic_kernels
+
+    mib = 1 << 20
+    hlo = "\n".join(["HloModule m", _custom_call([(0, 106 * mib)], [(96 * mib, 19 * mib)]),
+                     _custom_call([(0, 10 * mib)], [(0, 19 * mib)])])
+    kernels = mosaic_kernels(hlo)
+    assert [(k.vmem_used_bytes, k.vmem_limit_bytes) for k in kernels] == [
+        (10 * mib, 19 * mib), (10 * mib, 19 * mib)]
