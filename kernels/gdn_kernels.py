@@ -20,11 +20,14 @@ for 32-bit and (16, 128) for bf16, and needs dynamic offsets there to be provabl
   * Every dynamic index -- layer, state slot, head block, decode row, chunk -- addresses a
     leading, untiled dimension. No kernel slices a tiled dimension at a dynamic offset.
   * Per-step activations are rearranged by the wrapper (XLA), not in the kernel: the ragged
-    tokens are gathered into chunks ``[nb, N, L, cb]`` (zero past each chunk's length), decode
-    rows into ``[nb, T', 1, cb]`` (T' = T rounded up to a multiple of rb; a block of rb rows
-    is legal as the row dim is leading), gate inputs into ``[nb, N, L, hb]`` / ``[nb, T', 1, hb]``,
-    with the channels of head block j contiguous (``cb = [q_j | k_j | v_j]``). BlockSpecs
-    then cover whole trailing dims and pipeline automatically. The output comes back as
+    tokens are gathered into chunks ``[N, L, C]`` (one row gather; rows past a chunk's length
+    hold other tokens, which the kernel masks), decode rows into ``[nb, T', 1, cb]`` (T' = T
+    rounded up to a multiple of rb; a block of rb rows is legal as the row dim is leading),
+    gate inputs into ``[nb, N, L, hb]`` / ``[nb, T', 1, hb]``. A chunk step reads head block
+    j's channels ``[q_j | k_j | v_j]`` straight from the chunk rows with three BlockSpecs
+    when their widths are multiples of 128 (``_column_blocks``), else from a copy
+    ``[nb, N, L, cb]`` with them contiguous; decode rows always use that copy. BlockSpecs
+    then pipeline automatically. The output comes back as
     ``[N, L, Hv*Dv]`` (chunk rows, heads on lanes) / ``[nb, T', hb, Dv]`` and is un-chunked by
     the wrapper with one row gather.
   * Persistent states keep their one layout, ``conv_state [Lyr, S, rows, C]`` (channels on
@@ -212,19 +215,27 @@ def _decode_kernel(
 # ----------------------------------------------------------------------------- chunk kernel
 
 
-def _chunk_conv(ext, x_ref, w_ref, length, geom):
+def _chunk_conv(ext, x_refs, w_ref, length, geom):
     """Causal conv + SiLU of one chunk.
 
     ext f32[P+L, cb]: rows P-(K-1)..P-1 hold the K-1 inputs before the chunk; the chunk's rows
-    are written at P..P+L-1. Returns y f32[L, cb] (zero from row ``length`` on) and the last
-    K-1 inputs seen, f32[K-1, cb], which are also left in rows P-(K-1)..P-1 for the next chunk.
+    are written at P..P+L-1 (from ``x_refs``, [L, w_i] each, side by side on lanes: the
+    block's channels [q_j | k_j | v_j]). Rows from ``length`` on hold other tokens: no output
+    row or context row reads them. Returns y f32[L, cb] (zero from row ``length`` on) and the
+    last K-1 inputs seen, f32[K-1, cb], which are also left in rows P-(K-1)..P-1 for the next
+    chunk.
     """
     K, L, P = geom.K, geom.L, geom.ctx_rows
     base = P - (K - 1)
-    ext[P : P + L, :] = x_ref[...].astype(F32)
+    c0 = 0
+    for x_ref in x_refs:
+        width = x_ref.shape[-1]
+        ext[P : P + L, c0 : c0 + width] = x_ref[...].astype(F32)
+        c0 += width
+    x_dtype = x_refs[0].dtype
     w = w_ref[...].astype(F32)  # [K, cb]
     taps = [ext[base + i : base + i + L, :] for i in range(K)]  # tap i: input K-1-i steps back
-    y = conv_act(taps, [w[i : i + 1] for i in range(K)], w_ref.dtype, x_ref.dtype)
+    y = conv_act(taps, [w[i : i + 1] for i in range(K)], w_ref.dtype, x_dtype)
     y = jnp.where(lax.broadcasted_iota(jnp.int32, (L, 1), 0) < length, y, 0.0)
     e = ext[...]  # f32[P+L, cb]
     rows = lax.broadcasted_iota(jnp.int32, e.shape, 0)
@@ -353,21 +364,21 @@ def _chunk_kernel(
     flags_ref,  # i32[N] VALID | FIRST | LAST | FRESH
     # Inputs
     alog_ref, dtb_ref,  # f32[1, hb] this head block's A_log, dt_bias
-    x_ref,  # [L, cb] this chunk's pre-conv channels of the block (zero past its length)
-    a_ref, b_ref,  # [L, hb] gate inputs
-    w_ref,  # [K, cb] conv weights of the block
-    cs_hbm, rs_hbm,  # [Lyr, S, rows, C], [Lyr, S, Hv, Dk, Dv] (ANY; aliased to cs_out, rs_out)
-    # Outputs
-    o_ref,  # [L, hb * Dv]
-    cs_out, rs_out,
-    # Scratch
-    ext,  # f32[P+L, cb] conv context (rows P-(K-1)..P-1) then this chunk's inputs
-    cs_io,  # [rows, cb] conv state staging in its dtype (rows K-1.. are padding)
-    s_f32,  # f32[hb, Dk, Dv] recurrent state, carried across a request's chunks
-    s_io,  # [hb, Dk, Dv] recurrent state staging in its dtype
-    sems,  # DMA semaphores
-    *, geom,
+    *refs,
+    geom, num_x,
 ):
+    # Inputs, continued: num_x refs of this chunk's pre-conv channels of the block, [L, w_i]
+    #   side by side making [L, cb] (rows from the chunk's length on hold other tokens);
+    #   a_ref, b_ref [L, hb] gate inputs; w_ref [K, cb] conv weights of the block; cs_hbm,
+    #   rs_hbm [Lyr, S, rows, C], [Lyr, S, Hv, Dk, Dv] (ANY; aliased to cs_out, rs_out).
+    # Outputs: o_ref [L, hb * Dv]; cs_out, rs_out.
+    # Scratch: ext f32[P+L, cb] conv context (rows P-(K-1)..P-1) then this chunk's inputs;
+    #   cs_io [rows, cb] conv state staging in its dtype (rows K-1.. are padding); s_f32
+    #   f32[hb, Dk, Dv] recurrent state, carried across a request's chunks; s_io
+    #   [hb, Dk, Dv] its staging in the state dtype; sems: DMA semaphores.
+    x_refs, refs = refs[:num_x], refs[num_x:]
+    (a_ref, b_ref, w_ref, cs_hbm, rs_hbm, o_ref, cs_out, rs_out, ext, cs_io, s_f32, s_io,
+     sems) = refs
     j, n = pl.program_id(0), pl.program_id(1)
     flags, length = flags_ref[n], len_ref[n]
     valid, first = (flags & VALID) != 0, (flags & FIRST) != 0
@@ -388,11 +399,11 @@ def _chunk_kernel(
 
     @pl.when(valid)
     def _():
-        y, ctx = _chunk_conv(ext, x_ref, w_ref, length, geom)  # f32[L, cb], f32[K-1, cb]
+        y, ctx = _chunk_conv(ext, x_refs, w_ref, length, geom)  # f32[L, cb], f32[K-1, cb]
         qs, ks, vs = _block_heads(y, geom)
         q, k = (_stack(x[:: geom.rep]) for x in (qs, ks))  # f32[kb, L, Dk]
         gam, gam_t, beta = _chunk_gates(a_ref, b_ref, alog_ref, dtb_ref, length)
-        mm = jnp.bfloat16 if x_ref.dtype == jnp.bfloat16 else F32  # matmul operands
+        mm = jnp.bfloat16 if x_refs[0].dtype == jnp.bfloat16 else F32  # matmul operands
         _chunk_delta_rule(q, k, _stack(vs), gam, gam_t, beta, s_f32, o_ref, geom.rep, mm)
 
         @pl.when(last)
@@ -417,6 +428,33 @@ def _to_blocks(x, geom):
     k = x[..., kd : 2 * kd].reshape(*lead, geom.nb, geom.kb * geom.Dk)
     v = x[..., 2 * kd :].reshape(*lead, geom.nb, geom.hb * geom.Dv)
     return jnp.concatenate([q, k, v], axis=-1)
+
+
+def _column_blocks(geom):
+    """(q, k, v) block indices of head block 0's channels in a row of C, in units of the
+    block's q, k and v widths, when those widths are lane-aligned (multiples of 128) and tile
+    their sections; else None."""
+    qk_w, v_w = geom.kb * geom.Dk, geom.hb * geom.Dv
+    if qk_w % 128 or v_w % 128 or (2 * geom.Hk * geom.Dk) % v_w:
+        return None
+    return 0, geom.Hk // geom.kb, 2 * geom.Hk * geom.Dk // v_w
+
+
+def _chunk_x_inputs(x, geom, per_step):
+    """The chunk kernel's x operands and BlockSpecs from the chunks' rows x [N, L, C].
+
+    Lane-aligned blocks (``_column_blocks``): x itself three times, with one BlockSpec each
+    for the block's q, k and v columns, so XLA makes no copy of it. Otherwise: one array
+    [nb, N, L, cb], block j = [q_j | k_j | v_j] (``_to_blocks``; a transposing copy).
+    """
+    sq, L = pl.Squeezed(), geom.L
+    cols = _column_blocks(geom)
+    if cols is None:
+        return [jnp.moveaxis(_to_blocks(x, geom), 2, 0)], [per_step(L, geom.cb)]
+    widths = (geom.kb * geom.Dk, geom.kb * geom.Dk, geom.hb * geom.Dv)
+    specs = [pl.BlockSpec((sq, L, w), lambda j, i, *_, c=c: (i, 0, c + j))
+             for w, c in zip(widths, cols)]
+    return [x, x, x], specs
 
 
 def _head_blocks(x, geom):
@@ -460,7 +498,8 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
         def per_rows(*shape):  # block (j, step i) of an [nb, T', *shape] array: rb rows
             return pl.BlockSpec((sq, rb, *shape), lambda j, i, *_: (j, i) + (0,) * len(shape))
 
-        x_spec, ab_spec, o_spec = per_rows(1, cb), per_rows(1, hb), per_rows(hb, Dv)
+        x_args, x_specs = [x_in], [per_rows(1, cb)]
+        ab_spec, o_spec = per_rows(1, hb), per_rows(hb, Dv)
         o_shape = (nb, steps * rb, hb, Dv)
         scratch = [pltpu.VMEM((2, rb, conv_state.shape[2], cb), conv_state.dtype),
                    pltpu.VMEM((2, rb, hb, geom.Dk, Dv), rec_state.dtype),
@@ -471,13 +510,14 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
         lay = chunk_layout(cu_q_lens, kv_lens, state_slots, num_seqs, L, N)
         prefetch = (layer, lay.length, lay.slot, lay.flags)
         steps, kernel = N, _chunk_kernel
+        # Each chunk's rows [N, L, *], gathered whole; rows past a chunk's length hold other
+        # tokens, which the kernel never reads into an output.
         idx = jnp.clip(lay.start[:, None] + jnp.arange(L)[None, :], 0, T - 1)  # i32[N, L]
-        live = (jnp.arange(L)[None, :] < lay.length[:, None])[..., None]  # bool[N, L, 1]
-        chunked = lambda z: jnp.where(live, z[idx], jnp.zeros((), z.dtype))  # noqa: E731 [N, L, *]
-        x_in = jnp.moveaxis(_to_blocks(chunked(mixed_qkv), geom), 2, 0)  # [nb, N, L, cb]
-        a_in, b_in = (jnp.moveaxis(_head_blocks(chunked(z), geom), 2, 0)  # [nb, N, L, hb]
+        x_args, x_specs = _chunk_x_inputs(mixed_qkv[idx], geom, per_step)
+        kernel = functools.partial(_chunk_kernel, num_x=len(x_args))
+        a_in, b_in = (jnp.moveaxis(_head_blocks(z[idx], geom), 2, 0)  # [nb, N, L, hb]
                       for z in (a, b))
-        x_spec, ab_spec = per_step(L, cb), per_step(L, hb)
+        ab_spec = per_step(L, hb)
         # Output rows in chunk order with the head blocks side by side on lanes: [N, L, Hv*Dv]
         # (hb*Dv is a multiple of 128 or all of Hv*Dv: block_error), block (chunk i, block j).
         o_spec = pl.BlockSpec((sq, L, hb * Dv), lambda j, i, *_: (i, 0, j))
@@ -489,7 +529,7 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
                    pltpu.SemaphoreType.DMA((_NUM_SEMS,))]
         vmem = chunk_vmem_limit(geom)
 
-    n_pre = len(prefetch)
+    n_pre, n_x = len(prefetch), len(x_args)
     o, conv_state, rec_state = pl.pallas_call(
         functools.partial(kernel, geom=geom),
         out_shape=(jax.ShapeDtypeStruct(o_shape, mixed_qkv.dtype),
@@ -500,17 +540,17 @@ def pallas_gdn(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, rec_sta
             # Grid (head block, decode row | chunk): a request's chunks are consecutive steps
             # of one head block, so its state stays in VMEM scratch between them.
             grid=(nb, steps),
-            in_specs=[per_block(1, hb), per_block(1, hb), x_spec, ab_spec, ab_spec,
+            in_specs=[per_block(1, hb), per_block(1, hb), *x_specs, ab_spec, ab_spec,
                       per_block(K, cb), any_spec, any_spec],
             out_specs=[o_spec, any_spec, any_spec],
             scratch_shapes=scratch),
-        input_output_aliases={n_pre + 6: 1, n_pre + 7: 2},
+        input_output_aliases={n_pre + n_x + 5: 1, n_pre + n_x + 6: 2},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=vmem),
         cost_estimate=cost,
         interpret=interpret,
-    )(*prefetch, alog, dtb, x_in, a_in, b_in, w, conv_state, rec_state)
+    )(*prefetch, alog, dtb, *x_args, a_in, b_in, w, conv_state, rec_state)
 
     if decode:
         return jnp.moveaxis(o[:, :T], 1, 0).reshape(T, geom.Hv, Dv), conv_state, rec_state

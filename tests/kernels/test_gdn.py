@@ -522,7 +522,8 @@ def test_default_rows_per_step():
     (jnp.float32, jnp.float32, 32, None),  # one head block (Dk < 128)
     pytest.param(jnp.float32, jnp.bfloat16, 32, 2, marks=pytest.mark.jax_versions),
     (jnp.bfloat16, jnp.bfloat16, 32, None),
-    (jnp.float32, jnp.float32, 128, 1),  # two lane-aligned head blocks
+    (jnp.float32, jnp.float32, 128, 1),  # two lane-aligned head blocks: columns read direct
+    (jnp.bfloat16, jnp.float32, 128, 1),  # the same with bf16 matmul operands, f32 state
 ])
 def test_pallas_chunked_matches_reference(dtype, state_dtype, d, k_heads_per_block):
     # chunk 16: a 37-token prompt (3 chunks, continuing), lengths below K-1, a decode row,
