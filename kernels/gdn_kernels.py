@@ -278,12 +278,25 @@ def _bdot_tn(x, y, mm=F32):  # [h, k, m]^T @ [h, k, n]
     return _bdot_general(x, y, (((1,), (1,)), ((0,), (0,))), mm)
 
 
+def _bdot_3pass(x, y):
+    """f32 [h, m, k] @ [h, k, n] as three one-pass bf16 products with f32 accumulation:
+    x_hi y_hi + x_hi y_lo + x_lo y_hi, each operand split x = x_hi + x_lo into two bf16 parts
+    (about 16 bits of the mantissa; the dropped x_lo y_lo term is ~2^-16 of the product)."""
+    def split(a):
+        hi = a.astype(jnp.bfloat16)
+        return hi, (a - hi.astype(F32)).astype(jnp.bfloat16)
+
+    (x_hi, x_lo), (y_hi, y_lo) = split(x), split(y)
+    bf = jnp.bfloat16
+    return _bdot(x_hi, y_hi, bf) + (_bdot(x_hi, y_lo, bf) + _bdot(x_lo, y_hi, bf))
+
+
 def _stack(xs):
     """Equal-shaped arrays [a, b] -> [len(xs), a, b] (a new leading, untiled dim)."""
     return jnp.concatenate([x[None] for x in xs], axis=0)
 
 
-def unit_lower_inverse(n):
+def unit_lower_inverse(n, three_pass=False):
     """(I + n)^-1 of each strictly lower-triangular f32[L, L] of n f32[h, L, L], by doubling.
 
     With X the inverse's diagonal blocks of size b (X = I for b = 1), each 2b block
@@ -294,7 +307,8 @@ def unit_lower_inverse(n):
     sequential row substitutions. Every intermediate is a part of the exact inverse, so,
     unlike the equally short product (I - n)(I + n^2)(I + n^4)..., no large powers of n
     cancel (keys nearly parallel, beta and decay near 1: that product loses every digit;
-    see ``tests/kernels/test_gdn.py``). Plain jnp: runs outside a kernel too.
+    see ``tests/kernels/test_gdn.py``). Plain jnp: runs outside a kernel too. three_pass:
+    each product as three one-pass bf16 products (``_bdot_3pass``) instead of f32 at HIGHEST.
     """
     L = n.shape[-1]
     row = lax.broadcasted_iota(jnp.int32, (1, L, L), 1)  # masks broadcast over heads
@@ -303,10 +317,11 @@ def unit_lower_inverse(n):
     def c_blocks(b):  # n in the C blocks of the 2b-blocking
         return jnp.where((row // (2 * b) == col // (2 * b)) & (row // b != col // b), n, 0.0)
 
+    dot = _bdot_3pass if three_pass else _bdot
     x = (row == col).astype(F32) - c_blocks(1)
     b = 2
     while b < L:
-        x = x - _bdot(x, _bdot(c_blocks(b), x))
+        x = x - dot(x, dot(c_blocks(b), x))
         b *= 2
     return x
 
@@ -329,9 +344,10 @@ def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref, rep, mm):
     gam f32[L, hb], gam_t f32[hb, L], beta f32[L, hb]; s_f32 f32[hb, Dk, Dv] state (read and
     updated); writes o_ref [L, hb * Dv] (head h on lanes h*Dv:(h+1)*Dv: rows already in
     token order for the wrapper's row gather). Q K^T and K K^T are formed once per qk head.
-    mm: operand dtype of every matmul but the inverse's (which stays f32 at full precision):
-    bf16 with bf16 activations, as flash-linear-attention does (f32 accumulation; the state
-    itself stays f32), F32 otherwise.
+    mm: operand dtype of every matmul but the inverse's: bf16 with bf16 activations, as
+    flash-linear-attention does (f32 accumulation; the state itself stays f32), F32 (full
+    precision) otherwise. The inverse stays near f32: full precision with F32, three bf16
+    passes a product with bf16 (``_bdot_3pass``; 3e-5 relative under stress).
     """
     L, hb = gam.shape
     row = lax.broadcasted_iota(jnp.int32, (1, L, L), 1)
@@ -343,7 +359,7 @@ def _chunk_delta_rule(q, k, v, gam, gam_t, beta, s_f32, o_ref, rep, mm):
     qk = _per_value_head(_bdot_nt(q, k, mm), rep)
     qh, kh = _per_value_head(q, rep), _per_value_head(k, rep)  # f32[hb, L, Dk]
     n = jnp.where(row > col, bcol * kk * decay, 0.0)  # strictly lower
-    t_inv = unit_lower_inverse(n)
+    t_inv = unit_lower_inverse(n, three_pass=mm != F32)
     s = s_f32[...]  # f32[hb, Dk, Dv]
     u = _bdot(t_inv, v * bcol, mm)  # [hb, L, Dv]
     w = _bdot(t_inv, kh * (bcol * jnp.exp(gcol)), mm)  # [hb, L, Dk]
