@@ -26,7 +26,7 @@ for 32-bit and (16, 128) for bf16, and needs dynamic offsets there to be provabl
     gate inputs into ``[nb, N, L, hb]`` / ``[nb, T', 1, hb]``. A chunk step reads head block
     j's channels ``[q_j | k_j | v_j]`` straight from the chunk rows with three BlockSpecs
     when their widths are multiples of 128 (``_column_blocks``), else from a copy
-    ``[nb, N, L, cb]`` with them contiguous; decode rows always use that copy. BlockSpecs
+    ``[nb, N, L, cb]`` with them contiguous (decode steps read ``[nb, T', 1, cb]``). BlockSpecs
     then pipeline automatically. The output comes back as
     ``[N, L, Hv*Dv]`` (chunk rows, heads on lanes) / ``[nb, T', hb, Dv]`` and is un-chunked by
     the wrapper with one row gather.
