@@ -658,7 +658,7 @@ def gdn_matmuls_case(p: Preset, impl: str, blocks: dict) -> Setup:
     hk, hv, d = p.gdn_hk, p.gdn_hv, p.gdn_d
     rep = hv // hk
     kb = (_block(blocks, "gdn").get("k_heads_per_block")
-          or gdn_geometry.default_k_heads_per_block(hk, hv, d, d))
+          or gdn_geometry.default_chunk_k_heads_per_block(hk, hv, d, d))
     n, L = p.prefill_reqs * -(-p.prefill_new // gdn.CHUNK_SIZE), gdn.CHUNK_SIZE
     qk = (hk // kb, n, kb, L, d)
     args = lambda: (_normal(41, qk, BF16, 0.1), _normal(42, qk, BF16, 0.1),  # noqa: E731

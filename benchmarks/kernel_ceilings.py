@@ -167,7 +167,8 @@ def xla_attention_matmuls(q, k, v):
 def _gdn_matmuls_kernel(q_ref, k_ref, v_ref, o_ref, s_scr, *, rep: int, mm):
     """One (head block, chunk) step of the chunked delta rule's matmuls (those of
     ``gdn_kernels._chunk_delta_rule``, in its operand dtypes): K K^T and Q K^T per qk head,
-    the unit-lower inverse by doubling (f32, HIGHEST), U and W, the state's three products
+    the unit-lower inverse by doubling (three bf16 passes a product with bf16 operands, as
+    the kernel's), U and W, the state's three products
     and its update. The state carries across the steps of a head block."""
     @pl.when(pl.program_id(1) == 0)
     def _():
@@ -181,7 +182,7 @@ def _gdn_matmuls_kernel(q_ref, k_ref, v_ref, o_ref, s_scr, *, rep: int, mm):
     qh, kh = (gk._per_value_head(x.astype(jnp.float32), rep) for x in (q, k))
     row = jax.lax.broadcasted_iota(jnp.int32, (1, L, L), 1)
     col = jax.lax.broadcasted_iota(jnp.int32, (1, L, L), 2)
-    t_inv = gk.unit_lower_inverse(jnp.where(row > col, kk, 0.0))
+    t_inv = gk.unit_lower_inverse(jnp.where(row > col, kk, 0.0), three_pass=mm != jnp.float32)
     s = s_scr[...]
     u, w = gk._bdot(t_inv, v, mm), gk._bdot(t_inv, kh, mm)
     v_new = u - gk._bdot(w, s, mm)

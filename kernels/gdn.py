@@ -73,17 +73,18 @@ class GdnBlockSizes:
     A grid step owns ``k_heads_per_block`` qk heads and the ``k_heads_per_block * Hv / Hk``
     value heads that read them, so the q/k conv channels of different steps never overlap.
     The block's q, k and v channel widths must be multiples of 128 lanes, or the block must
-    hold all heads. None: for the chunked kernel the smallest such block -- at 397B shapes
-    (Hk=16, Hv=64, D=128) one qk head and 4 value heads (a 256 KiB fp32 state block, q/k
-    segments of 128 lanes, a v segment of 512 lanes); all heads when D < 128. For the decode
-    kernel the smallest whose state block is at least 256 KiB
+    hold all heads. None: for the chunked kernel the smallest such block of at least 16 value
+    heads (``gdn_geometry.default_chunk_k_heads_per_block``) -- at 397B shapes (Hk=16,
+    Hv=64, D=128) 4 qk heads and 16 value heads (a 1 MiB fp32 state block, q/k segments of
+    512 lanes, a v segment of 2048); all heads when D < 128. For the decode kernel the
+    smallest whose state block is at least 256 KiB
     (``gdn_geometry.default_decode_k_heads_per_block``): 2 qk heads with a bf16 state.
 
     A fatter block means fewer grid steps of the chunk kernel, which runs the block's heads as
-    batched matmuls; its VMEM grows with the block (compile reports at 397B shapes, L=64, fp32
-    state: 3.3 / 6.5 / 13.5 / 29.1 / 58.8 MiB on v5e and 9.6 / 19.1 / 38.5 MiB on TPU7x at
-    kb = 1 / 2 / 4 / 8 / 16, resp. 4 / 8 / 16), and its scoped limit follows
-    (``gdn_kernels.chunk_vmem_limit``).
+    batched matmuls; its VMEM grows with the block (compile reports at 397B shapes, L=64, bf16
+    activations, fp32 state: 2.9 / 5.3 / 10.2 / 19.9 / 40.2 MiB on v5e at kb = 1 / 2 / 4 / 8 /
+    16, and 2.5 / 9.1 / 19.4 / 40.2 MiB on TPU7x at kb = 1 / 4 / 8 / 16), and its scoped limit
+    follows (``gdn_kernels.chunk_vmem_limit``).
 
     ``rows_per_step`` (rb, the decode kernel only): decode rows per grid step. A grid step has
     a fixed cost (its BlockSpec DMAs of x, a, b and o, the step itself; ~1.8 us on a v5e at
@@ -508,7 +509,8 @@ def gated_delta_net(
 def _block_sizes(given: GdnBlockSizes, T, Hk, Hv, Dk, Dv, K, state_bytes, x_bytes, decode):
     """(kb, rb) of a call: the caller's fields where given, else this TPU generation's table
     overrides where legal (``block_tables.pick``), else the shape's defaults (decode: the
-    head block of ``gdn_geometry.default_decode_k_heads_per_block``; chunked: the smallest).
+    head block of ``gdn_geometry.default_decode_k_heads_per_block``; chunked: that of
+    ``gdn_geometry.default_chunk_k_heads_per_block``).
     A table rb is capped at T; one over the VMEM cap, or none, gives the default rb of the
     chosen kb."""
     kb, rb = given.k_heads_per_block, given.rows_per_step
@@ -524,7 +526,7 @@ def _block_sizes(given: GdnBlockSizes, T, Hk, Hv, Dk, Dv, K, state_bytes, x_byte
     elif decode:
         kb0 = gdn_geometry.default_decode_k_heads_per_block(Hk, Hv, Dk, Dv, state_bytes)
     else:
-        kb0 = gdn_kernels.default_k_heads_per_block(Hk, Hv, Dk, Dv)
+        kb0 = gdn_geometry.default_chunk_k_heads_per_block(Hk, Hv, Dk, Dv)
     picked = block_tables.pick("gdn", GdnBlockSizes(kb0, rb), legal)
     kb = kb if kb is not None else picked.k_heads_per_block
     if rb is not None:

@@ -724,8 +724,8 @@ def test_cost_counts_scale():
 
 def test_decode_head_block_holds_256_kib_of_state_by_default(monkeypatch):
     """At 397B shapes the decode kernel's default head block is 2 qk heads with a bf16 state
-    and 1 with f32 (a 256 KiB state block each); the chunked kernel keeps the smallest block,
-    and a caller's kb wins."""
+    and 1 with f32 (a 256 KiB state block each); the chunked kernel's is 4 qk heads (16 value
+    heads) whatever the state, and a caller's kb wins."""
     from sglang_tpu_backend.kernels import block_tables
 
     monkeypatch.setattr(block_tables, "pick", lambda kernel, default, legal: default)
@@ -733,7 +733,10 @@ def test_decode_head_block_holds_256_kib_of_state_by_default(monkeypatch):
     kb = lambda state_bytes, decode, given=gdn.GdnBlockSizes(): gdn._block_sizes(  # noqa: E731
         given, state_bytes=state_bytes, decode=decode, **shape)[0]
     assert (kb(2, True), kb(4, True)) == (2, 1)
-    assert (kb(2, False), kb(4, False)) == (1, 1)
+    assert (kb(2, False), kb(4, False)) == (4, 4)
     assert kb(2, True, gdn.GdnBlockSizes(k_heads_per_block=1)) == 1
     # D < 128: the only lane-aligned block is all heads, whatever the state
     assert gdn_geometry.default_decode_k_heads_per_block(2, 4, 32, 32, 2) == 2
+    assert gdn_geometry.default_chunk_k_heads_per_block(2, 4, 32, 32) == 2
+    # 16 value heads a block: 8 qk heads at 2 value heads each (Qwen3-Next's 16 / 32)
+    assert gdn_geometry.default_chunk_k_heads_per_block(16, 32, 128, 128) == 8
