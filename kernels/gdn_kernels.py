@@ -278,15 +278,17 @@ def _bdot_tn(x, y, mm=F32):  # [h, k, m]^T @ [h, k, n]
     return _bdot_general(x, y, (((1,), (1,)), ((0,), (0,))), mm)
 
 
-def _bdot_3pass(x, y):
-    """f32 [h, m, k] @ [h, k, n] as three one-pass bf16 products with f32 accumulation:
-    x_hi y_hi + x_hi y_lo + x_lo y_hi, each operand split x = x_hi + x_lo into two bf16 parts
-    (about 16 bits of the mantissa; the dropped x_lo y_lo term is ~2^-16 of the product)."""
-    def split(a):
-        hi = a.astype(jnp.bfloat16)
-        return hi, (a - hi.astype(F32)).astype(jnp.bfloat16)
+def _split_bf16(a):
+    """f32 a -> (a_hi, a_lo), two bf16 parts with a_hi + a_lo = a to about 16 mantissa bits."""
+    hi = a.astype(jnp.bfloat16)
+    return hi, (a - hi.astype(F32)).astype(jnp.bfloat16)
 
-    (x_hi, x_lo), (y_hi, y_lo) = split(x), split(y)
+
+def _bdot_3pass(x_parts, y_parts):
+    """[h, m, k] @ [h, k, n] from operands already split by ``_split_bf16``, as three one-pass
+    bf16 products with f32 accumulation: x_hi y_hi + x_hi y_lo + x_lo y_hi (the dropped
+    x_lo y_lo term is ~2^-16 of the product)."""
+    (x_hi, x_lo), (y_hi, y_lo) = x_parts, y_parts
     bf = jnp.bfloat16
     return _bdot(x_hi, y_hi, bf) + (_bdot(x_hi, y_lo, bf) + _bdot(x_lo, y_hi, bf))
 
@@ -294,6 +296,12 @@ def _bdot_3pass(x, y):
 def _stack(xs):
     """Equal-shaped arrays [a, b] -> [len(xs), a, b] (a new leading, untiled dim)."""
     return jnp.concatenate([x[None] for x in xs], axis=0)
+
+
+def _c_mask(row, col, b):
+    """The C blocks of the 2b-blocking of [L, L]: rows and columns in one 2b block, not in
+    one b block (row, col: iotas)."""
+    return (row // (2 * b) == col // (2 * b)) & (row // b != col // b)
 
 
 def unit_lower_inverse(n, three_pass=False):
@@ -308,20 +316,30 @@ def unit_lower_inverse(n, three_pass=False):
     unlike the equally short product (I - n)(I + n^2)(I + n^4)..., no large powers of n
     cancel (keys nearly parallel, beta and decay near 1: that product loses every digit;
     see ``tests/kernels/test_gdn.py``). Plain jnp: runs outside a kernel too. three_pass:
-    each product as three one-pass bf16 products (``_bdot_3pass``) instead of f32 at HIGHEST.
+    each product as three one-pass bf16 products (``_bdot_3pass``) instead of f32 at HIGHEST,
+    with n split into its two bf16 parts once and each doubling's x once (the C blocks of n
+    are masks of its parts: the same products as splitting each operand where it is used).
     """
     L = n.shape[-1]
     row = lax.broadcasted_iota(jnp.int32, (1, L, L), 1)  # masks broadcast over heads
     col = lax.broadcasted_iota(jnp.int32, (1, L, L), 2)
 
     def c_blocks(b):  # n in the C blocks of the 2b-blocking
-        return jnp.where((row // (2 * b) == col // (2 * b)) & (row // b != col // b), n, 0.0)
+        return jnp.where(_c_mask(row, col, b), n, 0.0)
 
-    dot = _bdot_3pass if three_pass else _bdot
     x = (row == col).astype(F32) - c_blocks(1)
+    if three_pass:  # n split once (its C blocks are masks of the parts), x once a doubling
+        n_parts = _split_bf16(n)
+        b = 2
+        while b < L:
+            c_parts = tuple(jnp.where(_c_mask(row, col, b), part, 0) for part in n_parts)
+            x_parts = _split_bf16(x)
+            x = x - _bdot_3pass(x_parts, _split_bf16(_bdot_3pass(c_parts, x_parts)))
+            b *= 2
+        return x
     b = 2
     while b < L:
-        x = x - dot(x, dot(c_blocks(b), x))
+        x = x - _bdot(x, _bdot(c_blocks(b), x))
         b *= 2
     return x
 
