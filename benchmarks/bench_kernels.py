@@ -662,10 +662,11 @@ def gdn_matmuls_case(p: Preset, impl: str, blocks: dict) -> Setup:
     n, L = p.prefill_reqs * -(-p.prefill_new // gdn.CHUNK_SIZE), gdn.CHUNK_SIZE
     qk = (hk // kb, n, kb, L, d)
     args = lambda: (_normal(41, qk, BF16, 0.1), _normal(42, qk, BF16, 0.1),  # noqa: E731
-                    _normal(43, (hk // kb, n, kb * rep, L, d)))
+                    _normal(43, (hk // kb, n, kb * rep, L, d)),
+                    jax.random.uniform(_key(44), (hk // kb, n, L, kb * rep), jnp.float32))
     interp = impl == "interpret"
-    ours = Impl("ours", lambda q, k, v: ceil.gdn_chunk_matmuls(q, k, v, rep=rep,
-                                                               interpret=interp), args)
+    ours = Impl("ours", lambda q, k, v, beta: ceil.gdn_chunk_matmuls(
+        q, k, v, beta, rep=rep, interpret=interp), args)
     t = p.prefill_reqs * p.prefill_new
     cost = gdn.gated_delta_net_cost(t, p.prefill_reqs, hk, hv, d, d, conv_kernel=p.conv_k,
                                     decode=False, x_bytes=2, state_bytes=4)

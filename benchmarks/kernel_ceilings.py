@@ -164,12 +164,14 @@ def xla_attention_matmuls(q, k, v):
                       preferred_element_type=jnp.float32).astype(q.dtype)
 
 
-def _gdn_matmuls_kernel(q_ref, k_ref, v_ref, o_ref, s_scr, *, rep: int, mm):
+def _gdn_matmuls_kernel(q_ref, k_ref, v_ref, beta_ref, o_ref, s_scr, *, rep: int, mm):
     """One (head block, chunk) step of the chunked delta rule's matmuls (those of
     ``gdn_kernels._chunk_delta_rule``, in its operand dtypes): K K^T and Q K^T per qk head,
     the unit-lower inverse by doubling (three bf16 passes a product with bf16 operands, as
-    the kernel's), U and W, the state's three products
-    and its update. The state carries across the steps of a head block."""
+    the kernel's) of each value head's tril(beta K K^T), U and W, the state's three products
+    and its update. The state carries across the steps of a head block. Without beta the
+    value heads of a qk head would invert the same matrix, and Mosaic computes a repeated
+    value once: the inverse would cost a quarter of the kernel's at 4 value heads a qk head."""
     @pl.when(pl.program_id(1) == 0)
     def _():
         s_scr[...] = jnp.zeros(s_scr.shape, jnp.float32)
@@ -182,7 +184,9 @@ def _gdn_matmuls_kernel(q_ref, k_ref, v_ref, o_ref, s_scr, *, rep: int, mm):
     qh, kh = (gk._per_value_head(x.astype(jnp.float32), rep) for x in (q, k))
     row = jax.lax.broadcasted_iota(jnp.int32, (1, L, L), 1)
     col = jax.lax.broadcasted_iota(jnp.int32, (1, L, L), 2)
-    t_inv = gk.unit_lower_inverse(jnp.where(row > col, kk, 0.0), three_pass=mm != jnp.float32)
+    bcol = gk._per_head(beta_ref[...].astype(jnp.float32), kk.shape[0])  # f32[hb, L, 1]
+    t_inv = gk.unit_lower_inverse(jnp.where(row > col, bcol * kk, 0.0),
+                                  three_pass=mm != jnp.float32)
     s = s_scr[...]
     u, w = gk._bdot(t_inv, v, mm), gk._bdot(t_inv, kh, mm)
     v_new = u - gk._bdot(w, s, mm)
@@ -192,11 +196,12 @@ def _gdn_matmuls_kernel(q_ref, k_ref, v_ref, o_ref, s_scr, *, rep: int, mm):
 
 
 @functools.partial(jax.jit, static_argnames=("rep", "interpret"))
-def gdn_chunk_matmuls(q, k, v, *, rep: int, interpret: bool = False):
+def gdn_chunk_matmuls(q, k, v, beta, *, rep: int, interpret: bool = False):
     """The chunked GDN kernel's matmul chain alone.
 
     q, k [nb, N, kb, L, Dk], v [nb, N, kb*rep, L, Dv] (head block j's chunk i, as the chunk
-    kernel's grid visits them; bf16 operands give its bf16 matmuls, f32 its HIGHEST ones).
+    kernel's grid visits them; bf16 operands give its bf16 matmuls, f32 its HIGHEST ones),
+    beta [nb, N, L, kb*rep] (each value head's write strength, as the kernel's gate input).
     Grid (head block, chunk), the f32 state [hb, Dk, Dv] in VMEM scratch across a block's
     chunks. Returns o [nb, N, hb, L, Dv] in v.dtype.
     """
@@ -211,7 +216,8 @@ def gdn_chunk_matmuls(q, k, v, *, rep: int, interpret: bool = False):
     return pl.pallas_call(
         functools.partial(_gdn_matmuls_kernel, rep=rep, mm=mm),
         grid=(nb, n),
-        in_specs=[step(kb, L, dk), step(kb, L, dk), step(hb, L, dv)],
+        in_specs=[step(kb, L, dk), step(kb, L, dk), step(hb, L, dv),
+                  pl.BlockSpec((sq, sq, L, hb), lambda j, i: (j, i, 0, 0))],
         out_specs=step(hb, L, dv),
         out_shape=jax.ShapeDtypeStruct((nb, n, hb, L, dv), v.dtype),
         scratch_shapes=[pltpu.VMEM((hb, dk, dv), jnp.float32)],
@@ -219,4 +225,4 @@ def gdn_chunk_matmuls(q, k, v, *, rep: int, interpret: bool = False):
             dimension_semantics=("parallel", "arbitrary"),
             vmem_limit_bytes=max(16 << 20, hb * 30 * L * 128 * 4 * 5 // 4)),
         interpret=interpret,
-    )(q, k, v)
+    )(q, k, v, beta)

@@ -132,7 +132,7 @@ def test_attention_matmuls_ceiling_visits_each_q_block_s_causal_kv_blocks():
 
 def test_gdn_chunk_matmuls_ceiling_carries_the_state_across_chunks():
     """``kernel_ceilings.gdn_chunk_matmuls`` (the GDN chunked kernel's matmul chain alone)
-    against a float64 loop over each head block's chunks: T = (I + tril(K K^T, -1))^-1,
+    against a float64 loop over each head block's chunks: T = (I + tril(beta K K^T, -1))^-1,
     U = T V, W = T K, V' = U - W S, O = Q S + tril(Q K^T) V', S <- S + K^T V'."""
     import numpy as np
 
@@ -142,7 +142,8 @@ def test_gdn_chunk_matmuls_ceiling_carries_the_state_across_chunks():
     qk = (nb, n, kb, L, d)
     q, k = (jnp.asarray(0.1 * rng.standard_normal(qk), jnp.float32) for _ in range(2))
     v = jnp.asarray(rng.standard_normal((nb, n, kb * rep, L, d)), jnp.float32)
-    got = np.asarray(ceil.gdn_chunk_matmuls(q, k, v, rep=rep, interpret=True))
+    beta = jnp.asarray(rng.uniform(size=(nb, n, L, kb * rep)), jnp.float32)
+    got = np.asarray(ceil.gdn_chunk_matmuls(q, k, v, beta, rep=rep, interpret=True))
     q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
     want = np.zeros(got.shape)
     for j in range(nb):
@@ -150,7 +151,8 @@ def test_gdn_chunk_matmuls_ceiling_carries_the_state_across_chunks():
         for i in range(n):
             for h in range(kb * rep):
                 qh, kh, vh = q64[j, i, h // rep], k64[j, i, h // rep], v64[j, i, h]
-                t_inv = np.linalg.inv(np.eye(L) + np.tril(kh @ kh.T, -1))
+                bh = np.asarray(beta, np.float64)[j, i, :, h]
+                t_inv = np.linalg.inv(np.eye(L) + np.tril(bh[:, None] * (kh @ kh.T), -1))
                 v_new = t_inv @ vh - (t_inv @ kh) @ s[h]
                 want[j, i, h] = qh @ s[h] + np.tril(qh @ kh.T) @ v_new
                 s[h] = s[h] + kh.T @ v_new
