@@ -125,8 +125,10 @@ class EngineServer:
     def get_load(self) -> list[dict]:
         return self.engine.get_load()
 
-    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
-        return self.engine.start_profile(output_dir=output_dir, num_steps=num_steps)
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
+                      with_stack: bool | None = None) -> str:
+        return self.engine.start_profile(output_dir=output_dir, num_steps=num_steps,
+                                         with_stack=with_stack)
 
     def stop_profile(self) -> str:
         return self.engine.stop_profile()
