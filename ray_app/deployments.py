@@ -125,10 +125,8 @@ class EngineServer:
     def get_load(self) -> list[dict]:
         return self.engine.get_load()
 
-    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
-                      with_stack: bool | None = None) -> str:
-        return self.engine.start_profile(output_dir=output_dir, num_steps=num_steps,
-                                         with_stack=with_stack)
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        return self.engine.start_profile(output_dir=output_dir, num_steps=num_steps)
 
     def stop_profile(self) -> str:
         return self.engine.stop_profile()

@@ -264,13 +264,11 @@ class RemoteEngine:
             log.warning("cache not flushed on: %s", "; ".join(map(str, declined)))
         return not declined
 
-    async def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
-                            with_stack: bool | None = None) -> str:
+    async def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
         """A trace on every engine replica (written on its replica's node); raises naming the
         replicas that refused (e.g. a trace runs there already: 400) or failed (503); those
         that started keep tracing until ``stop_profile``."""
-        replies = await self._broadcast("start_profile", output_dir=output_dir, num_steps=num_steps,
-                                        with_stack=with_stack)
+        replies = await self._broadcast("start_profile", output_dir=output_dir, num_steps=num_steps)
         self._raise_failures("start_profile", replies)
         return ", ".join(map(str, replies))
 

@@ -519,12 +519,9 @@ class Engine:
                                       "the router stats, which are off on this engine")
         return self.runner.balancer
 
-    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
-                      with_stack: bool | None = None) -> str:
-        """Start a ``jax.profiler`` trace (``managers/profiler.py``; ``with_stack``: with
-        Python calls); returns its directory."""
-        return self.loop.profiler.start(output_dir, num_steps, self.stats["num_steps"],
-                                        with_stack)
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        """Start a ``jax.profiler`` trace (``managers/profiler.py``); returns its directory."""
+        return self.loop.profiler.start(output_dir, num_steps, self.stats["num_steps"])
 
     def stop_profile(self) -> str:
         """Stop the trace and write it; returns its directory."""

@@ -52,10 +52,10 @@ class EngineAPI(Protocol):
     def get_load(self) -> MaybeAwaitable[list[dict]]:
         """SGLang's load report, one entry per DP rank."""
 
-    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
-                      with_stack: bool | None = None) -> MaybeAwaitable[str]:
-        """Start a trace into ``output_dir`` (the routes pass a path inside the profile root;
-        ``with_stack``: with Python calls); returns the directory."""
+    def start_profile(self, output_dir: str | None = None,
+                      num_steps: int | None = None) -> MaybeAwaitable[str]:
+        """Start a trace into ``output_dir`` (the routes pass a path inside the profile root);
+        returns the directory."""
 
     def stop_profile(self) -> MaybeAwaitable[str]:
         """Stop the trace; returns where it was written."""

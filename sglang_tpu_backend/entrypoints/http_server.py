@@ -189,15 +189,13 @@ async def get_load(request: Request) -> list:
 async def start_profile(request: Request) -> Response:
     """Start a ``jax.profiler`` trace. Body (optional): ``output_dir`` (inside
     ``--profile-dir-root``, its default; a relative path is taken under it; anything that
-    resolves outside: 400), ``num_steps`` (stop by itself after that many engine steps),
-    ``with_stack`` (also trace Python calls; off by default: slow to stop on a loaded
-    engine). 400 when one is already running."""
+    resolves outside: 400), ``num_steps`` (stop by itself after that many engine steps). 400
+    when one is already running."""
     body = {} if request.method == "GET" else await read_json(request, allow_empty=True)
     engine = _engine(request)
     out = confine_output_dir(opt_field(body, "output_dir", "str"), _arg(engine, "profile_dir_root"))
     await _call(await asyncio.to_thread(  # starting and stopping a trace block: off the loop
-        engine.start_profile, output_dir=out, num_steps=opt_field(body, "num_steps", "int", minimum=1),
-        with_stack=opt_field(body, "with_stack", "bool")))
+        engine.start_profile, output_dir=out, num_steps=opt_field(body, "num_steps", "int", minimum=1)))
     return Response(content="Start profiling.\n", status_code=200)
 
 

@@ -222,9 +222,8 @@ class OfflineEngine:
     def continue_generation(self) -> dict:
         return self.engine.continue_generation()
 
-    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
-                      with_stack: bool | None = None) -> str:
-        return self.engine.start_profile(output_dir, num_steps, with_stack)
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        return self.engine.start_profile(output_dir, num_steps)
 
     def stop_profile(self) -> str:
         return self.engine.stop_profile()

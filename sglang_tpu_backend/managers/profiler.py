@@ -3,14 +3,9 @@
 A trace records host and device activity into ``<output_dir>/plugins/profile/<run>/``
 (``*.xplane.pb``; TensorBoard's profile plugin or Perfetto read it). With ``num_steps`` the
 engine's loop stops it after that many completed steps (``on_step``); in any case it stops by
-itself after ``max_seconds``. A trace holds the host's TraceMe events (JAX's dispatch,
-compiles, transfers) and the device's ops; ``with_stack`` (SGLang's field) adds JAX's Python
-tracer, which records every Python call of every thread: on a loaded engine its trace takes
-far longer to stop and write (a decode replica traced for 9 s under load on 2 CPU cores did
-not finish stopping in 120 s), so it is off unless asked for. The routes confine
-``output_dir`` to the profile root (``confine_output_dir``). Misuse (a second start, a stop
-with none running, a bad ``num_steps`` or ``with_stack``, an ``output_dir`` outside the root)
-raises InvalidRequestError (HTTP 400).
+itself after ``max_seconds``. The routes confine ``output_dir`` to the profile root
+(``confine_output_dir``). Misuse (a second start, a stop with none running, a bad
+``num_steps``, an ``output_dir`` outside the root) raises InvalidRequestError (HTTP 400).
 """
 
 from __future__ import annotations
@@ -57,13 +52,6 @@ def confine_output_dir(output_dir: str | None, root: str | None) -> str:
     return path
 
 
-def trace_options(with_stack: bool) -> jax.profiler.ProfileOptions:
-    """A trace's options: JAX's defaults, with its Python tracer only when ``with_stack``."""
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 1 if with_stack else 0
-    return options
-
-
 class StepProfiler:
     """The trace state; thread-safe (HTTP handlers start/stop, the loop thread and the
     ``max_seconds`` timer auto-stop)."""
@@ -81,14 +69,10 @@ class StepProfiler:
     def running(self) -> bool:
         return self.output_dir is not None
 
-    def start(self, output_dir: str | None, num_steps: int | None, current_step: int,
-              with_stack: bool | None = None) -> str:
+    def start(self, output_dir: str | None, num_steps: int | None, current_step: int) -> str:
         if num_steps is not None and (isinstance(num_steps, bool) or not isinstance(num_steps, int)
                                       or num_steps < 1):
             raise InvalidRequestError("num_steps", f"num_steps must be a positive integer, got {num_steps!r}")
-        if with_stack is not None and not isinstance(with_stack, bool):
-            raise InvalidRequestError("with_stack",
-                                      f"with_stack must be a boolean, got {with_stack!r}")
         if output_dir is not None and (not isinstance(output_dir, str) or not output_dir):
             raise InvalidRequestError("output_dir", "output_dir must be a non-empty string")
         out = output_dir or default_output_dir()
@@ -99,7 +83,7 @@ class StepProfiler:
                     "call /stop_profile first")
             try:
                 os.makedirs(out, exist_ok=True)
-                jax.profiler.start_trace(out, profiler_options=trace_options(bool(with_stack)))
+                jax.profiler.start_trace(out)
             except (OSError, RuntimeError) as e:
                 raise InvalidRequestError("output_dir", f"output_dir {out!r}: cannot trace there: {e}") from e
             self.output_dir = out
@@ -108,9 +92,8 @@ class StepProfiler:
             self._timer = threading.Timer(self.max_seconds, self._expire, args=(self._token,))
             self._timer.daemon = True
             self._timer.start()
-        logger.info("profiling into %s%s%s (at most %g s)", out,
-                    f" for {num_steps} steps" if num_steps else "",
-                    " with Python stacks" if with_stack else "", self.max_seconds)
+        logger.info("profiling into %s%s (at most %g s)", out,
+                    f" for {num_steps} steps" if num_steps else "", self.max_seconds)
         return out
 
     def _expire(self, token: object) -> None:

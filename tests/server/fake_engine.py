@@ -153,9 +153,8 @@ class FakeEngine:
         return [{"dp_rank": 0, "num_reqs": len(self.held), "num_waiting_reqs": 0,
                  "num_tokens": sum(self.held.values()) * self.args.page_size}]
 
-    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
-                      with_stack: bool | None = None) -> str:
-        self.calls.append(("start_profile", output_dir, num_steps, with_stack))
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        self.calls.append(("start_profile", output_dir, num_steps))
         return output_dir or ""
 
     def stop_profile(self) -> str:

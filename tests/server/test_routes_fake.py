@@ -452,40 +452,7 @@ def test_profile_output_dir_is_confined_to_the_root(tmp_path):
     assert eng.calls == []
     for good, want in [("sub/trace", root / "sub" / "trace"), (str(root / "abs"), root / "abs"), (None, root)]:
         assert run(_post(eng, "/start_profile", {"output_dir": good})).status_code == 200
-        assert eng.calls[-1] == ("start_profile", str(want.resolve()), None, None)
-
-
-def test_profile_with_stack_is_passed_on_and_checked(tmp_path):
-    """SGLang's ``with_stack`` reaches the engine (None when absent); a non-boolean is a 400
-    naming the field, and nothing starts."""
-    eng = FakeEngine(ServerArgs(context_length=256, profile_dir_root=str(tmp_path)))
-    err = _error(run(_post(eng, "/start_profile", {"with_stack": "yes"})), 400, "with_stack")
-    assert "boolean" in err["message"] and eng.calls == []
-    assert run(_post(eng, "/start_profile", {"with_stack": True})).status_code == 200
-    assert eng.calls[-1] == ("start_profile", str(tmp_path.resolve()), None, True)
-
-
-def test_profiler_traces_python_calls_only_with_stack(tmp_path, monkeypatch):
-    """``StepProfiler`` starts JAX's trace with its Python tracer off unless ``with_stack``
-    (it records every Python call: slow to stop on a loaded engine), and refuses a
-    non-boolean ``with_stack`` before starting anything."""
-    import jax
-
-    from sglang_tpu_backend.managers.io_struct import InvalidRequestError
-    from sglang_tpu_backend.managers.profiler import StepProfiler
-
-    levels = []
-    monkeypatch.setattr(jax.profiler, "start_trace", lambda out, profiler_options: levels.append(
-        profiler_options.python_tracer_level))
-    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
-    prof = StepProfiler(max_seconds=60)
-    for with_stack in (None, False, True):
-        prof.start(str(tmp_path), None, 0, with_stack)
-        prof.stop()
-    assert levels == [0, 0, 1]
-    with pytest.raises(InvalidRequestError) as bad:
-        prof.start(str(tmp_path), None, 0, 1)
-    assert bad.value.field == "with_stack" and not prof.running and levels == [0, 0, 1]
+        assert eng.calls[-1] == ("start_profile", str(want.resolve()), None)
 
 
 def test_expert_distribution_dump_is_confined_to_the_root(tmp_path):
