@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sglang_tpu_backend.kernels import gdn_geometry
 from sglang_tpu_backend.kernels import gdn_kernels as gk
 
 
@@ -223,6 +224,7 @@ def gdn_chunk_matmuls(q, k, v, beta, *, rep: int, interpret: bool = False):
         scratch_shapes=[pltpu.VMEM((hb, dk, dv), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"),
-            vmem_limit_bytes=max(16 << 20, hb * 30 * L * 128 * 4 * 5 // 4)),
+            vmem_limit_bytes=gdn_geometry.chunk_vmem_limit(gdn_geometry.Geometry(
+                Hk=nb * kb, Hv=nb * hb, Dk=dk, Dv=dv, K=4, kb=kb, L=L))),
         interpret=interpret,
     )(q, k, v, beta)

@@ -328,18 +328,15 @@ def unit_lower_inverse(n, three_pass=False):
         return jnp.where(_c_mask(row, col, b), n, 0.0)
 
     x = (row == col).astype(F32) - c_blocks(1)
-    if three_pass:  # n split once (its C blocks are masks of the parts), x once a doubling
-        n_parts = _split_bf16(n)
-        b = 2
-        while b < L:
-            c_parts = tuple(jnp.where(_c_mask(row, col, b), part, 0) for part in n_parts)
-            x_parts = _split_bf16(x)
-            x = x - _bdot_3pass(x_parts, _split_bf16(_bdot_3pass(c_parts, x_parts)))
-            b *= 2
-        return x
+    n_parts = _split_bf16(n) if three_pass else None  # split once: C blocks mask its parts
     b = 2
     while b < L:
-        x = x - _bdot(x, _bdot(c_blocks(b), x))
+        if three_pass:
+            c_parts = tuple(jnp.where(_c_mask(row, col, b), part, 0) for part in n_parts)
+            x_parts = _split_bf16(x)  # once for both products
+            x = x - _bdot_3pass(x_parts, _split_bf16(_bdot_3pass(c_parts, x_parts)))
+        else:
+            x = x - _bdot(x, _bdot(c_blocks(b), x))
         b *= 2
     return x
 

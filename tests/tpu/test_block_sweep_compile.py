@@ -4,8 +4,8 @@ v5e at the 397B shapes (about 40 s on a 2-core CPU), printed, not written (--dry
 The untimed entry keeps the shape default (no overrides); every candidate compiles, and the
 chunk kernel's VMEM grows with the head block, within a v5e TensorCore's 128 MiB: 5.27 /
 10.17 / 19.89 MiB (the largest over the 3 cases) at k_heads_per_block 2 / 4 / 8 with bf16
-matmul operands (2026-12-07), and the default's is the chunk kernel's at its default block of
-4 qk heads (10.17). The decode kernel's rows_per_step candidates (1 / 2 / 4 / 16 beside the
+matmul operands (2026-12-07; 10.49 at 4 heads after the split-once inverse), and the default's is
+the chunk kernel's at its default block of 4 qk heads. The decode kernel's rows_per_step candidates (1 / 2 / 4 / 16 beside the
 default 8) compile too.
 """
 
