@@ -212,7 +212,7 @@ def test_timed_sweep_in_interpret_mode_on_smoke_shapes(tmp_path):
     sweep = _load_sweep()
     table = tmp_path / "t.json"
     table.write_text('{"device_kinds": {}}')
-    argv = ["--interpret", "--preset", "smoke", "--warmup", "1", "--iters", "1",
+    argv = ["--interpret", "--preset", "smoke", "--warmup", "0", "--iters", "1",
             "--table", str(table)]
     out = sweep.main(argv + ["--only", "routing"])
     assert out["device_kind"] == "cpu" and table.read_text() == '{"device_kinds": {}}'
