@@ -52,7 +52,11 @@ LEG312=(312:tests/kernels 312:tests/model)  # skipped where no Python 3.12 is fo
 # (a new one) runs in lane B. Balanced by a CI run on this 2-core machine (minutes): tpu 14.6,
 # engine 9.4, 3.12 leg 4.0, parallel 3.5 against kernels 12.0, model 4.1, server 1.1,
 # ray_serve 15.4; with engine and model + server the other way round lane B took 38 and
-# lane A 28, and the whole run 40.2.
+# lane A 28, and the whole run 40.2. Those times are with a filled JAX compilation cache
+# (<STB_CACHE_DIR>/jax-compilation-cache, which the engines of the tests write): from an
+# empty one (2026-12-07, fresh clone) tests/engine and tests/ray_serve, side by side, took
+# 30.0 and 30.4 minutes (about 8 and 16 filled), tests/model 8.6 (3.4), tests/tpu 24.5
+# (20.1), and the whole run 62.7.
 LANE_A=(tests/tpu tests/engine tests/metrics tests/mem_cache "${LEG312[@]}" tests/parallel)
 LANE_B=(tests/kernels tests/model tests/server tests/ray_serve tests/monitoring)
 for d in tests/*/; do
