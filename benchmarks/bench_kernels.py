@@ -281,6 +281,9 @@ def attention_case(p: Preset, batch: AttnBatch, kv_dtype, impl: str, blocks: dic
         # layer; an FP8 cache takes one scale per tensor (1.0 here: the rows' own scales are
         # ours only, so the outputs differ by them).
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+        if fp8 and not interp and jax.devices()[0].device_kind == "TPU v5 lite":
+            raise NotImplementedError("not run: on a v5e with an FP8 cache its first call did "
+                                      "not return within 80 s (the chip was held, not failed)")
         extra = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
         if interp:  # its tuned-size table asks the TPU's version: give the sizes off a TPU
             extra.update(num_kv_pages_per_block=min(rpa.KV_BLOCK_TOKENS // p.page,
@@ -800,6 +803,7 @@ def run_case(case: Case, p: Preset, impl: str, args, hw) -> dict:
     row.update(shapes=s.shapes, formula=s.formula, bytes=int(s.bytes), flops=int(s.flops))
     ours_out = None
     start = time.perf_counter()
+    print("    ours", file=sys.stderr, flush=True)  # a call that never returns names itself
     try:
         t = time_call(s.ours, args.warmup, args.iters, args.budget_s)
         ms, ours_out = t.ms, t.first
@@ -821,6 +825,7 @@ def _run_peer(peer: Impl, s: Setup, row: dict, ours_out, args, hw) -> dict:
     if peer.note:
         out["note"] = peer.note
     start = time.perf_counter()
+    print(f"    {peer.name}", file=sys.stderr, flush=True)
     try:
         t = time_call(peer, args.warmup, args.iters, args.budget_s)
         ms, peer_out = t.ms, t.first
