@@ -306,9 +306,46 @@ def test_kernel_no_real_requests():
     assert np.all(np.asarray(run(x, "ref", False)) == 0.0)
 
 
-# --- Pallas K/V write (interpret) vs write_new_kv, bit for bit ------------------------------
+
+def test_prefill_sub_pages():
+    """PREFILL_KV_SUB_TOKENS (256) keys per prefill softmax update, whole pages dividing the
+    block; otherwise the whole block."""
+    sub = rpa.pallas_attention._sub_pages
+    assert (sub(2, 256), sub(1, 256), sub(32, 16), sub(8, 16), sub(3, 128), sub(2, 512)) == (
+        1, 1, 16, 8, 3, 1)
+
 
 F8 = jnp.float8_e4m3fn
+# 2 pages per K/V block, prefill items in sub-blocks of 1 (page 256) or 2 (page 16, 32-key
+# sub-blocks) pages: request 0 straddles a sub-block boundary, request 2's last block has a
+# sub-block past every row's causal bound; request 1 is a decode item (whole blocks).
+SUB_BLOCK_CASES = {
+    # name: (case, block sizes, PREFILL_KV_SUB_TOKENS)
+    "page256_bf16": (Case([40, 1, 30], [250, 7, 600], num_q_heads=2, num_kv_heads=1,
+                          page_size=256, dtype=jnp.bfloat16, pad_tokens=2), B(8, 32, 2), 256),
+    "page256_fp8_scaled": (Case([40, 1, 30], [250, 7, 600], num_q_heads=4, num_kv_heads=1,
+                                head_dim=256, page_size=256, dtype=jnp.bfloat16, kv_dtype=F8,
+                                scaled=True), B(4, 16, 2), 256),
+    "page16_f32_q_fp8_scaled_two_page_sub_blocks": (
+        Case([20, 1, 13], [50, 3, 100], kv_dtype=F8, scaled=True, pad_rows=1), B(2, 8, 4), 32),
+}
+
+
+@pytest.mark.parametrize("name", list(SUB_BLOCK_CASES))
+def test_kernel_prefill_sub_blocks(name, monkeypatch):
+    c, block, sub_tokens = SUB_BLOCK_CASES[name]
+    monkeypatch.setattr(rpa.pallas_attention, "PREFILL_KV_SUB_TOKENS", sub_tokens)
+    assert rpa.pallas_attention._sub_pages(block.kv_pages_per_block, c.page_size) < (
+        block.kv_pages_per_block)
+    x = make_inputs(c)
+    got, want = run(x, "interpret", True, block)[0], run(x, "ref", True)[0]
+    close(got, want, c.kv_dtype or c.dtype)
+    real = int(x["cu_q_lens"][len(c.q_lens)])
+    assert np.all(np.asarray(got[real:], np.float32) == 0.0)
+
+
+# --- Pallas K/V write (interpret) vs write_new_kv, bit for bit ------------------------------
+
 WRITE_CASES = {
     # name: case (dtype is the cache's; the window W is min(page, 8/16/32 rows for 32/16/8 bit))
     "decode_f32_page16": Case([1, 1, 1, 1], [3, 16, 40, 0]),
