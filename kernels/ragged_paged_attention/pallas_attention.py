@@ -335,12 +335,17 @@ def _make_kernel(*, sm_scale, group, num_kv_heads, page_size, pages_per_seq, blo
                     start_kv(nxt, 0, 1 - slot)
 
                 wait_kv(it, b, slot)
-                if masked:  # c0: the sub-block's first key within the block
-                    visible = lambda c0: (b * bkv + c0 - it["q_pos0"] + col) * group <= row  # noqa: E731
-                    live = lambda c0: b * bkv + c0 < it["kv_end"]  # noqa: E731
-                    attend_block(qslot, slot, q_tokens, sub, visible, live)
-                else:
+                if not masked:
                     attend_block(qslot, slot, q_tokens, sub, None)
+                    return carry
+
+                def visible(c0):  # c0: the sub-block's first key within the block
+                    return (b * bkv + c0 - it["q_pos0"] + col) * group <= row
+
+                def live(c0):
+                    return b * bkv + c0 < it["kv_end"]
+
+                attend_block(qslot, slot, q_tokens, sub, visible, live)
                 return carry
 
             # Blocks whose last key is at or before the item's first query position are seen
