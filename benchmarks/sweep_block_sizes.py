@@ -43,13 +43,15 @@ from sglang_tpu_backend.kernels import block_tables  # noqa: E402
 # Candidates per kernel, as bench_kernels --block-sizes fields over the shape default. {} is
 # the shape default itself (the baseline, and the pick unless another wins by the margin); at
 # the 397B shapes it is attention kv_pages_per_block 2 (page 256) and prefill_q_tokens 32 (512
-# score rows at 16 q heads a kv head), GDN k_heads_per_block 1 and
+# score rows at 16 q heads a kv head; prefill softmax updates per 256-key page), GDN
+# k_heads_per_block gdn_geometry's pick (4 qk heads for the chunked prefill) and
 # rows_per_step 8 (decode rows per grid step; the prefill case ignores it), gmm tm 128 /
 # tk K (up to 4096) / tn 512, routing gather_rows 128 / reduce_tokens 32, so those are not repeated.
 CANDIDATES = {
     "attention": [{}, {"kv_pages_per_block": 1}, {"kv_pages_per_block": 4},
                   {"prefill_q_tokens": 64}, {"prefill_q_tokens": 64, "kv_pages_per_block": 1},
-                  {"prefill_q_tokens": 128, "kv_pages_per_block": 1}],
+                  {"prefill_q_tokens": 128, "kv_pages_per_block": 1},
+                  {"prefill_q_tokens": 128}],
     "gdn": [{}, {"k_heads_per_block": 2}, {"k_heads_per_block": 4}, {"k_heads_per_block": 8},
             {"rows_per_step": 1}, {"rows_per_step": 2}, {"rows_per_step": 4},
             {"rows_per_step": 16}],
