@@ -334,7 +334,8 @@ def unit_lower_inverse(n, three_pass=False):
     n X takes three bf16 passes (``_bdot_3pass``), the correction X E one (E is small). 10 + 2 x 4
     one-pass products instead of 30 (each doubling's two in three passes); near f32 all the same
     (2.6e-5 of max |inverse| under stress, as with three passes throughout; one pass alone 5.6e-3).
-    On a v5e the 397B chunked prefill took 3.426 ms with it, 4.046 ms with three passes.
+    On a v5e the 397B chunked prefill took 3.426 ms with it (2026-12-07, bench_kernels.py
+    --only gdn/prefill), 4.046 ms with three passes (the same case, the session before).
     """
     L = n.shape[-1]
     row = lax.broadcasted_iota(jnp.int32, (1, L, L), 1)  # masks broadcast over heads
